@@ -1,0 +1,99 @@
+"""Template KV caches: what the template run captures and what cached execution consumes.
+
+A :class:`TemplateCache` holds, for every denoising step ``s`` and transformer block ``b``,
+the keys and values of the *unmasked* image tokens exactly as the attention consumes them
+(after QK-norm and rotary embedding), heads folded into channels, plus per-token importance
+(attention mass that masked-region queries put on each cached token, summed over heads and
+profiling requests).
+
+Cached execution never touches a ``TemplateCache`` directly: it asks a :class:`KVProvider`
+for ``(step, block)``. The codec and the network runtime implement providers that deliver
+the cache shard by shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class KVProvider(Protocol):
+    """Supplies the cached K/V of the unmasked tokens, in execution order."""
+
+    def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(keys, values)`` for one block of one step, each ``[N, C]``."""
+        ...
+
+
+@dataclass
+class TemplateCache:
+    """K/V of unmasked image tokens for every (step, block) of a template run.
+
+    Shapes: ``keys``/``values`` ``[S, B, N, C]`` (C = heads * head_dim),
+    ``importance`` ``[S, B, N]`` (non-negative), ``token_index`` ``[N]`` (positions of the
+    cached tokens in the image token grid, row-major), ``timesteps`` ``[S]``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    importance: torch.Tensor
+    token_index: torch.Tensor
+    timesteps: torch.Tensor
+    num_heads: int
+
+    @property
+    def steps(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def blocks(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def channels(self) -> int:
+        return int(self.keys.shape[3])
+
+    def fp16_bytes(self) -> int:
+        """Size of the raw cache (K and V) in FP16."""
+        return 2 * self.keys.numel() * 2
+
+    def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[step, block], self.values[step, block]
+
+    def to_fp16_exact(self) -> TemplateCache:
+        """The cache exactly as the ``fp16`` policy delivers it (rounded to FP16, used in FP32)."""
+        return TemplateCache(
+            keys=self.keys.half().float(),
+            values=self.values.half().float(),
+            importance=self.importance,
+            token_index=self.token_index,
+            timesteps=self.timesteps,
+            num_heads=self.num_heads,
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            "keys": self.keys,
+            "values": self.values,
+            "importance": self.importance,
+            "token_index": self.token_index,
+            "timesteps": self.timesteps,
+            "num_heads": torch.tensor(self.num_heads),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> TemplateCache:
+        return cls(
+            keys=state["keys"],
+            values=state["values"],
+            importance=state["importance"],
+            token_index=state["token_index"],
+            timesteps=state["timesteps"],
+            num_heads=int(state["num_heads"]),
+        )

