@@ -1,0 +1,798 @@
+"""The SAKURA template server: catalog, manifests, raw packs with HTTP Range, shard bodies.
+
+``create_app(storage, tokens=None)`` returns a FastAPI app; all state lives on
+``app.state.sakura`` (:class:`ServerState`). See ``cloud/README.md`` for the API table and
+the Range decisions; :mod:`cloud.ranges` holds the header parsing.
+
+What is served is decided by ``catalog.json`` alone: a template's manifest is the versioned
+manifest of the ``pack_file`` the catalog names (falling back to ``manifest.json`` for
+hand-written catalogs without ``pack_file``). Packs are immutable and named by content
+hash, so a reader holding a version keeps consistent bytes after a republish; old versions
+stay reachable with ``?pack=<pack_file>`` until garbage collection.
+
+Bodies stream from storage in chunks through one reader pinned to one version of the pack
+(a local file descriptor, or S3 ``If-Match``); the reader is closed when the response ends,
+fails or the client disconnects.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from cloud import layout
+from cloud.auth import Grant, TokenSet, bearer_token
+from cloud.errors import ManifestError, ObjectNotFound, StorageError
+from cloud.layout import ManifestIndex
+from cloud.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from cloud.metrics import Metrics, MetricsMiddleware
+from cloud.ranges import (
+    ByteRange,
+    RangeKind,
+    RangeRejected,
+    parse_etag_list,
+    parse_range,
+    strong_match,
+    unsatisfied_content_range,
+    weak_match,
+)
+from cloud.storage import ObjectReader, Storage
+
+log = logging.getLogger("sakura.cloud.server")
+
+_INT_RE = re.compile(r"^[0-9]{1,9}$")
+OCTET = "application/octet-stream"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Tunables of the server (defaults suit a phone-facing origin behind a CDN)."""
+
+    chunk_size: int = 256 * 1024  # bytes per storage read / body message
+    max_ranges: int = 64  # more range specs in one Range header -> 400
+    cache_ttl_s: float = 1.0  # a checked catalog.json / manifest.json is trusted this long
+    cache_entries: int = 1024  # parsed manifests kept in memory
+    hash_cache_entries: int = 65536  # shard body sha256 values kept in memory
+    buffer_limit: int = 16 * 1024 * 1024  # shard bodies up to this size are hashed in memory
+    max_age_immutable: int = 31536000  # Cache-Control max-age of version-pinned responses
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": message}`` with ``status`` (and extra headers)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+# ------------------------------------------------------------------------- JSON caches
+
+
+@dataclass
+class _CacheEntry:
+    raw: bytes
+    value: Any
+    token: str
+    checked: float
+
+
+class JsonCache:
+    """Parsed JSON objects from storage, revalidated by storage change token after a TTL."""
+
+    def __init__(self, storage: Storage, ttl_s: float, max_entries: int) -> None:
+        self.storage = storage
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[str, _CacheEntry] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str, parse: Any, *, immutable: bool = False) -> tuple[bytes, Any]:
+        """(raw bytes, parse(json)) of ``key``; raises ObjectNotFound, ManifestError."""
+        now = time.monotonic()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                if immutable or now - entry.checked < self.ttl_s:
+                    return entry.raw, entry.value
+        if entry is not None:
+            token = self.storage.stat(key).etag
+            if token == entry.token:
+                entry.checked = now
+                return entry.raw, entry.value
+        with self.storage.open(key) as reader:
+            raw = reader.read_range(0, reader.size)
+            token = reader.info.etag
+        try:
+            document = json.loads(raw)
+        except ValueError as exc:
+            raise ManifestError(f"{key} is not valid JSON: {exc}") from exc
+        value = parse(document)
+        with self._lock:
+            self._entries[key] = _CacheEntry(raw, value, token, now)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return raw, value
+
+
+class HashCache:
+    """A bounded LRU of shard body sha256 values keyed by (pack sha256, shard, config)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[tuple[str, int, int], str] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int, int]) -> str | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: tuple[str, int, int], value: str) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+
+@dataclass
+class ServerState:
+    """Everything the app needs, hung on ``app.state.sakura`` (no module globals)."""
+
+    storage: Storage
+    tokens: TokenSet | None
+    settings: ServerSettings
+    metrics: Metrics = field(default_factory=Metrics)
+    json_cache: JsonCache | None = None
+    hashes: HashCache | None = None
+
+    def __post_init__(self) -> None:
+        if self.json_cache is None:
+            self.json_cache = JsonCache(
+                self.storage, self.settings.cache_ttl_s, self.settings.cache_entries
+            )
+        if self.hashes is None:
+            self.hashes = HashCache(self.settings.hash_cache_entries)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A template/codec resolved through the catalog to one manifest and pack version."""
+
+    template_id: str
+    codec: str
+    manifest_raw: bytes
+    index: ManifestIndex
+    pack_key: str
+    pinned: bool
+
+    @property
+    def etag(self) -> str:
+        return f'"{self.index.pack_sha256}"'
+
+
+# ------------------------------------------------------------------------------ bodies
+
+
+@dataclass(frozen=True)
+class Body:
+    """A virtual body made of (offset, length) spans of one pack, in order."""
+
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(length for _, length in self.spans)
+
+    def segments(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The pack spans (offset, length) holding body bytes ``[start, stop)``, merged."""
+        out: list[tuple[int, int]] = []
+        pos = 0
+        for offset, length in self.spans:
+            lo, hi = max(start, pos), min(stop, pos + length)
+            if lo < hi:
+                piece = (offset + lo - pos, hi - lo)
+                if out and out[-1][0] + out[-1][1] == piece[0]:
+                    out[-1] = (out[-1][0], out[-1][1] + piece[1])
+                else:
+                    out.append(piece)
+            pos += length
+            if pos >= stop:
+                break
+        return out
+
+
+Piece = bytes | tuple[int, int]  # literal bytes, or (pack offset, length) to read
+
+
+class PackResponse(Response):
+    """Streams pieces of one pinned pack reader; closes the reader however it ends."""
+
+    def __init__(
+        self,
+        reader: ObjectReader | None,
+        pieces: list[Piece],
+        *,
+        status_code: int,
+        headers: dict[str, str],
+        send_body: bool,
+        chunk_size: int,
+    ) -> None:
+        self.reader = reader
+        self.pieces = pieces
+        self.send_body = send_body
+        self.chunk_size = chunk_size
+        self.status_code = status_code
+        self.background = None
+        self.media_type = None
+        self.body = b""
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            if not self.send_body:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            async with anyio.create_task_group() as group:
+
+                async def watch_disconnect() -> None:
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            group.cancel_scope.cancel()
+                            return
+
+                group.start_soon(watch_disconnect)
+                await self._stream(send)
+                group.cancel_scope.cancel()
+        finally:
+            if self.reader is not None:
+                self.reader.close()
+
+    async def _stream(self, send: Any) -> None:
+        for piece in self.pieces:
+            if isinstance(piece, bytes):
+                if piece:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                continue
+            assert self.reader is not None
+            offset, length = piece
+            chunks = self.reader.iter_range(offset, offset + length, self.chunk_size)
+            while True:
+                chunk = await anyio.to_thread.run_sync(next, chunks, None)
+                if chunk is None:
+                    break
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+# ------------------------------------------------------------------------------ the app
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.sakura
+
+
+def _check_template_id(template_id: str) -> None:
+    if not layout.valid_template_id(template_id):
+        raise ApiError(
+            400,
+            f"invalid template id {template_id[:80]!r}: must match {layout.TEMPLATE_ID_RE.pattern}",
+        )
+
+
+def _check_codec(codec: str) -> None:
+    if not layout.valid_codec(codec):
+        raise ApiError(400, f"invalid codec {codec[:80]!r}: must match {layout.CODEC_RE.pattern}")
+
+
+def _int_param(value: str, what: str) -> int:
+    if not _INT_RE.fullmatch(value):
+        raise ApiError(400, f"invalid {what} {value[:40]!r}: must be a non-negative integer")
+    return int(value)
+
+
+def _grant(request: Request) -> Grant:
+    state = _state(request)
+    if state.tokens is None:
+        return Grant(None)
+    header = request.headers.get("authorization")
+    token = bearer_token(header)
+    grant = state.tokens.verify(token)
+    if grant is None:
+        if header is None:
+            raise ApiError(
+                401, "missing bearer token", {"WWW-Authenticate": 'Bearer realm="sakura"'}
+            )
+        raise ApiError(
+            401,
+            "invalid bearer token",
+            {"WWW-Authenticate": 'Bearer realm="sakura", error="invalid_token"'},
+        )
+    return grant
+
+
+def _authorize(request: Request, template_id: str) -> Grant:
+    grant = _grant(request)
+    if not grant.allows(template_id):
+        raise ApiError(403, f"this token may not access template {template_id!r}")
+    return grant
+
+
+def _catalog(state: ServerState) -> dict[str, Any]:
+    assert state.json_cache is not None
+    try:
+        _raw, catalog = state.json_cache.get(layout.CATALOG_KEY, layout.validate_catalog)
+    except ObjectNotFound as exc:
+        raise ApiError(503, "no catalog is published yet (catalog.json is missing)") from exc
+    except ManifestError as exc:
+        log.error("catalog.json is invalid: %s", exc)
+        raise ApiError(500, f"the published catalog is invalid: {exc}") from exc
+    except StorageError as exc:
+        log.error("cannot read catalog.json: %s", exc)
+        raise ApiError(503, "storage unavailable") from exc
+    return catalog
+
+
+def _resolve(state: ServerState, template_id: str, codec: str, pinned: str | None) -> Resolved:
+    catalog = _catalog(state)
+    entry = catalog["templates"].get(template_id)
+    if entry is None:
+        raise ApiError(404, f"unknown template {template_id!r}")
+    centry = entry.get("codecs", {}).get(codec)
+    if centry is None:
+        raise ApiError(404, f"template {template_id!r} has no codec {codec!r}")
+    if pinned is not None and not layout.valid_pack_file(pinned):
+        raise ApiError(400, f"invalid pack version {pinned[:80]!r}")
+    pack_file = pinned or centry.get("pack_file")
+    candidates: list[tuple[str, bool]] = []
+    if pack_file:
+        candidates.append((layout.versioned_manifest_key(template_id, codec, pack_file), True))
+    if not pinned:
+        candidates.append((layout.manifest_key(template_id, codec), False))
+
+    def parse(document: Any) -> ManifestIndex:
+        return layout.validate_manifest(document, template_id=template_id, codec=codec)
+
+    assert state.json_cache is not None
+    for key, immutable in candidates:
+        try:
+            raw, index = state.json_cache.get(key, parse, immutable=immutable)
+        except ObjectNotFound:
+            continue
+        except ManifestError as exc:
+            log.error("manifest %s is invalid: %s", key, exc)
+            raise ApiError(500, f"the manifest of {template_id}/{codec} is invalid: {exc}") from exc
+        except StorageError as exc:
+            log.error("cannot read %s: %s", key, exc)
+            raise ApiError(503, "storage unavailable") from exc
+        if pack_file and index.pack_file != pack_file:
+            continue  # manifest.json not (yet) matching the catalog's version
+        return Resolved(
+            template_id,
+            codec,
+            raw,
+            index,
+            layout.pack_key(template_id, codec, index.pack_file),
+            bool(pinned),
+        )
+    if pinned:
+        raise ApiError(
+            404,
+            f"pack version {pinned!r} of {template_id}/{codec} is not available (superseded and collected); fetch the current manifest",
+        )
+    raise ApiError(500, f"the manifest of {template_id}/{codec} is missing from storage")
+
+
+def _cache_control(state: ServerState, immutable: bool) -> str:
+    scope = "private" if state.tokens is not None else "public"
+    if immutable:
+        return f"{scope}, max-age={state.settings.max_age_immutable}, immutable"
+    return f"{scope}, no-cache"
+
+
+def _preconditions(request: Request, etag: str, headers: dict[str, str]) -> Response | None:
+    """If-Match (412) and If-None-Match (304), RFC 9110 section 13.2.2 order."""
+    if_match = parse_etag_list(request.headers.get("if-match"))
+    if if_match is not None and not (
+        "*" in if_match or any(strong_match(t, etag) for t in if_match)
+    ):
+        return _error(412, "If-Match precondition failed: the representation has changed", headers)
+    if_none_match = parse_etag_list(request.headers.get("if-none-match"))
+    if if_none_match is not None and (
+        "*" in if_none_match or any(weak_match(t, etag) for t in if_none_match)
+    ):
+        return Response(status_code=304, headers=headers)
+    return None
+
+
+def _open_pack(state: ServerState, resolved: Resolved) -> ObjectReader:
+    try:
+        reader = state.storage.open(resolved.pack_key)
+    except ObjectNotFound as exc:
+        log.error("pack %s is missing", resolved.pack_key)
+        raise ApiError(
+            500, f"the pack of {resolved.template_id}/{resolved.codec} is missing from storage"
+        ) from exc
+    except StorageError as exc:
+        log.error("cannot open %s: %s", resolved.pack_key, exc)
+        raise ApiError(503, "storage unavailable") from exc
+    if reader.size != resolved.index.pack_bytes:
+        reader.close()
+        log.error(
+            "pack %s has %d bytes, manifest says %d",
+            resolved.pack_key,
+            reader.size,
+            resolved.index.pack_bytes,
+        )
+        raise ApiError(
+            500, f"the pack of {resolved.template_id}/{resolved.codec} is truncated or corrupt"
+        )
+    return reader
+
+
+def _serve_body(
+    request: Request,
+    state: ServerState,
+    resolved: Resolved,
+    body: Body,
+    etag: str,
+    extra_headers: dict[str, str],
+    prefetched: bytes | None = None,
+) -> Response:
+    """The full/206/multipart/416/304/412 response for ``body`` of ``resolved``'s pack."""
+    size = body.size
+    headers = {
+        "Accept-Ranges": "bytes",
+        "ETag": etag,
+        "Cache-Control": _cache_control(state, resolved.pinned),
+        "X-Content-Type-Options": "nosniff",
+        **extra_headers,
+    }
+    early = _preconditions(request, etag, headers)
+    if early is not None:
+        return early
+    method = request.method
+    range_headers = request.headers.getlist("range") if method == "GET" else []
+    range_header = range_headers[0] if len(range_headers) == 1 else None  # duplicates: ignored
+    if range_header is not None:
+        if_range = request.headers.get("if-range")
+        if if_range is not None and not strong_match(if_range.strip(), etag):
+            range_header = None  # stale validator (or a date): send the full representation
+    try:
+        wanted = parse_range(range_header, size, max_ranges=state.settings.max_ranges)
+    except RangeRejected as exc:
+        raise ApiError(400, f"Range header rejected: {exc}") from exc
+    if wanted.kind is RangeKind.UNSATISFIABLE:
+        headers["Content-Range"] = unsatisfied_content_range(size)
+        return _error(416, f"range not satisfiable: the body has {size} bytes", headers)
+
+    def read_pieces(rng: ByteRange) -> list[Piece]:
+        if prefetched is not None:
+            return [prefetched[rng.start : rng.stop]]
+        return list(body.segments(rng.start, rng.stop))
+
+    if wanted.kind is RangeKind.PARTIAL and len(wanted.ranges) == 1:
+        rng = wanted.ranges[0]
+        status, pieces = 206, read_pieces(rng)
+        headers["Content-Range"] = rng.content_range(size)
+        headers["Content-Type"] = OCTET
+        length = rng.length
+    elif wanted.kind is RangeKind.PARTIAL:
+        boundary = secrets.token_hex(16)
+        pieces = []
+        length = 0
+        for i, rng in enumerate(wanted.ranges):
+            head = (
+                ("\r\n" if i else "")
+                + f"--{boundary}\r\nContent-Type: {OCTET}\r\nContent-Range: {rng.content_range(size)}\r\n\r\n"
+            ).encode("ascii")
+            pieces.append(head)
+            pieces.extend(read_pieces(rng))
+            length += len(head) + rng.length
+        tail = f"\r\n--{boundary}--\r\n".encode("ascii")
+        pieces.append(tail)
+        length += len(tail)
+        status = 206
+        headers["Content-Type"] = f"multipart/byteranges; boundary={boundary}"
+    else:
+        status, pieces, length = 200, read_pieces(ByteRange(0, size)) if size else [], size
+        headers["Content-Type"] = OCTET
+    headers["Content-Length"] = str(length)
+    send_body = method != "HEAD" and length > 0
+    needs_reader = any(not isinstance(p, bytes) for p in pieces)
+    reader = _open_pack(state, resolved) if needs_reader else None
+    return PackResponse(
+        reader,
+        pieces,
+        status_code=status,
+        headers=headers,
+        send_body=send_body,
+        chunk_size=state.settings.chunk_size,
+    )
+
+
+def _shard_hash(
+    state: ServerState, resolved: Resolved, shard: int, config: int, body: Body
+) -> tuple[str, bytes | None]:
+    """sha256 of a shard body (cached); returns the body too when it was read to hash it."""
+    assert state.hashes is not None
+    key = (resolved.index.pack_sha256, shard, config)
+    cached = state.hashes.get(key)
+    if cached is not None:
+        return cached, None
+    digest = hashlib.sha256()
+    keep = body.size <= state.settings.buffer_limit
+    parts: list[bytes] = []
+    reader = _open_pack(state, resolved)
+    try:
+        for offset, length in body.segments(0, body.size):
+            for chunk in reader.iter_range(offset, offset + length, state.settings.chunk_size):
+                digest.update(chunk)
+                if keep:
+                    parts.append(chunk)
+    except StorageError as exc:
+        log.error("reading %s failed: %s", resolved.pack_key, exc)
+        raise ApiError(503, "storage unavailable") from exc
+    finally:
+        reader.close()
+    value = digest.hexdigest()
+    state.hashes.put(key, value)
+    return value, b"".join(parts) if keep else None
+
+
+def create_app(
+    storage: Storage,
+    tokens: TokenSet | None = None,
+    *,
+    settings: ServerSettings | None = None,
+) -> FastAPI:
+    """The SAKURA template server over ``storage``; ``tokens`` enables bearer auth."""
+    settings = settings or ServerSettings()
+    app = FastAPI(
+        title="SAKURA template server",
+        version="1",
+        summary="Template catalog, pack manifests, raw packs with HTTP Range, and shard bodies.",
+        description=(
+            "Serves published SAKURA template packs. `/v1/*` routes need `Authorization: Bearer "
+            "<token>` when the server runs with tokens; `/healthz`, `/metrics` and the OpenAPI "
+            'documents are always open. Errors are JSON objects `{"error": "..."}`.'
+        ),
+    )
+    app.state.sakura = ServerState(storage, tokens, settings)
+    app.add_middleware(_PathGuard)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.sakura.metrics)
+    bearer = HTTPBearer(
+        auto_error=False, description="Bearer token (only when the server runs with tokens)"
+    )
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "error"
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no such route: {request.url.path[:200]}"
+        return _error(exc.status_code, message, getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return _error(400, f"invalid request: {where}: {first.get('msg', 'invalid')}")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error(500, "internal server error")
+
+    @app.get("/healthz", tags=["operations"], summary="Liveness probe (no auth)")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get(
+        "/metrics",
+        tags=["operations"],
+        summary="Prometheus metrics (no auth)",
+        response_class=PlainTextResponse,
+    )
+    def metrics(request: Request) -> Response:
+        return Response(_state(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get(
+        "/v1/templates",
+        tags=["catalog"],
+        summary="The template catalog (catalog.json, filtered by token scope)",
+    )
+    def list_templates(
+        request: Request, _c: HTTPAuthorizationCredentials | None = Security(bearer)
+    ) -> Response:
+        state = _state(request)
+        grant = _grant(request)
+        catalog = _catalog(state)
+        visible = {k: v for k, v in catalog["templates"].items() if grant.allows(k)}
+        document = {**catalog, "templates": visible}
+        raw = json.dumps(document, separators=(",", ":")).encode()
+        etag = '"' + hashlib.sha256(raw).hexdigest()[:32] + '"'
+        headers = {"ETag": etag, "Cache-Control": _cache_control(state, False)}
+        return _preconditions(request, etag, headers) or Response(
+            raw, media_type="application/json", headers=headers
+        )
+
+    @app.get(
+        "/v1/templates/{template_id}", tags=["catalog"], summary="One template's catalog entry"
+    )
+    def get_template(
+        request: Request,
+        template_id: str,
+        _c: HTTPAuthorizationCredentials | None = Security(bearer),
+    ) -> Response:
+        _check_template_id(template_id)
+        _authorize(request, template_id)
+        state = _state(request)
+        entry = _catalog(state)["templates"].get(template_id)
+        if entry is None:
+            raise ApiError(404, f"unknown template {template_id!r}")
+        return JSONResponse(entry, headers={"Cache-Control": _cache_control(state, False)})
+
+    def _resolve_request(
+        request: Request, template_id: str, codec: str, pack: str | None
+    ) -> tuple[ServerState, Resolved]:
+        _check_template_id(template_id)
+        _check_codec(codec)
+        _authorize(request, template_id)
+        state = _state(request)
+        return state, _resolve(state, template_id, codec, pack)
+
+    @app.get(
+        "/v1/templates/{template_id}/{codec}/manifest",
+        tags=["packs"],
+        summary="The manifest (JSON); ETag is the quoted pack sha256",
+    )
+    def get_manifest(
+        request: Request,
+        template_id: str,
+        codec: str,
+        pack: str | None = None,
+        _c: HTTPAuthorizationCredentials | None = Security(bearer),
+    ) -> Response:
+        state, resolved = _resolve_request(request, template_id, codec, pack)
+        headers = {
+            "ETag": resolved.etag,
+            "Cache-Control": _cache_control(state, resolved.pinned),
+            "X-Sakura-Pack-File": resolved.index.pack_file,
+        }
+        early = _preconditions(request, resolved.etag, headers)
+        return early or Response(
+            resolved.manifest_raw, media_type="application/json", headers=headers
+        )
+
+    @app.api_route(
+        "/v1/templates/{template_id}/{codec}/pack",
+        methods=["GET", "HEAD"],
+        tags=["packs"],
+        summary="The raw pack with full HTTP Range support (206, multipart/byteranges, 416, If-Range)",
+        response_class=Response,
+        responses={
+            206: {"description": "Partial content"},
+            416: {"description": "Range not satisfiable"},
+        },
+    )
+    def get_pack(
+        request: Request,
+        template_id: str,
+        codec: str,
+        pack: str | None = None,
+        _c: HTTPAuthorizationCredentials | None = Security(bearer),
+    ) -> Response:
+        state, resolved = _resolve_request(request, template_id, codec, pack)
+        body = Body(((0, resolved.index.pack_bytes),))
+        extra = {"X-Sakura-Pack-File": resolved.index.pack_file}
+        return _serve_body(request, state, resolved, body, resolved.etag, extra)
+
+    @app.api_route(
+        "/v1/templates/{template_id}/{codec}/shards/{shard}/{config}",
+        methods=["GET", "HEAD"],
+        tags=["packs"],
+        summary="Exactly the bytes of one configuration of one shard (Range supported for resume)",
+        response_class=Response,
+        responses={
+            206: {"description": "Partial content"},
+            416: {"description": "Range not satisfiable"},
+        },
+    )
+    def get_shard(
+        request: Request,
+        template_id: str,
+        codec: str,
+        shard: str,
+        config: str,
+        pack: str | None = None,
+        _c: HTTPAuthorizationCredentials | None = Security(bearer),
+    ) -> Response:
+        shard_i, config_i = _int_param(shard, "shard"), _int_param(config, "config")
+        state, resolved = _resolve_request(request, template_id, codec, pack)
+        entry = resolved.index.config(shard_i, config_i)
+        if entry is None:
+            if not any(s == shard_i for s, _ in resolved.index.configs):
+                raise ApiError(404, f"{template_id}/{codec} has no shard {shard_i}")
+            raise ApiError(
+                404, f"shard {shard_i} of {template_id}/{codec} has no config {config_i}"
+            )
+        body = Body(entry.ranges)
+        etag = f'"{resolved.index.pack_sha256}:{shard_i}:{config_i}"'
+        sha, prefetched = _shard_hash(state, resolved, shard_i, config_i, body)
+        extra = {
+            "X-Sakura-Sha256": sha,
+            "X-Sakura-Pack-Etag": resolved.etag,
+            "X-Sakura-Pack-File": resolved.index.pack_file,
+        }
+        return _serve_body(request, state, resolved, body, etag, extra, prefetched)
+
+    return app
+
+
+class _PathGuard:
+    """Rejects request targets with encoded slashes/backslashes/NULs or dot segments (400)."""
+
+    _BAD_RAW = (b"%2f", b"%5c", b"%00", b"\\")
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            raw = (
+                scope.get("raw_path") or scope.get("path", "").encode("utf-8", "surrogateescape")
+            ).lower()
+            path = scope.get("path", "")
+            segments = path.split("/")
+            if (
+                any(bad in raw for bad in self._BAD_RAW)
+                or "\x00" in path
+                or any(s in (".", "..") for s in segments)
+            ):
+                response = _error(
+                    400,
+                    "invalid request path: encoded slashes, backslashes, NULs and dot segments are not allowed",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
