@@ -10,7 +10,7 @@ block (used to capture and to pin states in the slow reference).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ class Layout:
     def query_segments(self) -> list[tuple[str, int]]:
         segs = [(TXT, self.txt), (IMG, self.img)]
         sizes = self.ref_sizes or ((self.ref,) if self.ref else ())
-        segs += [(f"ref:{i}", n) for i, n in enumerate(sizes)]
+        segs += [(f"ref:{i}", n) for i, n in enumerate(sizes)]  # empty ones are dropped
         return [(r, n) for r, n in segs if n]
 
 
@@ -107,8 +107,9 @@ class AttentionHook:
 
     needs_probs = False
 
-    def before_block(self, block: int, seg) -> None:
-        """Called with the block's input segments."""
+    def before_block(self, block: int, seg):
+        """Called with the block's input segments; may return modified segments."""
+        return seg
 
     def after_block(self, block: int, seg):
         """Called with the block's output segments; may return modified segments."""
@@ -143,10 +144,3 @@ class AttentionHook:
 
 class PlainAttention(AttentionHook):
     """No reuse: what training and full generation use."""
-
-
-@dataclass
-class Recorder:
-    """Collects per-block tensors keyed by block index (used by capture hooks)."""
-
-    items: dict[int, object] = field(default_factory=dict)

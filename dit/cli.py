@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from dit.train import TrainConfig
+
 
 def _train(args: argparse.Namespace) -> int:
-    from dit.train import TrainConfig, train
+    from dit.train import train
 
     cfg = TrainConfig(steps=args.steps, out_dir=args.out_dir, weights_out=args.weights_out,
                       threads=args.threads, batch_size=args.batch_size)
@@ -18,7 +20,7 @@ def register(commands, bench) -> None:
     p = commands.add_parser("train", help="train the default MMDiT on the emoji data (resumable)")
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--out-dir", default="runs/train", help="checkpoints and loss log")
+    p.add_argument("--out-dir", default=TrainConfig.out_dir, help="checkpoints and loss log")
     p.add_argument("--weights-out", default="dit/weights/sakura-mmdit.safetensors")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.set_defaults(func=_train)

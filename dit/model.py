@@ -4,7 +4,7 @@ Double-stream blocks (separate text / image weights, joint attention) are follow
 single-stream blocks (one fused weight set over all tokens). Positions are 3-axis rotary
 embeddings (segment index, row, column) with RMS QK-norm; timestep modulation is shared
 across blocks of a kind, as in Flux.2. Text conditioning is a sequence of MiniLM token
-embeddings plus their mean, which joins the timestep embedding in the modulation vector.
+embeddings that joins the joint attention (no pooled text vector, as in Flux.2).
 
 Every attention call goes through an :class:`AttentionHook` (``dit.attention``), which is
 how the editing code captures K/V, appends cached K/V of tokens that are not computed,
@@ -249,6 +249,9 @@ class TokenBatch:
     t: torch.Tensor
     ref: torch.Tensor | None = None
     ref_pos: torch.Tensor | None = None
+    ref_sizes: tuple[int, ...] = ()
+    # False: text tokens are not computed (their K/V come from a hook).
+    text_tokens: bool = True
 
 
 class MMDiT(nn.Module):
@@ -263,7 +266,6 @@ class MMDiT(nn.Module):
         self.img_in = nn.Linear(cfg.patch_dim, d)
         self.txt_in = nn.Linear(cfg.text_dim, d)
         self.time_in = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
-        self.pool_in = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.SiLU(), nn.Linear(d, d))
         # Shared modulation (Flux.2): one projection per stream kind, used by every block.
         self.double_mod_img = nn.Linear(d, 6 * d)
         self.double_mod_txt = nn.Linear(d, 6 * d)
@@ -287,10 +289,14 @@ class MMDiT(nn.Module):
 
     # -- conditioning -------------------------------------------------------------------
 
-    def vec(self, t: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
-        """Modulation vector ``[B, 1, D]`` from timestep and pooled text."""
-        v = self.time_in(timestep_embedding(t, 256)) + self.pool_in(txt.mean(dim=1))
-        return F.silu(v)[:, None]
+    def vec(self, t: torch.Tensor, txt: torch.Tensor | None = None) -> torch.Tensor:
+        """Modulation vector ``[B, 1, D]`` from the timestep only.
+
+        As in Flux.2 there is no pooled text vector: a token's K/V at a block then depend
+        only on its hidden state and t, which is what makes "pinning" the unmasked tokens'
+        hidden states equal to reusing their cached K/V.
+        """
+        return F.silu(self.time_in(timestep_embedding(t, 256)))[:, None]
 
     def _mods(self, kind: str, seg: Segments) -> dict:
         out = {}
@@ -322,7 +328,7 @@ class MMDiT(nn.Module):
         else:
             vec_txt = vec if vec_txt_t is None else self.vec(vec_txt_t, batch.txt)
         return Segments(
-            txt=self.txt_in(batch.txt) if batch.txt.shape[1] else batch.img.new_zeros(b, 0, d),
+            txt=self.txt_in(batch.txt) if batch.text_tokens else batch.img.new_zeros(b, 0, d),
             img=self.img_in(batch.img),
             ref=self.img_in(ref),
             vec_txt=vec_txt, vec_img=vec, vec_ref=vec_ref,
@@ -334,7 +340,7 @@ class MMDiT(nn.Module):
         blocks = blocks if blocks is not None else range(self.cfg.num_blocks)
         dmods = smods = None
         for b in blocks:
-            hook.before_block(b, seg)
+            seg = hook.before_block(b, seg)
             if b < self.cfg.double_blocks:
                 dmods = dmods or self._mods("double", seg)
                 seg = self.double_stream[b](seg, dmods, angles, hook, b, layout)
@@ -359,7 +365,8 @@ class MMDiT(nn.Module):
             "img": self.angles(batch.img_pos),
             "ref": self.angles(ref_pos),
         }
-        layout = Layout(txt=seg.txt.shape[1], img=seg.img.shape[1], ref=seg.ref.shape[1])
+        layout = Layout(txt=seg.txt.shape[1], img=seg.img.shape[1], ref=seg.ref.shape[1],
+                        ref_sizes=tuple(batch.ref_sizes))
         seg = self.run_blocks(seg, angles, hook, layout)
         return self.head(seg)
 

@@ -28,7 +28,8 @@ from dit.weights import save_model
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "runs/train"
+    # Outside the work tree by default so a fresh checkout keeps resuming on this machine.
+    out_dir: str = str(Path.home() / ".cache" / "sakura" / "train")
     weights_out: str = "dit/weights/sakura-mmdit.safetensors"
     steps: int = 20000
     batch_size: int = 32
@@ -113,6 +114,16 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print) -> 
         rng.setstate(state["py_rng"])
         torch.set_rng_state(state["torch_rng"])
         log(f"resumed from {ckpt_path} at step {step}")
+    elif Path(cfg.weights_out).exists():
+        # Warm start from the committed EMA weights (optimizer state starts afresh).
+        from dit.weights import load_model, metadata
+
+        shipped = load_model(cfg.weights_out)
+        model.load_state_dict(shipped.state_dict())
+        ema.load_state_dict(shipped.state_dict())
+        step = int(metadata(cfg.weights_out).get("train_step", 0))
+        rng.seed(cfg.seed + step)
+        log(f"warm start from {cfg.weights_out} at step {step}")
     (out / "train_config.json").write_text(json.dumps(
         {"train": asdict(cfg), "model": model_cfg.to_dict(), "train_items": len(train_idx)},
         indent=2))

@@ -1,0 +1,346 @@
+"""Masked editing with template-KV reuse: template run + capture, cached execution,
+the slow pinned reference, and token-importance profiling.
+
+The compute contract (``DESIGN.md``): outside the editable mask, tokens follow the
+template's forward-noised trajectory ``x_t = (1 - t) x_0 + t e`` (template noise ``e``), so
+their per-(step, block) K/V are computed once in the cloud (the *template run*). On the
+device, every step computes only the text tokens and the masked image tokens; at block b of
+step s their attention runs over ``[fresh tokens] + [cache(s, b)]``. The output is the
+template outside the mask and the edited content inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
+from dit.cache import KVProvider, TemplateCache
+from dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
+from dit.sampler import noise_like, schedule
+
+
+@dataclass
+class Template:
+    """An edit template: image ``[3, H, W]`` in [-1, 1], pixel mask ``[H, W]`` (True =
+    editable), the template prompt's embeddings ``[1, T, 384]``, seed and steps."""
+
+    image: torch.Tensor
+    mask: torch.Tensor
+    txt: torch.Tensor
+    seed: int
+    steps: int = 20
+    guidance: float = 3.0
+
+    @property
+    def size(self) -> int:
+        return int(self.image.shape[-1])
+
+
+@dataclass
+class EditRequest:
+    """A private edit: prompt embeddings (and the empty prompt's for guidance), a seed,
+    optionally reference images ``[K, 3, h, w]``. None of this ever leaves the device."""
+
+    txt: torch.Tensor
+    txt_uncond: torch.Tensor | None
+    seed: int
+    ref_images: torch.Tensor | None = None
+
+
+def token_mask(mask: torch.Tensor, patch: int) -> torch.Tensor:
+    """Pixel mask ``[H, W]`` -> token mask ``[N]``: a token is editable if any pixel is."""
+    m = F.max_pool2d(mask.float()[None, None], patch)[0, 0] > 0
+    return m.flatten()
+
+
+@dataclass
+class Geometry:
+    """Token geometry of a template at its resolution."""
+
+    grid: int
+    pos: torch.Tensor          # [N, 3]
+    masked: torch.Tensor       # [M] indices of editable tokens
+    unmasked: torch.Tensor     # [U] indices of cached tokens
+
+    @classmethod
+    def of(cls, model: MMDiT, template: Template) -> Geometry:
+        p = model.cfg.patch_size
+        grid = template.size // p
+        tm = token_mask(template.mask, p)
+        return cls(grid, grid_positions(grid, model.cfg.pos_span),
+                   tm.nonzero().flatten(), (~tm).nonzero().flatten())
+
+
+def template_noise(model: MMDiT, template: Template) -> torch.Tensor:
+    g = template.size // model.cfg.patch_size
+    return noise_like((1, g * g, model.cfg.patch_dim), template.seed)
+
+
+def edit_noise(model: MMDiT, template: Template, seed: int) -> torch.Tensor:
+    """Initial noise of an edit over the full grid (masked tokens are selected from it)."""
+    g = template.size // model.cfg.patch_size
+    return noise_like((1, g * g, model.cfg.patch_dim), seed + 1_000_003)
+
+
+def _heads_to_channels(x: torch.Tensor) -> torch.Tensor:
+    """``[H, N, D]`` -> ``[N, H*D]``."""
+    h, n, d = x.shape
+    return x.transpose(0, 1).reshape(n, h * d)
+
+
+def channels_to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[N, C]`` -> ``[1, H, N, C/H]``."""
+    n, c = x.shape
+    return x.reshape(n, heads, c // heads).transpose(0, 1)[None]
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+class CaptureHook(AttentionHook):
+    """Records K/V of the unmasked image tokens (and optionally image hidden states)."""
+
+    def __init__(self, mode: str, unmasked: torch.Tensor, keep_hidden: bool = False):
+        super().__init__(mode)
+        self.unmasked = unmasked
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.keep_hidden = keep_hidden
+
+    def on_kv(self, block: int, k, v, layout: Layout) -> None:
+        idx = layout.txt + self.unmasked
+        self.keys[block] = _heads_to_channels(k[0, :, idx])
+        self.values[block] = _heads_to_channels(v[0, :, idx])
+
+    def before_block(self, block: int, seg):
+        if self.keep_hidden:
+            self.hidden[block] = seg.img[0].clone()
+        return seg
+
+
+class CachedHook(AttentionHook):
+    """Appends the template cache of step ``step`` (from a provider) to every block."""
+
+    def __init__(self, mode: str, provider: KVProvider, step: int, heads: int,
+                 extra: dict[int, list[KVSegment]] | None = None, record_text: bool = False):
+        super().__init__(mode)
+        self.provider, self.step, self.heads = provider, step, heads
+        self.extra = extra or {}
+        self.record_text = record_text
+        self.text_k: dict[int, torch.Tensor] = {}
+        self.text_v: dict[int, torch.Tensor] = {}
+
+    def on_kv(self, block: int, k, v, layout: Layout) -> None:
+        if self.record_text:
+            self.text_k[block] = k[:, :, : layout.txt].clone()
+            self.text_v[block] = v[:, :, : layout.txt].clone()
+
+    def extra_kv(self, block: int) -> list[KVSegment]:
+        k, v = self.provider.get(self.step, block)
+        segs = list(self.extra.get(block, []))
+        segs.append(KVSegment(CACHE, channels_to_heads(k, self.heads),
+                              channels_to_heads(v, self.heads)))
+        return segs
+
+
+class ImportanceHook(CachedHook):
+    """Cached execution that accumulates attention mass of masked queries on cached keys."""
+
+    needs_probs = True
+
+    def __init__(self, *args, importance: torch.Tensor, **kw):
+        super().__init__(*args, **kw)
+        self.importance = importance  # [B_blocks, U] view for this step
+
+    def on_probs(self, block: int, probs, q_segs, k_segs) -> None:
+        q0 = k0 = 0
+        q_rng = k_rng = None
+        for role, n in q_segs:
+            if role == IMG:
+                q_rng = (q0, q0 + n)
+            q0 += n
+        for role, n in k_segs:
+            if role == CACHE:
+                k_rng = (k0, k0 + n)
+            k0 += n
+        if q_rng is None or k_rng is None:
+            return
+        mass = probs[:, :, q_rng[0] : q_rng[1], k_rng[0] : k_rng[1]].sum(dim=(0, 1, 2))
+        self.importance[block] += mass
+
+
+class PinHook(AttentionHook):
+    """Slow reference: unmasked image hidden states pinned to the template run's."""
+
+    def __init__(self, mode: str, hidden: dict[int, torch.Tensor], unmasked: torch.Tensor):
+        super().__init__(mode)
+        self.hidden, self.unmasked = hidden, unmasked
+
+    def before_block(self, block: int, seg):
+        img = seg.img.clone()
+        img[:, self.unmasked] = self.hidden[block][self.unmasked].to(img.dtype)
+        seg.img = img
+        return seg
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@dataclass
+class TemplateRun:
+    """The template run's outputs: the cache, plus hidden states for the slow reference."""
+
+    cache: TemplateCache
+    geometry: Geometry
+    hidden: list[dict[int, torch.Tensor]] = field(default_factory=list)
+
+
+@torch.inference_mode()
+def template_run(model: MMDiT, template: Template, keep_hidden: bool = False) -> TemplateRun:
+    """Run the whole model on the template's forward-noised trajectory; capture K/V."""
+    geo = Geometry.of(model, template)
+    x0 = patchify(template.image[None].float(), model.cfg.patch_size)
+    e = template_noise(model, template)
+    ts = schedule(template.steps)
+    keys, values, hidden = [], [], []
+    for s in range(template.steps):
+        t = ts[s]
+        xt = (1 - t) * x0 + t * e
+        hook = CaptureHook(model.cfg.attention_mode, geo.unmasked, keep_hidden)
+        model(TokenBatch(img=xt, img_pos=geo.pos, txt=template.txt, t=t.reshape(1)), hook)
+        keys.append(torch.stack([hook.keys[b] for b in range(model.cfg.num_blocks)]))
+        values.append(torch.stack([hook.values[b] for b in range(model.cfg.num_blocks)]))
+        if keep_hidden:
+            hidden.append(hook.hidden)
+    k, v = torch.stack(keys), torch.stack(values)
+    cache = TemplateCache(keys=k, values=v, importance=torch.zeros(k.shape[:3]),
+                          token_index=geo.unmasked, timesteps=ts[:-1].clone(),
+                          num_heads=model.cfg.num_heads)
+    return TemplateRun(cache, geo, hidden)
+
+
+def _cfg_batch(x, pos, req: EditRequest, t, guidance):
+    if req.txt_uncond is not None and guidance != 1.0:
+        txt = torch.cat([req.txt, req.txt_uncond])
+        x = torch.cat([x, x])
+    else:
+        txt = req.txt
+    return TokenBatch(img=x, img_pos=pos, txt=txt, t=t.reshape(1).expand(x.shape[0]))
+
+
+def _guided(v: torch.Tensor, guidance: float) -> torch.Tensor:
+    if v.shape[0] == 2:
+        return v[1:] + guidance * (v[:1] - v[1:])
+    return v
+
+
+def compose(model: MMDiT, template: Template, geo: Geometry, x_masked: torch.Tensor) -> torch.Tensor:
+    """Template outside the mask, edited tokens inside -> image ``[3, H, W]``."""
+    tokens = patchify(template.image[None].float(), model.cfg.patch_size).clone()
+    tokens[:, geo.masked] = x_masked.to(tokens.dtype)
+    img = unpatchify(tokens, model.cfg.patch_size, model.cfg.in_channels, template.size)
+    return img[0].clamp(-1, 1)
+
+
+@torch.inference_mode()
+def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVProvider,
+                req: EditRequest, *, cache_refs: bool = True, reuse_text_kv: bool = False,
+                hook_factory=None, on_step=None) -> torch.Tensor:
+    """The device path: only text + masked (+ reference) tokens are computed; the template
+    cache of the unmasked tokens comes from ``provider``, step by step, block by block.
+
+    ``cache_refs``: extract reference K/V once and reuse them (exact); False recomputes the
+    reference tokens every step. ``reuse_text_kv``: compute text tokens only at step 0 and
+    reuse their K/V afterwards (an approximation in joint attention).
+    """
+    from dit.refcache import ReferenceKV, reference_tokens, text_kv_segments
+
+    mode, heads = model.cfg.attention_mode, model.cfg.num_heads
+    x = edit_noise(model, template, req.seed)[:, geo.masked]
+    pos = geo.pos[geo.masked]
+    ts = schedule(template.steps)
+    has_refs = req.ref_images is not None and len(req.ref_images) > 0
+    refs = ReferenceKV.extract(model, req, template.guidance) if has_refs and cache_refs else None
+    ref_toks = reference_tokens(model, req.ref_images) if has_refs and not cache_refs else None
+    text_kv = None
+    for s in range(template.steps):
+        extra: dict[int, list[KVSegment]] = {}
+        for part in (refs.segments() if refs else {}, text_kv_segments(*text_kv) if text_kv else {}):
+            for b, segs in part.items():
+                extra.setdefault(b, []).extend(segs)
+        if hook_factory:
+            hook = hook_factory(s, extra)
+        else:
+            hook = CachedHook(mode, provider, s, heads, extra,
+                              record_text=reuse_text_kv and s == 0)
+        batch = _cfg_batch(x, pos, req, ts[s], template.guidance)
+        if ref_toks is not None:
+            n = batch.img.shape[0]
+            batch.ref, batch.ref_pos, batch.ref_sizes = (ref_toks[0].expand(n, -1, -1),
+                                                         ref_toks[1], ref_toks[2])
+        batch.text_tokens = text_kv is None
+        v = _guided(model(batch, hook), template.guidance)
+        x = x + (ts[s + 1] - ts[s]) * v
+        if reuse_text_kv and s == 0:
+            text_kv = (hook.text_k, hook.text_v)
+        if on_step is not None:
+            on_step(s)
+    return compose(model, template, geo, x)
+
+
+@torch.inference_mode()
+def pinned_reference_edit(model: MMDiT, template: Template, run: TemplateRun,
+                          req: EditRequest) -> torch.Tensor:
+    """Slow reference: the full model on every token with unmasked hidden states pinned."""
+    if not run.hidden:
+        raise ValueError("template_run(..., keep_hidden=True) is needed for the reference")
+    geo = run.geometry
+    x0 = patchify(template.image[None].float(), model.cfg.patch_size)
+    e = template_noise(model, template)
+    x = edit_noise(model, template, req.seed).clone()
+    ts = schedule(template.steps)
+    for s in range(template.steps):
+        t = ts[s]
+        x[:, geo.unmasked] = ((1 - t) * x0 + t * e)[:, geo.unmasked]
+        hook = PinHook(model.cfg.attention_mode, run.hidden[s], geo.unmasked)
+        v = _guided(model(_cfg_batch(x, geo.pos, req, t, template.guidance), hook),
+                    template.guidance)
+        x = x + (ts[s + 1] - t) * v
+    return compose(model, template, geo, x[:, geo.masked])
+
+
+@torch.inference_mode()
+def full_edit(model: MMDiT, template: Template, req: EditRequest) -> torch.Tensor:
+    """`full`: no cache at all. Whole model on every token; unmasked tokens are re-noised
+    to the template trajectory each step (the same masked-editing rule, computed locally)."""
+    geo = Geometry.of(model, template)
+    x0 = patchify(template.image[None].float(), model.cfg.patch_size)
+    e = template_noise(model, template)
+    x = edit_noise(model, template, req.seed).clone()
+    ts = schedule(template.steps)
+    for s in range(template.steps):
+        t = ts[s]
+        x[:, geo.unmasked] = ((1 - t) * x0 + t * e)[:, geo.unmasked]
+        v = _guided(model(_cfg_batch(x, geo.pos, req, t, template.guidance)), template.guidance)
+        x = x + (ts[s + 1] - t) * v
+    return compose(model, template, geo, x[:, geo.masked])
+
+
+@torch.inference_mode()
+def profile_importance(model: MMDiT, template: Template, run: TemplateRun,
+                       requests: list[EditRequest]) -> torch.Tensor:
+    """Attention mass of masked queries on each cached token, ``[S, B, U]``, summed over
+    heads, queries, guidance branches and profiling requests; stored into the cache."""
+    cache = run.cache
+    imp = torch.zeros(cache.steps, cache.blocks, cache.tokens)
+    for req in requests:
+        cached_edit(model, template, run.geometry, cache, req,
+                    hook_factory=lambda s, extra: ImportanceHook(
+                        model.cfg.attention_mode, cache, s, model.cfg.num_heads, extra,
+                        importance=imp[s]))
+    cache.importance = imp
+    return imp

@@ -1,0 +1,38 @@
+"""Tiny seeded models and templates for the dit tests (random weights only in tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from dit.editing import EditRequest, Template
+from dit.model import MMDiT, MMDiTConfig
+
+
+def tiny_model(mode: str = "joint", seed: int = 0) -> MMDiT:
+    torch.manual_seed(seed)
+    cfg = MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=2, single_blocks=2,
+                      mlp_ratio=2.0, text_dim=32, text_tokens=5, rope_axes=(4, 6, 6),
+                      attention_mode=mode)
+    model = MMDiT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.08)
+    return model.eval()
+
+
+def tiny_template(model: MMDiT, size: int = 32, seed: int = 1, steps: int = 4) -> Template:
+    g = torch.Generator().manual_seed(seed)
+    image = torch.rand(3, size, size, generator=g) * 2 - 1
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    mask[8:20, 4:16] = True
+    txt = torch.randn(1, model.cfg.text_tokens, model.cfg.text_dim, generator=g)
+    return Template(image=image, mask=mask, txt=txt, seed=seed, steps=steps, guidance=2.0)
+
+
+def tiny_request(model: MMDiT, seed: int = 7, refs: int = 0, size: int = 16) -> EditRequest:
+    g = torch.Generator().manual_seed(seed)
+    txt = torch.randn(1, model.cfg.text_tokens, model.cfg.text_dim, generator=g)
+    unc = torch.randn(1, model.cfg.text_tokens, model.cfg.text_dim, generator=g)
+    ref = torch.rand(refs, 3, size, size, generator=g) * 2 - 1 if refs else None
+    return EditRequest(txt=txt, txt_uncond=unc, seed=seed, ref_images=ref)
