@@ -1,0 +1,335 @@
+"""``sakura bench serve``: concurrent loopback clients fetching shard configurations.
+
+Two servers run in child processes on the same synthetic pack, each on a listening socket
+the bench opened on 127.0.0.1 (race-free ephemeral ports):
+
+* ``sakura``: the FastAPI app (:func:`cloud.server.create_app`) under uvicorn, one worker;
+  clients GET ``/v1/templates/<id>/sakura/shards/<s>/<c>``, one request per configuration.
+* ``reference``: a plain static file server (aiohttp ``FileResponse``, single-range
+  requests, sendfile) serving the pack file itself; clients fetch the same configuration's
+  byte ranges with one ``Range`` request per range (a static server has no shard endpoint).
+
+``--clients`` coroutines (default 32) each loop: pick a random (shard, config), fetch it,
+check the status and length (and the ``X-Sakura-Sha256`` checksum of every 8th body), until
+the duration (or a request cap) is reached. Reported: config fetches per second, decimal
+GB/s of body bytes, p50/p90/p99 latency per fetch, and errors (must be 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cloud import layout
+from cloud.errors import CloudError
+from cloud.synthetic import SyntheticSpec, build_catalog
+
+TEMPLATE = "bench-template"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``sakura bench serve`` runs."""
+
+    clients: int = 32
+    duration_s: float = 8.0
+    warmup_s: float = 1.0
+    shards: int = 32
+    configs: int = 6
+    unit_bytes: int = 32 * 1024
+    max_requests: int = 200_000
+    verify_every: int = 8
+    seed: int = 0
+
+    @classmethod
+    def quick(cls, clients: int = 32) -> BenchConfig:
+        return cls(
+            clients=clients,
+            duration_s=2.0,
+            warmup_s=0.5,
+            shards=12,
+            configs=4,
+            unit_bytes=16 * 1024,
+        )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, int(round(q / 100.0 * (len(ordered) - 1)))))
+    return ordered[index]
+
+
+@contextlib.contextmanager
+def _child_server(kind: str, target: Path) -> Iterator[str]:
+    """Start a server child process on an inherited loopback socket; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    fd = sock.fileno()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cloud.bench", kind, str(target), str(fd)],
+        pass_fds=(fd,),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url + ("/healthz" if kind == "sakura" else "/healthz"))
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+            raise CloudError(f"bench server exited early ({proc.returncode}): {err}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise CloudError(f"bench server at {url} did not become ready in {timeout_s:.0f}s")
+
+
+@dataclass
+class _Load:
+    latencies: list[float]
+    bytes: int = 0
+    requests: int = 0
+    http_requests: int = 0
+    errors: int = 0
+    first_error: str = ""
+
+
+async def _run_load(
+    url: str,
+    jobs: list[tuple[int, int, list[tuple[int, int]], int]],
+    config: BenchConfig,
+    *,
+    reference: bool,
+    pack_path: str,
+) -> tuple[_Load, float]:
+    import aiohttp
+
+    load = _Load(latencies=[])
+    rng = random.Random(config.seed)
+    connector = aiohttp.TCPConnector(
+        limit=config.clients, limit_per_host=config.clients, force_close=False
+    )
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, auto_decompress=False
+    ) as session:
+
+        async def fetch(job: tuple[int, int, list[tuple[int, int]], int], verify: bool) -> int:
+            shard, cfg, ranges, nbytes = job
+            if not reference:
+                async with session.get(
+                    f"{url}/v1/templates/{TEMPLATE}/sakura/shards/{shard}/{cfg}"
+                ) as resp:
+                    body = await resp.read()
+                    if resp.status != 200 or len(body) != nbytes:
+                        raise ValueError(f"status {resp.status}, {len(body)} of {nbytes} bytes")
+                    if verify and hashlib.sha256(body).hexdigest() != resp.headers.get(
+                        "X-Sakura-Sha256"
+                    ):
+                        raise ValueError("checksum mismatch")
+                    return 1
+            for offset, length in ranges:
+                headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+                async with session.get(f"{url}/{pack_path}", headers=headers) as resp:
+                    body = await resp.read()
+                    if resp.status != 206 or len(body) != length:
+                        raise ValueError(f"status {resp.status}, {len(body)} of {length} bytes")
+            return len(ranges)
+
+        async def worker(deadline: float, record: bool) -> None:
+            while time.perf_counter() < deadline and load.requests < config.max_requests:
+                job = jobs[rng.randrange(len(jobs))]
+                start = time.perf_counter()
+                try:
+                    verify = record and load.requests % config.verify_every == 0
+                    http = await fetch(job, verify)
+                except Exception as exc:  # noqa: BLE001 - every failure is an error of the run
+                    if record:
+                        load.errors += 1
+                        load.first_error = load.first_error or f"{type(exc).__name__}: {exc}"
+                    continue
+                if record:
+                    load.latencies.append(time.perf_counter() - start)
+                    load.requests += 1
+                    load.http_requests += http
+                    load.bytes += job[3]
+
+        warm_end = time.perf_counter() + config.warmup_s
+        await asyncio.gather(*(worker(warm_end, False) for _ in range(config.clients)))
+        began = time.perf_counter()
+        end = began + config.duration_s
+        await asyncio.gather(*(worker(end, True) for _ in range(config.clients)))
+        elapsed = time.perf_counter() - began
+    return load, elapsed
+
+
+def _summary(load: _Load, elapsed: float) -> dict[str, Any]:
+    ms = [x * 1000.0 for x in load.latencies]
+    return {
+        "requests": load.requests,
+        "http_requests": load.http_requests,
+        "seconds": round(elapsed, 3),
+        "requests_per_s": round(load.requests / elapsed, 1) if elapsed else 0.0,
+        "gbytes_per_s": round(load.bytes / elapsed / 1e9, 4) if elapsed else 0.0,
+        "p50_ms": round(_percentile(ms, 50), 2),
+        "p90_ms": round(_percentile(ms, 90), 2),
+        "p99_ms": round(_percentile(ms, 99), 2),
+        "errors": load.errors,
+        "first_error": load.first_error,
+        "bytes": load.bytes,
+    }
+
+
+def run_bench(
+    config: BenchConfig, work_dir: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
+    """Run the serve bench and return the JSON-ready result."""
+    with contextlib.ExitStack() as stack:
+        root = (
+            Path(work_dir)
+            if work_dir
+            else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sakura-bench-")))
+        )
+        catalog_dir = root / "catalog"
+        spec = SyntheticSpec(config.shards, config.configs, config.unit_bytes, config.seed)
+        published = build_catalog(catalog_dir, [TEMPLATE], spec=spec, work_dir=root / "work")[
+            TEMPLATE
+        ]
+        manifest = json.loads((catalog_dir / published.versioned_manifest_key).read_text())
+        jobs = [
+            (shard["index"], cfg["id"], [tuple(r) for r in cfg["ranges"]], cfg["bytes"])
+            for shard in manifest["shards"]
+            for cfg in shard["configs"]
+        ]
+        pack_rel = layout.pack_key(TEMPLATE, "sakura", published.pack_file)
+        results: dict[str, Any] = {}
+        for kind in ("sakura", "reference"):
+            target = catalog_dir
+            with _child_server(kind, target) as url:
+                load, elapsed = asyncio.run(
+                    _run_load(url, jobs, config, reference=kind == "reference", pack_path=pack_rel)
+                )
+            results[kind] = _summary(load, elapsed)
+    ours, ref = results["sakura"], results["reference"]
+    mean_bytes = sum(j[3] for j in jobs) / len(jobs)
+    return {
+        "bench": "serve",
+        "clients": config.clients,
+        "duration_s": config.duration_s,
+        "requests": ours["requests"],
+        "requests_per_s": ours["requests_per_s"],
+        "gbytes_per_s": ours["gbytes_per_s"],
+        "p50_ms": ours["p50_ms"],
+        "p90_ms": ours["p90_ms"],
+        "p99_ms": ours["p99_ms"],
+        "errors": ours["errors"] + ref["errors"],
+        "first_error": ours["first_error"] or ref["first_error"],
+        "reference_requests_per_s": ref["requests_per_s"],
+        "reference_http_requests_per_s": round(ref["http_requests"] / ref["seconds"], 1)
+        if ref["seconds"]
+        else 0.0,
+        "reference_gbytes_per_s": ref["gbytes_per_s"],
+        "reference_p99_ms": ref["p99_ms"],
+        "reference_errors": ref["errors"],
+        "ratio_gbytes_vs_reference": round(ours["gbytes_per_s"] / ref["gbytes_per_s"], 3)
+        if ref["gbytes_per_s"]
+        else None,
+        "pack_bytes": published.pack_bytes,
+        "configurations": len(jobs),
+        "mean_config_bytes": round(mean_bytes),
+        "server": "sakura: FastAPI app under uvicorn, 1 worker process, loop and HTTP implementation auto",
+        "reference_server": "aiohttp FileResponse (sendfile), 1 process, one Range request per config range",
+        "units": {
+            "gbytes_per_s": "1e9 body bytes per second",
+            "requests_per_s": "config fetches per second",
+        },
+        "config": asdict(config),
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "detail": results,
+    }
+
+
+# ------------------------------------------------------------------------ child servers
+
+
+def _serve_sakura(catalog_dir: str, fd: int) -> None:
+    from cloud.runner import run
+    from cloud.server import create_app
+    from cloud.storage import LocalStorage
+
+    run(create_app(LocalStorage(catalog_dir)), fd=fd, log_level="warning", access_log=False)
+
+
+def _serve_static(root: str, fd: int) -> None:
+    from aiohttp import web
+
+    base = Path(root).resolve()
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def static(request: web.Request) -> web.StreamResponse:
+        path = (base / request.match_info["path"]).resolve()
+        if not path.is_relative_to(base) or not path.is_file():
+            raise web.HTTPNotFound()
+        return web.FileResponse(path)
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/{path:.+}", static)
+    web.run_app(
+        app, sock=socket.socket(fileno=fd), print=None, access_log=None, handle_signals=True
+    )
+
+
+if __name__ == "__main__":  # child process entry: python -m cloud.bench KIND ROOT FD
+    _kind, _root, _fd = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    (_serve_sakura if _kind == "sakura" else _serve_static)(_root, _fd)

@@ -1,0 +1,80 @@
+"""Running an ASGI app with uvicorn: in the foreground, on an inherited socket, or in a thread.
+
+:func:`serve_in_thread` starts a real uvicorn server on 127.0.0.1 with an ephemeral port
+and yields its base URL (tests, benches); :func:`run` is what ``sakura serve`` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from cloud.errors import ServeConfigError
+
+
+def _config(app: Any, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+        server_header=False,
+    )
+
+
+def run(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    fd: int | None = None,
+    log_level: str = "info",
+    access_log: bool = True,
+) -> None:
+    """Serve ``app`` until interrupted; ``fd`` serves on an inherited listening TCP socket."""
+    server = uvicorn.Server(_config(app, host, port, log_level, access_log))
+    if fd is not None:
+        sock = socket.socket(fileno=fd)
+        server.run(sockets=[sock])
+        return
+    try:
+        server.run()
+    except OSError as exc:  # pragma: no cover - depends on the host
+        raise ServeConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    if not server.started:
+        raise ServeConfigError(f"the server could not start on {host}:{port}")
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, host: str = "127.0.0.1", *, timeout_s: float = 20.0) -> Iterator[str]:
+    """Run ``app`` under uvicorn in a daemon thread on an ephemeral port; yield the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(_config(app, host, port, "warning", False))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn"
+    )
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            sock.close()
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
