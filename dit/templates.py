@@ -1,0 +1,132 @@
+"""The template catalog: shipped edit templates and how to turn one into a ``Template``.
+
+Schema of ``catalog.json`` (``dit/catalog/`` is the default catalog; see its README)::
+
+    {"version": 1, "templates": {"<id>": {
+        "workload": "face-swap" | "try-on" | "instruction",
+        "image": "<png, RGB>", "mask": "<png, white = editable>",
+        "prompt": "<template prompt>", "seed": int, "steps": int, "guidance": float,
+        "resolution": int (pixels; the image is resized to it),
+        "mask_ratio": float, "token_mask_ratio": float,
+        "profiling_prompts": [...], "evaluation_prompts": [...], "source": {...}}}}
+
+Template ids match ``^[a-z0-9][a-z0-9_-]{0,63}$``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dit.editing import EditRequest, Template
+from sakura.errors import SakuraError
+
+DEFAULT_CATALOG = Path(__file__).parent / "catalog" / "catalog.json"
+TEMPLATE_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+WORKLOADS = ("face-swap", "try-on", "instruction")
+
+
+class CatalogError(SakuraError):
+    """A catalog file or template entry is missing or malformed."""
+
+
+@dataclass
+class TemplateSpec:
+    """One catalog entry (paths resolved)."""
+
+    id: str
+    workload: str
+    image_path: Path
+    mask_path: Path
+    prompt: str
+    seed: int
+    steps: int
+    guidance: float
+    resolution: int
+    profiling_prompts: list[str]
+    evaluation_prompts: list[str]
+    meta: dict = field(default_factory=dict)
+
+    def load_image(self) -> torch.Tensor:
+        from skimage.io import imread
+
+        arr = imread(self.image_path).astype(np.float32)[..., :3] / 127.5 - 1
+        x = torch.from_numpy(arr).permute(2, 0, 1)
+        return _resize(x, self.resolution)
+
+    def load_mask(self) -> torch.Tensor:
+        from skimage.io import imread
+
+        m = imread(self.mask_path)
+        m = torch.from_numpy((m[..., 0] if m.ndim == 3 else m) > 127)
+        if m.shape[-1] != self.resolution:
+            m = F.interpolate(m.float()[None, None], size=(self.resolution,) * 2, mode="nearest")[0, 0] > 0.5
+        return m
+
+    def to_template(self, encoder) -> Template:
+        return Template(image=self.load_image(), mask=self.load_mask(),
+                        txt=encoder.encode([self.prompt]), seed=self.seed, steps=self.steps,
+                        guidance=self.guidance)
+
+    def requests(self, encoder, which: str = "evaluation", seed0: int = 100) -> list[EditRequest]:
+        prompts = self.evaluation_prompts if which == "evaluation" else self.profiling_prompts
+        unc = encoder.encode([""])
+        embs = encoder.encode(prompts)
+        base = seed0 if which == "evaluation" else seed0 + 500
+        return [EditRequest(txt=embs[i : i + 1], txt_uncond=unc, seed=base + i)
+                for i in range(len(prompts))]
+
+
+def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    if x.shape[-1] == size:
+        return x
+    return F.interpolate(x[None], size=(size, size), mode="bilinear", antialias=True)[0].clamp(-1, 1)
+
+
+def load_catalog(path: str | Path | None = None) -> dict[str, TemplateSpec]:
+    path = Path(path) if path else DEFAULT_CATALOG
+    if path.is_dir():
+        path = path / "catalog.json"
+    if not path.exists():
+        raise CatalogError(f"catalog not found: {path}")
+    try:
+        doc = json.loads(path.read_text())
+        entries = doc["templates"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CatalogError(f"{path} is not a template catalog ({exc})") from exc
+    out = {}
+    for tid, e in entries.items():
+        if not TEMPLATE_ID.match(tid):
+            raise CatalogError(f"{path}: bad template id {tid!r} (allowed: {TEMPLATE_ID.pattern})")
+        try:
+            spec = TemplateSpec(
+                id=tid, workload=e["workload"], image_path=path.parent / e["image"],
+                mask_path=path.parent / e["mask"], prompt=e["prompt"], seed=int(e["seed"]),
+                steps=int(e.get("steps", 20)), guidance=float(e.get("guidance", 3.0)),
+                resolution=int(e.get("resolution", 64)),
+                profiling_prompts=list(e["profiling_prompts"]),
+                evaluation_prompts=list(e["evaluation_prompts"]),
+                meta={k: v for k, v in e.items() if k not in ("image", "mask")},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CatalogError(f"{path}: template {tid!r} is missing or has a bad field: {exc}") from exc
+        if spec.workload not in WORKLOADS:
+            raise CatalogError(f"{path}: template {tid!r}: workload must be one of {WORKLOADS}")
+        for p in (spec.image_path, spec.mask_path):
+            if not p.exists():
+                raise CatalogError(f"{path}: template {tid!r}: file not found: {p}")
+        out[tid] = spec
+    return out
+
+
+def with_resolution(spec: TemplateSpec, resolution: int) -> TemplateSpec:
+    """The same template at another resolution (a second resolution for evaluation)."""
+    from dataclasses import replace
+
+    return replace(spec, id=f"{spec.id}-{resolution}", resolution=resolution)
