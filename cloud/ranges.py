@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 MAX_RANGES = 64
 MAX_HEADER_BYTES = 4096
 
-_SPEC = re.compile(r"^(?:(\d+)-(\d*)|-(\d+))$")
+_SPEC = re.compile(r"^(?:([0-9]+)-([0-9]*)|-([0-9]+))$")
 _UNIT = re.compile(r"^\s*([A-Za-z][A-Za-z0-9!#$%&'*+.^_`|~-]*)\s*=(.*)$", re.DOTALL)
 
 

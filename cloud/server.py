@@ -52,7 +52,7 @@ from cloud.ranges import (
     unsatisfied_content_range,
     weak_match,
 )
-from cloud.storage import ObjectReader, Storage
+from cloud.storage import LocalStorage, ObjectReader, Storage
 
 log = logging.getLogger("sakura.cloud.server")
 
@@ -66,7 +66,9 @@ class ServerSettings:
 
     chunk_size: int = 256 * 1024  # bytes per storage read / body message
     max_ranges: int = 64  # more range specs in one Range header -> 400
-    cache_ttl_s: float = 1.0  # a checked catalog.json / manifest.json is trusted this long
+    # a checked catalog.json / manifest.json is trusted this long before its storage change
+    # token is checked again; None: 0 for a local folder (a stat is cheap), 2 s otherwise
+    cache_ttl_s: float | None = None
     cache_entries: int = 1024  # parsed manifests kept in memory
     hash_cache_entries: int = 65536  # shard body sha256 values kept in memory
     buffer_limit: int = 16 * 1024 * 1024  # shard bodies up to this size are hashed in memory
@@ -172,9 +174,10 @@ class ServerState:
 
     def __post_init__(self) -> None:
         if self.json_cache is None:
-            self.json_cache = JsonCache(
-                self.storage, self.settings.cache_ttl_s, self.settings.cache_entries
-            )
+            ttl = self.settings.cache_ttl_s
+            if ttl is None:
+                ttl = 0.0 if isinstance(self.storage, LocalStorage) else 2.0
+            self.json_cache = JsonCache(self.storage, ttl, self.settings.cache_entries)
         if self.hashes is None:
             self.hashes = HashCache(self.settings.hash_cache_entries)
 
@@ -704,17 +707,6 @@ def create_app(
             resolved.manifest_raw, media_type="application/json", headers=headers
         )
 
-    @app.api_route(
-        "/v1/templates/{template_id}/{codec}/pack",
-        methods=["GET", "HEAD"],
-        tags=["packs"],
-        summary="The raw pack with full HTTP Range support (206, multipart/byteranges, 416, If-Range)",
-        response_class=Response,
-        responses={
-            206: {"description": "Partial content"},
-            416: {"description": "Range not satisfiable"},
-        },
-    )
     def get_pack(
         request: Request,
         template_id: str,
@@ -727,17 +719,14 @@ def create_app(
         extra = {"X-Sakura-Pack-File": resolved.index.pack_file}
         return _serve_body(request, state, resolved, body, resolved.etag, extra)
 
-    @app.api_route(
-        "/v1/templates/{template_id}/{codec}/shards/{shard}/{config}",
-        methods=["GET", "HEAD"],
-        tags=["packs"],
-        summary="Exactly the bytes of one configuration of one shard (Range supported for resume)",
-        response_class=Response,
-        responses={
-            206: {"description": "Partial content"},
-            416: {"description": "Range not satisfiable"},
-        },
+    _add_get_head(
+        app,
+        "/v1/templates/{template_id}/{codec}/pack",
+        get_pack,
+        "pack",
+        "The raw pack with full HTTP Range support (206, multipart/byteranges, 416, If-Range)",
     )
+
     def get_shard(
         request: Request,
         template_id: str,
@@ -766,7 +755,38 @@ def create_app(
         }
         return _serve_body(request, state, resolved, body, etag, extra, prefetched)
 
+    _add_get_head(
+        app,
+        "/v1/templates/{template_id}/{codec}/shards/{shard}/{config}",
+        get_shard,
+        "shard",
+        "Exactly the bytes of one configuration of one shard (Range supported for resume)",
+    )
     return app
+
+
+def _add_get_head(app: FastAPI, path: str, endpoint: Any, name: str, summary: str) -> None:
+    """Register ``endpoint`` for GET and HEAD with distinct OpenAPI operation ids."""
+    responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "The full body", "content": {OCTET: {}}},
+        206: {"description": "Partial content (one range, or multipart/byteranges)"},
+        304: {"description": "Not modified (If-None-Match)"},
+        400: {"description": "Invalid id or rejected Range header"},
+        404: {"description": "Unknown template, codec, shard or config"},
+        412: {"description": "If-Match failed"},
+        416: {"description": "Range not satisfiable"},
+    }
+    for method in ("GET", "HEAD"):
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=[method],
+            tags=["packs"],
+            summary=summary,
+            response_class=Response,
+            responses=responses,
+            operation_id=f"{method.lower()}_{name}",
+        )
 
 
 class _PathGuard:
