@@ -1,0 +1,430 @@
+"""SAKURA: importance-weighted progressive low-rank codec (and plain SVD, its q = 0 case).
+
+Per matrix ``X [N, C]`` of a shard, with block importance ``p`` (mean 1, floored) and
+weights ``w = p ** q``: ``diag(w) X = U S V^T``. A component ``c`` is the pair
+``a_c = X v_c`` (``= (diag(w)^-1 U S)_c``, the exact projection, so a floored ``w`` never
+blows up) and ``b_c = v_c``; reconstruction is ``sum_c a_c b_c^T``. Components of all
+matrices of the shard are ordered together by their relative weighted contribution
+``s_c^2 / ||diag(w) X||^2`` (so a prefix of the order minimises the mean weighted error
+over the shard's matrices); a configuration's ``rank`` is the mean number of components
+per matrix (total components = rank x matrices).
+
+Each component (a and b rescaled to equal norms) is quantized progressively: level 0 with
+``bits[0]`` bits, level l > 0 quantizes the residual of the levels before with
+``bits[l] - bits[l-1]`` more bits (default 2, +2, +4 = 2/4/8 bits), each level with its
+own MSE-optimal fp16 step per group of ``group`` values. Levels are stored as separate
+groups of equally sized per-component chunks in component order, so a configuration
+``ranks = [r0, r1, r2]`` (components with at least 2, 4, 8 bits) is the header plus a
+prefix of each level group: at most three contiguous byte ranges. Layout: ``FORMAT.md``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from codec.base import Codec, EncodedConfig, EncodedShard, register
+from codec.errors import CodecError, PackError
+from codec.metrics import DEFAULT_FLOOR, normalized_importance
+from codec.quant import (
+    ProgressiveQuantizer,
+    SegmentPlan,
+    pack_codes,
+    packed_row_bytes,
+    unpack_codes,
+)
+from codec.shards import ShardData, ShardSpec
+
+BASE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+HEADER_FMT = "<4sBBHIIH"  # magic, version, levels, matrices, N, C, group
+HEADER_MAGIC = b"SKLR"
+THIN = 1.08  # mixed configs on the Pareto front are kept at least 8% apart in bytes
+
+
+@dataclass(frozen=True)
+class LowRankOptions:
+    q: float = 0.5
+    """Importance exponent: w = importance ** q (0 = plain SVD)."""
+    bits: tuple[int, ...] = (2, 4, 8)
+    """Cumulative precision ladder; level l adds bits[l] - bits[l-1] bits per value."""
+    r_max: int | None = None
+    """Largest mean rank per matrix stored at level 0 (None: min(N, C) // 3, at most 128)."""
+    level_fraction: tuple[float, ...] = (1.0, 1.0, 0.5)
+    """Fraction of r_max stored at each level (snapped down to the rank ladder)."""
+    ranks: tuple[int, ...] | None = None
+    """Rank ladder (mean ranks per matrix); None: 1, 2, 3, 4, 6, 8, 12, ... up to r_max."""
+    group: int = 64
+    """Values per quantization step (along tokens for a, along channels for b)."""
+    floor: float = DEFAULT_FLOOR
+    """Importance floor relative to the mean importance."""
+    mixed: bool = True
+    """Also offer mixed-precision configs (top components at more bits) on the
+    weighted-error Pareto front, besides the uniform (rank, bits) ones."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.q <= 4.0:
+            raise CodecError(f"q must be in [0, 4], got {self.q}")
+        bits = list(self.bits)
+        if not bits or any(b2 <= b1 for b1, b2 in zip(bits, bits[1:])) or bits[0] < 1:
+            raise CodecError(f"bits must be strictly increasing and >= 1, got {self.bits}")
+        if any(b2 - b1 > 8 for b1, b2 in zip([0] + bits, bits)):
+            raise CodecError(f"a level adds at most 8 bits, got {self.bits}")
+        if len(self.level_fraction) != len(bits):
+            raise CodecError(f"level_fraction needs {len(bits)} entries, got {self.level_fraction}")
+        fr = list(self.level_fraction)
+        if fr[0] != 1.0 or any(f2 > f1 for f1, f2 in zip(fr, fr[1:])) or fr[-1] < 0:
+            raise CodecError(f"level_fraction must start at 1 and not increase, got {fr}")
+        if self.group < 4 or self.group > 4096 or self.group & (self.group - 1):
+            raise CodecError(f"group must be a power of two in 4..4096, got {self.group}")
+        if self.r_max is not None and self.r_max < 1:
+            raise CodecError(f"r_max must be >= 1, got {self.r_max}")
+        if self.ranks is not None and (not self.ranks or min(self.ranks) < 1):
+            raise CodecError(f"ranks must be positive, got {self.ranks}")
+        if not 0 < self.floor <= 1:
+            raise CodecError(f"floor must be in (0, 1], got {self.floor}")
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Derived sizes for one shard geometry."""
+
+    matrices: int
+    tokens: int
+    channels: int
+    group: int
+    bits: tuple[int, ...]
+    ladder: tuple[int, ...]
+    level_max: tuple[int, ...]  # mean rank stored per level
+
+    @property
+    def levels(self) -> int:
+        return len(self.bits)
+
+    @property
+    def level_bits(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip((0,) + self.bits[:-1], self.bits))
+
+    @property
+    def plan(self) -> SegmentPlan:
+        return SegmentPlan(parts=(self.tokens, self.channels), group=self.group)
+
+    def quantizer(self) -> ProgressiveQuantizer:
+        return ProgressiveQuantizer(self.plan, self.level_bits)
+
+    def chunk_bytes(self, level: int) -> int:
+        """Bytes of one component at ``level``: level 0 adds the matrix index and steps."""
+        codes = packed_row_bytes(self.tokens + self.channels, self.level_bits[level])
+        return codes + (1 + 2 * self.plan.groups if level == 0 else 0)
+
+    @property
+    def header_bytes(self) -> int:
+        return struct.calcsize(HEADER_FMT) + self.levels * 5
+
+
+class LowRankCodec(Codec):
+    """``sakura`` (q = 0.5 by default) and ``svd`` (q = 0)."""
+
+    def __init__(self, name: str = "sakura", **options: Any) -> None:
+        opts = dict(options)
+        for key in ("bits", "level_fraction", "ranks"):
+            if opts.get(key) is not None:
+                opts[key] = tuple(opts[key])
+        try:
+            self.opts = LowRankOptions(**opts)
+        except TypeError as exc:
+            raise CodecError(f"bad options for codec {name!r}: {exc}") from None
+        self.opts.validate()
+        self.name = name  # type: ignore[misc]
+
+    @property
+    def options(self) -> dict[str, Any]:
+        out = asdict(self.opts)
+        for key in ("bits", "level_fraction", "ranks"):
+            if out[key] is not None:
+                out[key] = list(out[key])
+        return out
+
+    # ------------------------------------------------------------------ geometry
+    def geometry(self, matrices: int, tokens: int, channels: int) -> _Geometry:
+        o = self.opts
+        full = min(tokens, channels)
+        r_max = o.r_max if o.r_max is not None else max(1, min(128, full // 3))
+        r_max = min(r_max, full)
+        base = o.ranks if o.ranks is not None else BASE_LADDER
+        ladder = sorted({r for r in base if r <= r_max} | {r_max})
+        level_max = []
+        for f in o.level_fraction:
+            cap = f * r_max
+            level_max.append(max([0] + [r for r in ladder if r <= cap + 1e-9]))
+        return _Geometry(
+            matrices=matrices,
+            tokens=tokens,
+            channels=channels,
+            group=o.group,
+            bits=tuple(o.bits),
+            ladder=tuple(ladder),
+            level_max=tuple(level_max),
+        )
+
+    # ------------------------------------------------------------------ encode
+    def factorize(
+        self, x: torch.Tensor, importance: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Weighted SVD of one matrix: ``(a [K, N], b [K, C], rel [K])``, K = min(N, C).
+
+        ``a_c = X v_c``, ``b_c = v_c`` and ``rel_c = s_c^2 / ||diag(w) X||^2``.
+        """
+        x64 = x.double()
+        w = normalized_importance(importance, self.opts.floor) ** self.opts.q
+        _, s, vh = torch.linalg.svd(w[:, None] * x64, full_matrices=False)
+        energy = float((s**2).sum())
+        rel = s**2 / energy if energy > 0 else torch.zeros_like(s)
+        return (x64 @ vh.T).T.contiguous(), vh.contiguous(), rel
+
+    def encode_shard(self, shard: ShardData) -> EncodedShard:
+        spec = shard.spec
+        m_count = len(shard.matrices)
+        if m_count != spec.num_matrices or m_count > 255:
+            raise CodecError(f"shard {spec.index}: expected {spec.num_matrices} matrices")
+        g = self.geometry(m_count, spec.tokens, spec.channels)
+        n, c = spec.tokens, spec.channels
+
+        # 1. factorize every matrix, order all components of the shard together
+        avecs, bvecs, rels, owner = [], [], [], []
+        for m, (x, imp) in enumerate(zip(shard.matrices, shard.importance)):
+            a, b, rel = self.factorize(x, imp)
+            avecs.append(a)
+            bvecs.append(b)
+            rels.append(rel)
+            owner.append(torch.full((rel.numel(),), m, dtype=torch.long))
+        rel_all = torch.cat(rels)
+        owner_all = torch.cat(owner)
+        local_all = torch.cat([torch.arange(r.numel()) for r in rels])
+        order = torch.sort(-rel_all, stable=True).indices[: g.level_max[0] * m_count]
+        slots = len(order)
+        slot_m = owner_all[order]
+        slot_c = local_all[order]
+        a_sel = torch.stack([avecs[int(m)][int(k)] for m, k in zip(slot_m, slot_c)])
+        b_sel = torch.stack([bvecs[int(m)][int(k)] for m, k in zip(slot_m, slot_c)])
+        # balance: a and b get equal norms (b is a unit vector)
+        f = a_sel.norm(dim=1).clamp_min(1e-30).sqrt()
+        a_sel = a_sel / f[:, None]
+        b_sel = b_sel * f[:, None]
+
+        # 2. progressive quantization of [a | b] (rotated, embedded levels)
+        level_slots = [g.level_max[lv] * m_count for lv in range(g.levels)]
+        quant = g.quantizer()
+        steps, codes, recon_levels = quant.encode(torch.cat([a_sel, b_sel], dim=1))
+        chunks: list[np.ndarray] = []
+        for lv, lbits in enumerate(g.level_bits):
+            k = level_slots[lv]
+            packed = pack_codes(codes[lv][:k].numpy(), lbits)
+            if lv == 0:
+                owner_col = slot_m[:k].to(torch.uint8).numpy().reshape(k, 1)
+                step_bytes = steps[:k].numpy().view(np.uint8).reshape(k, -1)
+                packed = np.concatenate([owner_col, step_bytes, packed], axis=1)
+            assert packed.shape[1] == g.chunk_bytes(lv)
+            chunks.append(packed)
+
+        # 3. units: header, then per level one unit per rank-ladder segment
+        header = struct.pack(HEADER_FMT, HEADER_MAGIC, 1, g.levels, m_count, n, c, g.group)
+        header += bytes(g.level_bits) + struct.pack(f"<{g.levels}I", *level_slots)
+        units: list[bytes] = [header]
+        seg_units: list[list[int]] = []  # per level: unit index of each ladder segment
+        for lv in range(g.levels):
+            idx = []
+            prev = 0
+            for r in g.ladder:
+                if r > g.level_max[lv]:
+                    break
+                units.append(chunks[lv][prev * m_count : r * m_count].tobytes())
+                idx.append(len(units) - 1)
+                prev = r
+            seg_units.append(idx)
+
+        # 4. candidate configurations and their weighted errors (closed form)
+        cands = self._candidates(g)
+        errs = self._config_errors(shard, g, slot_m, recon_levels, cands)
+        sizes = [g.header_bytes + sum(r * m_count * g.chunk_bytes(lv) for lv, r in enumerate(cf))
+                 for cf in cands]
+        chosen = self._select(g, cands, errs, sizes)
+        configs = []
+        for i in chosen:
+            ranks = cands[i]
+            used = [0]
+            for lv, r in enumerate(ranks):
+                used += seg_units[lv][: g.ladder.index(r) + 1] if r > 0 else []
+            top = max(lv for lv, r in enumerate(ranks) if r > 0)
+            params = {"rank": ranks[0], "bits": g.bits[top], "ranks": list(ranks)}
+            configs.append(EncodedConfig(params=params, units=used, weighted_err=errs[i]))
+        meta = {"components": slots, "ladder": list(g.ladder), "level_max": list(g.level_max)}
+        return EncodedShard(units=units, configs=configs, meta=meta)
+
+    def _candidates(self, g: _Geometry) -> list[tuple[int, ...]]:
+        """All (r0 >= r1 >= ...) on the ladder within the per-level caps."""
+        out: list[tuple[int, ...]] = []
+
+        def rec(prefix: tuple[int, ...], lv: int) -> None:
+            if lv == g.levels:
+                out.append(prefix)
+                return
+            bound = prefix[-1] if prefix else g.level_max[0]
+            opts = [r for r in g.ladder if r <= min(bound, g.level_max[lv])]
+            if lv > 0:
+                opts = [0] + opts
+            for r in opts:
+                if lv > 0 and prefix[-1] == 0 and r > 0:
+                    continue
+                rec(prefix + (r,), lv + 1)
+
+        rec((), 0)
+        return out
+
+    @staticmethod
+    def _is_uniform(ranks: tuple[int, ...]) -> bool:
+        nz = [r for r in ranks if r > 0]
+        return all(r == nz[0] for r in nz)
+
+    def _select(
+        self, g: _Geometry, cands: list[tuple[int, ...]], errs: list[float], sizes: list[int]
+    ) -> list[int]:
+        uniform = {i for i, cf in enumerate(cands) if self._is_uniform(cf)}
+        keep = set(uniform)
+        if self.opts.mixed:
+            order = sorted(range(len(cands)), key=lambda i: (sizes[i], errs[i]))
+            front = []
+            best = float("inf")
+            for i in order:
+                if errs[i] < best - 1e-15:
+                    front.append(i)
+                    best = errs[i]
+            # thin the front: successive mixed configs at least THIN x apart in bytes
+            last = 0.0
+            for j, i in enumerate(front):
+                if j == len(front) - 1 or sizes[i] >= last * THIN:
+                    keep.add(i)
+                    last = sizes[i]
+        return sorted(keep, key=lambda i: (sizes[i], errs[i]))
+
+    def _config_errors(
+        self,
+        shard: ShardData,
+        g: _Geometry,
+        slot_m: torch.Tensor,
+        recon_levels: list[torch.Tensor],
+        cands: list[tuple[int, ...]],
+    ) -> list[float]:
+        """Weighted relative error of every candidate, via Gram matrices and prefix sums."""
+        n = g.tokens
+        m_count = g.matrices
+        lv_count = g.levels
+        cand_arr = np.array(cands, dtype=np.int64) * m_count  # global slot counts [K, L]
+        # counts[m, s] = components of matrix m among the first s slots
+        onehot = torch.nn.functional.one_hot(slot_m, m_count).T.numpy()
+        counts = np.concatenate([np.zeros((m_count, 1), np.int64), onehot.cumsum(1)], axis=1)
+        total_err = np.zeros(len(cands))
+        for m in range(m_count):
+            sel = (slot_m == m).nonzero().flatten()
+            k = len(sel)
+            x = shard.matrices[m].double()
+            p = normalized_importance(shard.importance[m], self.opts.floor)
+            energy = float((p[:, None] * x**2).sum())
+            if k == 0:
+                total_err += 1.0 if energy > 0 else 0.0
+                continue
+            a_all = torch.cat([r[sel, :n].T for r in recon_levels], dim=1)  # [N, L k]
+            b_all = torch.cat([r[sel, n:] for r in recon_levels], dim=0)  # [L k, C]
+            h = ((a_all.T @ (p[:, None] * a_all)) * (b_all @ b_all.T)).numpy()
+            t = (p[:, None] * a_all * (x @ b_all.T)).sum(0).numpy().reshape(lv_count, k)
+            h = h.reshape(lv_count, k, lv_count, k).transpose(0, 2, 1, 3)
+            integ = np.zeros((lv_count, lv_count, k + 1, k + 1))
+            integ[:, :, 1:, 1:] = h.cumsum(2).cumsum(3)
+            tcum = np.zeros((lv_count, k + 1))
+            tcum[:, 1:] = t.cumsum(1)
+            # per config: level l covers local components [n_{l+1}, n_l)
+            nl = counts[m][cand_arr]  # [K, L]
+            bounds = np.concatenate([nl, np.zeros((len(cands), 1), np.int64)], axis=1)
+            lin = np.zeros(len(cands))
+            quad = np.zeros(len(cands))
+            for la in range(lv_count):
+                lo_a, hi_a = bounds[:, la + 1], bounds[:, la]
+                lin += tcum[la, hi_a] - tcum[la, lo_a]
+                for lb in range(lv_count):
+                    lo_b, hi_b = bounds[:, lb + 1], bounds[:, lb]
+                    ii = integ[la, lb]
+                    quad += ii[hi_a, hi_b] - ii[lo_a, hi_b] - ii[hi_a, lo_b] + ii[lo_a, lo_b]
+            err = (energy - 2 * lin + quad) / energy if energy > 0 else np.zeros(len(cands))
+            total_err += np.maximum(err, 0.0)
+        return [float(e) for e in total_err / m_count]
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, params: dict[str, Any], data: bytes, spec: ShardSpec) -> list[torch.Tensor]:
+        hsize = struct.calcsize(HEADER_FMT)
+        if len(data) < hsize + 1:
+            raise PackError(f"shard {spec.index}: {len(data)} bytes is too short for a header")
+        magic, version, levels, m_count, n, c, grp = struct.unpack_from(HEADER_FMT, data, 0)
+        if magic != HEADER_MAGIC or version != 1:
+            raise PackError(f"shard {spec.index}: not a v1 low-rank shard (magic {magic!r})")
+        if (m_count, n, c) != (spec.num_matrices, spec.tokens, spec.channels):
+            raise PackError(
+                f"shard {spec.index}: header geometry {(m_count, n, c)} does not match "
+                f"{(spec.num_matrices, spec.tokens, spec.channels)}"
+            )
+        level_bits = tuple(data[hsize : hsize + levels])
+        stored = struct.unpack_from(f"<{levels}I", data, hsize + levels)
+        bits = tuple(int(x) for x in np.cumsum(level_bits))
+        g = _Geometry(m_count, n, c, grp, bits, (), ())
+        if grp < 1 or grp & (grp - 1):
+            raise PackError(f"shard {spec.index}: group {grp} is not a power of two")
+        ranks = list(params.get("ranks", []))
+        if len(ranks) != levels:
+            raise PackError(f"shard {spec.index}: params {params} do not match {levels} levels")
+        counts = [int(r) * m_count for r in ranks]
+        if any(k > s for k, s in zip(counts, stored)) or counts != sorted(counts, reverse=True):
+            raise PackError(f"shard {spec.index}: ranks {ranks} exceed what the pack stores")
+        need = hsize + levels * 5 + sum(k * g.chunk_bytes(lv) for lv, k in enumerate(counts))
+        if len(data) != need:
+            raise PackError(f"shard {spec.index}: {len(data)} bytes, config {params} needs {need}")
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        off = hsize + levels * 5
+        quant = g.quantizer()
+        groups = g.plan.groups
+        owners = torch.zeros(0, dtype=torch.long)
+        steps = torch.zeros(0, groups, dtype=torch.float16)
+        codes = []
+        for lv, k in enumerate(counts):
+            size = g.chunk_bytes(lv)
+            if k == 0:
+                break
+            block = buf[off : off + k * size].view(k, size)
+            off += k * size
+            if lv == 0:
+                owners = block[:, 0].long()
+                steps = block[:, 1 : 1 + 2 * groups].contiguous().view(torch.float16)
+                block = block[:, 1 + 2 * groups :]
+            codes.append(unpack_codes(block, level_bits[lv], n + c))
+        values = quant.decode(steps, codes)
+        out = []
+        for m in range(m_count):
+            sel = (owners == m).nonzero().flatten()
+            out.append(values[sel, :n].T @ values[sel, n:])
+        return out
+
+    def rank_key(self, params: dict[str, Any]) -> float:
+        return float(sum(r * b for r, b in zip(params.get("ranks", []), self.opts.bits)))
+
+
+@register("sakura")
+def make_sakura(**options: Any) -> LowRankCodec:
+    return LowRankCodec("sakura", **options)
+
+
+@register("svd")
+def make_svd(**options: Any) -> LowRankCodec:
+    if options.get("q", 0.0) != 0.0:
+        raise CodecError("codec 'svd' is SAKURA with q = 0; use codec 'sakura' for q != 0")
+    return LowRankCodec("svd", **{**options, "q": 0.0})

@@ -1,0 +1,577 @@
+"""Pack format v1: one immutable file per template plus its JSON manifest (``FORMAT.md``).
+
+``write_pack`` encodes a :class:`~dit.cache.TemplateCache` shard by shard with a codec,
+profiles every configuration, and publishes ``<template>-<sha16>.pack`` and
+``<template>.manifest.json`` atomically (temp file, fsync, rename). ``PackReader`` checks
+magic, version, length and header checksum on open and unit checksums on every read;
+``decode_config`` turns the bytes of one configuration (as served by the shard endpoint)
+back into K/V tensors after verifying them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zstandard
+
+from codec.base import Codec, get_codec
+from codec.errors import PackError
+from codec.shards import ShardLayout, ShardSpec, check_layout, shard_data, shard_spec
+
+MAGIC = b"SAKP"
+VERSION = 1
+FORMAT = "sakura-pack"
+PREAMBLE = struct.Struct("<4sHHQI32s")  # magic, version, flags, pack bytes, header len, sha256
+ALIGN = 64
+FLAG_ZSTD_HEADER = 1  # the header JSON is zstd-compressed
+KNOWN_FLAGS = FLAG_ZSTD_HEADER
+FILE_FIELDS = ("pack_file", "pack_bytes", "pack_sha256")
+TEMPLATE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+QualityFn = Callable[[int, dict[str, Any], list[torch.Tensor]], "float | None"]
+"""``quality_fn(shard, params, decoded) -> output PSNR (dB) on the profiling requests``."""
+
+
+class PackTruncatedError(PackError):
+    """The file or response is shorter than its header says."""
+
+
+class PackCorruptError(PackError):
+    """A checksum does not match or the header is not valid."""
+
+
+class PackMagicError(PackError):
+    """The file does not start with the pack magic ``SAKP``."""
+
+
+class PackVersionError(PackError):
+    """The pack was written in a version this reader does not support."""
+
+
+# ---------------------------------------------------------------------------- manifest
+@dataclass
+class ConfigEntry:
+    id: int
+    params: dict[str, Any]
+    units: list[int]
+    ranges: list[list[int]]
+    bytes: int
+    quality: dict[str, float | None]
+    pareto: bool = False
+
+
+@dataclass
+class ShardEntry:
+    index: int
+    step: int
+    blocks: list[int]
+    compute_cost: float
+    configs: list[ConfigEntry]
+
+    def config(self, config_id: int) -> ConfigEntry:
+        for cfg in self.configs:
+            if cfg.id == config_id:
+                return cfg
+        raise PackError(f"shard {self.index} has no configuration {config_id}")
+
+
+GEOMETRY_KEYS = ("steps", "blocks", "tokens", "channels", "heads", "blocks_per_shard", "dtype")
+
+
+@dataclass
+class Manifest:
+    """Dataclass view of a pack manifest (see ``FORMAT.md``)."""
+
+    template_id: str
+    codec: str
+    codec_options: dict[str, Any]
+    geometry: dict[str, Any]
+    model: dict[str, Any]
+    fp16_bytes: int
+    stored_bytes: int
+    units: list[list[Any]]
+    shards: list[ShardEntry]
+    pack_file: str = ""
+    pack_bytes: int = 0
+    pack_sha256: str = ""
+    format: str = FORMAT
+    version: int = VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # -- conversions
+    def to_dict(self, embedded: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        order = ["format", "version", "template_id", "codec", "codec_options", *FILE_FIELDS,
+                 "geometry", "model", "fp16_bytes", "stored_bytes", "units", "shards"]
+        out = {k: d[k] for k in order}
+        out.update(extra)
+        if embedded:
+            for k in FILE_FIELDS:
+                out.pop(k)
+        return out
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, separators=None if indent else (",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], embedded: bool = False) -> Manifest:
+        if not isinstance(d, dict):
+            raise PackCorruptError("manifest must be a JSON object")
+        if d.get("format") != FORMAT:
+            raise PackCorruptError(f"not a SAKURA manifest: format {d.get('format')!r}")
+        if d.get("version") != VERSION:
+            raise PackVersionError(
+                f"unsupported manifest version {d.get('version')!r} (this reader supports {VERSION})"
+            )
+        need = ["template_id", "codec", "codec_options", "geometry", "model", "fp16_bytes",
+                "stored_bytes", "units", "shards"]
+        if not embedded:
+            need += list(FILE_FIELDS)
+        missing = [k for k in need if k not in d]
+        if missing:
+            raise PackCorruptError(f"manifest lacks {', '.join(missing)}")
+        try:
+            shards = [
+                ShardEntry(
+                    index=int(s["index"]),
+                    step=int(s["step"]),
+                    blocks=[int(b) for b in s["blocks"]],
+                    compute_cost=float(s.get("compute_cost", 1.0)),
+                    configs=[
+                        ConfigEntry(
+                            id=int(c["id"]),
+                            params=dict(c["params"]),
+                            units=[int(u) for u in c["units"]],
+                            ranges=[[int(o), int(n)] for o, n in c["ranges"]],
+                            bytes=int(c["bytes"]),
+                            quality=dict(c.get("quality", {})),
+                            pareto=bool(c.get("pareto", False)),
+                        )
+                        for c in s["configs"]
+                    ],
+                )
+                for s in d["shards"]
+            ]
+            known = set(need) | set(FILE_FIELDS) | {"format", "version"}
+            m = cls(
+                template_id=str(d["template_id"]),
+                codec=str(d["codec"]),
+                codec_options=dict(d["codec_options"]),
+                geometry=dict(d["geometry"]),
+                model=dict(d["model"]),
+                fp16_bytes=int(d["fp16_bytes"]),
+                stored_bytes=int(d["stored_bytes"]),
+                units=[[int(u[0]), int(u[1]), str(u[2])] for u in d["units"]],
+                shards=shards,
+                pack_file=str(d.get("pack_file", "")),
+                pack_bytes=int(d.get("pack_bytes", 0)),
+                pack_sha256=str(d.get("pack_sha256", "")),
+                extra={k: v for k, v in d.items() if k not in known},
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise PackCorruptError(f"malformed manifest: {exc!r}") from None
+        m.validate(embedded=embedded)
+        return m
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PackCorruptError(f"manifest is not valid JSON: {exc}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Manifest:
+        try:
+            return cls.from_json(Path(path).read_bytes())
+        except OSError as exc:
+            raise PackError(f"cannot read manifest {path}: {exc.strerror}") from None
+
+    # -- checks and helpers
+    def validate(self, embedded: bool = False) -> None:
+        """Raise :class:`PackCorruptError` (with the reason) if the manifest is inconsistent."""
+
+        def bad(msg: str) -> PackCorruptError:
+            return PackCorruptError(f"invalid manifest for {self.template_id!r}: {msg}")
+
+        if not TEMPLATE_ID.match(self.template_id):
+            raise bad("template_id must be 1-128 of [A-Za-z0-9._-], not starting with . - _")
+        missing = [k for k in GEOMETRY_KEYS if k not in self.geometry]
+        if missing:
+            raise bad(f"geometry lacks {', '.join(missing)}")
+        try:
+            layout = self.layout()
+        except Exception as exc:  # noqa: BLE001 - report any layout problem the same way
+            raise bad(f"geometry: {exc}") from None
+        if len(self.shards) != layout.num_shards:
+            raise bad(f"{len(self.shards)} shards, geometry implies {layout.num_shards}")
+        prev_end = 0
+        for i, (off, length, digest) in enumerate(self.units):
+            if off < prev_end or length < 0 or not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise bad(f"unit {i} [{off}, {length}] overlaps, is negative or lacks a sha256")
+            prev_end = off + length
+        if not embedded and self.pack_bytes and prev_end > self.pack_bytes:
+            raise bad(f"units end at {prev_end} beyond pack_bytes {self.pack_bytes}")
+        for i, s in enumerate(self.shards):
+            step, blocks = layout.blocks_of(i)
+            if s.index != i or s.step != step or s.blocks != blocks:
+                raise bad(f"shard {i} is (index {s.index}, step {s.step}, blocks {s.blocks}), "
+                          f"expected step {step} blocks {blocks}")
+            ids = set()
+            for c in s.configs:
+                if c.id in ids:
+                    raise bad(f"shard {i} repeats configuration id {c.id}")
+                ids.add(c.id)
+                if not c.units or c.units != sorted(set(c.units)) or c.units[-1] >= len(self.units):
+                    raise bad(f"shard {i} config {c.id} has bad units {c.units}")
+                if c.ranges != merge_ranges([self.units[u][:2] for u in c.units]):
+                    raise bad(f"shard {i} config {c.id}: ranges do not match its units")
+                if c.bytes != sum(n for _, n in c.ranges):
+                    raise bad(f"shard {i} config {c.id}: bytes != sum of range lengths")
+
+    def layout(self) -> ShardLayout:
+        g = self.geometry
+        return ShardLayout(int(g["steps"]), int(g["blocks"]), int(g["blocks_per_shard"]))
+
+    def spec(self, shard: int) -> ShardSpec:
+        g = self.geometry
+        return shard_spec(self.layout(), shard, int(g["tokens"]), int(g["channels"]))
+
+    def shard(self, index: int) -> ShardEntry:
+        if not 0 <= index < len(self.shards):
+            raise PackError(f"no shard {index} (pack has {len(self.shards)})")
+        return self.shards[index]
+
+    def shard_fp16_bytes(self, index: int) -> int:
+        g = self.geometry
+        return 2 * len(self.shard(index).blocks) * int(g["tokens"]) * int(g["channels"]) * 2
+
+    def make_codec(self) -> Codec:
+        return get_codec(self.codec, **self.codec_options)
+
+
+def merge_ranges(spans: list[list[int]] | list[tuple[int, int]]) -> list[list[int]]:
+    """Merge ``(offset, length)`` spans that touch, in order."""
+    out: list[list[int]] = []
+    for off, length in spans:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1][1] += length
+        else:
+            out.append([int(off), int(length)])
+    return out
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def manifest_path(path_dir: str | Path, template_id: str) -> Path:
+    return Path(path_dir) / f"{template_id}.manifest.json"
+
+
+# ---------------------------------------------------------------------------- writing
+def write_pack(
+    path_dir: str | Path,
+    template_id: str,
+    cache: Any,
+    codec: Codec,
+    *,
+    blocks_per_shard: int = 2,
+    model: dict[str, Any] | None = None,
+    compute_cost: list[float] | None = None,
+    quality_fn: QualityFn | None = None,
+    profile_floor: float | None = None,
+) -> Manifest:
+    """Encode ``cache`` with ``codec`` and publish the pack and its manifest in ``path_dir``.
+
+    ``quality_fn(shard, params, decoded)`` (optional, from the builder that owns the model)
+    returns the output PSNR of the profiling requests with that shard decoded; without it
+    ``psnr_db`` is null and the Pareto front uses the weighted error. Returns the manifest;
+    the files are ``<template_id>-<sha256[:16]>.pack`` and ``<template_id>.manifest.json``.
+    """
+    from codec.profile import mark_pareto, profile_config
+
+    if not TEMPLATE_ID.match(template_id):
+        raise PackError(
+            f"bad template id {template_id!r}: use 1-128 characters of [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    layout = ShardLayout(cache.steps, cache.blocks, blocks_per_shard)
+    check_layout(cache, layout)
+    if compute_cost is not None and len(compute_cost) != layout.num_shards:
+        raise PackError(f"compute_cost has {len(compute_cost)} entries, need {layout.num_shards}")
+    out_dir = Path(path_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    units: list[list[Any]] = []  # offsets relative to the data section for now
+    shards: list[ShardEntry] = []
+    data_pos = 0
+    spool = tempfile.TemporaryFile(dir=out_dir)
+    try:
+        for i in range(layout.num_shards):
+            sd = shard_data(cache, layout, i)
+            enc = codec.encode_shard(sd)
+            base = len(units)
+            for blob in enc.units:
+                spool.write(blob)
+                units.append([data_pos, len(blob), sha256_hex(blob)])
+                data_pos += len(blob)
+            configs = []
+            for j, cfg in enumerate(enc.configs):
+                quality = profile_config(codec, sd, enc, j, quality_fn, floor=profile_floor)
+                configs.append(ConfigEntry(
+                    id=j, params=cfg.params, units=[base + u for u in cfg.units], ranges=[],
+                    bytes=enc.config_bytes(j), quality=quality))
+            mark_pareto(configs)
+            shards.append(ShardEntry(
+                index=i, step=sd.spec.step, blocks=list(sd.spec.blocks),
+                compute_cost=float(compute_cost[i]) if compute_cost else 1.0, configs=configs))
+        manifest = Manifest(
+            template_id=template_id,
+            codec=codec.name,
+            codec_options=codec.options,
+            geometry={"steps": cache.steps, "blocks": cache.blocks, "tokens": cache.tokens,
+                      "channels": cache.channels, "heads": int(cache.num_heads),
+                      "blocks_per_shard": blocks_per_shard, "dtype": "fp16"},
+            model=dict(model or {}),
+            fp16_bytes=int(cache.fp16_bytes()),
+            stored_bytes=data_pos,
+            units=units,
+            shards=shards,
+        )
+        header, data_offset = _layout_header(manifest)
+        pack_bytes = data_offset + data_pos
+        preamble = PREAMBLE.pack(MAGIC, VERSION, FLAG_ZSTD_HEADER, pack_bytes, len(header),
+                                 hashlib.sha256(header).digest())
+        digest = hashlib.sha256()
+        fd, tmp_name = tempfile.mkstemp(dir=out_dir, prefix=f".{template_id}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for chunk in (preamble, header, b"\0" * (data_offset - PREAMBLE.size - len(header))):
+                    f.write(chunk)
+                    digest.update(chunk)
+                spool.seek(0)
+                while chunk := spool.read(1 << 20):
+                    f.write(chunk)
+                    digest.update(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            sha = digest.hexdigest()
+            pack_name = f"{template_id}-{sha[:16]}.pack"
+            os.replace(tmp_name, out_dir / pack_name)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+    finally:
+        spool.close()
+    manifest.pack_file = pack_name
+    manifest.pack_bytes = pack_bytes
+    manifest.pack_sha256 = sha
+    manifest.validate()
+    _atomic_write(manifest_path(out_dir, template_id), manifest.to_json(indent=1).encode())
+    _fsync_dir(out_dir)
+    return manifest
+
+
+def _layout_header(manifest: Manifest) -> tuple[bytes, int]:
+    """Fix unit offsets to absolute file offsets; returns (header JSON, data offset)."""
+    rel = [list(u) for u in manifest.units]
+    data_offset = _align(PREAMBLE.size + 1024)
+    while True:
+        manifest.units = [[o + data_offset, n, h] for o, n, h in rel]
+        for s in manifest.shards:
+            for c in s.configs:
+                c.ranges = merge_ranges([manifest.units[u][:2] for u in c.units])
+                c.bytes = sum(n for _, n in c.ranges)
+        text = json.dumps(manifest.to_dict(embedded=True), separators=(",", ":")).encode()
+        header = zstandard.ZstdCompressor(level=19).compress(text)
+        need = _align(PREAMBLE.size + len(header))
+        if need <= data_offset:
+            return header, data_offset
+        data_offset = need
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- reading
+class PackReader:
+    """Random access to a pack file with validation.
+
+    Opening checks the magic, version, declared length and header checksum; every read of
+    a unit checks that unit's sha256; :meth:`verify` checks everything, including the
+    whole-file hash against an expected value.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._f = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+        except OSError as exc:
+            raise PackError(f"cannot open pack {self.path}: {exc.strerror}") from None
+        try:
+            self.manifest = self._open()
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _open(self) -> Manifest:
+        size = os.fstat(self._f.fileno()).st_size
+        pre = self._f.read(PREAMBLE.size)
+        if len(pre) >= 4 and pre[:4] != MAGIC:
+            raise PackMagicError(f"{self.path} is not a SAKURA pack (magic {pre[:4]!r}, "
+                                 f"expected {MAGIC!r})")
+        if len(pre) < PREAMBLE.size:
+            raise PackTruncatedError(f"{self.path}: truncated ({size} bytes, shorter than "
+                                     f"the {PREAMBLE.size}-byte preamble)")
+        magic, version, flags, pack_bytes, header_len, header_sha = PREAMBLE.unpack(pre)
+        if version != VERSION:
+            raise PackVersionError(f"{self.path}: pack version {version} is not supported "
+                                   f"(this reader supports version {VERSION})")
+        if flags & ~KNOWN_FLAGS:
+            raise PackVersionError(f"{self.path}: unknown pack flags {flags:#x}")
+        if size < pack_bytes:
+            raise PackTruncatedError(f"{self.path}: truncated ({size} of {pack_bytes} bytes)")
+        if size > pack_bytes:
+            raise PackCorruptError(f"{self.path}: {size - pack_bytes} bytes beyond the pack end")
+        if PREAMBLE.size + header_len > pack_bytes:
+            raise PackCorruptError(f"{self.path}: header length {header_len} exceeds the file")
+        header = self._f.read(header_len)
+        if hashlib.sha256(header).digest() != header_sha:
+            raise PackCorruptError(f"{self.path}: header checksum mismatch (corrupted pack)")
+        try:
+            if flags & FLAG_ZSTD_HEADER:
+                header = zstandard.ZstdDecompressor().decompress(header, max_output_size=1 << 30)
+            d = json.loads(header)
+        except (json.JSONDecodeError, UnicodeDecodeError, zstandard.ZstdError) as exc:
+            raise PackCorruptError(f"{self.path}: header is not JSON: {exc}") from None
+        m = Manifest.from_dict(d, embedded=True)
+        m.pack_file = self.path.name
+        m.pack_bytes = pack_bytes
+        if m.units and m.units[-1][0] + m.units[-1][1] > pack_bytes:
+            raise PackCorruptError(f"{self.path}: units extend beyond the file")
+        return m
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> PackReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_range(self, offset: int, length: int) -> bytes:
+        self._f.seek(offset)
+        data = self._f.read(length)
+        if len(data) != length:
+            raise PackTruncatedError(f"{self.path}: short read at {offset} (+{length})")
+        return data
+
+    def read_unit(self, index: int) -> bytes:
+        if not 0 <= index < len(self.manifest.units):
+            raise PackError(f"no unit {index} in {self.path}")
+        off, length, digest = self.manifest.units[index]
+        data = self.read_range(off, length)
+        if sha256_hex(data) != digest:
+            raise PackCorruptError(f"{self.path}: unit {index} checksum mismatch (corrupted pack)")
+        return data
+
+    def read_config(self, shard: int, config_id: int) -> bytes:
+        """The bytes the shard endpoint serves: the config's ranges, concatenated, verified."""
+        cfg = self.manifest.shard(shard).config(config_id)
+        return b"".join(self.read_unit(u) for u in cfg.units)
+
+    def file_sha256(self) -> str:
+        h = hashlib.sha256()
+        self._f.seek(0)
+        while chunk := self._f.read(1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
+
+    def verify(self, expected_sha256: str | None = None) -> None:
+        """Check every unit; with ``expected_sha256`` also the whole file."""
+        for i in range(len(self.manifest.units)):
+            self.read_unit(i)
+        if expected_sha256 is not None and self.file_sha256() != expected_sha256:
+            raise PackCorruptError(f"{self.path}: file sha256 does not match the manifest")
+
+
+def open_pack(path_dir: str | Path, template_id: str) -> tuple[Manifest, PackReader]:
+    """Load ``<template_id>.manifest.json`` and open the pack it names (checked together)."""
+    manifest = Manifest.load(manifest_path(path_dir, template_id))
+    reader = PackReader(Path(path_dir) / manifest.pack_file)
+    if reader.manifest.pack_bytes != manifest.pack_bytes or reader.manifest.units != manifest.units:
+        reader.close()
+        raise PackCorruptError(f"{manifest.pack_file} does not match its manifest")
+    return manifest, reader
+
+
+def verify_config_bytes(manifest: Manifest, shard: int, config_id: int, data: bytes) -> None:
+    """Raise :class:`PackError` unless ``data`` is exactly the config's verified bytes."""
+    cfg = manifest.shard(shard).config(config_id)
+    if len(data) != cfg.bytes:
+        kind = PackTruncatedError if len(data) < cfg.bytes else PackCorruptError
+        raise kind(f"shard {shard} config {config_id}: got {len(data)} bytes, "
+                   f"expected {cfg.bytes}")
+    pos = 0
+    for u in cfg.units:
+        _, length, digest = manifest.units[u]
+        if sha256_hex(data[pos : pos + length]) != digest:
+            raise PackCorruptError(f"shard {shard} config {config_id}: unit {u} checksum "
+                                   "mismatch (corrupted response)")
+        pos += length
+
+
+def decode_config(
+    manifest: Manifest,
+    shard: int,
+    config_id: int,
+    data: bytes,
+    codec: Codec | None = None,
+) -> list[torch.Tensor]:
+    """Verify and decode one configuration's bytes into the shard's ``[N, C]`` tensors
+    (block0 K, block0 V, block1 K, ...)."""
+    verify_config_bytes(manifest, shard, config_id, data)
+    codec = codec or manifest.make_codec()
+    cfg = manifest.shard(shard).config(config_id)
+    return codec.decode(cfg.params, data, manifest.spec(shard))
