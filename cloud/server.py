@@ -415,11 +415,15 @@ def _resolve(state: ServerState, template_id: str, codec: str, pinned: str | Non
             bool(pinned),
         )
     if pinned:
-        raise ApiError(
-            404,
-            f"pack version {pinned!r} of {template_id}/{codec} is not available (superseded and collected); fetch the current manifest",
-        )
+        raise ApiError(404, _gone(template_id, codec, pinned))
     raise ApiError(500, f"the manifest of {template_id}/{codec} is missing from storage")
+
+
+def _gone(template_id: str, codec: str, pack_file: str) -> str:
+    return (
+        f"pack version {pack_file!r} of {template_id}/{codec} is not available "
+        "(superseded and collected); fetch the current manifest"
+    )
 
 
 def _cache_control(state: ServerState, immutable: bool) -> str:
@@ -448,6 +452,10 @@ def _open_pack(state: ServerState, resolved: Resolved) -> ObjectReader:
     try:
         reader = state.storage.open(resolved.pack_key)
     except ObjectNotFound as exc:
+        if resolved.pinned:
+            raise ApiError(
+                404, _gone(resolved.template_id, resolved.codec, resolved.index.pack_file)
+            ) from exc
         log.error("pack %s is missing", resolved.pack_key)
         raise ApiError(
             500, f"the pack of {resolved.template_id}/{resolved.codec} is missing from storage"
