@@ -16,7 +16,19 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_kv(args: argparse.Namespace) -> int:
+    from dit.bench_kv import main
+
+    return main(args.json, args.quick, args.template)
+
+
 def register(commands, bench) -> None:
+    b = bench.add_parser("kv", help="KV reuse: masked vs full, reference cache, text KV, offload")
+    b.add_argument("--json", metavar="PATH", help="write the result JSON here")
+    b.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 60 s)")
+    b.add_argument("--template", default="face-technologist")
+    b.set_defaults(func=_bench_kv)
+
     p = commands.add_parser("train", help="train the default MMDiT on the emoji data (resumable)")
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--batch-size", type=int, default=32)
