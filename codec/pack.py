@@ -1,7 +1,7 @@
 """Pack format v1: one immutable file per template plus its JSON manifest (``FORMAT.md``).
 
 ``write_pack`` encodes a :class:`~dit.cache.TemplateCache` shard by shard with a codec,
-profiles every configuration, and publishes ``<template>-<sha16>.pack`` and
+profiles every configuration, and publishes ``<codec>-<sha16>.pack`` and
 ``<template>.manifest.json`` atomically (temp file, fsync, rename). ``PackReader`` checks
 magic, version, length and header checksum on open and unit checksums on every read;
 ``decode_config`` turns the bytes of one configuration (as served by the shard endpoint)
@@ -36,7 +36,7 @@ ALIGN = 64
 FLAG_ZSTD_HEADER = 1  # the header JSON is zstd-compressed
 KNOWN_FLAGS = FLAG_ZSTD_HEADER
 FILE_FIELDS = ("pack_file", "pack_bytes", "pack_sha256")
-TEMPLATE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+TEMPLATE_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # as dit's catalog and cloud's layout
 
 QualityFn = Callable[[int, dict[str, Any], list[torch.Tensor]], "float | None"]
 """``quality_fn(shard, params, decoded) -> output PSNR (dB) on the profiling requests``."""
@@ -207,7 +207,7 @@ class Manifest:
             return PackCorruptError(f"invalid manifest for {self.template_id!r}: {msg}")
 
         if not TEMPLATE_ID.match(self.template_id):
-            raise bad("template_id must be 1-128 of [A-Za-z0-9._-], not starting with . - _")
+            raise bad(f"template_id must match {TEMPLATE_ID.pattern}")
         missing = [k for k in GEOMETRY_KEYS if k not in self.geometry]
         if missing:
             raise bad(f"geometry lacks {', '.join(missing)}")
@@ -299,13 +299,13 @@ def write_pack(
     ``quality_fn(shard, params, decoded)`` (optional, from the builder that owns the model)
     returns the output PSNR of the profiling requests with that shard decoded; without it
     ``psnr_db`` is null and the Pareto front uses the weighted error. Returns the manifest;
-    the files are ``<template_id>-<sha256[:16]>.pack`` and ``<template_id>.manifest.json``.
+    the files are ``<codec>-<sha256[:16]>.pack`` and ``<template_id>.manifest.json``.
     """
     from codec.profile import mark_pareto, profile_config
 
     if not TEMPLATE_ID.match(template_id):
         raise PackError(
-            f"bad template id {template_id!r}: use 1-128 characters of [A-Za-z0-9._-], "
+            f"bad template id {template_id!r}: use 1-64 characters of [a-z0-9_-], "
             "starting with a letter or digit"
         )
     layout = ShardLayout(cache.steps, cache.blocks, blocks_per_shard)
@@ -369,7 +369,7 @@ def write_pack(
                 f.flush()
                 os.fsync(f.fileno())
             sha = digest.hexdigest()
-            pack_name = f"{template_id}-{sha[:16]}.pack"
+            pack_name = f"{codec.name}-{sha[:16]}.pack"
             os.replace(tmp_name, out_dir / pack_name)
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)

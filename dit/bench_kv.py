@@ -73,8 +73,9 @@ def run_bench(quick: bool = False, template_id: str = "face-technologist",
     for ratio in (0.10, 0.40):
         t = replace(tpl, mask=box_mask(tpl.size, model.cfg.patch_size, ratio))
         r = template_run(model, t)
-        masked = _median_time(lambda: cached_edit(model, t, r.geometry, r.cache, req), repeats)
-        full = _median_time(lambda: full_edit(model, t, req), repeats)
+        masked = _median_time(
+            lambda t=t, r=r: cached_edit(model, t, r.geometry, r.cache, req), repeats)
+        full = _median_time(lambda t=t: full_edit(model, t, req), repeats)
         key = f"{int(ratio * 100)}pct"
         out[f"masked_time_s_{key}"] = masked
         out[f"full_time_s_{key}"] = full
