@@ -14,10 +14,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cloud.build import DEFAULT_CODECS
 from cloud.errors import ServeConfigError
 
 
 def register(commands: Any, bench: Any) -> None:
+    build = commands.add_parser(
+        "build",
+        help="build and atomically publish template packs for a catalog",
+        description="Template run + importance profiling, encode every codec, publish.",
+    )
+    build.add_argument("catalog", nargs="?", help="catalog.json or its folder (default: shipped)")
+    build.add_argument("--out", default="packs", help="published catalog directory")
+    build.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated")
+    build.add_argument("--templates", default="", help="comma-separated ids (default: all)")
+    build.add_argument("--weights", help="model weights (default: the shipped model)")
+    build.add_argument("--blocks-per-shard", type=int, default=2)
+    build.add_argument("--resolution", type=int, help="build at this resolution (ids get -RES)")
+    build.add_argument("--force", action="store_true", help="rebuild unchanged templates too")
+    build.set_defaults(func=_build)
+
     serve = commands.add_parser(
         "serve",
         help="serve a published template catalog over HTTP (FastAPI + uvicorn)",
@@ -51,6 +67,20 @@ def register(commands: Any, bench: Any) -> None:
     )
     bench_serve.add_argument("--duration", type=float, help="seconds of measured load per server")
     bench_serve.set_defaults(func=_bench_serve)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from cloud.build import BuildConfig, build
+
+    cfg = BuildConfig(
+        catalog=args.catalog, out_dir=args.out,
+        codecs=tuple(c for c in args.codecs.split(",") if c),
+        templates=tuple(t for t in args.templates.split(",") if t), weights=args.weights,
+        blocks_per_shard=args.blocks_per_shard, resolution=args.resolution, force=args.force)
+    report = build(cfg)
+    print(json.dumps({"built": report.built, "skipped": report.skipped,
+                      "seconds": {k: round(v, 1) for k, v in report.seconds.items()}}))
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
