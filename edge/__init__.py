@@ -1,0 +1,9 @@
+"""SAKURA on-device runtime: fetch a template's compressed KV cache shard by shard and edit.
+
+Modules: :mod:`edge.client` (aiohttp pack client: manifest, shard bodies, verification,
+retry and resume), :mod:`edge.monitor` (bandwidth and execution-progress bookkeeping),
+:mod:`edge.allocator` (per-shard configuration choice and the policy registry),
+:mod:`edge.pipeline` (receive -> reconstruct -> execute with bounded buffers and a per-shard
+timeline), :mod:`edge.runtime` (one edit end to end), :mod:`edge.bench` and
+:mod:`edge.cli` (``sakura edit``, ``sakura bench edit``).
+"""

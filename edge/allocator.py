@@ -1,0 +1,285 @@
+"""Per-shard choice of representation, and the registry of policies that use it.
+
+Before each shard the runtime computes a window (see :mod:`edge.monitor`): the time left to
+receive the shard before execution needs it. An allocator turns (window, rate estimate,
+per-request latency) into a byte budget and picks a configuration of that shard from the
+manifest's profiled table. Allocators are pure: ``choose(shard, window_s, rate_bps)``
+depends only on its arguments and the table, so they are unit-tested with scripted
+arrivals.
+
+Quality of a configuration, highest first: ``quality.psnr_db`` (output PSNR on profiling
+requests) when every candidate of the shard has it, else ``-quality.weighted_err``, else
+the byte size (more bytes, better). Only the profiled non-dominated (``pareto``)
+configurations are candidates, unless a shard marks none.
+
+Policies (:data:`POLICIES`) name a pack (codec) and an allocator:
+
+============================ ======== ============================================================
+policy                       codec    choice per shard
+============================ ======== ============================================================
+``sakura``                   sakura   highest quality that fits rate x window (adaptive r and b)
+``svd``                      svd      same, plain SVD pack (q = 0)
+``intq``                     intq     same, uniform integer quantization (adaptive bitwidth)
+``cachegen``                 cachegen same, CacheGen-DiT quality levels
+``fp16``                     fp16     the only configuration (raw FP16 cache)
+``sakura-fixed-config``      sakura   one (rank, bits) for every shard, from the median-rate
+                                      budget (no shard adaptation)
+``sakura-fixed-bits``        sakura   adaptive rank, bits fixed (default 4)
+``local``                    --       no cache: the whole model on the device
+============================ ======== ============================================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from edge.errors import EdgeError
+
+
+@dataclass(frozen=True)
+class ConfigOption:
+    """One configuration of one shard as the allocator sees it."""
+
+    id: int
+    nbytes: int
+    params: Mapping[str, Any]
+    psnr_db: float | None = None
+    weighted_err: float | None = None
+    pareto: bool = True
+
+    @property
+    def bits(self) -> int | None:
+        b = self.params.get("bits")
+        return int(b) if b is not None else None
+
+    @property
+    def uniform(self) -> bool:
+        """Every stored component at the same precision (False for mixed-precision)."""
+        ranks = [int(r) for r in self.params.get("ranks", []) if int(r) > 0]
+        return all(r == ranks[0] for r in ranks)
+
+    def params_key(self) -> tuple:
+        return tuple(sorted((k, _freeze(v)) for k, v in self.params.items()))
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+@dataclass
+class ShardOptions:
+    """The candidate configurations of one shard, best quality first."""
+
+    shard: int
+    options: list[ConfigOption]
+    compute_cost: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.options:
+            raise EdgeError(f"shard {self.shard} has no configurations in the manifest")
+        self.options = rank_by_quality(self.options)
+
+    def by_id(self, config: int) -> ConfigOption:
+        for o in self.options:
+            if o.id == config:
+                return o
+        raise EdgeError(f"shard {self.shard} has no configuration {config}")
+
+    @property
+    def smallest(self) -> ConfigOption:
+        return min(self.options, key=lambda o: (o.nbytes, -self.options.index(o)))
+
+    @property
+    def best(self) -> ConfigOption:
+        return self.options[0]
+
+    def filtered(self, keep: Callable[[ConfigOption], bool]) -> ShardOptions:
+        kept = [o for o in self.options if keep(o)]
+        if not kept:
+            raise EdgeError(f"shard {self.shard}: no configuration matches the policy")
+        return ShardOptions(self.shard, kept, self.compute_cost)
+
+
+def rank_by_quality(options: list[ConfigOption]) -> list[ConfigOption]:
+    """Best first (see the module docstring); ties: fewer bytes first."""
+    if all(o.psnr_db is not None and math.isfinite(o.psnr_db) for o in options):
+        return sorted(options, key=lambda o: (-o.psnr_db, o.weighted_err or 0.0, o.nbytes))
+    if all(o.weighted_err is not None for o in options):
+        return sorted(options, key=lambda o: (o.weighted_err, o.nbytes))
+    return sorted(options, key=lambda o: -o.nbytes)
+
+
+def options_from_manifest(manifest: Mapping[str, Any], pareto_only: bool = True
+                          ) -> list[ShardOptions]:
+    """The per-shard candidate tables of a pack manifest, in shard (execution) order."""
+    shards = sorted(manifest.get("shards", []), key=lambda s: int(s["index"]))
+    if [int(s["index"]) for s in shards] != list(range(len(shards))) or not shards:
+        raise EdgeError("the manifest's shards are not numbered 0..n-1")
+    out = []
+    for s in shards:
+        opts = []
+        for c in s["configs"]:
+            q = c.get("quality") or {}
+            opts.append(ConfigOption(
+                id=int(c["id"]), nbytes=int(c["bytes"]), params=dict(c.get("params") or {}),
+                psnr_db=_float(q.get("psnr_db")), weighted_err=_float(q.get("weighted_err")),
+                pareto=bool(c.get("pareto", True))))
+        if pareto_only and any(o.pareto for o in opts):
+            opts = [o for o in opts if o.pareto]
+        out.append(ShardOptions(int(s["index"]), opts, float(s.get("compute_cost", 1.0))))
+    return out
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return None if v is None else float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------- allocators
+
+
+def budget_bytes(window_s: float, rate_bps: float, latency_s: float = 0.0,
+                 safety: float = 1.0) -> float:
+    """Bytes that fit in the window at the estimated rate after the request latency."""
+    if not (rate_bps > 0 and math.isfinite(rate_bps)):
+        return 0.0
+    return max(0.0, window_s - latency_s) * rate_bps / 8.0 * safety
+
+
+class Allocator(Protocol):
+    """Chooses the configuration of a shard from its window and the rate estimate."""
+
+    name: str
+
+    def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
+        ...
+
+
+@dataclass
+class AdaptiveAllocator:
+    """Highest-quality configuration whose bytes fit ``rate x (window - latency) x safety``;
+    the smallest one when none fits."""
+
+    tables: list[ShardOptions]
+    latency_s: float = 0.0
+    safety: float = 0.9
+    name: str = "adaptive"
+
+    def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
+        table = self.tables[shard]
+        budget = budget_bytes(window_s, rate_bps, self.latency_s, self.safety)
+        for opt in table.options:  # best first
+            if opt.nbytes <= budget:
+                return opt.id
+        return table.smallest.id
+
+
+@dataclass
+class FixedAllocator:
+    """A precomputed configuration per shard, whatever the window."""
+
+    configs: list[int]
+    name: str = "fixed"
+
+    def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
+        return self.configs[shard]
+
+
+def fixed_config(tables: list[ShardOptions], exec_s: list[float], budget_rate_bps: float,
+                 safety: float = 0.9) -> FixedAllocator:
+    """One parameter set (e.g. rank and bits) for every shard: the best quality whose mean
+    bytes per shard fit the budget of the median rate over the mean shard execution time
+    (the steady-state window); the smallest common one when none fits."""
+    common: dict[tuple, list[ConfigOption]] = {}
+    for t in tables:
+        for o in t.options:
+            if o.uniform:
+                common.setdefault(o.params_key(), []).append(o)
+    common = {k: v for k, v in common.items() if len(v) == len(tables)}
+    if not common:
+        raise EdgeError("no configuration (same parameters) is offered by every shard")
+    budget = budget_bytes(sum(exec_s) / len(exec_s), budget_rate_bps, 0.0, safety)
+
+    def quality(opts: list[ConfigOption]) -> tuple:
+        if all(o.psnr_db is not None for o in opts):
+            return (sum(o.psnr_db for o in opts) / len(opts),)
+        if all(o.weighted_err is not None for o in opts):
+            return (-sum(o.weighted_err for o in opts) / len(opts),)
+        return (sum(o.nbytes for o in opts),)
+
+    def mean_bytes(opts: list[ConfigOption]) -> float:
+        return sum(o.nbytes for o in opts) / len(opts)
+
+    fitting = [v for v in common.values() if mean_bytes(v) <= budget]
+    chosen = (max(fitting, key=lambda v: (quality(v), -mean_bytes(v))) if fitting
+              else min(common.values(), key=mean_bytes))
+    return FixedAllocator([o.id for o in chosen], name="fixed-config")
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may use to build its allocator for one edit."""
+
+    tables: list[ShardOptions]
+    exec_s: list[float]
+    latency_s: float = 0.0
+    budget_rate_bps: float | None = None  # the median rate (fixed-config ablation)
+    safety: float = 0.9
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A system under test: which pack it streams and how it chooses per shard."""
+
+    name: str
+    codec: str | None  # None: no network (local)
+    build: Callable[[PolicyContext], Allocator] | None
+    description: str
+
+
+def _adaptive(ctx: PolicyContext) -> Allocator:
+    return AdaptiveAllocator(ctx.tables, ctx.latency_s, ctx.safety, name="adaptive")
+
+
+def _fixed_bits(ctx: PolicyContext) -> Allocator:
+    bits = int(ctx.options.get("bits", 4))
+    tables = [t.filtered(lambda o: o.bits == bits and o.uniform) for t in ctx.tables]
+    return AdaptiveAllocator(tables, ctx.latency_s, ctx.safety, name=f"fixed-bits-{bits}")
+
+
+def _fixed_config(ctx: PolicyContext) -> Allocator:
+    if ctx.budget_rate_bps is None:
+        raise EdgeError("sakura-fixed-config needs a budget rate (the trace's median rate)")
+    return fixed_config(ctx.tables, ctx.exec_s, ctx.budget_rate_bps, ctx.safety)
+
+
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy("sakura", "sakura", _adaptive, "SAKURA: adaptive rank and bits per shard"),
+        Policy("local", None, None, "whole model on the device, no cache"),
+        Policy("fp16", "fp16", _adaptive, "stream the raw FP16 cache"),
+        Policy("intq", "intq", _adaptive, "uniform integer quantization, adaptive bitwidth"),
+        Policy("cachegen", "cachegen", _adaptive, "CacheGen adapted to DiT, adaptive level"),
+        Policy("svd", "svd", _adaptive, "plain SVD (q = 0), adaptive rank and bits"),
+        Policy("sakura-fixed-config", "sakura", _fixed_config,
+               "ablation: one (rank, bits) for all shards from the median-rate budget"),
+        Policy("sakura-fixed-bits", "sakura", _fixed_bits,
+               "ablation: adaptive rank, fixed bitwidth"),
+    )
+}
+
+
+def get_policy(name: str) -> Policy:
+    if name not in POLICIES:
+        raise EdgeError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[name]

@@ -1,0 +1,17 @@
+"""Edge runtime errors: user-facing subclasses of :class:`sakura.errors.SakuraError`."""
+
+from __future__ import annotations
+
+from sakura.errors import SakuraError
+
+
+class EdgeError(SakuraError):
+    """The edge runtime cannot complete an edit (server unreachable, bad pack, bad input)."""
+
+
+class ServerUnreachable(EdgeError):
+    """No response from the server after all retries."""
+
+
+class IntegrityError(EdgeError):
+    """A shard body kept failing verification (checksum) after all refetches."""

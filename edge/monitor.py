@@ -1,0 +1,214 @@
+"""Bandwidth and execution-progress bookkeeping for the allocator.
+
+:class:`BandwidthMonitor` keeps one sample per shard transfer (bytes, request start, first
+body byte, end) and estimates throughput as the harmonic mean of the last ``k`` body rates,
+as adaptive video streaming does (robust to short bursts that overstate the rate), plus the
+per-request latency (median of recent times to first byte).
+
+:class:`ExecutionProgress` knows the measured execution time of every shard (a calibration,
+corrected online by the ratio of measured to predicted times), when each shard arrived,
+was reconstructed and executed. From that it predicts when execution will reach a shard:
+its *deadline*. The allocator's window for shard ``j`` is ``deadline_j - now`` minus the
+expected reconstruction time: the nominal slot (the execution time of shard ``j - 1``, the
+time it is received in while ``j - 1`` executes) plus the *carry-over*, the time by which
+earlier shards arrived ahead of their deadlines.
+
+All times are seconds on one monotonic clock (the runtime uses ``time.monotonic()``).
+Both classes are thread-safe: the pipeline's stages report from different threads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from dataclasses import dataclass
+
+MIN_BODY_S = 1e-3  # floor of a body duration when computing a rate
+
+
+@dataclass(frozen=True)
+class TransferSample:
+    """One completed transfer (a shard body, or the manifest)."""
+
+    shard: int | None
+    nbytes: int
+    start: float
+    first_byte: float
+    end: float
+
+    @property
+    def latency_s(self) -> float:
+        return max(0.0, self.first_byte - self.start)
+
+    @property
+    def body_s(self) -> float:
+        return max(MIN_BODY_S, self.end - self.first_byte)
+
+    @property
+    def rate_bps(self) -> float:
+        """Body throughput in bits per second."""
+        return 8.0 * self.nbytes / self.body_s
+
+
+class BandwidthMonitor:
+    """Throughput and latency estimates from recent transfers."""
+
+    def __init__(self, k: int = 5, initial_bps: float | None = None,
+                 min_sample_bytes: int = 1) -> None:
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        self.k = k
+        self.initial_bps = initial_bps
+        self.min_sample_bytes = min_sample_bytes
+        self.samples: list[TransferSample] = []
+        self._lock = threading.Lock()
+
+    def record(self, shard: int | None, nbytes: int, start: float, first_byte: float,
+               end: float) -> TransferSample:
+        sample = TransferSample(shard, int(nbytes), float(start), float(first_byte), float(end))
+        with self._lock:
+            self.samples.append(sample)
+        return sample
+
+    def _recent(self) -> list[TransferSample]:
+        with self._lock:
+            usable = [s for s in self.samples if s.nbytes >= self.min_sample_bytes]
+        return usable[-self.k:]
+
+    def estimate_bps(self) -> float | None:
+        """Harmonic mean of the last ``k`` body rates (None before any sample and no prior)."""
+        recent = self._recent()
+        if not recent:
+            return self.initial_bps
+        return len(recent) / sum(1.0 / s.rate_bps for s in recent)
+
+    def latency_s(self) -> float:
+        """Median time to first byte of the last ``k`` transfers (0 before any)."""
+        with self._lock:
+            recent = self.samples[-self.k:]
+        return statistics.median(s.latency_s for s in recent) if recent else 0.0
+
+    def bytes_total(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self.samples if s.shard is not None)
+
+
+@dataclass
+class ShardProgress:
+    """What is known about one shard's way through the pipeline (absolute clock times)."""
+
+    recv_end: float | None = None
+    recon_start: float | None = None
+    recon_end: float | None = None
+    exec_start: float | None = None
+    exec_end: float | None = None
+
+
+@dataclass(frozen=True)
+class Window:
+    """The allocator's input for one shard."""
+
+    shard: int
+    window_s: float   # time left to receive the shard (deadline - now - reconstruction)
+    slot_s: float     # the nominal part: execution time of the previous shard (or startup)
+    carry_s: float    # window_s - slot_s: early arrival carried over (>= 0 unless late)
+    deadline: float   # predicted execution start of the shard (absolute)
+
+
+class ExecutionProgress:
+    """Predicts each shard's execution start from measured times and current progress.
+
+    ``exec_s[j]`` is the calibrated execution time of shard ``j``; measured execution times
+    correct all later predictions by an exponentially averaged ratio measured / predicted.
+    ``startup_s`` is the window of shard 0 (nothing executes yet; default: ``exec_s[0]``).
+    """
+
+    def __init__(self, exec_s: list[float], origin: float, startup_s: float | None = None,
+                 alpha: float = 0.5) -> None:
+        if not exec_s:
+            raise ValueError("need the execution time of at least one shard")
+        self.exec_s = [max(0.0, float(x)) for x in exec_s]
+        self.origin = float(origin)
+        self.startup_s = float(exec_s[0] if startup_s is None else startup_s)
+        self.alpha = alpha
+        self.scale = 1.0
+        self.recon_est_s = 0.0
+        self.shards = [ShardProgress() for _ in exec_s]
+        self._lock = threading.Lock()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.exec_s)
+
+    # ------------------------------------------------------------------ events
+    def received(self, shard: int, t: float) -> None:
+        with self._lock:
+            self.shards[shard].recv_end = t
+
+    def reconstructed(self, shard: int, start: float, end: float) -> None:
+        with self._lock:
+            p = self.shards[shard]
+            p.recon_start, p.recon_end = start, end
+            d = max(0.0, end - start)
+            self.recon_est_s = d if self.recon_est_s == 0 else (
+                self.alpha * d + (1 - self.alpha) * self.recon_est_s)
+
+    def exec_started(self, shard: int, t: float) -> None:
+        with self._lock:
+            self.shards[shard].exec_start = t
+
+    def exec_ended(self, shard: int, t: float) -> None:
+        with self._lock:
+            p = self.shards[shard]
+            p.exec_end = t
+            predicted = self.exec_s[shard]
+            if p.exec_start is not None and predicted > 0:
+                ratio = max(0.0, t - p.exec_start) / predicted
+                self.scale = self.alpha * ratio + (1 - self.alpha) * self.scale
+
+    # ------------------------------------------------------------------ predictions
+    def predicted_exec_s(self, shard: int) -> float:
+        return self.exec_s[shard] * self.scale
+
+    def _ready(self, i: int, now: float) -> float:
+        p = self.shards[i]
+        if p.recon_end is not None:
+            return p.recon_end
+        if p.recon_start is not None:
+            return max(now, p.recon_start + self.recon_est_s)
+        if p.recv_end is not None:
+            return max(now, p.recv_end + self.recon_est_s)
+        return now + self.recon_est_s  # not received yet: at best right after now
+
+    def deadline(self, shard: int, now: float) -> float:
+        """Predicted time execution starts ``shard`` (all shards before it executed)."""
+        with self._lock:
+            return self._deadline(shard, now)
+
+    def _deadline(self, shard: int, now: float) -> float:
+        started = [i for i in range(shard) if self.shards[i].exec_start is not None]
+        if started:
+            c = started[-1]
+            p = self.shards[c]
+            if p.exec_end is not None:
+                t = p.exec_end
+            else:
+                t = max(now, p.exec_start + self.predicted_exec_s(c))
+            first = c + 1
+        else:
+            if shard == 0:
+                return max(now, self.origin + self.startup_s)
+            t = self._ready(0, now)
+            t += self.predicted_exec_s(0)
+            first = 1
+        for i in range(first, shard):
+            t = max(t, self._ready(i, now)) + self.predicted_exec_s(i)
+        return t
+
+    def window(self, shard: int, now: float) -> Window:
+        """Time left to receive ``shard`` so that it is reconstructed before its deadline."""
+        with self._lock:
+            deadline = self._deadline(shard, now)
+            window = deadline - now - self.recon_est_s
+            slot = self.startup_s if shard == 0 else self.predicted_exec_s(shard - 1)
+        return Window(shard, window, slot, window - slot, deadline)

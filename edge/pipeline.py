@@ -1,0 +1,341 @@
+"""Receive -> reconstruct -> execute over successive shards, with bounded buffers.
+
+Three stages run concurrently:
+
+* **receive** (a coroutine on the network loop, :class:`NetLoop`): for shard ``j`` it waits
+  for a buffer slot (back-pressure: at most ``max_ahead`` shards received, reconstructing
+  or reconstructed but not yet executing), asks the allocator for a configuration given
+  the window and rate estimate at that moment, fetches and verifies the bytes;
+* **reconstruct** (a thread): decodes the bytes into the shard's K/V tensors;
+* **execute** (the caller's thread): the DiT asks :class:`ShardProvider` ``get(step,
+  block)`` in execution order; the first block of a shard blocks until that shard is
+  reconstructed. Waiting there is a *stall* (shard 0's wait is the startup latency, not a
+  stall). Leaving a shard frees its tensors and its slot.
+
+Every shard gets a :class:`ShardRecord` (stage start/end times relative to the edit start,
+bytes, configuration, window, carry-over and rate estimate the allocator saw). A failure
+in any stage stops the others and is raised from the executing thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from edge.client import Fetched
+from edge.errors import EdgeError
+from edge.monitor import BandwidthMonitor, ExecutionProgress, Window
+from sakura.errors import SakuraError
+
+T = TypeVar("T")
+
+STALL_EPS_S = 1e-3  # waits shorter than this are scheduling noise, not stalls
+
+
+class NetLoop:
+    """An asyncio event loop in a daemon thread (the network side of the runtime)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="edge-net", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self.submit(coro).result(timeout)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+
+        async def _drain() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.run(_drain(), timeout=10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self.loop.close()
+
+    def __enter__(self) -> NetLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class ShardRecord:
+    """One shard's way through the pipeline; times in seconds since the edit started."""
+
+    shard: int
+    step: int
+    blocks: list[int]
+    config: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    bytes: int = 0
+    window_s: float | None = None
+    carry_s: float | None = None
+    rate_bps: float | None = None
+    deadline: float | None = None
+    recv_start: float | None = None
+    recv_first_byte: float | None = None
+    recv_end: float | None = None
+    recon_start: float | None = None
+    recon_end: float | None = None
+    exec_start: float | None = None
+    exec_end: float | None = None
+    stall_s: float = 0.0
+    attempts: int = 0
+    resumes: int = 0
+    refetches: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PipelineStats:
+    """Summary of a finished pipeline."""
+
+    stalls: int
+    stall_s: float
+    startup_s: float
+    bytes: int
+    configs: list[int | None]
+
+
+Fetch = Callable[[int, int], Awaitable[Fetched]]
+Decode = Callable[[int, int, bytes], list[torch.Tensor]]
+Allocate = Callable[[int, Window, float], int]
+
+
+class Pipeline:
+    """Streams the shards of one edit; :attr:`provider` feeds ``dit.editing.cached_edit``.
+
+    ``shard_blocks[j] = (step, [blocks])`` in execution order; ``fetch(shard, config)``
+    (async, run on ``net``), ``decode(shard, config, data)`` -> ``2 x len(blocks)`` tensors
+    ``[K_b0, V_b0, K_b1, ...]``; ``allocate(shard, window, rate_bps)`` -> config id.
+    """
+
+    def __init__(self, shard_blocks: list[tuple[int, list[int]]], *, fetch: Fetch,
+                 decode: Decode, allocate: Allocate, monitor: BandwidthMonitor,
+                 progress: ExecutionProgress, origin: float, max_ahead: int = 2,
+                 describe: Callable[[int, int], dict[str, Any]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_ahead < 1:
+            raise ValueError("max_ahead must be >= 1")
+        self.shard_blocks = shard_blocks
+        self.fetch, self.decode, self.allocate = fetch, decode, allocate
+        self.monitor, self.progress = monitor, progress
+        self.origin, self.clock, self.max_ahead = origin, clock, max_ahead
+        self.describe = describe
+        self.records = [ShardRecord(i, s, list(b)) for i, (s, b) in enumerate(shard_blocks)]
+        self._index = {(s, b): (i, k) for i, (s, bl) in enumerate(shard_blocks)
+                       for k, b in enumerate(bl)}
+        self._cond = threading.Condition()
+        self._ready: dict[int, list[torch.Tensor]] = {}
+        self._executing = -1
+        self._error: BaseException | None = None
+        self._recon_q: queue.Queue[tuple[int, int, bytes] | None] = queue.Queue()
+        self._recon_thread: threading.Thread | None = None
+        self._net: NetLoop | None = None
+        self._recv_future: concurrent.futures.Future[None] | None = None
+        self._slot_event: asyncio.Event | None = None
+        self.provider = ShardProvider(self)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, net: NetLoop) -> Pipeline:
+        self._net = net
+        self._recon_thread = threading.Thread(target=self._reconstruct_loop,
+                                              name="edge-recon", daemon=True)
+        self._recon_thread.start()
+        self._recv_future = net.submit(self._receive_loop())
+        self._recv_future.add_done_callback(self._receive_done)
+        return self
+
+    def finish(self) -> PipelineStats:
+        """Call after the DiT returned: closes the last shard and stops the stages."""
+        now = self.clock()
+        with self._cond:
+            last = self._executing
+        if last >= 0 and self.records[last].exec_end is None:
+            self.records[last].exec_end = now - self.origin
+            self.progress.exec_ended(last, now)
+        self.close()
+        return self.stats()
+
+    def close(self) -> None:
+        """Stop all stages (idempotent); pending work is dropped."""
+        fut = self._recv_future
+        if fut is not None and not fut.done() and self._net is not None:
+            fut.cancel()
+        if self._recon_thread is not None:
+            self._recon_q.put(None)
+            self._recon_thread.join(30)
+            self._recon_thread = None
+        with self._cond:
+            self._ready.clear()
+            self._cond.notify_all()
+
+    def stats(self) -> PipelineStats:
+        stalls = [r.stall_s for r in self.records[1:] if r.stall_s > STALL_EPS_S]
+        return PipelineStats(
+            stalls=len(stalls), stall_s=float(sum(stalls)),
+            startup_s=self.records[0].stall_s if self.records else 0.0,
+            bytes=sum(r.bytes for r in self.records),
+            configs=[r.config for r in self.records])
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def _rel(self, t: float) -> float:
+        return t - self.origin
+
+    # ------------------------------------------------------------------ receive
+    def _slot_free(self, shard: int) -> bool:
+        with self._cond:
+            return shard - self._executing <= self.max_ahead or self._error is not None
+
+    def _wake_receiver(self) -> None:
+        if self._net is not None and self._slot_event is not None:
+            try:
+                self._net.call(self._slot_event.set)
+            except RuntimeError:  # loop closed
+                pass
+
+    async def _receive_loop(self) -> None:
+        self._slot_event = asyncio.Event()
+        for j in range(len(self.shard_blocks)):
+            while not self._slot_free(j):
+                self._slot_event.clear()
+                if self._slot_free(j):
+                    break
+                await self._slot_event.wait()
+            if self._error is not None:
+                return
+            now = self.clock()
+            window = self.progress.window(j, now)
+            rate = self.monitor.estimate_bps() or 0.0
+            config = int(self.allocate(j, window, rate))
+            rec = self.records[j]
+            rec.config = config
+            rec.params = dict(self.describe(j, config)) if self.describe else {}
+            rec.window_s, rec.carry_s, rec.rate_bps = window.window_s, window.carry_s, rate
+            rec.deadline = self._rel(window.deadline)
+            got = await self.fetch(j, config)
+            rec.recv_start = self._rel(got.start)
+            rec.recv_first_byte = self._rel(got.first_byte)
+            rec.recv_end = self._rel(got.end)
+            rec.bytes = len(got.data)
+            rec.attempts, rec.resumes, rec.refetches = got.attempts, got.resumes, got.refetches
+            self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
+            self.progress.received(j, got.end)
+            self._recon_q.put((j, config, got.data))
+
+    def _receive_done(self, fut: concurrent.futures.Future[None]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.fail(exc)
+
+    # ------------------------------------------------------------------ reconstruct
+    def _reconstruct_loop(self) -> None:
+        while True:
+            item = self._recon_q.get()
+            if item is None:
+                return
+            j, config, data = item
+            t0 = self.clock()
+            try:
+                tensors = self.decode(j, config, data)
+            except BaseException as exc:  # noqa: BLE001 - handed to the executing thread
+                self.fail(exc)
+                return
+            t1 = self.clock()
+            expected = 2 * len(self.shard_blocks[j][1])
+            if len(tensors) != expected:
+                self.fail(EdgeError(f"shard {j}: decoded {len(tensors)} matrices, "
+                                    f"expected {expected}"))
+                return
+            rec = self.records[j]
+            rec.recon_start, rec.recon_end = self._rel(t0), self._rel(t1)
+            self.progress.reconstructed(j, t0, t1)
+            with self._cond:
+                if j > self._executing:
+                    self._ready[j] = tensors
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ execute
+    def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            j, k = self._index[(step, block)]
+        except KeyError:
+            raise EdgeError(f"the pack has no shard for step {step} block {block}") from None
+        with self._cond:
+            current = self._executing
+            tensors = self._ready.get(j) if j == current else None
+        if tensors is None:
+            tensors = self._enter(j, current)
+        return tensors[2 * k], tensors[2 * k + 1]
+
+    def _enter(self, j: int, current: int) -> list[torch.Tensor]:
+        now = self.clock()
+        if current >= 0 and current != j:
+            self.records[current].exec_end = self._rel(now)
+            self.progress.exec_ended(current, now)
+        with self._cond:
+            if current >= 0 and current != j:
+                self._ready.pop(current, None)
+            while j not in self._ready and self._error is None:
+                self._cond.wait(0.5)
+            if self._error is not None:
+                err = self._error
+                if isinstance(err, SakuraError):
+                    raise err
+                raise EdgeError(f"shard {j} could not be delivered: {err!r}") from err
+            tensors = self._ready[j]
+            self._executing = j
+        start = self.clock()
+        rec = self.records[j]
+        rec.stall_s = start - now
+        rec.exec_start = self._rel(start)
+        self.progress.exec_started(j, start)
+        self._wake_receiver()
+        return tensors
+
+
+class ShardProvider:
+    """The ``KVProvider`` the DiT reads from: ``get(step, block) -> (K, V)``."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+
+    def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pipeline.get(step, block)

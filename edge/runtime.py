@@ -1,0 +1,318 @@
+"""One private edit on the device, end to end, under any policy.
+
+:class:`EdgeRuntime` holds the device's model and text encoder and the calibrated masked
+execution time per (template, request shape). :meth:`EdgeRuntime.edit` runs an edit:
+
+* ``local``: the whole model on the device (``dit.editing.full_edit``), no network;
+* every other policy: fetch the pack manifest of the policy's codec, build the policy's
+  allocator over the manifest's profiled configurations, then run the
+  :class:`~edge.pipeline.Pipeline` (receive -> reconstruct -> execute) under
+  ``dit.editing.cached_edit``.
+
+The prompt, reference images and seed stay in this process; the server only ever sees
+template id, codec, shard index, configuration id and pack version (see
+:mod:`edge.client`).
+
+Execution-time calibration: the first edit of a (template, request shape) runs two steps
+of the masked computation with a zero cache (no network) and times every block of the
+second step; a shard's predicted time is the sum over its blocks. The pipeline corrects
+the prediction online with measured shard times.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from codec.pack import Manifest, decode_config
+from codec.shards import ShardLayout
+from dit.editing import EditRequest, Geometry, Template, cached_edit, full_edit
+from dit.model import MMDiT
+from edge.allocator import PolicyContext, get_policy, options_from_manifest
+from edge.client import PackClient, RequestRecord, RetryPolicy
+from edge.errors import EdgeError
+from edge.monitor import BandwidthMonitor, ExecutionProgress
+from edge.pipeline import NetLoop, Pipeline
+from edge.quality import psnr, ssim
+from sakura.errors import SakuraError
+
+
+@dataclass
+class ExecProfile:
+    """Masked execution time of each block of one (steady-state) denoising step."""
+
+    block_s: list[float]
+
+    @property
+    def step_s(self) -> float:
+        return float(sum(self.block_s))
+
+    def shard_times(self, layout: ShardLayout) -> list[float]:
+        out = []
+        for shard in range(layout.num_shards):
+            _step, blocks = layout.blocks_of(shard)
+            out.append(float(sum(self.block_s[b] for b in blocks)))
+        return out
+
+
+class _StopCalibration(Exception):
+    pass
+
+
+class _TimingProvider:
+    """Zero K/V of the right shape; records when each (step, block) asks."""
+
+    def __init__(self, tokens: int, channels: int, stop_step: int) -> None:
+        self.k = torch.zeros(tokens, channels)
+        self.stop_step = stop_step
+        self.times: dict[tuple[int, int], float] = {}
+
+    def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.times[(step, block)] = time.perf_counter()
+        if step >= self.stop_step:
+            raise _StopCalibration
+        return self.k, self.k
+
+
+def calibrate(model: MMDiT, template: Template, geo: Geometry, req: EditRequest
+              ) -> ExecProfile:
+    """Time every block of the masked computation (second step, zero cache)."""
+    blocks = model.cfg.num_blocks
+    probe = EditRequest(torch.zeros_like(req.txt),
+                        None if req.txt_uncond is None else torch.zeros_like(req.txt_uncond),
+                        seed=0, ref_images=None if req.ref_images is None
+                        else torch.zeros_like(req.ref_images))
+    steps = template.steps
+    measure = 1 if steps >= 2 else 0
+    stop = measure + 1
+    prov = _TimingProvider(len(geo.unmasked), model.cfg.hidden_size, stop)
+    end: dict[str, float] = {}
+
+    def on_step(s: int) -> None:
+        end[str(s)] = time.perf_counter()
+
+    try:
+        cached_edit(model, template, geo, prov, probe, on_step=on_step)
+    except _StopCalibration:
+        pass
+    t = prov.times
+    out = []
+    for b in range(blocks):
+        nxt = t.get((measure, b + 1)) if b + 1 < blocks else t.get((stop, 0),
+                                                                   end.get(str(measure)))
+        out.append(max(0.0, (nxt or t[(measure, b)]) - t[(measure, b)]))
+    return ExecProfile(out)
+
+
+@dataclass
+class EditResult:
+    """What one edit produced and how it went (times in seconds)."""
+
+    image: torch.Tensor
+    policy: str
+    codec: str | None
+    latency_s: float
+    bytes: int = 0
+    manifest_bytes: int = 0
+    stalls: int = 0
+    stall_s: float = 0.0
+    startup_s: float = 0.0
+    configs: list[int | None] = field(default_factory=list)
+    params: list[dict[str, Any]] = field(default_factory=list)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    predicted_exec_s: list[float] = field(default_factory=list)
+    exec_s: float = 0.0
+    requests: int = 0
+    psnr_db: float | None = None
+    ssim: float | None = None
+
+    def compare(self, exact: torch.Tensor) -> EditResult:
+        self.psnr_db = psnr(self.image, exact)
+        self.ssim = ssim(self.image, exact)
+        return self
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy, "codec": self.codec, "latency_s": self.latency_s,
+            "bytes": self.bytes, "manifest_bytes": self.manifest_bytes,
+            "stalls": self.stalls, "stall_s": self.stall_s, "startup_s": self.startup_s,
+            "exec_s": self.exec_s, "requests": self.requests,
+            "configs": self.configs, "params": self.params,
+            "psnr_db": _finite(self.psnr_db), "ssim": self.ssim,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.summary(), "predicted_exec_s": self.predicted_exec_s,
+                "timeline": self.timeline}
+
+
+def _finite(x: float | None) -> float | str | None:
+    if x is not None and math.isinf(x):
+        return "inf"
+    return x
+
+
+@dataclass
+class EditOptions:
+    """Knobs of a streamed edit (defaults are the design's)."""
+
+    max_ahead: int = 2          # shards held ahead of execution (receive + reconstructed)
+    safety: float = 0.9         # fraction of rate x window the allocator may use
+    rate_window: int = 5        # shards in the harmonic-mean rate estimate
+    budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
+    initial_rate_bps: float | None = None  # prior before any transfer (None: manifest fetch)
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+
+class EdgeRuntime:
+    """The device: a model, a text encoder, and calibrated execution times."""
+
+    def __init__(self, model: MMDiT, encoder: Any = None,
+                 profile_file: str | Path | None = None) -> None:
+        self.model = model
+        self._encoder = encoder
+        self.profile_file = Path(profile_file) if profile_file else None
+        self.profiles: dict[str, ExecProfile] = {}
+        if self.profile_file and self.profile_file.exists():
+            try:
+                raw = json.loads(self.profile_file.read_text())
+                self.profiles = {k: ExecProfile(list(v)) for k, v in raw.items()}
+            except (ValueError, TypeError, AttributeError):
+                self.profiles = {}
+
+    @property
+    def encoder(self) -> Any:
+        if self._encoder is None:
+            from dit.text import TextEncoder
+
+            self._encoder = TextEncoder(self.model.cfg.text_tokens)
+        return self._encoder
+
+    def request(self, prompt: str, seed: int, reference: torch.Tensor | None = None,
+                guidance: bool = True) -> EditRequest:
+        """The private request: prompt embeddings (and the empty prompt's), seed, refs."""
+        txt = self.encoder.encode([prompt])
+        unc = self.encoder.encode([""]) if guidance else None
+        refs = None if reference is None else (reference[None] if reference.dim() == 3
+                                               else reference)
+        return EditRequest(txt=txt, txt_uncond=unc, seed=int(seed), ref_images=refs)
+
+    # ------------------------------------------------------------------ calibration
+    def profile(self, key: str, template: Template, geo: Geometry, req: EditRequest
+                ) -> ExecProfile:
+        refs = 0 if req.ref_images is None else int(req.ref_images.shape[0])
+        full_key = f"{key}|steps={template.steps}|cfg={req.txt_uncond is not None}|refs={refs}"
+        if full_key not in self.profiles:
+            self.profiles[full_key] = calibrate(self.model, template, geo, req)
+            if self.profile_file:
+                self.profile_file.parent.mkdir(parents=True, exist_ok=True)
+                self.profile_file.write_text(json.dumps(
+                    {k: v.block_s for k, v in self.profiles.items()}, indent=1))
+        return self.profiles[full_key]
+
+    # ------------------------------------------------------------------ edits
+    def edit(self, server: str, template_id: str, template: Template, req: EditRequest,
+             policy: str = "sakura", *, token: str | None = None,
+             request_log: list[RequestRecord] | None = None,
+             options: EditOptions | None = None) -> EditResult:
+        """Run one edit of ``template`` (served as ``template_id`` at ``server``)."""
+        pol = get_policy(policy)
+        opts = options or EditOptions()
+        geo = Geometry.of(self.model, template)
+        if pol.codec is None:
+            t0 = time.monotonic()
+            image = full_edit(self.model, template, req)
+            dt = time.monotonic() - t0
+            return EditResult(image=image, policy=policy, codec=None, latency_s=dt, exec_s=dt)
+        profile = self.profile(template_id, template, geo, req)
+        net = NetLoop()
+        try:
+            return self._streamed(net, server, template_id, template, geo, req, pol.name,
+                                  pol.codec, profile, token, request_log, opts)
+        finally:
+            net.close()
+
+    def _streamed(self, net: NetLoop, server: str, template_id: str, template: Template,
+                  geo: Geometry, req: EditRequest, policy: str, codec: str,
+                  profile: ExecProfile, token: str | None,
+                  request_log: list[RequestRecord] | None, opts: EditOptions) -> EditResult:
+        origin = time.monotonic()
+        log = request_log if request_log is not None else []
+        client = PackClient(server, token=token, request_log=log, retry=opts.retry)
+        net.run(client.open())
+        try:
+            t0 = time.monotonic()
+            manifest_dict, raw_len, first = net.run(client.manifest_timed(template_id, codec))
+            t1 = time.monotonic()
+            manifest = self._check_manifest(manifest_dict, template, geo)
+            layout = manifest.layout()
+            exec_s = profile.shard_times(layout)
+            monitor = BandwidthMonitor(opts.rate_window, opts.initial_rate_bps)
+            if opts.initial_rate_bps is None:
+                monitor.record(None, raw_len, t0, first, t1)
+            tables = options_from_manifest(manifest_dict)
+            allocator = get_policy(policy).build(PolicyContext(
+                tables=tables, exec_s=exec_s, latency_s=monitor.latency_s(),
+                budget_rate_bps=opts.budget_rate_bps or monitor.estimate_bps(),
+                safety=opts.safety, options=opts.policy_options))
+            progress = ExecutionProgress(exec_s, origin)
+            codec_impl = manifest.make_codec()
+
+            async def fetch(shard: int, config: int):
+                return await client.fetch_config(template_id, codec, shard, config,
+                                                 manifest=manifest_dict)
+
+            def decode(shard: int, config: int, data: bytes) -> list[torch.Tensor]:
+                return decode_config(manifest, shard, config, data, codec_impl)
+
+            def allocate(shard: int, window, rate: float) -> int:
+                return allocator.choose(shard, window.window_s, rate)
+
+            def describe(shard: int, config: int) -> dict[str, Any]:
+                return dict(manifest.shard(shard).config(config).params)
+
+            shard_blocks = [layout.blocks_of(i) for i in range(layout.num_shards)]
+            pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,
+                            monitor=monitor, progress=progress, origin=origin,
+                            max_ahead=opts.max_ahead, describe=describe)
+            pipe.start(net)
+            try:
+                image = cached_edit(self.model, template, geo, pipe.provider, req)
+            except BaseException:
+                pipe.close()
+                raise
+            stats = pipe.finish()
+            latency = time.monotonic() - origin
+        finally:
+            net.run(client.close())
+        timeline = [r.to_dict() for r in pipe.records]
+        exec_total = sum((r["exec_end"] or 0) - (r["exec_start"] or 0) for r in timeline)
+        return EditResult(
+            image=image, policy=policy, codec=codec, latency_s=latency, bytes=stats.bytes,
+            manifest_bytes=raw_len, stalls=stats.stalls, stall_s=stats.stall_s,
+            startup_s=stats.startup_s, configs=stats.configs,
+            params=[r["params"] for r in timeline], timeline=timeline,
+            predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log))
+
+    def _check_manifest(self, d: dict[str, Any], template: Template, geo: Geometry) -> Manifest:
+        try:
+            manifest = Manifest.from_dict(d)
+        except SakuraError as exc:
+            raise EdgeError(f"the server's manifest is not usable: {exc}") from exc
+        g = manifest.geometry
+        cfg = self.model.cfg
+        want = {"steps": template.steps, "blocks": cfg.num_blocks, "tokens": len(geo.unmasked),
+                "channels": cfg.hidden_size, "heads": cfg.num_heads}
+        bad = {k: (g.get(k), v) for k, v in want.items() if int(g.get(k, -1)) != v}
+        if bad:
+            detail = ", ".join(f"{k} {a} (pack) vs {b} (device)" for k, (a, b) in bad.items())
+            raise EdgeError(f"pack {manifest.template_id}/{manifest.codec} does not fit this "
+                            f"model and template: {detail}")
+        return manifest

@@ -1,0 +1,189 @@
+"""Test infrastructure for the edge runtime: real packs of a tiny model, a real server.
+
+``build_world`` runs the tiny seeded model's template run, profiles token importance,
+writes one pack per codec with ``codec.pack.write_pack`` and publishes them into a catalog
+directory with ``cloud.publish``. ``Server`` runs the real FastAPI app under uvicorn on a
+fixed 127.0.0.1 port in a thread and can be stopped and started again (a server restart
+mid-edit). ``RecordingApp`` wraps an ASGI app and records every request it receives.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from cloud.publish import CatalogTransaction
+from cloud.server import create_app
+from cloud.storage import LocalStorage
+from codec.base import get_codec
+from codec.pack import write_pack
+from dit.editing import Template, profile_importance, template_run
+from dit.model import MMDiT, MMDiTConfig
+from edge.runtime import EdgeRuntime
+
+CODECS = ("sakura", "fp16", "intq", "svd", "cachegen")
+TEMPLATE_ID = "tiny-face"
+
+
+def tiny_model(seed: int = 0) -> MMDiT:
+    torch.manual_seed(seed)
+    cfg = MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=2, single_blocks=2,
+                      mlp_ratio=2.0, text_dim=32, text_tokens=5, rope_axes=(4, 6, 6))
+    model = MMDiT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.08)
+    return model.eval()
+
+
+def tiny_template(model: MMDiT, size: int = 32, seed: int = 1, steps: int = 4) -> Template:
+    g = torch.Generator().manual_seed(seed)
+    image = torch.rand(3, size, size, generator=g) * 2 - 1
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    mask[8:20, 4:16] = True
+    txt = torch.randn(1, model.cfg.text_tokens, model.cfg.text_dim, generator=g)
+    return Template(image=image, mask=mask, txt=txt, seed=seed, steps=steps, guidance=2.0)
+
+
+class FakeEncoder:
+    """Deterministic prompt embeddings for the tiny model (text_dim 32): a seeded hash."""
+
+    def __init__(self, tokens: int = 5, dim: int = 32) -> None:
+        self.tokens, self.dim = tokens, dim
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        out = []
+        for p in prompts:
+            seed = int.from_bytes(p.encode()[:8].ljust(8, b"\0"), "little") % (2**31)
+            g = torch.Generator().manual_seed(seed + len(p))
+            out.append(torch.randn(self.tokens, self.dim, generator=g))
+        return torch.stack(out)
+
+
+@dataclass
+class World:
+    model: MMDiT
+    template: Template
+    cache: Any
+    catalog_dir: Path
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def runtime(self) -> EdgeRuntime:
+        return EdgeRuntime(self.model, encoder=FakeEncoder())
+
+
+def build_world(root: Path, codecs: tuple[str, ...] = CODECS, steps: int = 4,
+                blocks_per_shard: int = 2) -> World:
+    model = tiny_model()
+    template = tiny_template(model, steps=steps)
+    run = template_run(model, template)
+    enc = FakeEncoder()
+    reqs = [EdgeRuntime(model, encoder=enc).request(p, seed=i)
+            for i, p in enumerate(["a profiling prompt", "another one"])]
+    profile_importance(model, template, run, reqs)
+    out = root / "catalog"
+    manifests = {}
+    with CatalogTransaction(out) as txn:
+        for name in codecs:
+            work = root / "work" / name
+            m = write_pack(work, TEMPLATE_ID, run.cache, get_codec(name),
+                           blocks_per_shard=blocks_per_shard, model={"name": "tiny"})
+            txn.publish(TEMPLATE_ID, name, m.to_dict(), work / m.pack_file,
+                        {"workload": "face-swap"})
+            manifests[name] = m.to_dict()
+    return World(model, template, run.cache, out, manifests)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """uvicorn serving ``app`` on 127.0.0.1:``port`` in a thread; stop() and start() again."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.app = app
+        self.port = port or free_port()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Server:
+        # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets of a TCP-proto
+        # listener; without it every small body waits ~40 ms (Nagle + delayed ACK).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=1)
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        self._server, self._thread, self._sock = server, thread, sock
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        self._server.force_exit = True
+        assert self._thread is not None
+        self._thread.join(10)
+        self._sock.close()
+        self._server = None
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_catalog(catalog_dir: Path, port: int | None = None, wrap: Any = None) -> Server:
+    app = create_app(LocalStorage(catalog_dir))
+    return Server(wrap(app) if wrap else app, port)
+
+
+class RecordingApp:
+    """ASGI wrapper recording (method, path, query, headers, body) of every request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.requests: list[dict[str, Any]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        entry = {"method": scope["method"], "path": scope["path"],
+                 "query": scope.get("query_string", b"").decode("latin-1"),
+                 "headers": {k.decode("latin-1"): v.decode("latin-1")
+                             for k, v in scope["headers"]},
+                 "body": b""}
+        self.requests.append(entry)
+
+        async def recv() -> Any:
+            message = await receive()
+            if message["type"] == "http.request":
+                entry["body"] += message.get("body", b"")
+            return message
+
+        await self.app(scope, recv, send)
