@@ -1,0 +1,141 @@
+"""``sakura traces ...`` and ``sakura bench link``: thin argparse wrappers over the package.
+
+- ``sakura traces stats PATH... [--json] [--window S] [--label L]``: statistics table.
+- ``sakura traces list``: the trace folder and its named sets.
+- ``sakura bench link [PATH...] [--json] [--quick] [--out FILE]``: emulator accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from traces.catalog import TRACE_SETS, default_trace_dir, find_trace_files
+from traces.errors import TraceError
+from traces.formats import load_trace
+
+_COLUMNS = (
+    ("name", "trace", "{}"),
+    ("format", "format", "{}"),
+    ("duration_s", "dur_s", "{:.0f}"),
+    ("mean_mbps", "mean", "{:.2f}"),
+    ("median_mbps", "median", "{:.2f}"),
+    ("p10_mbps", "p10", "{:.2f}"),
+    ("p90_mbps", "p90", "{:.2f}"),
+    ("outage_fraction", "outage", "{:.3f}"),
+)
+
+
+def register(commands: Any, bench: Any) -> None:
+    """Add ``traces`` and ``bench link`` to the ``sakura`` parser."""
+    traces_p = commands.add_parser("traces", help="real network traces: statistics and sets")
+    sub = traces_p.add_subparsers(dest="traces_command", metavar="ACTION")
+    traces_p.set_defaults(func=lambda args: _usage(traces_p))
+
+    stats = sub.add_parser("stats", help="mean/median/p10/p90/outage of trace files or folders")
+    stats.add_argument("paths", nargs="+", metavar="PATH", help="trace files or folders")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.add_argument("--window", type=float, default=1.0, help="window in s (default 1)")
+    stats.add_argument("--label", help="only slices with this network label (e.g. 5G)")
+    stats.add_argument(
+        "--mahimahi-bin", type=float, default=0.1, help="Mahimahi bin in s (default 0.1)"
+    )
+    stats.set_defaults(func=_cmd_stats)
+
+    lst = sub.add_parser("list", help="where the traces are and the named sets")
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(func=_cmd_list)
+
+    link = bench.add_parser("link", help="accuracy of the paced and kernel link emulators")
+    link.add_argument(
+        "paths", nargs="*", metavar="PATH", help="trace files or the trace folder (default)"
+    )
+    link.add_argument("--json", action="store_true", help="print the full JSON report")
+    link.add_argument("--quick", action="store_true", help="3 traces, one window each")
+    link.add_argument("--window", type=float, default=2.0, help="window in s (default 2)")
+    link.add_argument("--seed", type=int, default=0)
+    link.add_argument("--max-mbps", type=float, default=200.0, help="peak rate cap (200)")
+    link.add_argument("--no-kernel", action="store_true", help="skip kernel shaping")
+    link.add_argument("--out", type=Path, help="also write the JSON report to this file")
+    link.set_defaults(func=_cmd_bench_link)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_usage(sys.stderr)
+    return 2
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    files = find_trace_files(args.paths)
+    if not files:
+        raise TraceError(f"no trace files under {' '.join(args.paths)}")
+    rows = []
+    for f in files:
+        trace = load_trace(f, mahimahi_bin_s=args.mahimahi_bin)
+        if args.label:
+            if not trace.labels or args.label not in trace.labels:
+                continue
+            trace = trace.select(args.label)
+        row = trace.stats(window_s=args.window)
+        row["path"] = str(f)
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(format_table(rows))
+    return 0
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Plain-text table of :meth:`Trace.stats` rows (Mbit/s)."""
+    header = [h for _, h, _ in _COLUMNS]
+    body = [[fmt.format(r[k]) for k, _, fmt in _COLUMNS] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in body]
+    lines.append("(rates in Mbit/s over 1-s windows unless --window; outage = fraction at 0)")
+    return "\n".join(lines)
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    root = default_trace_dir()
+    sets = {}
+    if root is not None:
+        sets = {name: len(list(root.glob(pat))) for name, pat in TRACE_SETS.items()}
+    if args.json:
+        print(json.dumps({"root": str(root) if root else None, "sets": sets}, indent=2))
+        return 0
+    print(f"trace folder: {root if root else '(none: set SAKURA_TRACES)'}")
+    for name, n in sets.items():
+        print(f"  {name:14s} {n:4d} files  {TRACE_SETS[name]}")
+    return 0
+
+
+def _cmd_bench_link(args: argparse.Namespace) -> int:
+    from traces.bench import run_link_bench
+
+    report = run_link_bench(
+        args.paths,
+        quick=args.quick,
+        window_s=args.window,
+        seed=args.seed,
+        max_mbps=args.max_mbps,
+        kernel=not args.no_kernel,
+    )
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        fmt = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+        print(f"paced link:  max window error {fmt(report['paced_rel_error'])}")
+        skipped = report["kernel_skipped"]
+        print(
+            f"kernel link: max window error {fmt(report['kernel_rel_error'])}"
+            + (f" (skipped: {skipped})" if skipped else "")
+        )
+    return 0

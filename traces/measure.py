@@ -1,0 +1,381 @@
+"""Measuring a link emulator against its trace: bytes received per window vs the integral.
+
+A blasting TCP source sends as fast as the link lets it; a sink on the other side records
+(monotonic time, cumulative bytes) as it reads. Over consecutive windows after a short
+settle time, the received bytes are compared with the trace's exact integral
+(``expected_bytes``). Used by the accuracy tests and by ``sakura bench link``.
+
+The source and sink are plain stdlib socket code so that they can also run as small Python
+processes inside network namespaces (:data:`SOURCE_SCRIPT`, :data:`SINK_SCRIPT`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from traces.model import Trace
+
+#: Windows expecting fewer bytes than this are outage windows (nothing may arrive).
+OUTAGE_BYTES = 1.0
+
+#: Source for a namespace: ``python -c SOURCE_SCRIPT HOST PORT [CC]``; blasts zeros to each
+#: client, optionally with TCP congestion control CC (e.g. cubic).
+SOURCE_SCRIPT = r"""
+import socket, sys, threading
+host, port = sys.argv[1], int(sys.argv[2])
+cc = sys.argv[3] if len(sys.argv) > 3 else ""
+srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+if cc:
+    srv.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+srv.bind((host, port)); srv.listen(16)
+print("ready", flush=True)
+buf = bytes(65536)
+def blast(conn):
+    try:
+        while True:
+            conn.sendall(buf)
+    except OSError:
+        pass
+    finally:
+        conn.close()
+while True:
+    conn, _ = srv.accept()
+    threading.Thread(target=blast, args=(conn,), daemon=True).start()
+"""
+
+#: Sink for a namespace: ``python -c SINK_SCRIPT HOST PORT SECONDS``; prints "t cum" lines.
+SINK_SCRIPT = r"""
+import socket, sys, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+for attempt in range(200):
+    try:
+        s = socket.create_connection((host, port), timeout=5)
+        break
+    except OSError:
+        time.sleep(0.02)
+s.settimeout(0.05)
+buf = bytearray(262144)
+cum = 0
+out = [(time.monotonic(), 0)]
+end = time.monotonic() + seconds
+while True:
+    now = time.monotonic()
+    if now >= end:
+        break
+    try:
+        n = s.recv_into(buf)
+    except socket.timeout:
+        n = -1
+    now = time.monotonic()
+    if n == 0:
+        break
+    if n > 0:
+        cum += n
+    if now - out[-1][0] >= 0.002:
+        out.append((now, cum))
+out.append((time.monotonic(), cum))
+s.close()
+sys.stdout.write("\n".join(f"{t:.6f} {c}" for t, c in out) + "\n")
+"""
+
+
+@dataclass
+class WindowResult:
+    """One measurement window (times relative to the link origin, trace time offset)."""
+
+    t0_s: float
+    t1_s: float
+    expected_bytes: float
+    measured_bytes: int
+
+    @property
+    def outage(self) -> bool:
+        return self.expected_bytes < OUTAGE_BYTES
+
+    @property
+    def rel_error(self) -> float | None:
+        if self.outage:
+            return None
+        return abs(self.measured_bytes - self.expected_bytes) / self.expected_bytes
+
+
+@dataclass
+class Measurement:
+    """All windows of one run of one emulator over one trace piece."""
+
+    emulator: str
+    trace: str
+    start_s: float
+    windows: list[WindowResult] = field(default_factory=list)
+
+    @property
+    def max_rel_error(self) -> float | None:
+        errs = [w.rel_error for w in self.windows if w.rel_error is not None]
+        return max(errs) if errs else None
+
+    @property
+    def mean_rel_error(self) -> float | None:
+        errs = [w.rel_error for w in self.windows if w.rel_error is not None]
+        return sum(errs) / len(errs) if errs else None
+
+    @property
+    def outage_bytes(self) -> int:
+        """Bytes received during windows where the trace has no capacity at all."""
+        return sum(w.measured_bytes for w in self.windows if w.outage)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "emulator": self.emulator,
+            "trace": self.trace,
+            "start_s": self.start_s,
+            "max_rel_error": self.max_rel_error,
+            "mean_rel_error": self.mean_rel_error,
+            "outage_bytes": self.outage_bytes,
+            "windows": [
+                {**asdict(w), "rel_error": w.rel_error, "outage": w.outage} for w in self.windows
+            ],
+        }
+
+
+@dataclass
+class ReceiveLog:
+    """(monotonic time, cumulative bytes) samples of a sink."""
+
+    times: list[float]
+    cum: list[int]
+
+    def cum_at(self, wall: float) -> float:
+        """Cumulative bytes at ``wall``, linearly interpolated between samples."""
+        i = bisect.bisect_right(self.times, wall) - 1
+        if i < 0:
+            return 0.0
+        if i >= len(self.times) - 1:
+            return float(self.cum[-1])
+        t0, t1 = self.times[i], self.times[i + 1]
+        c0, c1 = self.cum[i], self.cum[i + 1]
+        return c0 + (c1 - c0) * (wall - t0) / (t1 - t0) if t1 > t0 else float(c1)
+
+    @classmethod
+    def parse(cls, text: str) -> ReceiveLog:
+        times: list[float] = []
+        cum: list[int] = []
+        for line in text.split("\n"):
+            parts = line.split()
+            if len(parts) == 2:
+                times.append(float(parts[0]))
+                cum.append(int(parts[1]))
+        return cls(times, cum)
+
+
+def windows_from_log(
+    log: ReceiveLog,
+    expected: callable,  # type: ignore[valid-type]
+    origin: float,
+    settle_s: float,
+    window_s: float,
+    n_windows: int,
+) -> list[WindowResult]:
+    """Cut ``n_windows`` windows of ``window_s`` after ``origin + settle_s``."""
+    out = []
+    for k in range(n_windows):
+        a = origin + settle_s + k * window_s
+        b = a + window_s
+        measured = round(log.cum_at(b) - log.cum_at(a))
+        out.append(
+            WindowResult(
+                t0_s=round(a - origin, 6),
+                t1_s=round(b - origin, 6),
+                expected_bytes=float(expected(a, b)),
+                measured_bytes=int(measured),
+            )
+        )
+    return out
+
+
+class BlastServer:
+    """Thread-based TCP source on 127.0.0.1 sending zeros to every client until closed."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(64)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._stop = threading.Event()
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, name="blast-accept", daemon=True)
+
+    def __enter__(self) -> BlastServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        for c in list(self._conns):
+            with contextlib.suppress(OSError):
+                c.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._blast, args=(conn,), daemon=True).start()
+
+    def _blast(self, conn: socket.socket) -> None:
+        buf = bytes(65536)
+        try:
+            while not self._stop.is_set():
+                conn.sendall(buf)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+def receive_for(address: tuple[str, int], seconds: float) -> ReceiveLog:
+    """Connect to ``address`` and read for ``seconds``, logging cumulative bytes."""
+    sock = socket.create_connection(address, timeout=5)
+    sock.settimeout(0.05)
+    buf = bytearray(262144)
+    cum = 0
+    times = [time.monotonic()]
+    cums = [0]
+    end = times[0] + seconds
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                break
+            try:
+                n = sock.recv_into(buf)
+            except TimeoutError:
+                n = -1
+            now = time.monotonic()
+            if n == 0:
+                break
+            if n > 0:
+                cum += n
+            if now - times[-1] >= 0.002:
+                times.append(now)
+                cums.append(cum)
+    finally:
+        sock.close()
+    times.append(time.monotonic())
+    cums.append(cum)
+    return ReceiveLog(times, cums)
+
+
+def measure_paced(
+    trace: Trace,
+    start_s: float = 0.0,
+    *,
+    window_s: float = 2.0,
+    n_windows: int = 2,
+    settle_s: float = 0.3,
+    connections: int = 1,
+) -> Measurement:
+    """Blast through a :class:`traces.link.PacedLinkThread` and compare windows.
+
+    With ``connections > 1`` several sinks share the link; their bytes are summed.
+    """
+    from traces.link import PacedLinkThread
+
+    seconds = settle_s + window_s * n_windows + 0.1
+    with BlastServer() as source, PacedLinkThread(trace, source.address, start_s=start_s) as link:
+        logs: list[ReceiveLog] = []
+        threads = [
+            threading.Thread(
+                target=lambda: logs.append(receive_for(link.address, seconds)), daemon=True
+            )
+            for _ in range(connections)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(seconds + 10)
+        origin = link.origin
+        windows = _sum_windows(logs, link.expected_bytes, origin, settle_s, window_s, n_windows)
+    return Measurement("paced", trace.name, float(start_s), windows)
+
+
+def _sum_windows(
+    logs: list[ReceiveLog],
+    expected: callable,  # type: ignore[valid-type]
+    origin: float,
+    settle_s: float,
+    window_s: float,
+    n_windows: int,
+) -> list[WindowResult]:
+    per_log = [windows_from_log(lg, expected, origin, settle_s, window_s, n_windows) for lg in logs]
+    out = per_log[0]
+    for other in per_log[1:]:
+        for w, o in zip(out, other):
+            w.measured_bytes += o.measured_bytes
+    return out
+
+
+def measure_kernel(
+    trace: Trace,
+    start_s: float = 0.0,
+    *,
+    window_s: float = 2.0,
+    n_windows: int = 2,
+    settle_s: float = 0.5,
+    port: int = 5201,
+    congestion_control: str = "cubic",
+) -> Measurement:
+    """Blast through a :class:`traces.netns.KernelShapedLink` and compare windows.
+
+    The source runs in the server namespace, the sink in the client namespace (as small
+    Python processes); the trace clock restarts when the source is listening. The source
+    uses ``congestion_control`` (default CUBIC, a queue-filling sender, so that the link and
+    not the sender's model of it is measured; ``""`` keeps the system default, which may be
+    BBR, whose pacing does not track a fast-changing link).
+    """
+    import subprocess
+    import sys
+
+    from traces.errors import LinkError
+    from traces.netns import KernelShapedLink
+
+    seconds = settle_s + window_s * n_windows + 0.1
+    with KernelShapedLink(trace, start_s=start_s) as link:
+        src = link.popen_in(
+            "server",
+            [sys.executable, "-c", SOURCE_SCRIPT, link.server_addr, str(port), congestion_control],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = src.stdout.readline() if src.stdout else ""
+        if "ready" not in line:
+            raise LinkError("traffic source in the server namespace did not start")
+        link.restart(start_s)
+        res = link.run_in(
+            "client",
+            [sys.executable, "-c", SINK_SCRIPT, link.server_addr, str(port), str(seconds)],
+            timeout=seconds + 30,
+        )
+        if res.returncode != 0:
+            raise LinkError(f"traffic sink failed: {res.stderr.strip()[-400:]}")
+        log = ReceiveLog.parse(res.stdout)
+        windows = windows_from_log(
+            log, link.expected_bytes, link.origin, settle_s, window_s, n_windows
+        )
+        if link.error:
+            raise LinkError(link.error)
+    return Measurement("kernel", trace.name, float(start_s), windows)

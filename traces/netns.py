@@ -1,0 +1,426 @@
+"""Kernel link shaping: two network namespaces joined by a veth pair, tbf re-rated live.
+
+``KernelShapedLink`` creates a *server* and a *client* namespace (unique names with the
+creating pid and a random suffix), joins them with a veth pair addressed from a random
+private /30 that exists only inside those namespaces, and puts a ``tbf`` qdisc on the
+server side's veth (so server -> client is shaped, client -> server is not). A thread
+changes the tbf rate at every slice boundary of the trace. Only the namespaces it created
+are touched; everything is deleted on exit, on errors and on KeyboardInterrupt.
+
+Rate changes and tbf: ``tc qdisc change`` refills the token bucket to ``burst`` and keeps
+queued packets. So that a backlogged link still delivers exactly the trace's integral, the
+rate of each slice is lowered by ``burst / slice length`` (the refill is counted in the
+slice's budget). An outage (rate 0) sets a tiny rate with a burst smaller than one packet:
+queued packets stay queued and nothing is delivered until the outage ends (packets
+arriving during it are dropped by tbf, like a radio that is gone; TCP recovers).
+
+Needs root, ``ip`` (iproute2) and ``tc`` with ``tbf`` (``netem`` is not required).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ipaddress
+import math
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from traces.errors import LinkError, NetnsUnavailableError
+from traces.model import Trace
+from traces.schedule import LinkEmulator, LinkSchedule
+
+PREFIX = "sakura"
+PACKET_BYTES = 1514  # what tbf counts for a full-size Ethernet frame on veth
+OUTAGE_RATE_BPS = 8  # tbf needs a non-zero rate; with a sub-packet burst nothing passes
+_CLONE_NEWNET = 0x40000000
+_KICK_PORT = 9  # discard: nothing listens; the kick only makes tbf dequeue
+_NS_RE = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(srv|cli)$")
+
+
+def _run(cmd: Sequence[str], timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def kernel_shaping_unavailable_reason() -> str | None:
+    """Why kernel shaping cannot run here (None when it can). Creates and removes a probe."""
+    if os.name != "posix" or not hasattr(os, "geteuid"):
+        return "kernel shaping needs Linux"
+    if os.geteuid() != 0:
+        return "kernel shaping needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"kernel shaping needs the '{tool}' command (iproute2)"
+    name = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}-srv"
+    try:
+        res = _run(["ip", "netns", "add", name])
+        if res.returncode != 0:
+            return f"'ip netns add' failed: {res.stderr.strip() or res.returncode}"
+        dev = f"skp{secrets.token_hex(3)}"
+        res = _run(
+            ["ip", "-n", name, "link", "add", dev, "type", "veth", "peer", "name", dev + "b"]
+        )
+        if res.returncode != 0:
+            return f"cannot create a veth pair in a namespace: {res.stderr.strip()}"
+        res = _run(
+            ["tc", "-n", name, "qdisc", "add", "dev", dev, "root", "tbf", "rate", "1mbit",
+             "burst", "4k", "limit", "64k"]
+        )  # fmt: skip
+        if res.returncode != 0:
+            return f"tc tbf is not available: {res.stderr.strip()}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot run ip/tc: {exc}"
+    finally:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            _run(["ip", "netns", "del", name])
+    return None
+
+
+def socket_in_namespace(
+    ns: str, family: int = socket.AF_INET, kind: int = socket.SOCK_DGRAM
+) -> socket.socket:
+    """A socket created inside named network namespace ``ns`` (usable from any thread).
+
+    ``setns(2)`` is called on a short-lived helper thread, so the caller's own namespace
+    never changes.
+    """
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, os.strerror(err))
+            finally:
+                os.close(fd)
+            result["sock"] = socket.socket(family, kind)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            result["error"] = exc
+
+    helper = threading.Thread(target=work, name="setns-helper", daemon=True)
+    helper.start()
+    helper.join(5.0)
+    if "sock" not in result:
+        raise LinkError(f"cannot open a socket in namespace {ns}: {result.get('error')}")
+    return result["sock"]
+
+
+def cleanup_stale_namespaces() -> list[str]:
+    """Delete ``sakura-<pid>-...`` namespaces whose creating process no longer exists."""
+    res = _run(["ip", "netns", "list"])
+    removed = []
+    for line in res.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _NS_RE.match(name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+            continue
+        if _run(["ip", "netns", "del", name]).returncode == 0:
+            removed.append(name)
+    return removed
+
+
+@dataclass(frozen=True)
+class TbfSetting:
+    """One tbf configuration as applied at a wall time."""
+
+    wall: float
+    rate_bps: float
+    tbf_rate_bps: int
+    burst_bytes: int
+    limit_bytes: int
+
+
+class KernelShapedLink(LinkEmulator):
+    """Two namespaces + veth + tbf following a trace (server -> client shaped).
+
+    ``with KernelShapedLink(trace, start_s=30.0) as link:`` then run a server with
+    ``link.popen_in("server", [...])`` bound to ``link.server_addr`` and a client with
+    ``link.run_in("client", [...])`` connecting to it. Trace time ``start_s`` is at
+    ``link.origin`` (``time.monotonic()``), i.e. when the link starts (or ``restart()``).
+    """
+
+    def __init__(
+        self,
+        trace: Trace,
+        *,
+        start_s: float = 0.0,
+        origin: float | None = None,
+        burst_s: float = 0.002,
+        queue_s: float = 0.5,
+        min_queue_bytes: int = 1 << 20,
+        compensate_burst: bool = True,
+        overhead: float = PACKET_BYTES / 1448,
+        min_burst_bytes: int = 2 * PACKET_BYTES,
+    ) -> None:
+        if not (0 < burst_s <= 0.1 and queue_s > 0):
+            raise LinkError("burst_s must be in (0, 0.1] and queue_s > 0 seconds")
+        self.schedule = LinkSchedule(trace, start_s, origin)
+        self._start_s = float(start_s)
+        self._origin = origin
+        self.burst_s = float(burst_s)
+        self.queue_s = float(queue_s)
+        self.min_queue_bytes = int(min_queue_bytes)
+        self.compensate_burst = compensate_burst
+        self.overhead = float(overhead)
+        self.min_burst_bytes = int(max(PACKET_BYTES, min_burst_bytes))
+        tag = f"{os.getpid()}-{secrets.token_hex(3)}"
+        self.server_ns = f"{PREFIX}-{tag}-srv"
+        self.client_ns = f"{PREFIX}-{tag}-cli"
+        dev = secrets.token_hex(3)
+        self.server_dev = f"sk{dev}s"
+        self.client_dev = f"sk{dev}c"
+        net = ipaddress.IPv4Network(
+            (
+                f"10.{64 + secrets.randbelow(64)}.{secrets.randbelow(256)}."
+                f"{4 * secrets.randbelow(64)}",
+                30,
+            )
+        )
+        hosts = list(net.hosts())
+        self.network = net
+        self.server_addr = str(hosts[0])
+        self.client_addr = str(hosts[1])
+        self.applied: list[TbfSetting] = []
+        self.apply_latency_s = 0.003
+        self._created: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._error: str = ""
+        self._last: tuple[int, int, int] | None = None
+        self._kick_sock: socket.socket | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _ns(self, which: str) -> str:
+        if which in ("server", "srv", self.server_ns):
+            return self.server_ns
+        if which in ("client", "cli", self.client_ns):
+            return self.client_ns
+        raise LinkError(f"unknown namespace {which!r}: use 'server' or 'client'")
+
+    def _must(self, cmd: Sequence[str]) -> None:
+        res = _run(cmd)
+        if res.returncode != 0:
+            msg = res.stderr.strip() or f"exit status {res.returncode}"
+            if "Operation not permitted" in msg or "Permission denied" in msg:
+                raise NetnsUnavailableError(f"kernel shaping not permitted: {' '.join(cmd)}: {msg}")
+            raise LinkError(f"kernel shaping setup failed: {' '.join(cmd)}: {msg}")
+
+    def run_in(
+        self, ns: str, cmd: Sequence[str], timeout: float | None = 60.0, **kwargs: Any
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``cmd`` inside the ``"server"`` or ``"client"`` namespace and wait for it."""
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run(
+            ["ip", "netns", "exec", self._ns(ns), *cmd], timeout=timeout, check=False, **kwargs
+        )
+
+    def popen_in(self, ns: str, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``cmd`` inside a namespace; it is terminated when the link stops."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self._ns(ns), *cmd], **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    # ------------------------------------------------------------------ tbf
+    def _tbf_params(self, rate_bps: float, run_s: float) -> tuple[int, int, int]:
+        """(tbf rate bit/s, burst bytes, queue limit bytes) for ``rate_bps`` of goodput held
+        for ``run_s`` seconds (until the rate next changes)."""
+        if rate_bps <= 0:
+            # Burst of exactly one frame: the refill on change lets at most that frame out,
+            # and the switch is made early enough for it to belong to the previous slice.
+            return OUTAGE_RATE_BPS, PACKET_BYTES, self._limit(0.0)
+        wire = rate_bps * self.overhead
+        burst = int(max(self.min_burst_bytes, wire * self.burst_s / 8.0))
+        tbf_rate = wire
+        if self.compensate_burst and math.isfinite(run_s) and run_s > 0:
+            # The refill adds the burst minus what the bucket already held (on average
+            # half a frame when backlogged).
+            extra = burst - PACKET_BYTES / 2
+            tbf_rate = max(wire - 8.0 * extra / run_s, wire * 0.5)
+        return max(OUTAGE_RATE_BPS, int(round(tbf_rate))), burst, self._limit(wire)
+
+    def _limit(self, wire_bps: float) -> int:
+        return int(max(self.min_queue_bytes, wire_bps * self.queue_s / 8.0))
+
+    def _tc_tbf(self, verb: str, rate: int, burst: int, limit: int) -> list[str]:
+        return [
+            "tc", "-n", self.server_ns, "qdisc", verb, "dev", self.server_dev, "root",
+            "handle", "1:", "tbf", "rate", f"{rate}bit", "burst", str(burst),
+            "limit", str(limit),
+        ]  # fmt: skip
+
+    def _apply(self, rate_bps: float, run_s: float) -> None:
+        params = self._tbf_params(rate_bps, run_s)
+        if params == self._last:
+            return
+        t0 = time.monotonic()
+        res = _run(self._tc_tbf("change", *params))
+        t1 = time.monotonic()
+        if res.returncode != 0:
+            self._error = f"tc change failed: {res.stderr.strip()}"
+            return
+        self._last = params
+        self.apply_latency_s = 0.8 * self.apply_latency_s + 0.2 * (t1 - t0)
+        self.applied.append(TbfSetting(t1, rate_bps, *params))
+        self._kick()
+
+    def _kick(self) -> None:
+        """Make tbf dequeue now: ``tc change`` does not re-arm its watchdog, which may be
+        set far ahead (e.g. during an outage); one 1-byte UDP datagram to the client side
+        (inside our namespaces) runs the qdisc."""
+        if self._kick_sock is None:
+            return
+        with contextlib.suppress(OSError):
+            self._kick_sock.sendto(b"k", (self.client_addr, _KICK_PORT))
+
+    def _apply_at(self, wall: float) -> None:
+        """Apply the setting of the slice containing ``wall``."""
+        sched = self.schedule
+        self._apply(sched.rate_at(wall), sched.next_rate_change(wall) - wall)
+
+    def _rate_loop(self) -> None:
+        sched = self.schedule
+        self._apply_at(time.monotonic())
+        while not self._stop.is_set():
+            version = sched.version
+            now = time.monotonic()
+            boundary = sched.next_change(now)
+            before = sched.rate_at(boundary - 1e-6)
+            after = sched.rate_at(boundary + 1e-6)
+            # tc takes effect ~apply_latency after we call it: call it that much early.
+            lead = min(self.apply_latency_s, 0.02)
+            if after <= 0 < before:
+                # Entering an outage: switch early (twice the tc latency plus the time of
+                # the one frame the refill lets out), so nothing leaves during the outage.
+                lead = 2 * lead + 0.002 + PACKET_BYTES * 8.0 / (before * self.overhead)
+            with self._cond:
+                changed = self._cond.wait_for(
+                    lambda v=version: self._stop.is_set() or sched.version != v,
+                    timeout=max(0.0, boundary - lead - time.monotonic()),
+                )
+            if self._stop.is_set():
+                return
+            if changed:
+                self._apply_at(time.monotonic())
+                continue
+            self._apply(after, sched.next_rate_change(boundary + 1e-6) - boundary)
+            # Do not re-handle this boundary if we are still before it.
+            while time.monotonic() < boundary and not self._stop.is_set():
+                time.sleep(max(0.0, min(boundary - time.monotonic(), 0.05)))
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> KernelShapedLink:
+        if self._thread is not None:
+            return self
+        reason = kernel_shaping_unavailable_reason()
+        if reason is not None:
+            raise NetnsUnavailableError(reason)
+        try:
+            for ns in (self.server_ns, self.client_ns):
+                self._must(["ip", "netns", "add", ns])
+                self._created.append(ns)
+            self._must(
+                ["ip", "-n", self.server_ns, "link", "add", self.server_dev, "type", "veth",
+                 "peer", "name", self.client_dev, "netns", self.client_ns]
+            )  # fmt: skip
+            for ns, dev, addr in (
+                (self.server_ns, self.server_dev, self.server_addr),
+                (self.client_ns, self.client_dev, self.client_addr),
+            ):
+                self._must(["ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev])
+                self._must(["ip", "-n", ns, "link", "set", dev, "up"])
+                self._must(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if self._origin is None:
+                self.schedule.restart(self._start_s)
+            now = time.monotonic()
+            rate = self.schedule.rate_at(now)
+            params = self._tbf_params(rate, self.schedule.next_rate_change(now) - now)
+            self._must(self._tc_tbf("add", *params))
+            self._last = params
+            self.applied.append(TbfSetting(now, rate, *params))
+            try:
+                self._kick_sock = socket_in_namespace(self.server_ns)
+                self._kick_sock.setblocking(False)
+            except LinkError as exc:
+                self._error = f"no dequeue kick after rate changes: {exc}"
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._rate_loop, name="tbf-rate", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the rate thread, end processes started in the namespaces, delete them."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(5.0)
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._procs:
+            try:
+                proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(2.0)
+        self._procs.clear()
+        if self._kick_sock is not None:
+            self._kick_sock.close()
+            self._kick_sock = None
+        for ns in reversed(self._created):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                _run(["ip", "netns", "del", ns])
+        self._created.clear()
+
+    def __enter__(self) -> KernelShapedLink:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _changed(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def error(self) -> str:
+        """Last error of the rate thread ('' if none)."""
+        return self._error
+
+    def qdisc_stats(self) -> dict[str, int]:
+        """tbf counters on the server side: sent bytes/packets, drops, backlog bytes."""
+        res = _run(["tc", "-s", "-n", self.server_ns, "qdisc", "show", "dev", self.server_dev])
+        text = res.stdout
+        out: dict[str, int] = {}
+        m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+)", text)
+        if m:
+            out.update(
+                sent_bytes=int(m.group(1)), sent_packets=int(m.group(2)), dropped=int(m.group(3))
+            )
+        m = re.search(r"backlog (\d+)b", text)
+        if m:
+            out["backlog_bytes"] = int(m.group(1))
+        return out
