@@ -37,13 +37,13 @@ DEFAULT_CODECS = ("sakura", "svd", "fp16", "intq", "cachegen")
 
 @dataclass
 class BuildConfig:
-    catalog: str | None = None          # catalog.json or its folder (default: shipped)
+    catalog: str | None = None  # catalog.json or its folder (default: shipped)
     out_dir: str = "packs"
     codecs: tuple[str, ...] = DEFAULT_CODECS
-    templates: tuple[str, ...] = ()     # empty = all
-    weights: str | None = None          # default: shipped model
+    templates: tuple[str, ...] = ()  # empty = all
+    weights: str | None = None  # default: shipped model
     blocks_per_shard: int = 2
-    resolution: int | None = None       # build at another resolution (ids get a suffix)
+    resolution: int | None = None  # build at another resolution (ids get a suffix)
     force: bool = False
     codec_options: dict[str, dict] = field(default_factory=dict)
 
@@ -68,8 +68,11 @@ def template_assets(spec, template) -> dict[str, Any]:
     img = ((template.image.permute(1, 2, 0).numpy() + 1) * 127.5).round().clip(0, 255)
     mask = template.mask.numpy().astype(np.uint8) * 255
     return {
-        "prompt": spec.prompt, "steps": template.steps, "guidance": template.guidance,
-        "resolution": template.size, "image_png_b64": _png_b64(img.astype(np.uint8)),
+        "prompt": spec.prompt,
+        "steps": template.steps,
+        "guidance": template.guidance,
+        "resolution": template.size,
+        "image_png_b64": _png_b64(img.astype(np.uint8)),
         "mask_png_b64": _png_b64(mask),
     }
 
@@ -123,10 +126,16 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
     report = BuildReport()
     for tid, spec in tqdm(specs.items(), desc="build", unit="template"):
         content = template_content_hash(
-            {"spec": {k: v for k, v in spec.meta.items()}, "resolution": spec.resolution,
-             "codecs": list(cfg.codecs), "codec_options": cfg.codec_options,
-             "blocks_per_shard": cfg.blocks_per_shard},
-            [spec.image_path, spec.mask_path, weights], salt=BUILDER_VERSION)
+            {
+                "spec": {k: v for k, v in spec.meta.items()},
+                "resolution": spec.resolution,
+                "codecs": list(cfg.codecs),
+                "codec_options": cfg.codec_options,
+                "blocks_per_shard": cfg.blocks_per_shard,
+            },
+            [spec.image_path, spec.mask_path, weights],
+            salt=BUILDER_VERSION,
+        )
         if not cfg.force and is_up_to_date(out, tid, content, codecs=cfg.codecs):
             report.skipped.append(tid)
             continue
@@ -136,23 +145,38 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         profile_importance(model, template, run, spec.requests(encoder, "profiling"))
         layout = ShardLayout(run.cache.steps, run.cache.blocks, cfg.blocks_per_shard)
         cost = [shard_compute_cost(model, layout.blocks_of(i)[1]) for i in range(layout.num_shards)]
-        model_info = {"name": "sakura-mmdit", "weights_sha256": weights_sha,
-                      "config": model.cfg.to_dict()}
-        with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp, \
-                CatalogTransaction(out) as txn:
+        model_info = {
+            "name": "sakura-mmdit",
+            "weights_sha256": weights_sha,
+            "config": model.cfg.to_dict(),
+        }
+        with (
+            tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp,
+            CatalogTransaction(out) as txn,
+        ):
             for name in cfg.codecs:
                 codec = get_codec(name, **cfg.codec_options.get(name, {}))
                 work = Path(tmp) / name
-                manifest = write_pack(work, tid, run.cache, codec,
-                                      blocks_per_shard=cfg.blocks_per_shard,
-                                      model=model_info, compute_cost=cost)
+                manifest = write_pack(
+                    work,
+                    tid,
+                    run.cache,
+                    codec,
+                    blocks_per_shard=cfg.blocks_per_shard,
+                    model=model_info,
+                    compute_cost=cost,
+                )
                 txn.publish(tid, name, manifest.to_dict(), work / manifest.pack_file)
             txn.set_metadata(
-                tid, workload=spec.workload, resolution=spec.resolution,
+                tid,
+                workload=spec.workload,
+                resolution=spec.resolution,
                 mask_ratio=spec.meta.get("mask_ratio"),
                 token_mask_ratio=float(len(run.geometry.masked)) / (len(run.geometry.pos)),
-                content_hash=content, fp16_bytes=run.cache.fp16_bytes(),
-                template=template_assets(spec, template))
+                content_hash=content,
+                fp16_bytes=run.cache.fp16_bytes(),
+                template=template_assets(spec, template),
+            )
         report.built.append(tid)
         report.seconds[tid] = time.perf_counter() - t0
         log(f"built {tid}: {len(cfg.codecs)} codecs in {report.seconds[tid]:.1f}s")

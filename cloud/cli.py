@@ -73,13 +73,25 @@ def _build(args: argparse.Namespace) -> int:
     from cloud.build import BuildConfig, build
 
     cfg = BuildConfig(
-        catalog=args.catalog, out_dir=args.out,
+        catalog=args.catalog,
+        out_dir=args.out,
         codecs=tuple(c for c in args.codecs.split(",") if c),
-        templates=tuple(t for t in args.templates.split(",") if t), weights=args.weights,
-        blocks_per_shard=args.blocks_per_shard, resolution=args.resolution, force=args.force)
+        templates=tuple(t for t in args.templates.split(",") if t),
+        weights=args.weights,
+        blocks_per_shard=args.blocks_per_shard,
+        resolution=args.resolution,
+        force=args.force,
+    )
     report = build(cfg)
-    print(json.dumps({"built": report.built, "skipped": report.skipped,
-                      "seconds": {k: round(v, 1) for k, v in report.seconds.items()}}))
+    print(
+        json.dumps(
+            {
+                "built": report.built,
+                "skipped": report.skipped,
+                "seconds": {k: round(v, 1) for k, v in report.seconds.items()},
+            }
+        )
+    )
     return 0
 
 

@@ -170,8 +170,12 @@ class MetricsMiddleware:
             await send(message)
 
         self.metrics.started()
+        failed = False
         try:
             await self.app(scope, receive, counting_send)
+        except BaseException:
+            failed = True
+            raise
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
@@ -181,5 +185,5 @@ class MetricsMiddleware:
                 int(state["status"]),
                 int(state["bytes"]),
                 time.perf_counter() - start,
-                disconnected=not state["done"],
+                disconnected=not state["done"] and not failed,
             )

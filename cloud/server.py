@@ -64,7 +64,7 @@ OCTET = "application/octet-stream"
 class ServerSettings:
     """Tunables of the server (defaults suit a phone-facing origin behind a CDN)."""
 
-    chunk_size: int = 256 * 1024  # bytes per storage read / body message
+    chunk_size: int = 1024 * 1024  # bytes per storage read / body message
     max_ranges: int = 64  # more range specs in one Range header -> 400
     # a checked catalog.json / manifest.json is trusted this long before its storage change
     # token is checked again; None: 0 for a local folder (a stat is cheap), 2 s otherwise

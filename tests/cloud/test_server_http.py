@@ -365,3 +365,8 @@ def test_metrics_count_requests_bytes_and_latency(client, published):
         in text
     )
     assert "sakura_http_requests_in_flight 1" in text  # this /metrics request itself
+
+
+def test_duplicate_range_headers_are_ignored(client, published):
+    r = client.get(PACK, headers=[("Range", "bytes=0-0"), ("Range", "bytes=1-1")])
+    assert r.status_code == 200 and r.content == published.pack("face-a")
