@@ -98,7 +98,7 @@ def _child_server(kind: str, target: Path) -> Iterator[str]:
     sock.close()
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, url + ("/healthz" if kind == "sakura" else "/healthz"))
+        _wait_ready(proc, url + "/healthz")
         yield url
     finally:
         proc.terminate()
@@ -248,8 +248,7 @@ def run_bench(
         pack_rel = layout.pack_key(TEMPLATE, "sakura", published.pack_file)
         results: dict[str, Any] = {}
         for kind in ("sakura", "reference"):
-            target = catalog_dir
-            with _child_server(kind, target) as url:
+            with _child_server(kind, catalog_dir) as url:
                 load, elapsed = asyncio.run(
                     _run_load(url, jobs, config, reference=kind == "reference", pack_path=pack_rel)
                 )
