@@ -91,7 +91,7 @@ class CacheGenCodec(Codec):
 
     def __init__(
         self,
-        levels: tuple[float, ...] | list[float] = (0.03, 0.08, 0.2, 0.5, 1.2),
+        levels: tuple[float, ...] | list[float] = (0.12, 0.3, 0.7, 1.5, 3.0, 6.0),
         anchor_every: int = 10,
         anchor_factor: float = 0.5,
         layer_factors: tuple[float, ...] | list[float] = (1.0, 1.5, 2.0),
@@ -200,7 +200,7 @@ class CacheGenCodec(Codec):
 
 @register("cachegen")
 def make_cachegen(
-    levels: tuple[float, ...] | list[float] = (0.03, 0.08, 0.2, 0.5, 1.2),
+    levels: tuple[float, ...] | list[float] = (0.12, 0.3, 0.7, 1.5, 3.0, 6.0),
     anchor_every: int = 10,
     anchor_factor: float = 0.5,
     layer_factors: tuple[float, ...] | list[float] = (1.0, 1.5, 2.0),

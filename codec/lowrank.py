@@ -391,7 +391,7 @@ class LowRankCodec(Codec):
             raise PackError(f"shard {spec.index}: {len(data)} bytes, config {params} needs {need}")
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         off = hsize + levels * 5
-        quant = g.quantizer()
+        quant = self._quantizer(g)
         groups = g.plan.groups
         owners = torch.zeros(0, dtype=torch.long)
         steps = torch.zeros(0, groups, dtype=torch.float16)
@@ -408,11 +408,19 @@ class LowRankCodec(Codec):
                 block = block[:, 1 + 2 * groups :]
             codes.append(unpack_codes(block, level_bits[lv], n + c))
         values = quant.decode(steps, codes)
-        out = []
-        for m in range(m_count):
-            sel = (owners == m).nonzero().flatten()
-            out.append(values[sel, :n].T @ values[sel, n:])
-        return out
+        per_matrix = torch.bincount(owners, minlength=m_count).tolist()
+        if len(per_matrix) != m_count:
+            raise PackError(f"shard {spec.index}: component owner out of range")
+        parts = values[torch.argsort(owners, stable=True)].split(per_matrix)
+        return [p[:, :n].T @ p[:, n:] for p in parts]
+
+    def _quantizer(self, g: _Geometry) -> ProgressiveQuantizer:
+        """Decoder quantizers (and their constant tables), built once per geometry."""
+        key = (g.tokens, g.channels, g.group, g.level_bits)
+        cache = self.__dict__.setdefault("_quantizers", {})
+        if key not in cache:
+            cache[key] = g.quantizer()
+        return cache[key]
 
     def rank_key(self, params: dict[str, Any]) -> float:
         return float(sum(r * b for r, b in zip(params.get("ranks", []), self.opts.bits)))

@@ -64,10 +64,10 @@ def to_fp16_scale(delta: torch.Tensor) -> torch.Tensor:
 
 
 def midrise_codes(v: torch.Tensor, delta: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of ``v``; a zero step (all-zero group) gives the code of the value +delta/2 = 0."""
     levels = 1 << bits
-    safe = torch.where(delta > 0, delta, torch.ones_like(delta))
-    codes = torch.floor(v / safe + levels / 2).clamp(0, levels - 1)
-    return torch.where(delta > 0, codes, torch.full_like(codes, levels // 2))
+    codes = torch.floor(v / delta.clamp_min(1e-30) + levels / 2)
+    return codes.clamp_(0, levels - 1)
 
 
 def midrise_values(codes: torch.Tensor, delta: torch.Tensor, bits: int) -> torch.Tensor:
@@ -206,7 +206,7 @@ class ProgressiveQuantizer:
 
     plan: SegmentPlan
     level_bits: tuple[int, ...]
-    trials: int = 24
+    trials: int = 16
 
     def encode(self, vectors: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """``vectors [k, L]`` (float64) -> ``(steps [k, G] fp16, codes per level [k, L] uint8,
@@ -225,17 +225,16 @@ class ProgressiveQuantizer:
         full = 2.0 * absmax / (1 << b0)
         fracs = torch.linspace(0.3, 1.0, self.trials, dtype=rot.dtype)
         cand = to_fp16_scale(full.unsqueeze(-1) * fracs)  # [k, G, T]
-        step = cand[:, gidx, :].permute(0, 2, 1)  # [k, T, L]
-        res = rot.unsqueeze(1).expand(k, self.trials, -1).clone()
-        score = torch.zeros(k, ngroups, self.trials, dtype=rot.dtype)
+        # the search runs in float32 (the final codes below are computed in float64)
+        step = cand[:, gidx, :].permute(0, 2, 1).float()  # [k, T, L]
+        res = rot.float().unsqueeze(1).expand(k, self.trials, -1).clone()
+        score = torch.zeros(k, ngroups, self.trials)
         for lv, bits in enumerate(self.level_bits):
             if lv:
                 step = step / (1 << bits)
-            res = res - midrise_values(midrise_codes(res, step, bits), step, bits)
-            err = torch.zeros(k, self.trials, ngroups, dtype=rot.dtype).index_add_(
-                2, gidx, res**2
-            )
-            score += torch.log(err.permute(0, 2, 1) + 1e-300)
+            res -= midrise_values(midrise_codes(res, step, bits), step, bits)
+            err = torch.zeros(k, self.trials, ngroups).index_add_(2, gidx, res * res)
+            score += torch.log(err.permute(0, 2, 1) + 1e-30)
         best = score.argmin(dim=-1, keepdim=True)
         d0 = torch.gather(cand, -1, best).squeeze(-1)  # [k, G]
         step = d0[:, gidx]
@@ -256,13 +255,39 @@ class ProgressiveQuantizer:
     def decode(self, steps: torch.Tensor, codes: list[torch.Tensor]) -> torch.Tensor:
         """``steps [k0, G]`` fp16 and per-level codes (``[k_l, L]``, k_l non-increasing) ->
         values ``[k0, L]`` float32 in the original domain."""
-        gidx = self.plan.group_index()
-        step = steps.float()[:, gidx]
-        values = torch.zeros(steps.shape[0], self.plan.length)
-        for lv, q in enumerate(codes):
+        t = self._tables()
+        acc = codes[0].float().sub_(((1 << self.level_bits[0]) - 1) / 2)
+        scale = 1.0
+        for lv in range(1, len(codes)):
             bits = self.level_bits[lv]
-            if lv:
-                step = step / (1 << bits)
-            kk = q.shape[0]
-            values[:kk] += (q.float() - ((1 << bits) - 1) / 2) * step[:kk]
-        return self.plan.rotate(values, inverse=True)
+            scale /= 1 << bits
+            q = codes[lv]
+            acc[: q.shape[0]].add_(q.float().sub_(((1 << bits) - 1) / 2).mul_(scale))
+        acc.mul_(steps.float()[:, t.gidx])
+        k = acc.shape[0]
+        for start, size, count, h in t.runs:
+            end = start + size * count
+            acc[:, start:end] = (acc[:, start:end].view(k, count, size) @ h).view(k, -1)
+        return acc.mul_(t.signs)
+
+    def _tables(self) -> _Tables:
+        tables = self.__dict__.get("_cached_tables")
+        if tables is None:
+            runs = tuple(
+                (start, size, count, hadamard(size, torch.float32))
+                for start, size, count in self.plan.pieces()
+                if size > 1
+            )
+            tables = _Tables(self.plan.group_index(), sign_pattern(self.plan.length, torch.float32),
+                             runs)
+            object.__setattr__(self, "_cached_tables", tables)
+        return tables
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Constant tensors of a plan used by the decoder (built once per quantizer)."""
+
+    gidx: torch.Tensor
+    signs: torch.Tensor
+    runs: tuple[tuple[int, int, int, torch.Tensor], ...]

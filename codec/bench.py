@@ -1,0 +1,357 @@
+"""`sakura bench codec`: every codec at about 5x, 15x and 50x versus FP16 on template caches.
+
+For each template and codec the cache is written to a real pack (honest bytes: what the
+codec stores to serve all its budgets), then for each target ratio every shard gets the
+best profiled configuration within ``fp16 shard bytes / ratio`` (what the allocator does
+at a constant rate; a codec that has no configuration small enough for some shard cannot
+meet that budget: ``null``). The chosen configurations are decoded and measured: bytes,
+importance-weighted KV reconstruction error, and, when a model is available, PSNR/SSIM of
+edits on the template's evaluation requests against ``exact`` (the same edits with the
+FP16 cache). ``reconstruct_gbps`` is the decode throughput of ``sakura`` (FP16-equivalent
+bytes reconstructed per second, one thread).
+
+Cache sources: the default model's catalog templates (needs ``dit`` and trained weights),
+saved caches (``--cache FILE.safetensors`` from ``TemplateCache.state_dict()``, KV metrics
+only), or seeded synthetic caches (``--synthetic``, KV metrics only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from codec.base import get_codec
+from codec.errors import CodecError
+from codec.metrics import err_to_db, weighted_rel_error
+from codec.pack import PackReader, write_pack
+from codec.profile import select_for_ratio
+from codec.provider import DecodedProvider
+from codec.shards import shard_data
+
+RATIOS = (5, 15, 50)
+CODEC_ORDER = ("fp16", "intq", "cachegen", "svd", "sakura")
+
+EditFn = Callable[[Any], list[torch.Tensor]]
+"""Runs the evaluation requests with a ``KVProvider``; returns images ``[3, H, W]`` in [-1, 1]."""
+
+
+@dataclass
+class BenchTemplate:
+    template_id: str
+    cache: Any  # dit.cache.TemplateCache
+    edit: EditFn | None = None
+    region: torch.Tensor | None = None
+    """Pixel mask ``[H, W]`` of the edited region (PSNR is measured there)."""
+    model: dict[str, Any] | None = None
+
+
+# ------------------------------------------------------------------------------ sources
+def file_templates(paths: list[str]) -> list[BenchTemplate]:
+    from safetensors.torch import load_file
+
+    from dit.cache import TemplateCache
+
+    out = []
+    for p in paths:
+        try:
+            state = load_file(p)
+        except (OSError, ValueError, RuntimeError) as exc:  # safetensors raises these
+            raise CodecError(f"cannot read cache {p}: {exc}") from None
+        try:
+            cache = TemplateCache.from_state_dict(state)
+        except KeyError as exc:
+            raise CodecError(f"{p} is not a TemplateCache state dict (missing {exc})") from None
+        tid = re.sub(r"[^a-z0-9_-]+", "-", Path(p).stem.lower()).strip("-_")[:40] or "cache"
+        out.append(BenchTemplate(template_id=tid, cache=cache))
+    return out
+
+
+def synthetic_templates(quick: bool) -> list[BenchTemplate]:
+    from codec.synthetic import synthetic_cache
+
+    n = 1 if quick else 3
+    return [
+        BenchTemplate(
+            template_id=f"synthetic-{i}",
+            cache=synthetic_cache(steps=4 if quick else 8, blocks=4, grid=16, channels=96,
+                                  heads=4, seed=i),
+        )
+        for i in range(n)
+    ]
+
+
+def model_templates(
+    quick: bool, weights: str | None = None, template_ids: list[str] | None = None,
+    steps: int | None = None,
+) -> list[BenchTemplate]:
+    """Capture caches of catalog templates with the default model (importance profiled on
+    the profiling requests; edits run on the evaluation requests)."""
+    import torch.nn.functional as F
+
+    from dit.editing import cached_edit, profile_importance, template_run
+    from dit.templates import load_catalog
+    from dit.text import TextEncoder
+    from dit.weights import load_model
+
+    model = load_model(weights)
+    enc = TextEncoder()
+    catalog = load_catalog()
+    if template_ids:
+        unknown = [t for t in template_ids if t not in catalog]
+        if unknown:
+            raise CodecError(f"unknown templates {unknown}; known: {sorted(catalog)}")
+        ids = template_ids
+    else:
+        by_workload: dict[str, str] = {}
+        for tid, spec in catalog.items():
+            by_workload.setdefault(spec.workload, tid)
+        ids = list(by_workload.values())[: 1 if quick else 3]
+    out = []
+    for tid in ids:
+        spec = catalog[tid]
+        tpl = spec.to_template(enc)
+        if steps or quick:
+            tpl = replace(tpl, steps=steps or 8)
+        run = template_run(model, tpl)
+        profile_importance(model, tpl, run, spec.requests(enc, "profiling"))
+        reqs = spec.requests(enc, "evaluation")[: 2 if quick else None]
+        geo = run.geometry
+
+        def edit(provider, tpl=tpl, geo=geo, reqs=reqs) -> list[torch.Tensor]:
+            return [cached_edit(model, tpl, geo, provider, r) for r in reqs]
+
+        p = model.cfg.patch_size
+        grid = tpl.size // p
+        tok = torch.zeros(grid * grid)
+        tok[geo.masked] = 1
+        region = F.interpolate(tok.view(1, 1, grid, grid), scale_factor=p)[0, 0] > 0
+        meta = {"weights": str(weights or "default"), "steps": tpl.steps,
+                "config": model.cfg.to_dict(), "train_step": getattr(model, "weights_meta", {}).get("train_step")}
+        out.append(BenchTemplate(template_id=tid, cache=run.cache, edit=edit, region=region,
+                                 model=meta))
+    return out
+
+
+# ------------------------------------------------------------------------------ metrics
+def _psnr_region(a: torch.Tensor, b: torch.Tensor, region: torch.Tensor | None) -> float:
+    diff = (a.double() - b.double()) ** 2
+    if region is not None:
+        diff = diff[:, region]
+    mse = float(diff.mean())
+    return 100.0 if mse <= 1e-20 else min(100.0, 10 * math.log10(4.0 / mse))  # range [-1, 1]
+
+
+def _ssim(a: torch.Tensor, b: torch.Tensor) -> float:
+    from pytorch_msssim import ssim
+
+    win = 11 if min(a.shape[-2:]) >= 11 else 3
+    return float(ssim((a[None] + 1) / 2, (b[None] + 1) / 2, data_range=1.0, win_size=win))
+
+
+def _decode_all(manifest, reader, choice, codec) -> tuple[list[list[torch.Tensor]], float]:
+    shards, seconds = [], 0.0
+    for s, c in zip(manifest.shards, choice):
+        data = reader.read_config(s.index, c)
+        cfg = s.config(c)
+        t0 = time.perf_counter()
+        shards.append(codec.decode(cfg.params, data, manifest.spec(s.index)))
+        seconds += time.perf_counter() - t0
+    return shards, seconds
+
+
+def _kv_error(cache, layout, shards) -> float:
+    errs = []
+    for i, mats in enumerate(shards):
+        sd = shard_data(cache, layout, i)
+        errs.append(weighted_rel_error(sd.matrices, mats, sd.importance))
+    return sum(errs) / len(errs)
+
+
+# ------------------------------------------------------------------------------ bench
+def run_codec_bench(
+    templates: list[BenchTemplate],
+    codecs: dict[str, dict[str, Any]] | None = None,
+    ratios: tuple[int, ...] = RATIOS,
+    blocks_per_shard: int = 2,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    codecs = codecs or {name: {} for name in CODEC_ORDER}
+    per_template: dict[str, Any] = {}
+    totals: dict[str, dict[str, float]] = {n: {"fp16": 0, "stored": 0, "pack": 0} for n in codecs}
+    acc: dict[str, dict[str, dict[str, list[float]]]] = {
+        n: {str(r): {"psnr": [], "ssim": [], "kv_db": [], "bytes": [], "ratio": []}
+            for r in ratios} for n in codecs
+    }
+    unreachable: dict[str, set[str]] = {n: set() for n in codecs}
+    dec_bytes, dec_secs = 0, 0.0
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="sakura-bench-codec-") as tmp:
+        for bt in templates:
+            cache = bt.cache
+            exact = bt.edit(cache.to_fp16_exact()) if bt.edit else None
+            rec: dict[str, Any] = {"geometry": [cache.steps, cache.blocks, cache.tokens,
+                                                cache.channels], "fp16_bytes": cache.fp16_bytes(),
+                                   "codecs": {}}
+            for name, opts in codecs.items():
+                codec = get_codec(name.split("@")[0], **opts)
+                t0 = time.perf_counter()
+                manifest = write_pack(tmp, f"{bt.template_id}-{name.replace('@', '-')}", cache,
+                                      codec, blocks_per_shard=blocks_per_shard, model=bt.model)
+                enc_s = time.perf_counter() - t0
+                totals[name]["fp16"] += manifest.fp16_bytes
+                totals[name]["stored"] += manifest.stored_bytes
+                totals[name]["pack"] += manifest.pack_bytes
+                layout = manifest.layout()
+                crec: dict[str, Any] = {"stored_bytes": manifest.stored_bytes,
+                                        "pack_bytes": manifest.pack_bytes,
+                                        "encode_s": round(enc_s, 3), "ratios": {}}
+                with PackReader(Path(tmp) / manifest.pack_file) as reader:
+                    for r in ratios:
+                        choice = select_for_ratio(manifest, r)
+                        if choice is None:
+                            unreachable[name].add(str(r))
+                            crec["ratios"][str(r)] = None
+                            continue
+                        shards, secs = _decode_all(manifest, reader, choice, codec)
+                        nbytes = sum(s.config(c).bytes for s, c in zip(manifest.shards, choice))
+                        if name == "sakura":
+                            dec_bytes += manifest.fp16_bytes
+                            dec_secs += secs
+                        kv_db = err_to_db(_kv_error(cache, layout, shards))
+                        entry = {"bytes": nbytes, "ratio": manifest.fp16_bytes / nbytes,
+                                 "kv_db": round(kv_db, 3), "decode_s": round(secs, 4)}
+                        a = acc[name][str(r)]
+                        if exact is not None:
+                            imgs = bt.edit(DecodedProvider(layout, shards))
+                            psnr = [_psnr_region(x, y, bt.region) for x, y in zip(imgs, exact)]
+                            ssim = [_ssim(x, y) for x, y in zip(imgs, exact)]
+                            entry["psnr_db"] = round(sum(psnr) / len(psnr), 3)
+                            entry["ssim"] = round(sum(ssim) / len(ssim), 5)
+                            a["psnr"].append(entry["psnr_db"])
+                            a["ssim"].append(entry["ssim"])
+                        a["kv_db"].append(kv_db)
+                        a["bytes"].append(nbytes)
+                        a["ratio"].append(entry["ratio"])
+                        crec["ratios"][str(r)] = entry
+                rec["codecs"][name] = crec
+                log(f"{bt.template_id} {name}: stored {manifest.stored_bytes} B, "
+                    f"encode {enc_s:.1f}s, " + ", ".join(
+                        f"{r}x: " + ("n/a" if e is None else
+                                     f"{e['ratio']:.1f}x kv {e['kv_db']:.1f} dB"
+                                     + (f" psnr {e['psnr_db']:.1f}" if "psnr_db" in e else ""))
+                        for r, e in crec["ratios"].items()))
+            per_template[bt.template_id] = rec
+
+    with_edit = all(bt.edit is not None for bt in templates)
+
+    def mean(xs: list[float]) -> float | None:
+        return None if not xs else round(sum(xs) / len(xs), 4)
+
+    result: dict[str, Any] = {
+        "bench": "codec",
+        "psnr_source": "edit_masked_region" if with_edit else "kv_weighted",
+        "ratios": [str(r) for r in ratios],
+        "templates": [bt.template_id for bt in templates],
+        "blocks_per_shard": blocks_per_shard,
+        "codec_options": {n: get_codec(n.split("@")[0], **o).options for n, o in codecs.items()},
+        "psnr_db": {}, "ssim": {}, "kv_db": {}, "bytes": {}, "achieved_ratio": {},
+        "storage_ratio_vs_fp16": {}, "pack_ratio_vs_fp16": {}, "stored_bytes": {},
+    }
+    for n in codecs:
+        for key in ("psnr_db", "ssim", "kv_db", "bytes", "achieved_ratio"):
+            result[key][n] = {}
+        for r in ratios:
+            a = acc[n][str(r)]
+            reach = str(r) not in unreachable[n]
+            psnr = a["psnr"] if with_edit else a["kv_db"]
+            result["psnr_db"][n][str(r)] = mean(psnr) if reach else None
+            result["ssim"][n][str(r)] = mean(a["ssim"]) if reach and with_edit else None
+            result["kv_db"][n][str(r)] = mean(a["kv_db"]) if reach else None
+            result["bytes"][n][str(r)] = int(sum(a["bytes"])) if reach else None
+            result["achieved_ratio"][n][str(r)] = mean(a["ratio"]) if reach else None
+        t = totals[n]
+        result["storage_ratio_vs_fp16"][n] = round(t["fp16"] / t["stored"], 4)
+        result["pack_ratio_vs_fp16"][n] = round(t["fp16"] / t["pack"], 4)
+        result["stored_bytes"][n] = int(t["stored"])
+    result["reconstruct_gbps"] = round(dec_bytes / dec_secs / 1e9, 4) if dec_secs > 0 else None
+    result["per_template"] = per_template
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    result["threads"] = torch.get_num_threads()
+    result["targets"] = check_targets(result)
+    return result
+
+
+def check_targets(result: dict[str, Any]) -> dict[str, bool | None]:
+    """The published results to beat, evaluated on this run."""
+    psnr, storage = result["psnr_db"], result["storage_ratio_vs_fp16"]
+    out: dict[str, bool | None] = {}
+    if "sakura" in psnr:
+        out["sakura_reaches_every_ratio"] = all(v is not None for v in psnr["sakura"].values())
+        beats = []
+        for base in ("intq", "cachegen"):
+            for r, v in psnr.get(base, {}).items():
+                s = psnr["sakura"].get(r)
+                if v is not None:
+                    beats.append(s is not None and s > v)
+        out["sakura_psnr_above_intq_cachegen"] = all(beats) if beats else None
+    if "sakura" in psnr and "svd" in psnr:
+        ok = []
+        for r in ("15", "50"):
+            s, v = psnr["sakura"].get(r), psnr["svd"].get(r)
+            if s is not None and v is not None:
+                ok.append(s >= v)
+        out["q05_not_worse_than_q0_at_15_50"] = all(ok) if ok else None
+    if "sakura" in storage:
+        out["storage_3_06x_below_fp16"] = storage["sakura"] >= 3.06
+        others = [storage[b] for b in ("intq", "cachegen") if b in storage]
+        out["storage_1_54x_below_intq_cachegen"] = (
+            all(storage["sakura"] / o >= 1.54 for o in others) if others else None)
+    return out
+
+
+def main(
+    json_path: str,
+    quick: bool = False,
+    cache_files: list[str] | None = None,
+    synthetic: bool = False,
+    weights: str | None = None,
+    templates: list[str] | None = None,
+    steps: int | None = None,
+    codecs: list[str] | None = None,
+    blocks_per_shard: int = 2,
+    verbose: bool = True,
+) -> int:
+    if cache_files:
+        sources = file_templates(cache_files)
+    elif synthetic:
+        sources = synthetic_templates(quick)
+    else:
+        sources = model_templates(quick, weights, templates, steps)
+    names = codecs or list(CODEC_ORDER)
+    unknown = [n for n in names if n.split("@")[0] not in ("fp16", "intq", "cachegen", "svd",
+                                                           "sakura")]
+    if unknown:
+        raise CodecError(f"unknown codecs {unknown}")
+    log = (lambda s: print(s, flush=True)) if verbose else (lambda s: None)
+    result = run_codec_bench(sources, {n: {} for n in names}, blocks_per_shard=blocks_per_shard,
+                             log=log)
+    result["quick"] = quick
+    out = Path(json_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    if verbose:
+        for n in names:
+            print(f"{n:9s} storage {result['storage_ratio_vs_fp16'][n]:6.2f}x  psnr " + "  ".join(
+                f"{r}x: {'n/a' if v is None else f'{v:.2f}'}" for r, v in result["psnr_db"][n].items()))
+        print(f"reconstruct_gbps {result['reconstruct_gbps']}  targets {result['targets']}")
+    return 0

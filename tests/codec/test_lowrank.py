@@ -1,0 +1,111 @@
+import torch
+
+from codec import get_codec
+from codec.metrics import weighted_rel_error
+from codec.shards import ShardLayout, shard_data
+
+
+def _shard(cache, index=0, bps=2):
+    return shard_data(cache, ShardLayout(cache.steps, cache.blocks, bps), index)
+
+
+def test_q0_factorization_is_plain_svd(small_cache):
+    sd = _shard(small_cache)
+    codec = get_codec("svd")
+    x = sd.matrices[0]
+    a, b, rel = codec.factorize(x, sd.importance[0])
+    u, s, vh = torch.linalg.svd(x.double(), full_matrices=False)
+    for r in (1, 4, 10):
+        plain = (u[:, :r] * s[:r]) @ vh[:r]
+        assert torch.allclose(a[:r].T @ b[:r], plain, atol=1e-8)
+    assert torch.allclose(rel, s**2 / (s**2).sum())
+
+
+def test_svd_codec_equals_sakura_q0(small_cache):
+    sd = _shard(small_cache)
+    e1 = get_codec("svd").encode_shard(sd)
+    e2 = get_codec("sakura", q=0.0).encode_shard(sd)
+    assert e1.units == e2.units
+    assert [c.params for c in e1.configs] == [c.params for c in e2.configs]
+
+
+def test_importance_weighting_changes_the_basis(small_cache):
+    sd = _shard(small_cache)
+    a0, _, _ = get_codec("svd").factorize(sd.matrices[0], sd.importance[0])
+    a5, _, _ = get_codec("sakura").factorize(sd.matrices[0], sd.importance[0])
+    assert not torch.allclose(a0[:4].abs(), a5[:4].abs(), atol=1e-3)
+
+
+def test_closed_form_error_matches_decode(small_cache):
+    sd = _shard(small_cache, 1)  # the partial shard (one block, two matrices)
+    codec = get_codec("sakura")
+    enc = codec.encode_shard(sd)
+    for i, cfg in enumerate(enc.configs):
+        dec = codec.decode(cfg.params, enc.config_data(i), sd.spec)
+        err = weighted_rel_error(sd.matrices, dec, sd.importance)
+        assert abs(err - cfg.weighted_err) <= 1e-5 * max(err, 1e-3), (cfg.params, err)
+
+
+def test_layout_is_progressive(small_cache):
+    sd = _shard(small_cache)
+    codec = get_codec("sakura")
+    enc = codec.encode_shard(sd)
+    g = codec.geometry(sd.spec.num_matrices, sd.spec.tokens, sd.spec.channels)
+    uniform = {(c.params["rank"], c.params["bits"]) for c in enc.configs
+               if len({r for r in c.params["ranks"] if r}) == 1}
+    for r in g.ladder:
+        assert (r, 2) in uniform
+        if r <= g.level_max[2]:
+            assert (r, 8) in uniform
+    # header + one prefix per precision level: never more than three contiguous spans
+    starts = {}
+    pos = 0
+    for i, u in enumerate(enc.units):
+        starts[i] = pos
+        pos += len(u)
+    for cfg in enc.configs:
+        spans = []
+        for u in cfg.units:
+            if spans and spans[-1][1] == starts[u]:
+                spans[-1][1] += len(enc.units[u])
+            else:
+                spans.append([starts[u], starts[u] + len(enc.units[u])])
+        assert len(spans) <= 3
+        assert cfg.units[0] == 0  # the shard header
+    # a higher rank at the same bits costs more and is no worse
+    by = sorted(enc.configs, key=lambda c: enc.config_bytes(enc.configs.index(c)))
+    assert by[0].weighted_err > by[-1].weighted_err
+
+
+def test_exact_low_rank_is_recovered():
+    from codec.shards import ShardData, ShardSpec
+
+    gen = torch.Generator().manual_seed(3)
+    n, c = 40, 24
+    mats = [torch.randn(n, 3, generator=gen) @ torch.randn(3, c, generator=gen) for _ in range(2)]
+    imp = [torch.rand(n, generator=gen)] * 2
+    spec = ShardSpec(index=0, step=0, blocks=(0,), tokens=n, channels=c, total_blocks=1,
+                     total_steps=1)
+    sd = ShardData(spec=spec, matrices=mats, importance=imp)
+    codec = get_codec("sakura", r_max=4, ranks=[1, 2, 3, 4], level_fraction=[1, 1, 1])
+    enc = codec.encode_shard(sd)
+    best = min(enc.configs, key=lambda cf: cf.weighted_err)
+    assert best.params["bits"] == 8 and best.weighted_err < 1e-4
+    dec = codec.decode(best.params, enc.config_data(enc.configs.index(best)), spec)
+    assert weighted_rel_error(mats, dec, imp) < 1e-4
+
+
+def test_zero_importance_and_zero_matrix():
+    from codec.shards import ShardData, ShardSpec
+
+    n, c = 20, 16
+    mats = [torch.zeros(n, c), torch.randn(n, c)]
+    imp = [torch.zeros(n)] * 2
+    spec = ShardSpec(index=0, step=0, blocks=(0,), tokens=n, channels=c, total_blocks=1,
+                     total_steps=1)
+    codec = get_codec("sakura")
+    enc = codec.encode_shard(ShardData(spec=spec, matrices=mats, importance=imp))
+    cfg = enc.configs[-1]
+    dec = codec.decode(cfg.params, enc.config_data(len(enc.configs) - 1), spec)
+    assert torch.isfinite(dec[0]).all() and float(dec[0].abs().max()) == 0.0
+    assert torch.isfinite(dec[1]).all()
