@@ -39,6 +39,8 @@ from codec.shards import shard_data
 
 RATIOS = (5, 15, 50)
 CODEC_ORDER = ("fp16", "intq", "cachegen", "svd", "sakura")
+LOWRANK = ("svd", "sakura")
+VARIANTS = ("norope",)  # "sakura@norope": the low-rank codec without the RoPE frame
 
 EditFn = Callable[[Any], list[torch.Tensor]]
 """Runs the evaluation requests with a ``KVProvider``; returns images ``[3, H, W]`` in [-1, 1]."""
@@ -52,6 +54,8 @@ class BenchTemplate:
     region: torch.Tensor | None = None
     """Pixel mask ``[H, W]`` of the edited region (PSNR is measured there)."""
     model: dict[str, Any] | None = None
+    rope: dict[str, Any] | None = None
+    """The model's RoPE for the low-rank codecs (``codec.lowrank.rope_option``)."""
 
 
 # ------------------------------------------------------------------------------ sources
@@ -97,6 +101,7 @@ def model_templates(
     the profiling requests; edits run on the evaluation requests)."""
     import torch.nn.functional as F
 
+    from codec.lowrank import rope_option
     from dit.editing import cached_edit, profile_importance, template_run
     from dit.templates import load_catalog
     from dit.text import TextEncoder
@@ -122,7 +127,8 @@ def model_templates(
         if steps or quick:
             tpl = replace(tpl, steps=steps or 8)
         run = template_run(model, tpl)
-        profile_importance(model, tpl, run, spec.requests(enc, "profiling"))
+        profiling = spec.requests(enc, "profiling")[: 1 if quick else None]
+        profile_importance(model, tpl, run, profiling)
         reqs = spec.requests(enc, "evaluation")[: 2 if quick else None]
         geo = run.geometry
 
@@ -134,10 +140,12 @@ def model_templates(
         tok = torch.zeros(grid * grid)
         tok[geo.masked] = 1
         region = F.interpolate(tok.view(1, 1, grid, grid), scale_factor=p)[0, 0] > 0
+        rope = rope_option(geo.pos[geo.unmasked], model.cfg.rope_axes, model.cfg.rope_theta,
+                           model.cfg.num_heads)
         meta = {"weights": str(weights or "default"), "steps": tpl.steps,
                 "config": model.cfg.to_dict(), "train_step": getattr(model, "weights_meta", {}).get("train_step")}
         out.append(BenchTemplate(template_id=tid, cache=run.cache, edit=edit, region=region,
-                                 model=meta))
+                                 model=meta, rope=rope))
     return out
 
 
@@ -203,7 +211,10 @@ def run_codec_bench(
                                                 cache.channels], "fp16_bytes": cache.fp16_bytes(),
                                    "codecs": {}}
             for name, opts in codecs.items():
-                codec = get_codec(name.split("@")[0], **opts)
+                base, _, variant = name.partition("@")
+                if base in LOWRANK and bt.rope is not None and variant != "norope":
+                    opts = {**opts, "rope": bt.rope}
+                codec = get_codec(base, **opts)
                 t0 = time.perf_counter()
                 manifest = write_pack(tmp, f"{bt.template_id}-{name.replace('@', '-')}", cache,
                                       codec, blocks_per_shard=blocks_per_shard, model=bt.model)
@@ -264,6 +275,8 @@ def run_codec_bench(
         "templates": [bt.template_id for bt in templates],
         "blocks_per_shard": blocks_per_shard,
         "codec_options": {n: get_codec(n.split("@")[0], **o).options for n, o in codecs.items()},
+        "rope_frame": {n: n.split("@")[0] in LOWRANK and "@norope" not in n
+                       and any(bt.rope is not None for bt in templates) for n in codecs},
         "psnr_db": {}, "ssim": {}, "kv_db": {}, "bytes": {}, "achieved_ratio": {},
         "storage_ratio_vs_fp16": {}, "pack_ratio_vs_fp16": {}, "stored_bytes": {},
     }
@@ -338,8 +351,10 @@ def main(
     else:
         sources = model_templates(quick, weights, templates, steps)
     names = codecs or list(CODEC_ORDER)
-    unknown = [n for n in names if n.split("@")[0] not in ("fp16", "intq", "cachegen", "svd",
-                                                           "sakura")]
+    if not codecs and not quick and any(bt.rope is not None for bt in sources):
+        names.append("sakura@norope")
+    unknown = [n for n in names if n.split("@")[0] not in CODEC_ORDER
+               or n.partition("@")[2] not in ("", *VARIANTS)]
     if unknown:
         raise CodecError(f"unknown codecs {unknown}")
     log = (lambda s: print(s, flush=True)) if verbose else (lambda s: None)

@@ -14,7 +14,8 @@ Per matrix ``X [N, C]`` of block ``b`` (tokens in row-major image order):
   deltas. A channel's table is the discretised Laplace distribution whose scale is the
   channel's mean absolute symbol, stored as a 4-bit code relative to the matrix's
   largest channel scale (``scale = top * 2**(-code / 2)``), so tables cost half a byte
-  per channel and stream;
+  per channel and stream (channels sharing a code share the table; the stream holds the
+  channels grouped by code, each channel's symbols in token order);
 - *quality levels*: each entry of ``levels`` (bin in units of ``rms(X)``) is a separate
   encoding, one unit per shard and level; the stored size is the sum of all levels.
 """
@@ -63,27 +64,46 @@ def _unpack_u4(data: bytes, count: int) -> np.ndarray:
     return np.stack([b & 15, b >> 4], axis=1).reshape(-1)[:count]
 
 
-def _encode_stream(sym: np.ndarray, scales: np.ndarray) -> tuple[int, np.ndarray]:
-    """Range-code ``sym [T, C]`` with per-channel Laplace tables -> (K, words)."""
+def _laplace_table(scale: float, k: int) -> np.ndarray:
+    """Discretised Laplace probabilities of the symbols ``-k-1 .. k+1`` (unit bins)."""
+    edges = np.arange(-k - 1, k + 3, dtype=np.float64) - 0.5
+    tail = 0.5 * np.exp(-np.abs(edges) / scale)
+    cdf = np.where(edges < 0, tail, 1 - tail)
+    return np.maximum(np.diff(cdf), 1e-12).astype(np.float32)
+
+
+def _channel_order(codes: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """Channels grouped by table code (ascending), in channel order within a group."""
+    return [(int(c), np.flatnonzero(codes == c)) for c in np.unique(codes)]
+
+
+def _encode_stream(sym: np.ndarray, top: float, codes: np.ndarray) -> tuple[int, np.ndarray]:
+    """Range-code ``sym [T, C]``: channel by table, token order within a channel."""
     if sym.size == 0:
         return 0, np.zeros(0, np.uint32)
     k = int(np.abs(sym).max())
     enc = constriction.stream.queue.RangeEncoder()
-    family = constriction.stream.model.QuantizedLaplace(-k - 1, k + 1)
-    flat = np.ascontiguousarray(sym, dtype=np.int32).reshape(-1)
-    means = np.zeros(flat.size, np.float64)
-    enc.encode(flat, family, means, np.tile(scales, sym.shape[0]))
+    scales = _code_scales(top, codes)
+    for _code, chans in _channel_order(codes):
+        model = constriction.stream.model.Categorical(_laplace_table(scales[chans[0]], k),
+                                                      perfect=False)
+        flat = np.ascontiguousarray(sym[:, chans].T, dtype=np.int32).reshape(-1) + (k + 1)
+        enc.encode(flat, model)
     return k, enc.get_compressed()
 
 
-def _decode_stream(words: np.ndarray, k: int, rows: int, scales: np.ndarray) -> np.ndarray:
-    if rows == 0:
-        return np.zeros((0, len(scales)), np.int32)
+def _decode_stream(words: np.ndarray, k: int, rows: int, top: float, codes: np.ndarray) -> np.ndarray:
+    out = np.zeros((rows, len(codes)), np.int32)
+    if rows == 0 or len(words) == 0:
+        return out
     dec = constriction.stream.queue.RangeDecoder(words)
-    family = constriction.stream.model.QuantizedLaplace(-k - 1, k + 1)
-    n = rows * len(scales)
-    out = dec.decode(family, np.zeros(n, np.float64), np.tile(scales, rows))
-    return np.asarray(out, dtype=np.int32).reshape(rows, len(scales))
+    scales = _code_scales(top, codes)
+    for _code, chans in _channel_order(codes):
+        model = constriction.stream.model.Categorical(_laplace_table(scales[chans[0]], k),
+                                                      perfect=False)
+        vals = np.asarray(dec.decode(model, rows * len(chans)), dtype=np.int32) - (k + 1)
+        out[:, chans] = vals.reshape(len(chans), rows).T
+    return out
 
 
 class CacheGenCodec(Codec):
@@ -91,7 +111,7 @@ class CacheGenCodec(Codec):
 
     def __init__(
         self,
-        levels: tuple[float, ...] | list[float] = (0.12, 0.3, 0.7, 1.5, 3.0, 6.0),
+        levels: tuple[float, ...] | list[float] = (0.12, 0.3, 0.7, 1.5, 3.0, 6.0, 12.0),
         anchor_every: int = 10,
         anchor_factor: float = 0.5,
         layer_factors: tuple[float, ...] | list[float] = (1.0, 1.5, 2.0),
@@ -138,8 +158,8 @@ class CacheGenCodec(Codec):
         d_sym = np.round((x[others] - a_hat[group]) / d_bin).astype(np.int64)
         a_top, a_code = _scale_codes(a_sym)
         d_top, d_code = _scale_codes(d_sym)
-        ka, wa = _encode_stream(a_sym, _code_scales(a_top, a_code))
-        kd, wd = _encode_stream(d_sym, _code_scales(d_top, d_code))
+        ka, wa = _encode_stream(a_sym, a_top, a_code)
+        kd, wd = _encode_stream(d_sym, d_top, d_code)
         head = struct.pack(MAT_HEAD, d_bin, a_bin, ka, kd, a_top, d_top, len(wa), len(wd))
         return head + _pack_u4(a_code) + _pack_u4(d_code) + wa.tobytes() + wd.tobytes()
 
@@ -177,15 +197,15 @@ class CacheGenCodec(Codec):
         for _ in range(m_count):
             d_bin, a_bin, ka, kd, a_top, d_top, na, nd = struct.unpack_from(MAT_HEAD, data, off)
             off += struct.calcsize(MAT_HEAD)
-            a_scales = _code_scales(a_top, _unpack_u4(data[off : off + half], c))
-            d_scales = _code_scales(d_top, _unpack_u4(data[off + half : off + 2 * half], c))
+            a_code = _unpack_u4(data[off : off + half], c)
+            d_code = _unpack_u4(data[off + half : off + 2 * half], c)
             off += 2 * half
             wa = np.frombuffer(data, np.uint32, na, off)
             off += 4 * na
             wd = np.frombuffer(data, np.uint32, nd, off)
             off += 4 * nd
-            a_hat = _decode_stream(wa, ka, len(anchors), a_scales) * np.float64(a_bin)
-            d_hat = _decode_stream(wd, kd, len(others), d_scales) * np.float64(d_bin)
+            a_hat = _decode_stream(wa, ka, len(anchors), a_top, a_code) * np.float64(a_bin)
+            d_hat = _decode_stream(wd, kd, len(others), d_top, d_code) * np.float64(d_bin)
             x = np.empty((n, c), np.float64)
             x[anchors] = a_hat
             x[others] = a_hat[group] + d_hat
@@ -200,7 +220,7 @@ class CacheGenCodec(Codec):
 
 @register("cachegen")
 def make_cachegen(
-    levels: tuple[float, ...] | list[float] = (0.12, 0.3, 0.7, 1.5, 3.0, 6.0),
+    levels: tuple[float, ...] | list[float] = (0.12, 0.3, 0.7, 1.5, 3.0, 6.0, 12.0),
     anchor_every: int = 10,
     anchor_factor: float = 0.5,
     layer_factors: tuple[float, ...] | list[float] = (1.0, 1.5, 2.0),

@@ -11,11 +11,13 @@ per matrix (total components = rank x matrices).
 
 Each component (a and b rescaled to equal norms) is quantized progressively: level 0 with
 ``bits[0]`` bits, level l > 0 quantizes the residual of the levels before with
-``bits[l] - bits[l-1]`` more bits (default 2, +2, +4 = 2/4/8 bits), each level with its
-own MSE-optimal fp16 step per group of ``group`` values. Levels are stored as separate
-groups of equally sized per-component chunks in component order, so a configuration
-``ranks = [r0, r1, r2]`` (components with at least 2, 4, 8 bits) is the header plus a
-prefix of each level group: at most three contiguous byte ranges. Layout: ``FORMAT.md``.
+``bits[l] - bits[l-1]`` more bits (default 2, +2, +2, +2 = 2/4/6/8 bits) after a fixed
+signed block-Hadamard rotation (spreads outlier tokens/channels), with one fp16 step per
+group of ``group`` values chosen at level 0 and halved implicitly by every refinement.
+Levels are stored as separate groups of equally sized per-component chunks in component
+order, so a configuration ``ranks = [r0, r1, r2, r3]`` (components with at least 2, 4, 6,
+8 bits) is the header plus a prefix of each level group: at most one contiguous byte range
+per level. Layout: ``FORMAT.md``.
 """
 
 from __future__ import annotations
@@ -42,18 +44,18 @@ from codec.shards import ShardData, ShardSpec
 BASE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HEADER_FMT = "<4sBBHIIH"  # magic, version, levels, matrices, N, C, group
 HEADER_MAGIC = b"SKLR"
-THIN = 1.08  # mixed configs on the Pareto front are kept at least 8% apart in bytes
+THIN = 1.1  # mixed configs on the Pareto front are kept at least 10% apart in bytes
 
 
 @dataclass(frozen=True)
 class LowRankOptions:
     q: float = 0.5
     """Importance exponent: w = importance ** q (0 = plain SVD)."""
-    bits: tuple[int, ...] = (2, 4, 8)
+    bits: tuple[int, ...] = (2, 4, 6, 8)
     """Cumulative precision ladder; level l adds bits[l] - bits[l-1] bits per value."""
     r_max: int | None = None
     """Largest mean rank per matrix stored at level 0 (None: min(N, C) // 3, at most 128)."""
-    level_fraction: tuple[float, ...] = (1.0, 1.0, 0.5)
+    level_fraction: tuple[float, ...] = (1.0, 1.0, 0.5, 0.25)
     """Fraction of r_max stored at each level (snapped down to the rank ladder)."""
     ranks: tuple[int, ...] | None = None
     """Rank ladder (mean ranks per matrix); None: 1, 2, 3, 4, 6, 8, 12, ... up to r_max."""
@@ -61,9 +63,17 @@ class LowRankOptions:
     """Values per quantization step (along tokens for a, along channels for b)."""
     floor: float = DEFAULT_FLOOR
     """Importance floor relative to the mean importance."""
+    uniform_bits: tuple[int, ...] = (2, 4, 8)
+    """Precisions (cumulative bits) at which every ladder rank is offered uniformly (all
+    components at that precision: the fixed-bitwidth configurations)."""
     mixed: bool = True
     """Also offer mixed-precision configs (top components at more bits) on the
     weighted-error Pareto front, besides the uniform (rank, bits) ones."""
+    rope: dict[str, Any] | None = None
+    """Optional axial RoPE of the model (``{"heads", "axes", "theta", "positions"}``, see
+    :func:`rope_option`): keys are factorized in the pre-rotation frame, where they are
+    far lower-rank, and re-rotated on decode (rotations keep per-token norms, so errors are
+    the same in both frames)."""
 
     def validate(self) -> None:
         if not 0.0 <= self.q <= 4.0:
@@ -86,6 +96,8 @@ class LowRankOptions:
             raise CodecError(f"ranks must be positive, got {self.ranks}")
         if not 0 < self.floor <= 1:
             raise CodecError(f"floor must be in (0, 1], got {self.floor}")
+        if self.rope is not None:
+            check_rope(self.rope)
 
 
 @dataclass(frozen=True)
@@ -130,7 +142,7 @@ class LowRankCodec(Codec):
 
     def __init__(self, name: str = "sakura", **options: Any) -> None:
         opts = dict(options)
-        for key in ("bits", "level_fraction", "ranks"):
+        for key in ("bits", "level_fraction", "ranks", "uniform_bits"):
             if opts.get(key) is not None:
                 opts[key] = tuple(opts[key])
         try:
@@ -143,7 +155,7 @@ class LowRankCodec(Codec):
     @property
     def options(self) -> dict[str, Any]:
         out = asdict(self.opts)
-        for key in ("bits", "level_fraction", "ranks"):
+        for key in ("bits", "level_fraction", "ranks", "uniform_bits"):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out
@@ -195,6 +207,8 @@ class LowRankCodec(Codec):
 
         # 1. factorize every matrix, order all components of the shard together
         avecs, bvecs, rels, owner = [], [], [], []
+        matrices = self._frame(shard.matrices, spec, inverse=True)
+        shard = ShardData(spec=spec, matrices=matrices, importance=shard.importance)
         for m, (x, imp) in enumerate(zip(shard.matrices, shard.importance)):
             a, b, rel = self.factorize(x, imp)
             avecs.append(a)
@@ -249,8 +263,8 @@ class LowRankCodec(Codec):
         # 4. candidate configurations and their weighted errors (closed form)
         cands = self._candidates(g)
         errs = self._config_errors(shard, g, slot_m, recon_levels, cands)
-        sizes = [g.header_bytes + sum(r * m_count * g.chunk_bytes(lv) for lv, r in enumerate(cf))
-                 for cf in cands]
+        per_rank = np.array([m_count * g.chunk_bytes(lv) for lv in range(g.levels)])
+        sizes = (g.header_bytes + np.array(cands, dtype=np.int64) @ per_rank).tolist()
         chosen = self._select(g, cands, errs, sizes)
         configs = []
         for i in chosen:
@@ -292,8 +306,9 @@ class LowRankCodec(Codec):
     def _select(
         self, g: _Geometry, cands: list[tuple[int, ...]], errs: list[float], sizes: list[int]
     ) -> list[int]:
-        uniform = {i for i, cf in enumerate(cands) if self._is_uniform(cf)}
-        keep = set(uniform)
+        top_bits = {i: g.bits[max(lv for lv, r in enumerate(cf) if r)] for i, cf in enumerate(cands)}
+        keep = {i for i, cf in enumerate(cands)
+                if self._is_uniform(cf) and top_bits[i] in self.opts.uniform_bits}
         if self.opts.mixed:
             order = sorted(range(len(cands)), key=lambda i: (sizes[i], errs[i]))
             front = []
@@ -412,7 +427,20 @@ class LowRankCodec(Codec):
         if len(per_matrix) != m_count:
             raise PackError(f"shard {spec.index}: component owner out of range")
         parts = values[torch.argsort(owners, stable=True)].split(per_matrix)
-        return [p[:, :n].T @ p[:, n:] for p in parts]
+        return self._frame([p[:, :n].T @ p[:, n:] for p in parts], spec, inverse=False)
+
+    def _frame(self, mats: list[torch.Tensor], spec: ShardSpec, inverse: bool) -> list[torch.Tensor]:
+        """Keys (even matrices) to (``inverse``) or from the pre-RoPE frame; values as is."""
+        if self.opts.rope is None:
+            return mats
+        key = ("rope", spec.tokens, spec.channels)
+        cache = self.__dict__.setdefault("_quantizers", {})
+        if key not in cache:
+            cache[key] = rope_angles(self.opts.rope, spec.tokens, spec.channels)
+        angles = cache[key]
+        heads = int(self.opts.rope["heads"])
+        return [rope_rotate(x, angles, heads, inverse) if i % 2 == 0 else x
+                for i, x in enumerate(mats)]
 
     def _quantizer(self, g: _Geometry) -> ProgressiveQuantizer:
         """Decoder quantizers (and their constant tables), built once per geometry."""
@@ -436,3 +464,56 @@ def make_svd(**options: Any) -> LowRankCodec:
     if options.get("q", 0.0) != 0.0:
         raise CodecError("codec 'svd' is SAKURA with q = 0; use codec 'sakura' for q != 0")
     return LowRankCodec("svd", **{**options, "q": 0.0})
+
+
+# ---------------------------------------------------------------------------- RoPE frame
+def rope_option(positions: Any, axes: Any, theta: float, heads: int) -> dict[str, Any]:
+    """The ``rope`` option for a model with Flux-style axial RoPE.
+
+    ``positions [N, len(axes)]`` are the positions of the cached tokens (in cache order),
+    ``axes`` the rotary dims per position axis (summing to the head dim), ``theta`` the base.
+    Channel pairs ``(2j, 2j + 1)`` of each head rotate by ``pos[axis] * theta ** (-2i / dim)``.
+    """
+    pos = torch.as_tensor(positions, dtype=torch.float64)
+    opt = {"heads": int(heads), "axes": [int(a) for a in axes], "theta": float(theta),
+           "positions": [[float(v) for v in row] for row in pos.tolist()]}
+    check_rope(opt)
+    return opt
+
+
+def check_rope(rope: dict[str, Any]) -> None:
+    try:
+        heads, axes, theta = int(rope["heads"]), list(rope["axes"]), float(rope["theta"])
+        pos = torch.as_tensor(rope["positions"], dtype=torch.float64)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CodecError(f"rope needs heads, axes, theta and positions: {exc!r}") from None
+    if heads < 1 or not axes or any(int(a) % 2 or int(a) < 2 for a in axes) or theta <= 0:
+        raise CodecError(f"bad rope heads/axes/theta: {heads}, {axes}, {theta}")
+    if pos.dim() != 2 or pos.shape[1] != len(axes):
+        raise CodecError(f"rope positions must be [N, {len(axes)}], got {tuple(pos.shape)}")
+
+
+def rope_angles(rope: dict[str, Any], tokens: int, channels: int) -> torch.Tensor:
+    """Per-token rotation angles ``[N, head_dim / 2]`` (float32, as the model computes them)."""
+    pos = torch.as_tensor(rope["positions"], dtype=torch.float64)
+    heads, axes = int(rope["heads"]), [int(a) for a in rope["axes"]]
+    if pos.shape[0] != tokens:
+        raise CodecError(f"rope has {pos.shape[0]} positions, the shard {tokens} tokens")
+    if channels % heads or sum(axes) != channels // heads:
+        raise CodecError(f"rope axes {axes} x {heads} heads do not match {channels} channels")
+    out = []
+    for i, dim in enumerate(axes):
+        freqs = 1.0 / float(rope["theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        out.append(pos[:, i : i + 1] * freqs[None])
+    return torch.cat(out, dim=-1).float()
+
+
+def rope_rotate(x: torch.Tensor, angles: torch.Tensor, heads: int, inverse: bool) -> torch.Tensor:
+    """Rotate channel pairs of every head of ``x [N, C]`` by ``angles`` (``-angles`` if inverse)."""
+    n, c = x.shape
+    xh = x.reshape(n, heads, c // heads)
+    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
+    if inverse:
+        sin = -sin
+    x1, x2 = xh[..., 0::2], xh[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).reshape(n, c)

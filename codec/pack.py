@@ -17,7 +17,7 @@ import re
 import struct
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,8 @@ class ConfigEntry:
     bytes: int
     quality: dict[str, float | None]
     pareto: bool = False
+    decode_ms: float | None = None
+    """Decode time measured when the pack was built (Pareto configs; null for the others)."""
 
 
 @dataclass
@@ -110,16 +112,26 @@ class Manifest:
 
     # -- conversions
     def to_dict(self, embedded: bool = False) -> dict[str, Any]:
-        d = asdict(self)
-        extra = d.pop("extra")
-        order = ["format", "version", "template_id", "codec", "codec_options", *FILE_FIELDS,
-                 "geometry", "model", "fp16_bytes", "stored_bytes", "units", "shards"]
-        out = {k: d[k] for k in order}
-        out.update(extra)
-        if embedded:
-            for k in FILE_FIELDS:
-                out.pop(k)
-        return out
+        out: dict[str, Any] = {
+            "format": self.format, "version": self.version, "template_id": self.template_id,
+            "codec": self.codec, "codec_options": self.codec_options,
+        }
+        if not embedded:
+            out.update(pack_file=self.pack_file, pack_bytes=self.pack_bytes,
+                       pack_sha256=self.pack_sha256)
+        out.update(
+            geometry=self.geometry, model=self.model, fp16_bytes=self.fp16_bytes,
+            stored_bytes=self.stored_bytes, units=[list(u) for u in self.units],
+            shards=[{"index": s.index, "step": s.step, "blocks": list(s.blocks),
+                     "compute_cost": s.compute_cost,
+                     "configs": [{"id": c.id, "params": c.params, "units": list(c.units),
+                                  "ranges": [list(r) for r in c.ranges], "bytes": c.bytes,
+                                  "quality": c.quality, "pareto": c.pareto,
+                                  "decode_ms": c.decode_ms} for c in s.configs]}
+                    for s in self.shards],
+        )
+        out.update(self.extra)
+        return json.loads(json.dumps(out))  # a deep, JSON-clean copy
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, separators=None if indent else (",", ":"))
@@ -157,6 +169,8 @@ class Manifest:
                             bytes=int(c["bytes"]),
                             quality=dict(c.get("quality", {})),
                             pareto=bool(c.get("pareto", False)),
+                            decode_ms=None if c.get("decode_ms") is None
+                            else float(c["decode_ms"]),
                         )
                         for c in s["configs"]
                     ],
@@ -301,7 +315,7 @@ def write_pack(
     ``psnr_db`` is null and the Pareto front uses the weighted error. Returns the manifest;
     the files are ``<codec>-<sha256[:16]>.pack`` and ``<template_id>.manifest.json``.
     """
-    from codec.profile import mark_pareto, profile_config
+    from codec.profile import decode_ms, mark_pareto, profile_config
 
     if not TEMPLATE_ID.match(template_id):
         raise PackError(
@@ -335,6 +349,9 @@ def write_pack(
                     id=j, params=cfg.params, units=[base + u for u in cfg.units], ranges=[],
                     bytes=enc.config_bytes(j), quality=quality))
             mark_pareto(configs)
+            for j, c in enumerate(configs):
+                if c.pareto:
+                    c.decode_ms = decode_ms(codec, sd, enc, j)
             shards.append(ShardEntry(
                 index=i, step=sd.spec.step, blocks=list(sd.spec.blocks),
                 compute_cost=float(compute_cost[i]) if compute_cost else 1.0, configs=configs))
@@ -386,9 +403,14 @@ def write_pack(
 
 
 def _layout_header(manifest: Manifest) -> tuple[bytes, int]:
-    """Fix unit offsets to absolute file offsets; returns (header JSON, data offset)."""
+    """Fix unit offsets to absolute file offsets; returns (header bytes, data offset).
+
+    The header (zstd-compressed JSON) precedes the data, whose offsets it lists: start from
+    a size estimate and grow the reserved space until the header fits.
+    """
     rel = [list(u) for u in manifest.units]
-    data_offset = _align(PREAMBLE.size + 1024)
+    compressor = zstandard.ZstdCompressor(level=9)
+    data_offset = 0
     while True:
         manifest.units = [[o + data_offset, n, h] for o, n, h in rel]
         for s in manifest.shards:
@@ -396,11 +418,11 @@ def _layout_header(manifest: Manifest) -> tuple[bytes, int]:
                 c.ranges = merge_ranges([manifest.units[u][:2] for u in c.units])
                 c.bytes = sum(n for _, n in c.ranges)
         text = json.dumps(manifest.to_dict(embedded=True), separators=(",", ":")).encode()
-        header = zstandard.ZstdCompressor(level=19).compress(text)
+        header = compressor.compress(text)
         need = _align(PREAMBLE.size + len(header))
-        if need <= data_offset:
+        if data_offset and need <= data_offset:
             return header, data_offset
-        data_offset = need
+        data_offset = _align(need + need // 16 + ALIGN)  # slack for longer offsets
 
 
 def _align(n: int) -> int:

@@ -11,10 +11,9 @@ beats on both bytes and quality (quality = ``psnr_db`` when every config has it,
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from codec.base import Codec, EncodedShard
 from codec.metrics import DEFAULT_FLOOR, err_to_db, weighted_rel_error
@@ -29,18 +28,18 @@ def profile_config(
     quality_fn: Any = None,
     floor: float | None = None,
 ) -> dict[str, float | None]:
-    """Quality of configuration ``index`` of an encoded shard."""
+    """Quality of configuration ``index`` of an encoded shard (decoding it only when the
+    codec has no closed-form weighted error or a ``quality_fn`` needs the tensors)."""
     cfg = encoded.configs[index]
-    decoded: list[torch.Tensor] | None = None
     floor = DEFAULT_FLOOR if floor is None else floor
     err = cfg.weighted_err if floor == DEFAULT_FLOOR else None
-    if err is None:
+    decoded = None
+    if err is None or quality_fn is not None:
         decoded = codec.decode(cfg.params, encoded.config_data(index), shard.spec)
+    if err is None:
         err = weighted_rel_error(shard.matrices, decoded, shard.importance, floor)
     psnr = None
     if quality_fn is not None:
-        if decoded is None:
-            decoded = codec.decode(cfg.params, encoded.config_data(index), shard.spec)
         value = quality_fn(shard.spec.index, cfg.params, decoded)
         psnr = None if value is None else float(value)
     return {
@@ -48,6 +47,18 @@ def profile_config(
         "kv_db": round(err_to_db(err), 3),
         "psnr_db": None if psnr is None else round(psnr, 3),
     }
+
+
+def decode_ms(codec: Codec, shard: ShardData, encoded: EncodedShard, index: int) -> float:
+    """Measured time of one decode of configuration ``index`` (best of two calls), in ms."""
+    cfg = encoded.configs[index]
+    data = encoded.config_data(index)
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        codec.decode(cfg.params, data, shard.spec)
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e3, 3)
 
 
 def quality_score(quality: dict[str, Any], metric: str | None = None) -> float:
@@ -83,14 +94,21 @@ def best_config_within(shard: Any, budget: float, metric: str | None = None,
     return max(fits, key=lambda c: (quality_score(c.quality, metric), -c.bytes))
 
 
-def select_for_ratio(manifest: Any, ratio: float, metric: str | None = None) -> list[int] | None:
-    """Per shard, the best config within ``fp16 shard bytes / ratio`` (None if any shard
-    cannot meet its budget): what the allocator does under a constant rate."""
+def select_for_ratio(
+    manifest: Any, ratio: float, metric: str | None = None, carry_over: bool = True
+) -> list[int] | None:
+    """Per shard, in execution order, the best config within its budget, as the allocator
+    chooses under a constant rate: shard ``i``'s budget is ``fp16 bytes of i / ratio`` plus,
+    with ``carry_over``, what earlier shards left unused. None if some shard has no config
+    within its budget (the codec cannot meet that rate)."""
     out = []
+    carry = 0.0
     for s in manifest.shards:
-        cfg = best_config_within(s, manifest.shard_fp16_bytes(s.index) / ratio, metric)
+        budget = manifest.shard_fp16_bytes(s.index) / ratio + carry
+        cfg = best_config_within(s, budget, metric)
         if cfg is None:
             return None
+        carry = budget - cfg.bytes if carry_over else 0.0
         out.append(cfg.id)
     return out
 

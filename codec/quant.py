@@ -206,7 +206,7 @@ class ProgressiveQuantizer:
 
     plan: SegmentPlan
     level_bits: tuple[int, ...]
-    trials: int = 16
+    trials: int = 12
 
     def encode(self, vectors: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """``vectors [k, L]`` (float64) -> ``(steps [k, G] fp16, codes per level [k, L] uint8,

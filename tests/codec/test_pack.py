@@ -39,7 +39,9 @@ def test_manifest_skeleton(packs, small_cache):
     shard = doc["shards"][1]
     assert shard["step"] == 0 and shard["blocks"] == [2] and shard["compute_cost"] == 1.0
     cfg = shard["configs"][0]
-    assert set(cfg) == {"id", "params", "units", "ranges", "bytes", "quality", "pareto"}
+    assert set(cfg) == {"id", "params", "units", "ranges", "bytes", "quality", "pareto",
+                        "decode_ms"}
+    assert all((c["decode_ms"] is not None) == c["pareto"] for c in shard["configs"])
     assert set(cfg["params"]) >= {"rank", "bits"}
     assert {"weighted_err", "psnr_db"} <= set(cfg["quality"])
     assert any(c["pareto"] for c in shard["configs"])
@@ -87,7 +89,7 @@ def test_progressive_prefix_property(packs, small_cache):
         assert len(s.configs) == len(direct.configs)
         for c, dc in zip(s.configs, direct.configs):
             served = b"".join(raw[o : o + n] for o, n in c.ranges)
-            assert len(c.ranges) <= 3
+            assert len(c.ranges) <= 4
             assert served == direct.config_data(s.configs.index(c))
             with PackReader(d / m.pack_file) as r:
                 assert r.read_config(s.index, c.id) == served

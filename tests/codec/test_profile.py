@@ -40,10 +40,17 @@ def test_pareto_uses_psnr_when_profiled(small_cache, tmp_path):
 
 def test_selection_and_curves(packs):
     _, m = packs["sakura"]
-    choice = select_for_ratio(m, 10)
-    assert choice is not None
-    for s, c in zip(m.shards, choice):
+    plain = select_for_ratio(m, 10, carry_over=False)
+    assert plain is not None
+    for s, c in zip(m.shards, plain):
         assert s.config(c).bytes <= m.shard_fp16_bytes(s.index) / 10
+    carry = select_for_ratio(m, 10)
+    spent = budget = 0.0
+    for s, c in zip(m.shards, carry):  # never more than the budget so far
+        spent += s.config(c).bytes
+        budget += m.shard_fp16_bytes(s.index) / 10
+        assert spent <= budget
+    assert spent >= sum(s.config(c).bytes for s, c in zip(m.shards, plain))
     assert select_for_ratio(packs["intq"][1], 15) is None  # 2-bit INTQ is ~5.3x at best
     assert select_for_ratio(packs["fp16"][1], 2) is None
     pts = rate_quality_curve(m)
