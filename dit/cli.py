@@ -22,7 +22,20 @@ def _bench_kv(args: argparse.Namespace) -> int:
     return main(args.json, args.quick, args.template)
 
 
+def _bench_model(args: argparse.Namespace) -> int:
+    from dit.bench_model import main
+
+    return main(args.json, args.quick, args.grid, args.weights)
+
+
 def register(commands, bench) -> None:
+    m = bench.add_parser("model", help="does the model generate its prompts? (classifier check)")
+    m.add_argument("--json", metavar="PATH")
+    m.add_argument("--quick", action="store_true")
+    m.add_argument("--grid", metavar="PNG", help="also write a held-out sample grid")
+    m.add_argument("--weights", help="weights file (default: shipped)")
+    m.set_defaults(func=_bench_model)
+
     b = bench.add_parser("kv", help="KV reuse: masked vs full, reference cache, text KV, offload")
     b.add_argument("--json", metavar="PATH", help="write the result JSON here")
     b.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 60 s)")
