@@ -149,6 +149,7 @@ class PacedLink(LinkEmulator):
         burst_s: float = 0.005,
         max_chunk: int = 65536,
         connect_timeout_s: float = 5.0,
+        upstream_rcvbuf: int = 256 * 1024,
     ) -> None:
         if not (0 < quantum_s <= 0.1 and 0 <= burst_s <= 1.0):
             raise LinkError("quantum_s must be in (0, 0.1] and burst_s in [0, 1] seconds")
@@ -160,6 +161,7 @@ class PacedLink(LinkEmulator):
         self.quantum_s = float(quantum_s)
         self.max_chunk = int(max(MTU_BYTES, max_chunk))
         self.connect_timeout_s = float(connect_timeout_s)
+        self.upstream_rcvbuf = int(upstream_rcvbuf)
         self.schedule = LinkSchedule(trace, start_s, origin)
         self._pacer = _Pacer(self.schedule, burst_s)
         self.counters = LinkCounters()
@@ -231,7 +233,7 @@ class PacedLink(LinkEmulator):
             _nodelay(cwriter)
             try:
                 ureader, uwriter = await asyncio.wait_for(
-                    asyncio.open_connection(*self.upstream), self.connect_timeout_s
+                    self._connect_upstream(), self.connect_timeout_s
                 )
             except (OSError, TimeoutError) as exc:
                 self.counters.upstream_failures += 1
@@ -265,6 +267,23 @@ class PacedLink(LinkEmulator):
                     w.close()
             if task is not None:
                 self._tasks.discard(task)
+
+    async def _connect_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Connect with a small receive buffer, so that the server's bytes wait at the
+        server (as behind a real bottleneck) rather than in this proxy's kernel buffer."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(*self.upstream, type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            if self.upstream_rcvbuf:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.upstream_rcvbuf)
+            await loop.sock_connect(sock, addr)
+        except BaseException:
+            sock.close()
+            raise
+        return await asyncio.open_connection(sock=sock)
 
     async def _pump_up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Client -> upstream, unshaped. True when the client half-closed cleanly."""

@@ -151,15 +151,13 @@ class ReceiveLog:
     cum: list[int]
 
     def cum_at(self, wall: float) -> float:
-        """Cumulative bytes at ``wall``, linearly interpolated between samples."""
+        """Cumulative bytes received by ``wall``: the last sample at or before it.
+
+        (A step, not an interpolation: bytes that arrived after ``wall`` must never be
+        counted before it, or an outage would seem to leak.)
+        """
         i = bisect.bisect_right(self.times, wall) - 1
-        if i < 0:
-            return 0.0
-        if i >= len(self.times) - 1:
-            return float(self.cum[-1])
-        t0, t1 = self.times[i], self.times[i + 1]
-        c0, c1 = self.cum[i], self.cum[i + 1]
-        return c0 + (c1 - c0) * (wall - t0) / (t1 - t0) if t1 > t0 else float(c1)
+        return float(self.cum[i]) if i >= 0 else 0.0
 
     @classmethod
     def parse(cls, text: str) -> ReceiveLog:

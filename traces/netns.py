@@ -7,12 +7,15 @@ server side's veth (so server -> client is shaped, client -> server is not). A t
 changes the tbf rate at every slice boundary of the trace. Only the namespaces it created
 are touched; everything is deleted on exit, on errors and on KeyboardInterrupt.
 
-Rate changes and tbf: ``tc qdisc change`` refills the token bucket to ``burst`` and keeps
-queued packets. So that a backlogged link still delivers exactly the trace's integral, the
-rate of each slice is lowered by ``burst / slice length`` (the refill is counted in the
-slice's budget). An outage (rate 0) sets a tiny rate with a burst smaller than one packet:
-queued packets stay queued and nothing is delivered until the outage ends (packets
-arriving during it are dropped by tbf, like a radio that is gone; TCP recovers).
+Rate changes and tbf: trace rates are goodput, tbf counts Ethernet frames, so tbf runs at
+``rate x 1514/1448`` (full TCP segments with timestamps). ``tc qdisc change`` refills the
+token bucket to ``burst`` and keeps queued packets, so the rate of each run of equal slices
+is lowered by the refill it grants (``burst`` minus the half frame a backlogged bucket holds
+on average, spread over the run). ``tc change`` does not re-arm tbf's watchdog, so after
+every change one 1-byte UDP datagram is sent to the client side to make tbf dequeue at once.
+An outage (rate 0) sets tbf to 8 bit/s with a one-frame burst: packets stay queued (nothing
+is dropped) and nothing is delivered; the switch is made early by the tc latency and the
+time of the one frame the refill lets out, so that frame belongs to the previous slice.
 
 Needs root, ``ip`` (iproute2) and ``tc`` with ``tbf`` (``netem`` is not required).
 """
@@ -152,6 +155,8 @@ class KernelShapedLink(LinkEmulator):
     ``link.popen_in("server", [...])`` bound to ``link.server_addr`` and a client with
     ``link.run_in("client", [...])`` connecting to it. Trace time ``start_s`` is at
     ``link.origin`` (``time.monotonic()``), i.e. when the link starts (or ``restart()``).
+    TCP congestion control is the host default (BBR on some hosts); a sender may pick its own
+    per socket (``TCP_CONGESTION``), as the accuracy measurement does (CUBIC).
     """
 
     def __init__(
@@ -306,7 +311,10 @@ class KernelShapedLink(LinkEmulator):
             after = sched.rate_at(boundary + 1e-6)
             # tc takes effect ~apply_latency after we call it: call it that much early.
             lead = min(self.apply_latency_s, 0.02)
-            if after <= 0 < before:
+            if before <= 0:
+                # Leaving an outage: never early (a late start costs only latency x rate).
+                lead = 0.0
+            elif after <= 0:
                 # Entering an outage: switch early (twice the tc latency plus the time of
                 # the one frame the refill lets out), so nothing leaves during the outage.
                 lead = 2 * lead + 0.002 + PACKET_BYTES * 8.0 / (before * self.overhead)
@@ -320,6 +328,8 @@ class KernelShapedLink(LinkEmulator):
             if changed:
                 self._apply_at(time.monotonic())
                 continue
+            while lead == 0.0 and time.monotonic() < boundary:
+                time.sleep(boundary - time.monotonic())
             self._apply(after, sched.next_rate_change(boundary + 1e-6) - boundary)
             # Do not re-handle this boundary if we are still before it.
             while time.monotonic() < boundary and not self._stop.is_set():

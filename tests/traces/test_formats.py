@@ -1,0 +1,156 @@
+"""Loaders on the real trace files (known lines), auto-detection and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from traces import TraceFormatError, detect_format, find_trace_files, load_set, load_trace
+from traces.formats import load_gnettrack, load_mahimahi
+
+MB = 1e6
+
+
+def test_lumos_known_lines(trace_dir: Path) -> None:
+    tr = load_trace(trace_dir / "lumos5g/5g/5g_trace_100_walking.txt")
+    assert tr.fmt == "lumos" and tr.name == "5g_trace_100_walking"
+    # First lines of the file: "1.0<TAB>91.0", "2.0<TAB>123.0", "3.0<TAB>96.0".
+    np.testing.assert_allclose(tr.rates_bps[:3], [91 * MB, 123 * MB, 96 * MB])
+    assert tr.interval_s == 1.0 and tr.duration_s == 800.0
+    assert set(tr.labels) == {"5G"}
+    lte = load_trace(trace_dir / "lumos5g/4g/4g_trace_driving_50015_dr.txt")  # "0 45.0"...
+    np.testing.assert_allclose(lte.rates_bps[:5], np.array([45, 45, 44, 35, 34]) * MB)
+    assert set(lte.labels) == {"LTE"}
+
+
+def test_bytes_csv_known_lines(trace_dir: Path) -> None:
+    tr = load_trace(trace_dir / "wifi/7_2_wifi.csv")  # "1,3167754\r\n2,3508272\r\n..."
+    assert tr.fmt == "bytes_csv"
+    np.testing.assert_allclose(tr.rates_bps[:3], np.array([3167754, 3508272, 3710772]) * 8.0)
+    assert tr.times_s[0] == 0.0 and tr.interval_s == 1.0
+    assert set(tr.labels) == {"WiFi"}
+    assert set(load_trace(trace_dir / "wifi/7_2_cellular.csv").labels) == {"cellular"}
+
+
+def test_gnettrack_known_rows_and_timestamps(trace_dir: Path) -> None:
+    path = trace_dir / "ucc5g/driving_B_2019.12.14_10.16.30.csv"
+    tr = load_trace(path)
+    assert tr.fmt == "gnettrack"
+    # Rows: 10.16.30 -> 7 kbit/s; two rows at 10.16.31 (7, 0) share that second.
+    np.testing.assert_allclose(tr.rates_bps[:3], [7e3, 7e3, 0.0])
+    np.testing.assert_allclose(tr.times_s[:3], [0.0, 1.0, 1.5])
+    assert tr.labels[:3] == ("5G", "5G", "5G")
+    assert {"5G", "LTE", "HSPA+"} <= set(tr.labels)
+    assert len(tr) == 1155  # every data row is kept
+    # Time is the ground truth: the trace spans first to last timestamp plus one spacing.
+    assert tr.duration_s == pytest.approx(1162.0 + 1.0)
+    up = load_gnettrack(path, column="UL_bitrate")
+    assert up.rates_bps[0] == pytest.approx(1e3)  # UL_bitrate of the first row: 1 kbit/s
+
+
+def test_mahimahi_conserves_every_packet(trace_dir: Path) -> None:
+    path = trace_dir / "mahimahi/Verizon-LTE-short.down"
+    lines = path.read_text().split()
+    tr = load_trace(path)
+    assert tr.fmt == "mahimahi"
+    assert tr.duration_s == pytest.approx(int(lines[-1]) / 1e3)  # 140000 ms period
+    assert tr.interval_s == pytest.approx(0.1)
+    assert tr.total_bits / 8 == pytest.approx(len(lines) * 1500)
+    # First 100 ms bin: count the opportunities with timestamp < 100 ms.
+    first_bin = sum(1 for x in lines if int(x) < 100) + sum(1 for x in lines if int(x) == 140000)
+    assert tr.rates_bps[0] == pytest.approx(first_bin * 1500 * 8 / 0.1)
+    coarse = load_trace(path, mahimahi_bin_s=1.0)
+    assert len(coarse) == 140 and coarse.total_bits == pytest.approx(tr.total_bits)
+
+
+def test_every_real_file_loads_and_readme_medians(trace_dir: Path) -> None:
+    files = find_trace_files([trace_dir])
+    assert len(files) > 250 and not any(f.name.upper().startswith("README") for f in files)
+    for f in files:
+        tr = load_trace(f)
+        assert tr.duration_s > 0 and np.all(tr.rates_bps >= 0)
+
+    def pooled_median(name: str) -> float:
+        return float(
+            np.median(np.concatenate([t.resampled(1.0).rates_bps for t in load_set(name)]))
+        )
+
+    # README: 5G walking ~500 Mbit/s, 5G driving ~124, Lumos 4G ~30 (1-s windows).
+    assert pooled_median("5g-walking") / MB == pytest.approx(500, rel=0.1)
+    assert pooled_median("5g-driving") / MB == pytest.approx(124, rel=0.1)
+    assert pooled_median("lte") / MB == pytest.approx(30, rel=0.1)
+    # UCC 5G-mode ~20 Mbit/s with p90 ~190.
+    five = np.concatenate(
+        [t.select("5G").resampled(1.0).rates_bps for t in load_set("ucc5g") if "5G" in t.labels]
+    )
+    assert np.median(five) / MB == pytest.approx(20, rel=0.15)
+    assert np.percentile(five, 90) / MB == pytest.approx(190, rel=0.1)
+    # Wi-Fi has outages (zero seconds) that are kept as data.
+    assert any(t.stats()["outage_fraction"] > 0 for t in load_set("wifi"))
+
+
+def test_detection(tmp_path: Path) -> None:
+    cases = {
+        "a.down": "0\n0\n5\n17\n",
+        "b.txt": "1.0\t91.0\n2.0\t123.0\n",
+        "c.csv": "1,3167754\r\n2,3508272\r\n",
+        "d.csv": "Timestamp,NetworkMode,DL_bitrate\n2020.02.13_13.57.29,5G,169\n",
+    }
+    expected = {"a.down": "mahimahi", "b.txt": "lumos", "c.csv": "bytes_csv", "d.csv": "gnettrack"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        assert detect_format(tmp_path / name) == expected[name]
+        load_trace(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"", "empty"),
+        (b"\n\n  \n", "empty"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00", "binary"),
+        (b"\xff\xfe\xfa bad", "not UTF-8"),
+        (b"# Real network throughput traces\n", "unrecognised first line"),
+        (b"time,rate\n1,2\n", "no DL_bitrate"),
+        (b"1.0\t91.0\n2.0\tabc\n", r":2: expected 'seconds<TAB>Mbps'"),
+        (b"1.0\t91.0\n2.0\t-5\n", "negative"),
+        (b"1,100\n2,200\n3\n", r":3: expected 'seconds,bytes_per_second'"),
+        (b"0\n5\n3\n", "must not decrease"),
+        (b"0\n0\n", "period"),
+        (b"5\nx\n", r":2: expected one integer ms timestamp"),
+        (b"3.0\t1.0\n2.0\t1.0\n", "backwards"),
+        (b"Timestamp,DL_bitrate\n2020-01-01,5\n", "not YYYY.MM.DD_HH.MM.SS"),
+        (b"Timestamp,DL_bitrate\n2020.02.13_13.57.29,fast\n", "not a number"),
+        (b"Timestamp,DL_bitrate\n", "no data rows"),
+    ],
+)
+def test_bad_files_give_clear_errors(tmp_path: Path, content: bytes, match: str) -> None:
+    path = tmp_path / "bad.trace"
+    path.write_bytes(content)
+    with pytest.raises(TraceFormatError, match=match) as info:
+        load_trace(path)
+    assert str(path) in str(info.value)  # the message names the file
+
+
+def test_missing_and_directory(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="does not exist"):
+        load_trace(tmp_path / "nope.txt")
+    with pytest.raises(TraceFormatError, match="is a directory"):
+        load_trace(tmp_path)
+
+
+def test_outages_are_data_not_errors(tmp_path: Path) -> None:
+    path = tmp_path / "outage.csv"
+    path.write_text("1,1000\n2,0\n3,0\n4,1000\n")
+    tr = load_trace(path)
+    np.testing.assert_allclose(tr.rates_bps, [8000, 0, 0, 8000])
+    assert tr.stats()["outage_fraction"] == 0.5
+    all_zero = tmp_path / "dead.txt"
+    all_zero.write_text("1\t0\n2\t0\n")
+    assert load_trace(all_zero).total_bits == 0.0
+    mm = tmp_path / "gap.up"
+    mm.write_text("0\n1000\n")  # one packet at 0 ms, a 1-s period: 0.1-s bins 1..9 empty
+    tr = load_mahimahi(mm)
+    assert tr.rates_bps[0] == pytest.approx(2 * 1500 * 8 / 0.1) and tr.rates_bps[1:].sum() == 0

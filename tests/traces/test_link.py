@@ -1,0 +1,190 @@
+"""Paced asyncio link: accuracy against the trace integral, outages, sharing, live changes,
+and robustness (client disconnects, upstream failures)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from traces import Trace, load_trace
+from traces.bench import choose_piece
+from traces.link import PacedLink, PacedLinkThread
+from traces.measure import BlastServer, measure_paced, receive_for
+
+MB = 1e6
+
+
+@pytest.mark.parametrize("mbps", [1, 20, 200])
+def test_constant_rate_accuracy(mbps: float) -> None:
+    m = measure_paced(Trace.constant(mbps * MB), window_s=2.0, n_windows=1, settle_s=0.3)
+    (w,) = m.windows
+    assert w.expected_bytes == pytest.approx(mbps * MB / 8 * 2.0)
+    assert w.rel_error < 0.05, m.to_dict()
+
+
+@pytest.mark.parametrize(
+    "rel, seed",
+    [
+        ("lumos5g/4g/4g_trace_driving_50015_dr.txt", 0),
+        ("ucc5g/static_B_2020.02.13_13.57.29.csv", 1),
+    ],
+)
+def test_real_trace_accuracy(trace_dir: Path, rel: str, seed: int) -> None:
+    piece = choose_piece(load_trace(trace_dir / rel), 5.0, max_mbps=200, seed=seed)
+    assert piece.scale == 1.0
+    m = measure_paced(piece.trace, window_s=2.0, n_windows=2, settle_s=0.3)
+    assert all(not w.outage for w in m.windows)
+    assert m.max_rel_error < 0.05, m.to_dict()
+
+
+def test_real_outage_delivers_nothing_then_resumes(trace_dir: Path) -> None:
+    wifi = load_trace(trace_dir / "wifi/13_3_wifi.csv")
+    assert list(wifi.rates_bps[86:94]) == [0.0] * 8  # an 8-s outage in the real trace
+    piece = wifi.slice(92.0, 5.0)  # 2 s of outage, then 13.6 and 72 Mbit/s
+    m = measure_paced(piece, window_s=2.0, n_windows=2, settle_s=0.0)
+    outage, after = m.windows
+    assert outage.outage and outage.measured_bytes == 0
+    assert after.rel_error < 0.05, m.to_dict()
+
+
+def test_connections_share_one_bottleneck() -> None:
+    m = measure_paced(Trace.constant(20 * MB), window_s=2.0, n_windows=1, connections=4)
+    assert m.max_rel_error < 0.05, m.to_dict()
+
+
+def test_shares_are_fair_and_counters_match() -> None:
+    trace = Trace.constant(16 * MB)
+    with BlastServer() as src, PacedLinkThread(trace, src.address) as link:
+        logs = []
+        threads = [
+            threading.Thread(target=lambda: logs.append(receive_for(link.address, 2.0)))
+            for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        totals = [lg.cum[-1] for lg in logs]
+        assert len(totals) == 3 and min(totals) > 0.2 * sum(totals)
+        a, b = link.origin + 0.5, link.origin + 1.8
+        link_side = link.delivered_between(a, b)
+        client_side = sum(lg.cum_at(b) - lg.cum_at(a) for lg in logs)
+        assert link_side == pytest.approx(link.expected_bytes(a, b), rel=0.05)
+        assert client_side == pytest.approx(link_side, rel=0.05)
+        assert link.counters.connections_total == 3
+
+
+def test_live_rate_change_and_zero_rate() -> None:
+    with BlastServer() as src, PacedLinkThread(Trace.constant(8 * MB), src.address) as link:
+        origin = link.origin  # trace origin; live changes start new segments later
+        out = {}
+        reader = threading.Thread(
+            target=lambda: out.setdefault("log", receive_for(link.address, 3.2))
+        )
+        reader.start()
+        time.sleep(1.0)
+        link.set_rate(32 * MB)
+        t_fast = time.monotonic()
+        time.sleep(1.0)
+        link.set_rate(0)
+        t_zero = time.monotonic()
+        time.sleep(1.0)
+        reader.join(10)
+        lg = out["log"]
+        assert link.origin == pytest.approx(t_zero, abs=0.01)
+        slow = lg.cum_at(t_fast) - lg.cum_at(origin + 0.2)
+        fast = lg.cum_at(t_zero) - lg.cum_at(t_fast + 0.05)
+        assert slow == pytest.approx(link.expected_bytes(origin + 0.2, t_fast), rel=0.05)
+        assert slow == pytest.approx(1e6 * (t_fast - origin - 0.2), rel=0.05)
+        assert fast == pytest.approx(link.expected_bytes(t_fast + 0.05, t_zero), rel=0.05)
+        assert link.expected_bytes(t_zero, t_zero + 1.0) == 0
+        assert lg.cum_at(t_zero + 0.95) - lg.cum_at(t_zero + 0.05) == 0
+
+
+def test_client_disconnect_and_upstream_failure_do_not_break_the_link() -> None:
+    trace = Trace.constant(20 * MB)
+    with BlastServer() as src, PacedLinkThread(trace, src.address) as link:
+        # A client that reads a little then vanishes.
+        s = socket.create_connection(link.address)
+        s.recv(10000)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.close()  # RST
+        time.sleep(0.2)
+        lg = receive_for(link.address, 1.0)
+        assert lg.cum[-1] == pytest.approx(20 * MB / 8 * 1.0, rel=0.1)
+        deadline = time.monotonic() + 3
+        while link.counters.connections_active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.counters.connections_active == 0
+    # Upstream that refuses connections: the client is closed, the link keeps serving.
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()
+    with PacedLinkThread(trace, ("127.0.0.1", port)) as link:
+        for _ in range(3):
+            c = socket.create_connection(link.address, timeout=5)
+            assert c.recv(100) == b""
+            c.close()
+        assert link.counters.upstream_failures == 3
+        assert "upstream" in link.counters.last_error
+
+
+def test_upstream_dying_mid_transfer_ends_the_client_cleanly() -> None:
+    with BlastServer() as src, PacedLinkThread(Trace.constant(8 * MB), src.address) as link:
+        c = socket.create_connection(link.address, timeout=5)
+        got = len(c.recv(1000))
+        assert got > 0
+        src.close()  # the server dies mid-response
+        t0 = time.monotonic()
+        while chunk := c.recv(65536):
+            got += len(chunk)
+        # EOF follows the bytes the server had already sent (its socket buffer + ours).
+        assert time.monotonic() - t0 < 8.0
+        c.close()
+        deadline = time.monotonic() + 3
+        while link.counters.connections_active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.counters.connections_active == 0
+        assert link.counters.connection_errors == 0
+        assert link.counters.bytes_down == got  # every byte the link released arrived
+
+
+def test_async_request_response_timing_and_unshaped_upstream() -> None:
+    """A real request/response over the async API: the response takes the trace's time."""
+    trace = Trace.from_rates([4 * MB, 0.0, 16 * MB], 0.5)  # loops every 1.5 s
+    size = 1_500_000
+
+    async def main() -> tuple[float, float, float]:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            n = int((await reader.readline()).decode())
+            await reader.readexactly(n)  # upload: not shaped
+            writer.write(b"\x00" * size)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, PacedLink(trace, ("127.0.0.1", port)) as link:
+            reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+            upload = 4_000_000
+            t0 = time.monotonic()
+            writer.write(f"{upload}\n".encode() + b"\x01" * upload)
+            await writer.drain()
+            t_up = time.monotonic() - t0
+            t_req = time.monotonic()
+            got = len(await reader.read(-1))
+            t_done = time.monotonic()
+            writer.close()
+            assert got == size
+            t0_trace = link.trace_time(t_req)
+            return t_up, t_done - t_req, trace.time_to_deliver(size, t0_trace) - t0_trace
+
+    t_up, measured, expected = asyncio.run(main())
+    assert t_up < 1.0  # 4 MB upstream at loopback speed, not at 4-16 Mbit/s
+    assert measured == pytest.approx(expected, rel=0.05, abs=0.03)

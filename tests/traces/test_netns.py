@@ -1,0 +1,96 @@
+"""Kernel shaping (namespaces + veth + tbf): accuracy, outages, isolation and clean-up.
+
+Needs root, iproute2 and tbf; skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from traces import NetnsUnavailableError, Trace, load_trace
+from traces.bench import choose_piece
+from traces.measure import measure_kernel
+from traces.netns import KernelShapedLink, kernel_shaping_unavailable_reason
+
+MB = 1e6
+REASON = kernel_shaping_unavailable_reason()
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernel shaping: {REASON}")
+pytestmark = pytest.mark.root
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def test_not_root_gives_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    with pytest.raises(NetnsUnavailableError, match="needs root"):
+        KernelShapedLink(Trace.constant(MB)).start()
+
+
+@needs_kernel
+def test_namespaces_isolated_and_removed() -> None:
+    before = _netns()
+    with KernelShapedLink(Trace.constant(10 * MB)) as link:
+        assert {link.server_ns, link.client_ns} <= _netns()
+        assert link.network.prefixlen == 30 and link.network.is_private
+        addrs = link.run_in("server", ["ip", "-o", "addr", "show", link.server_dev]).stdout
+        assert f"{link.server_addr}/30" in addrs
+        qdisc = link.run_in("server", ["tc", "qdisc", "show", "dev", link.server_dev]).stdout
+        assert "tbf" in qdisc
+        # The veth exists only inside the namespaces, not on the host.
+        host = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert link.server_dev not in host and link.client_dev not in host
+        reach = link.run_in(
+            "client",
+            [sys.executable, "-c", "import socket,sys; s=socket.socket(); s.settimeout(2);"
+             f"print(s.connect_ex(('{link.server_addr}', 9)))"],
+        )  # fmt: skip
+        assert reach.stdout.strip() == "111"  # connection refused: reachable, nothing listens
+        sleeper = link.popen_in("server", ["sleep", "60"])
+    assert sleeper.poll() is not None  # processes started in the namespaces are ended
+    assert _netns() == before
+
+
+@needs_kernel
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_cleanup_on_errors(exc: type[BaseException]) -> None:
+    before = _netns()
+    with pytest.raises(exc):
+        with KernelShapedLink(Trace.constant(MB)) as link:
+            assert link.server_ns in _netns()
+            raise exc("boom")
+    assert _netns() == before
+
+
+@needs_kernel
+@pytest.mark.parametrize("mbps", [1, 20, 200])
+def test_constant_rate_accuracy(mbps: float) -> None:
+    m = measure_kernel(Trace.constant(mbps * MB), window_s=2.0, n_windows=1)
+    assert m.max_rel_error < 0.05, m.to_dict()
+
+
+@needs_kernel
+def test_real_trace_accuracy(trace_dir: Path) -> None:
+    trace = load_trace(trace_dir / "lumos5g/4g/4g_trace_driving_50015_dr.txt")
+    piece = choose_piece(trace, 5.5, max_mbps=200, seed=0)
+    m = measure_kernel(piece.trace, window_s=2.0, n_windows=2)
+    assert m.max_rel_error < 0.05, m.to_dict()
+
+
+@needs_kernel
+def test_real_outage_delivers_nothing_then_resumes(trace_dir: Path) -> None:
+    wifi = load_trace(trace_dir / "wifi/13_3_wifi.csv")
+    # 1 s at 0.69 and 0.28 Mbit/s, an 8-s outage (86-94 s), then 13.6 and 72 Mbit/s:
+    # take 84.5-96 s; the outage is 1.5-9.5 s of the piece.
+    piece = wifi.slice(84.5, 11.5)
+    m = measure_kernel(piece, window_s=2.0, n_windows=5, settle_s=1.5)
+    *outage, after = m.windows
+    assert [w.t0_s for w in outage] == pytest.approx([1.5, 3.5, 5.5, 7.5])
+    assert all(w.outage and w.measured_bytes == 0 for w in outage), m.to_dict()
+    assert after.t0_s == pytest.approx(9.5) and after.rel_error < 0.05, m.to_dict()
