@@ -13,6 +13,10 @@ Shard bodies are verified twice: the sha256 of the whole body against the server
 given, the exact length and the sha256 of every range unit the configuration is made of
 (the manifest's ``units`` table), so a corrupted pack on the server is caught too.
 
+Manifests: with a ``manifests`` dict (the device's manifest cache, kept across edits) a
+known manifest is revalidated with ``If-None-Match: <etag>`` (the pack sha256) and a 304
+answer moves no body, as a video player keeps a stream's manifest.
+
 Failures: a dropped connection or read timeout resumes the body with
 ``Range: bytes=N-`` and ``If-Range: <etag>`` (a 200 answer restarts from byte 0); a
 corrupted body is refetched from scratch; 5xx / 408 / 429 answers and connection errors
@@ -126,6 +130,39 @@ class _Attempt:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class CachedManifest:
+    """A manifest kept on the device, with the ETag (pack sha256) to revalidate it."""
+
+    etag: str
+    data: dict[str, Any]
+    size: int
+
+
+@dataclass(frozen=True)
+class ManifestFetch:
+    """A manifest and how it was obtained (``size`` 0: revalidated from the cache)."""
+
+    data: dict[str, Any]
+    size: int
+    start: float
+    first_byte: float
+    end: float
+    cached: bool
+    etag: str | None
+
+
+@dataclass(frozen=True)
+class _JsonGot:
+    data: Any
+    size: int
+    start: float
+    first_byte: float
+    end: float
+    etag: str | None
+    not_modified: bool = False
+
+
 class _Retry(Exception):
     """An answer worth retrying (5xx, 408, 429, mismatched partial content)."""
 
@@ -137,6 +174,7 @@ class PackClient:
     base_url: str
     token: str | None = None
     request_log: list[RequestRecord] | None = None
+    manifests: dict[tuple[str, str], CachedManifest] | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     chunk_size: int = 64 * 1024
     _session: aiohttp.ClientSession | None = field(default=None, init=False, repr=False)
@@ -192,18 +230,24 @@ class PackClient:
     # ------------------------------------------------------------------ API
     async def catalog(self) -> dict[str, Any]:
         """The server's template catalog (``GET /v1/templates``)."""
-        data, _, _ = await self._get_json(self._url())
-        return data
+        got = await self._get_json(self._url())
+        return got.data
 
     async def manifest(self, template: str, codec: str) -> dict[str, Any]:
         """The current manifest of a template's pack for ``codec``, checked for identity."""
-        data, _, _ = await self.manifest_timed(template, codec)
-        return data
+        return (await self.manifest_fetch(template, codec)).data
 
-    async def manifest_timed(self, template: str, codec: str
-                             ) -> tuple[dict[str, Any], int, float]:
-        """:meth:`manifest`, its size in bytes and when its first body byte arrived."""
-        data, size, first = await self._get_json(self._url(template, codec, "manifest"))
+    async def manifest_fetch(self, template: str, codec: str) -> ManifestFetch:
+        """:meth:`manifest` with transfer details. With a :attr:`manifests` cache, a cached
+        manifest is revalidated (``If-None-Match``; a 304 moves no body)."""
+        key = (template, codec)
+        cached = self.manifests.get(key) if self.manifests is not None else None
+        got = await self._get_json(self._url(template, codec, "manifest"),
+                                   etag=cached.etag if cached else None)
+        if got.not_modified and cached is not None:
+            return ManifestFetch(cached.data, 0, got.start, got.first_byte, got.end, True,
+                                 cached.etag)
+        data = got.data
         if not isinstance(data, dict) or data.get("format") != "sakura-pack":
             raise EdgeError(f"{template}/{codec}: the server's manifest is not a sakura-pack")
         if data.get("version") != 1:
@@ -212,7 +256,10 @@ class PackClient:
         if data.get("template_id") != template or data.get("codec") != codec:
             raise EdgeError(f"asked for {template}/{codec}, the manifest is for "
                             f"{data.get('template_id')}/{data.get('codec')}")
-        return data, size, first
+        if self.manifests is not None and got.etag:
+            self.manifests[key] = CachedManifest(got.etag, data, got.size)
+        return ManifestFetch(data, got.size, got.start, got.first_byte, got.end, False,
+                             got.etag)
 
     async def fetch_config(self, template: str, codec: str, shard: int, config: int, *,
                            manifest: Mapping[str, Any] | None = None) -> Fetched:
@@ -227,21 +274,27 @@ class PackClient:
         return await self._fetch_body(url, params, spec)
 
     # ------------------------------------------------------------------ internals
-    async def _get_json(self, url: str) -> tuple[Any, int, float]:
-        """(parsed JSON, body bytes, time of the first body byte)."""
+    async def _get_json(self, url: str, etag: str | None = None) -> _JsonGot:
         failures = 0
         last = ""
+        headers = {"If-None-Match": etag} if etag else {}
+        start = time.monotonic()
         while True:
             try:
-                async with self.session.get(url) as resp:
+                async with self.session.get(url, headers=headers) as resp:
+                    if resp.status == 304 and etag:
+                        now = time.monotonic()
+                        return _JsonGot(None, 0, start, now, now, etag, True)
                     if resp.status != 200:
                         await self._raise_for(resp, url)
                     first = time.monotonic()
                     raw = await resp.read()
+                    end = time.monotonic()
                     try:
-                        return json.loads(raw), len(raw), first
+                        data = json.loads(raw)
                     except ValueError as exc:
                         raise EdgeError(f"{url}: the server sent invalid JSON ({exc})") from exc
+                    return _JsonGot(data, len(raw), start, first, end, resp.headers.get("ETag"))
             except (TimeoutError, _Retry, aiohttp.ClientError, OSError) as exc:
                 failures += 1
                 last = _describe(exc)

@@ -3,7 +3,9 @@
 :class:`BandwidthMonitor` keeps one sample per shard transfer (bytes, request start, first
 body byte, end) and estimates throughput as the harmonic mean of the last ``k`` body rates,
 as adaptive video streaming does (robust to short bursts that overstate the rate), plus the
-per-request latency (median of recent times to first byte).
+per-request latency (median of recent times to first byte). Bodies smaller than
+``min_sample_bytes`` arrive in one read and say little about the rate: they are used only
+while there is no larger sample.
 
 :class:`ExecutionProgress` knows the measured execution time of every shard (a calibration,
 corrected online by the ratio of measured to predicted times), when each shard arrived,
@@ -23,7 +25,7 @@ import statistics
 import threading
 from dataclasses import dataclass
 
-MIN_BODY_S = 1e-3  # floor of a body duration when computing a rate
+MIN_BODY_S = 5e-4  # floor of a body duration when computing a rate
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class BandwidthMonitor:
     """Throughput and latency estimates from recent transfers."""
 
     def __init__(self, k: int = 5, initial_bps: float | None = None,
-                 min_sample_bytes: int = 1) -> None:
+                 min_sample_bytes: int = 4096) -> None:
         if k < 1:
             raise ValueError("k must be >= 1")
         self.k = k
@@ -73,7 +75,7 @@ class BandwidthMonitor:
     def _recent(self) -> list[TransferSample]:
         with self._lock:
             usable = [s for s in self.samples if s.nbytes >= self.min_sample_bytes]
-        return usable[-self.k:]
+            return (usable or self.samples)[-self.k:]
 
     def estimate_bps(self) -> float | None:
         """Harmonic mean of the last ``k`` body rates (None before any sample and no prior)."""

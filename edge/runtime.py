@@ -9,6 +9,11 @@ execution time per (template, request shape). :meth:`EdgeRuntime.edit` runs an e
   :class:`~edge.pipeline.Pipeline` (receive -> reconstruct -> execute) under
   ``dit.editing.cached_edit``.
 
+Device state kept across edits (as a video player keeps it across sessions): the manifest
+cache (revalidated by ETag on every edit; a first edit fetches the manifest and uses its
+transfer as the first rate sample) and the last rate estimate (the prior of the next
+edit's first shard).
+
 The prompt, reference images and seed stay in this process; the server only ever sees
 template id, codec, shard index, configuration id and pack version (see
 :mod:`edge.client`).
@@ -35,7 +40,7 @@ from codec.shards import ShardLayout
 from dit.editing import EditRequest, Geometry, Template, cached_edit, full_edit
 from dit.model import MMDiT
 from edge.allocator import PolicyContext, get_policy, options_from_manifest
-from edge.client import PackClient, RequestRecord, RetryPolicy
+from edge.client import CachedManifest, PackClient, RequestRecord, RetryPolicy
 from edge.errors import EdgeError
 from edge.monitor import BandwidthMonitor, ExecutionProgress
 from edge.pipeline import NetLoop, Pipeline
@@ -166,7 +171,8 @@ class EditOptions:
     safety: float = 0.9         # fraction of rate x window the allocator may use
     rate_window: int = 5        # shards in the harmonic-mean rate estimate
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
-    initial_rate_bps: float | None = None  # prior before any transfer (None: manifest fetch)
+    initial_rate_bps: float | None = None  # rate prior (None: the device's last estimate)
+    cache_manifests: bool = True  # keep manifests on the device, revalidate by ETag
     policy_options: dict[str, Any] = field(default_factory=dict)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
@@ -180,6 +186,8 @@ class EdgeRuntime:
         self._encoder = encoder
         self.profile_file = Path(profile_file) if profile_file else None
         self.profiles: dict[str, ExecProfile] = {}
+        self.manifests: dict[tuple[str, str], CachedManifest] = {}
+        self.last_rate_bps: float | None = None
         if self.profile_file and self.profile_file.exists():
             try:
                 raw = json.loads(self.profile_file.read_text())
@@ -245,18 +253,20 @@ class EdgeRuntime:
                   request_log: list[RequestRecord] | None, opts: EditOptions) -> EditResult:
         origin = time.monotonic()
         log = request_log if request_log is not None else []
-        client = PackClient(server, token=token, request_log=log, retry=opts.retry)
+        client = PackClient(server, token=token, request_log=log, retry=opts.retry,
+                            manifests=self.manifests if opts.cache_manifests else None)
         net.run(client.open())
         try:
-            t0 = time.monotonic()
-            manifest_dict, raw_len, first = net.run(client.manifest_timed(template_id, codec))
-            t1 = time.monotonic()
+            got = net.run(client.manifest_fetch(template_id, codec))
+            manifest_dict, raw_len = got.data, got.size
             manifest = self._check_manifest(manifest_dict, template, geo)
             layout = manifest.layout()
             exec_s = profile.shard_times(layout)
-            monitor = BandwidthMonitor(opts.rate_window, opts.initial_rate_bps)
-            if opts.initial_rate_bps is None:
-                monitor.record(None, raw_len, t0, first, t1)
+            prior = (opts.initial_rate_bps if opts.initial_rate_bps is not None
+                     else self.last_rate_bps)
+            monitor = BandwidthMonitor(opts.rate_window, prior)
+            if not got.cached:
+                monitor.record(None, raw_len, got.start, got.first_byte, got.end)
             tables = options_from_manifest(manifest_dict)
             allocator = get_policy(policy).build(PolicyContext(
                 tables=tables, exec_s=exec_s, latency_s=monitor.latency_s(),
@@ -290,6 +300,7 @@ class EdgeRuntime:
                 raise
             stats = pipe.finish()
             latency = time.monotonic() - origin
+            self.last_rate_bps = monitor.estimate_bps()
         finally:
             net.run(client.close())
         timeline = [r.to_dict() for r in pipe.records]

@@ -187,3 +187,75 @@ class RecordingApp:
             return message
 
         await self.app(scope, recv, send)
+
+
+class FaultyApp:
+    """ASGI wrapper injecting faults into shard responses whose path ends with ``suffix``.
+
+    ``mode``: ``corrupt`` flips one body byte (the ``X-Sakura-Sha256`` header stays right);
+    ``cut`` sends half the body and then drops the connection; ``rehash`` corrupts the body
+    and rewrites the sha256 header to match (a corrupted pack on the server). ``times``
+    responses are affected.
+    """
+
+    def __init__(self, app: Any, suffix: str, mode: str, times: int = 1) -> None:
+        self.app, self.suffix, self.mode, self.remaining = app, suffix, mode, times
+        self.hits = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (scope["type"] != "http" or self.remaining <= 0
+                or not scope["path"].endswith(self.suffix)):
+            await self.app(scope, receive, send)
+            return
+        self.remaining -= 1
+        self.hits += 1
+        if self.mode == "rehash":
+            await self._rehash(scope, receive, send)
+            return
+        state = {"sent": 0, "length": 0, "flipped": False}
+
+        async def faulty_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = dict(message["headers"])
+                state["length"] = int(headers.get(b"content-length", b"0"))
+                await send(message)
+                return
+            body = message.get("body", b"")
+            if self.mode == "corrupt" and body and not state["flipped"]:
+                body = bytes([body[0] ^ 0xFF]) + body[1:]
+                state["flipped"] = True
+                message = {**message, "body": body}
+            if self.mode == "cut" and body:
+                half = state["length"] // 2
+                if state["sent"] + len(body) > half:
+                    await send({**message, "body": body[: half - state["sent"]],
+                                "more_body": True})
+                    raise ConnectionResetError("fault injection: connection dropped")
+            state["sent"] += len(body)
+            await send(message)
+
+        await self.app(scope, receive, faulty_send)
+
+    async def _rehash(self, scope: Any, receive: Any, send: Any) -> None:
+        import hashlib
+
+        held: dict[str, Any] = {}
+        chunks: list[bytes] = []
+
+        async def hold(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                held["start"] = message
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            body = b"".join(chunks)
+            if body:
+                body = bytes([body[0] ^ 0xFF]) + body[1:]
+            headers = [(k, v) for k, v in held["start"]["headers"]
+                       if k.lower() != b"x-sakura-sha256"]
+            headers.append((b"x-sakura-sha256", hashlib.sha256(body).hexdigest().encode()))
+            await send({**held["start"], "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        await self.app(scope, receive, hold)

@@ -1,0 +1,384 @@
+"""``sakura bench edit``: every policy on one template and one trace window, in one run.
+
+Regime-matched replay (``DESIGN.md``, "Measuring"): the masked execution time ``T`` is
+measured with the whole FP16 cache resident (``compute_bound_s``, the floor no streaming
+system can beat, which also yields ``exact``); the trace's rates are scaled by one factor
+so that the FP16 cache at the trace's median rate takes ``regime_x`` (10) times ``T``.
+Every policy then runs the same edit through the same paced link (real HTTP, the trace
+restarted at the same start point for each), and is compared with ``exact``.
+
+Packs: ``--server URL`` uses a running server; ``--catalog DIR`` serves a published
+catalog; otherwise the bench builds one pack per codec for the template (template run,
+importance profiling, ``codec.pack.write_pack``, published with ``cloud.publish``) into a
+cache folder keyed by the weights and template, and reuses it next time. The server runs
+as a separate ``sakura serve`` process, as a real server would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from codec.pack import Manifest, decode_config
+from dit.editing import EditRequest, Geometry, Template, cached_edit
+from edge.allocator import POLICIES
+from edge.client import PackClient
+from edge.errors import EdgeError
+from edge.netem import shaped
+from edge.runtime import EdgeRuntime, EditOptions, EditResult
+
+CODECS = ("sakura", "fp16", "intq", "cachegen", "svd")
+DEFAULT_POLICIES = ("local", "fp16", "intq", "cachegen", "svd", "sakura",
+                    "sakura-fixed-config", "sakura-fixed-bits")
+
+
+# ----------------------------------------------------------------------------- server
+
+
+class ServerProcess:
+    """``sakura serve DIR`` in a child process on an inherited 127.0.0.1 socket."""
+
+    def __init__(self, catalog_dir: Path) -> None:
+        self.catalog_dir = Path(catalog_dir)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> ServerProcess:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        self.port = int(sock.getsockname()[1])
+        cmd = [sys.executable, "-m", "sakura.cli", "serve", str(self.catalog_dir),
+               "--fd", str(sock.fileno()), "--log-level", "warning", "--no-access-log"]
+        self.proc = subprocess.Popen(cmd, pass_fds=(sock.fileno(),),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        sock.close()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise EdgeError(f"sakura serve exited ({self.proc.returncode}): {err[-500:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EdgeError("sakura serve did not come up in time")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ----------------------------------------------------------------------------- packs
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_catalog(out_dir: Path, template_id: str, template: Template, runtime: EdgeRuntime,
+                  profiling: list[EditRequest], codecs: tuple[str, ...] = CODECS,
+                  blocks_per_shard: int = 2, model_info: dict[str, Any] | None = None) -> Path:
+    """Template run, importance profiling, one pack per codec, published into ``out_dir``."""
+    from cloud.publish import CatalogTransaction
+    from codec.base import get_codec
+    from codec.pack import write_pack
+    from dit.editing import profile_importance, template_run
+
+    run = template_run(runtime.model, template)
+    profile_importance(runtime.model, template, run, profiling)
+    work = out_dir / "_work"
+    with CatalogTransaction(out_dir) as txn:
+        for name in codecs:
+            m = write_pack(work / name, template_id, run.cache, get_codec(name),
+                           blocks_per_shard=blocks_per_shard, model=dict(model_info or {}))
+            txn.publish(template_id, name, m.to_dict(), work / name / m.pack_file)
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- exact
+
+
+async def _fetch_all(server: str, template_id: str, codec: str) -> tuple[dict, list[bytes]]:
+    async with PackClient(server) as client:
+        manifest = await client.manifest(template_id, codec)
+        bodies = []
+        for s in manifest["shards"]:
+            got = await client.fetch_config(template_id, codec, int(s["index"]),
+                                            int(s["configs"][0]["id"]), manifest=manifest)
+            bodies.append(got.data)
+        return manifest, bodies
+
+
+async def _prefetch_manifests(server: str, template_id: str, codecs: list[str],
+                              runtime: EdgeRuntime) -> None:
+    async with PackClient(server, manifests=runtime.manifests) as client:
+        for codec in codecs:
+            await client.manifest(template_id, codec)
+
+
+class _Resident:
+    """The whole decoded cache in memory (``get`` never waits)."""
+
+    def __init__(self, manifest: Manifest, shards: list[list[torch.Tensor]]) -> None:
+        self.layout = manifest.layout()
+        self.shards = shards
+
+    def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = self.layout.shard_of(step, block)
+        _s, blocks = self.layout.blocks_of(shard)
+        j = blocks.index(block)
+        return self.shards[shard][2 * j], self.shards[shard][2 * j + 1]
+
+
+def exact_and_floor(runtime: EdgeRuntime, server: str, template_id: str, template: Template,
+                    req: EditRequest, repeats: int = 1) -> tuple[torch.Tensor, float, dict]:
+    """``exact`` (the FP16 cache fully resident) and its masked execution time (min of runs).
+    """
+    manifest_d, bodies = asyncio.run(_fetch_all(server, template_id, "fp16"))
+    manifest = Manifest.from_dict(manifest_d)
+    codec = manifest.make_codec()
+    shards = [decode_config(manifest, i, int(manifest_d["shards"][i]["configs"][0]["id"]), b,
+                            codec) for i, b in enumerate(bodies)]
+    provider = _Resident(manifest, shards)
+    geo = Geometry.of(runtime.model, template)
+    best = float("inf")
+    image = None
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        image = cached_edit(runtime.model, template, geo, provider, req)
+        best = min(best, time.perf_counter() - t0)
+    assert image is not None
+    return image, best, manifest_d
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+@dataclass
+class BenchSpec:
+    """What ``sakura bench edit`` runs."""
+
+    json_path: Path
+    quick: bool = False
+    template: str | None = None
+    trace: str | None = None
+    start_s: float | None = None
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    server: str | None = None
+    catalog: str | None = None
+    cache_dir: Path = Path("runs/edge-bench")
+    weights: str | None = None
+    regime_x: float = 10.0
+    seed: int = 100
+    runs: int | None = None
+    plots: Path | None = None
+    log: Any = field(default=print)
+
+
+def default_trace() -> Path:
+    from traces import trace_set
+
+    return trace_set("5g")[0]
+
+
+def run_bench(spec: BenchSpec) -> dict[str, Any]:
+    from dit.templates import load_catalog
+    from dit.weights import DEFAULT_WEIGHTS, load_model
+    from edge.timeline import plot_timeline
+    from traces import load_trace
+
+    for p in spec.policies:
+        if p not in POLICIES:
+            raise EdgeError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+    t_begin = time.monotonic()
+    weights = Path(spec.weights) if spec.weights else DEFAULT_WEIGHTS
+    model = load_model(weights)
+    catalog = load_catalog()
+    tid = spec.template or next(iter(catalog))
+    if tid not in catalog:
+        raise EdgeError(f"template {tid!r} is not in the device catalog ({', '.join(catalog)})")
+    tspec = catalog[tid]
+    runtime = EdgeRuntime(model)
+    template = tspec.to_template(runtime.encoder)
+    prompt = tspec.evaluation_prompts[0]
+    req = runtime.request(prompt, seed=spec.seed)
+    log = spec.log
+
+    server_proc = None
+    server = spec.server
+    if server is None:
+        if spec.catalog:
+            catalog_dir = Path(spec.catalog)
+        else:
+            key = hashlib.sha256(f"{file_sha256(weights)}|{tid}|{template.steps}|"
+                                 f"{','.join(CODECS)}".encode()).hexdigest()[:16]
+            catalog_dir = spec.cache_dir / f"catalog-{tid}-{key}"
+            if not (catalog_dir / "catalog.json").exists():
+                log(f"building packs for {tid} ({', '.join(CODECS)}) into {catalog_dir} ...")
+                t0 = time.monotonic()
+                profiling = tspec.requests(runtime.encoder, "profiling")[:2]
+                build_catalog(catalog_dir, tid, template, runtime, profiling,
+                              model_info={"weights_sha256": file_sha256(weights)})
+                log(f"  built in {time.monotonic() - t0:.1f} s")
+        server_proc = ServerProcess(catalog_dir).start()
+        server = server_proc.url
+    try:
+        return _bench(spec, runtime, tid, template, req, prompt, server, load_trace,
+                      plot_timeline, t_begin)
+    finally:
+        if server_proc is not None:
+            server_proc.stop()
+
+
+def _bench(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Template,
+           req: EditRequest, prompt: str, server: str, load_trace: Any, plot_timeline: Any,
+           t_begin: float) -> dict[str, Any]:
+    log = spec.log
+    geo = Geometry.of(runtime.model, template)
+    runtime.profile(tid, template, geo, req)  # calibration (and warm-up)
+    exact, floor_s, fp16_manifest = exact_and_floor(runtime, server, tid, template, req,
+                                                    repeats=1 if spec.quick else 3)
+    fp16_bytes = int(fp16_manifest["fp16_bytes"])
+    trace_path = Path(spec.trace) if spec.trace else default_trace()
+    raw = load_trace(trace_path)
+    median_bps = float(raw.stats()["median_mbps"]) * 1e6
+    if not median_bps > 0:
+        raise EdgeError(f"trace {trace_path} has a median rate of 0: cannot match the regime")
+    factor = fp16_bytes * 8.0 / (spec.regime_x * floor_s) / median_bps
+    trace = raw.scaled(factor)
+    scaled_median = median_bps * factor
+    runs = spec.runs or (1 if spec.quick else 3)
+    span = max(30.0, 3 * fp16_bytes * 8.0 / scaled_median)
+    starts = ([float(spec.start_s)] if spec.start_s is not None and runs == 1 else
+              [float(s) for s in raw.sample_starts(runs, seed=spec.seed, span_s=span)])
+    if spec.start_s is not None and runs > 1:
+        starts = [float(spec.start_s) + 7.0 * i for i in range(runs)]
+    log(f"regime-matched: T = {floor_s:.3f} s masked execution, FP16 cache {fp16_bytes / 1e6:.2f}"
+        f" MB; trace {trace_path.name} median {median_bps / 1e6:.1f} Mbit/s x {factor:.4g} = "
+        f"{scaled_median / 1e6:.2f} Mbit/s (FP16 at median = {spec.regime_x:g} x T); "
+        f"starts {starts}")
+
+    # Device state as on a phone that has used the template before: manifests cached
+    # (revalidated per edit), and a rate prior from a warm-up edit over the same link; every
+    # policy starts from that same prior.
+    codecs = sorted({POLICIES[p].codec for p in spec.policies if POLICIES[p].codec})
+    asyncio.run(_prefetch_manifests(server, tid, codecs, runtime))
+    manifest_bytes = {c: runtime.manifests[(tid, c)].size for c in codecs}
+    results: dict[str, list[EditResult]] = {p: [] for p in spec.policies}
+    with shaped(server, trace, starts[0]) as (link_url, link):
+        link.restart(starts[0])
+        runtime.edit(link_url, tid, template, req, "sakura",
+                     options=EditOptions(budget_rate_bps=scaled_median))
+        prior = runtime.last_rate_bps
+        log(f"warm-up edit done; rate prior {0 if prior is None else prior / 1e6:.2f} Mbit/s")
+        options = EditOptions(budget_rate_bps=scaled_median, initial_rate_bps=prior)
+        for start in starts:
+            for policy in spec.policies:
+                if policy == "local":
+                    res = runtime.edit(server, tid, template, req, "local")
+                else:
+                    link.restart(start)
+                    res = runtime.edit(link_url, tid, template, req, policy, options=options)
+                res.compare(exact)
+                results[policy].append(res)
+                log(f"  start {start:7.2f}  {policy:20s} {res.latency_s:7.3f} s  "
+                    f"{res.bytes / 1e6:7.3f} MB  stalls {res.stalls:3d}  "
+                    f"PSNR {res.psnr_db:6.2f} dB")
+                if spec.plots is not None and res.timeline:
+                    plot_timeline(res.timeline, spec.plots / f"{policy}-{start:g}.png",
+                                  f"{policy} on {tid}, {trace_path.name} @ {start:g} s")
+
+    def med(values: list[float]) -> float:
+        return float(torch.tensor(values, dtype=torch.float64).median())
+
+    def psnr_value(x: float | None) -> float | str | None:
+        if x is None:
+            return None
+        return "inf" if x == float("inf") else x
+
+    doc: dict[str, Any] = {
+        "bench": "edit",
+        "quick": spec.quick,
+        "template": tid,
+        "prompt": prompt,
+        "seed": spec.seed,
+        "steps": template.steps,
+        "server": server,
+        "trace": {"path": str(trace_path), "name": raw.name, "starts_s": starts,
+                  "raw": raw.stats(), "scaled_median_mbps": scaled_median / 1e6},
+        "regime": {
+            "mode": "regime-matched",
+            "factor": factor,
+            "target": f"FP16 cache at the trace median takes {spec.regime_x:g}x the masked "
+                      "execution time",
+            "regime_x": spec.regime_x,
+            "raw_median_mbps": median_bps / 1e6,
+            "scaled_median_mbps": scaled_median / 1e6,
+            "fp16_bytes": fp16_bytes,
+            "masked_exec_s": floor_s,
+            "fp16_at_median_s": fp16_bytes * 8.0 / scaled_median,
+        },
+        "compute_bound_s": floor_s,
+        "device_state": {"manifests": "cached before the runs, revalidated per edit (304)",
+                         "manifest_bytes": manifest_bytes,
+                         "rate_prior_mbps": None if prior is None else prior / 1e6},
+        "policies": list(spec.policies),
+        "latency_s": {p: med([r.latency_s for r in rs]) for p, rs in results.items()},
+        "bytes": {p: int(med([r.bytes for r in rs])) for p, rs in results.items()},
+        "psnr_db": {p: psnr_value(min(r.psnr_db for r in rs)) for p, rs in results.items()},
+        "ssim": {p: min(r.ssim for r in rs) for p, rs in results.items()},
+        "stalls": {p: int(med([r.stalls for r in rs])) for p, rs in results.items()},
+        "stall_s": {p: med([r.stall_s for r in rs]) for p, rs in results.items()},
+        "startup_s": {p: med([r.startup_s for r in rs]) for p, rs in results.items()},
+        "runs": {p: [r.summary() for r in rs] for p, rs in results.items()},
+        "elapsed_s": time.monotonic() - t_begin,
+    }
+    lat = doc["latency_s"]
+    if "sakura" in lat:
+        doc["speedup_of_sakura"] = {p: lat[p] / lat["sakura"] for p in lat if p != "sakura"}
+    return doc
+
+
+def write(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)

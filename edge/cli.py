@@ -1,0 +1,188 @@
+"""``sakura edit`` (one private edit against a server) and ``sakura bench edit``.
+
+``sakura edit --server URL --template ID --prompt TEXT [--reference IMG] [--seed N]
+[--policy P] [--trace PATH --start S | --rate MBPS] --out FILE`` writes the edited image
+to FILE, the timeline to ``FILE-stem.timeline.json`` and its plot to
+``FILE-stem.timeline.png``, and prints latency, bytes, stalls and the chosen
+configurations; ``--compare-exact`` also computes ``exact`` (the FP16 cache, fetched
+without link emulation) and prints PSNR/SSIM against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from edge.allocator import POLICIES
+from edge.errors import EdgeError
+
+
+def register(commands: Any, bench: Any) -> None:
+    p = commands.add_parser(
+        "edit", help="run one private edit on this device, streaming the template cache",
+        description="Run one edit: the template's KV cache streams from the server shard "
+                    "by shard; the prompt, reference image and seed never leave this "
+                    "machine.")
+    p.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--template", required=True, metavar="ID", help="template id")
+    p.add_argument("--prompt", required=True, help="the (private) edit prompt")
+    p.add_argument("--reference", metavar="IMG", help="a (private) reference image")
+    p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
+    p.add_argument("--policy", default="sakura", choices=list(POLICIES),
+                   help="system to run (default sakura)")
+    p.add_argument("--trace", metavar="PATH", help="replay this network trace on the link")
+    p.add_argument("--start", type=float, default=0.0, metavar="S",
+                   help="trace start offset in seconds (default 0)")
+    p.add_argument("--rate", type=float, metavar="MBPS", help="a constant-rate link instead")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the trace/rate by this factor (default 1)")
+    p.add_argument("--out", required=True, metavar="FILE", help="edited image (PNG)")
+    p.add_argument("--token", help="bearer token for the server")
+    p.add_argument("--weights", help="model weights (default: the shipped model)")
+    p.add_argument("--catalog", help="device template catalog (default: the shipped one)")
+    p.add_argument("--compare-exact", action="store_true",
+                   help="also compute `exact` and print PSNR/SSIM against it")
+    p.add_argument("--max-ahead", type=int, default=2,
+                   help="shards buffered ahead of execution (default 2)")
+    p.set_defaults(func=_edit)
+
+    b = bench.add_parser(
+        "edit", help="all policies on one template and one trace window (regime-matched)",
+        description="Run every policy on the same edit over the same paced trace window; "
+                    "the trace is scaled so that the FP16 cache at its median rate takes "
+                    "10x the masked execution time.")
+    b.add_argument("--json", required=True, metavar="PATH", help="write the results here")
+    b.add_argument("--quick", action="store_true", help="one start point (under a minute)")
+    b.add_argument("--template", metavar="ID", help="template (default: the first one)")
+    b.add_argument("--trace", metavar="PATH", help="trace file (default: the first 5G trace)")
+    b.add_argument("--start", type=float, metavar="S", help="trace start offset (s)")
+    b.add_argument("--runs", type=int, help="start points (default 1 quick, 3 otherwise)")
+    b.add_argument("--policies", nargs="+", choices=list(POLICIES), metavar="P",
+                   help=f"policies (default all: {', '.join(POLICIES)})")
+    b.add_argument("--server", help="use this running server (it must hold the template)")
+    b.add_argument("--catalog-dir", help="serve this published catalog directory")
+    b.add_argument("--cache-dir", default="runs/edge-bench",
+                   help="where built packs are kept (default runs/edge-bench)")
+    b.add_argument("--weights", help="model weights (default: the shipped model)")
+    b.add_argument("--plots", metavar="DIR", help="write a timeline plot per run here")
+    b.set_defaults(func=_bench)
+
+
+def load_image(path: str, size: int) -> Any:
+    """An RGB image file -> ``[3, size, size]`` tensor in [-1, 1]."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from skimage.io import imread
+
+    try:
+        arr = imread(path)
+    except (OSError, ValueError) as exc:
+        raise EdgeError(f"cannot read image {path}: {exc}") from exc
+    if arr.ndim == 2:
+        arr = np.stack([arr] * 3, axis=-1)
+    x = torch.from_numpy(arr[..., :3].astype(np.float32) / 127.5 - 1).permute(2, 0, 1)
+    if x.shape[-1] != size or x.shape[-2] != size:
+        x = F.interpolate(x[None], size=(size, size), mode="bilinear", antialias=True)[0]
+    return x.clamp(-1, 1)
+
+
+def save_image(img: Any, path: Path) -> None:
+    import numpy as np
+    from skimage.io import imsave
+
+    arr = ((img.detach().float().clamp(-1, 1) + 1) * 127.5).round().byte()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    imsave(str(path), arr.permute(1, 2, 0).numpy().astype(np.uint8), check_contrast=False)
+
+
+def _edit(args: argparse.Namespace) -> int:
+    from dit.templates import load_catalog
+    from dit.weights import load_model
+    from edge.netem import shaped, trace_from_args
+    from edge.runtime import EdgeRuntime, EditOptions
+    from edge.timeline import plot_timeline, write_json
+
+    out = Path(args.out)
+    if out.suffix.lower() != ".png":
+        raise EdgeError(f"--out must be a .png file, got {out}")
+    trace = trace_from_args(args.trace, args.rate, args.scale)
+    model = load_model(args.weights)
+    catalog = load_catalog(args.catalog)
+    if args.template not in catalog:
+        raise EdgeError(f"template {args.template!r} is not in the device catalog "
+                        f"(known: {', '.join(catalog)})")
+    spec = catalog[args.template]
+    runtime = EdgeRuntime(model)
+    template = spec.to_template(runtime.encoder)
+    reference = load_image(args.reference, template.size) if args.reference else None
+    req = runtime.request(args.prompt, args.seed, reference)
+    options = EditOptions(max_ahead=args.max_ahead)
+    link_info: dict[str, Any] = {"mode": "direct"}
+    if trace is not None:
+        stats = trace.slice(args.start, 60.0).stats() if args.trace else trace.stats()
+        options.budget_rate_bps = float(stats["median_mbps"]) * 1e6
+        link_info = {"mode": "paced", "trace": args.trace, "rate_mbps": args.rate,
+                     "scale": args.scale, "start_s": args.start, "window_stats": stats}
+        with shaped(args.server, trace, args.start) as (url, _link):
+            result = runtime.edit(url, args.template, template, req, args.policy,
+                                  token=args.token, options=options)
+    else:
+        result = runtime.edit(args.server, args.template, template, req, args.policy,
+                              token=args.token, options=options)
+    if args.compare_exact:
+        exact = runtime.edit(args.server, args.template, template, req, "fp16",
+                             token=args.token)
+        result.compare(exact.image)
+    save_image(result.image, out)
+    stem = out.with_suffix("")
+    doc = {"template": args.template, "link": link_info, "server": args.server,
+           **result.to_json()}
+    tl_json = write_json(stem.with_name(stem.name + ".timeline.json"), doc)
+    tl_png = plot_timeline(result.timeline, stem.with_name(stem.name + ".timeline.png"),
+                           f"{args.policy} on {args.template}") if result.timeline else None
+    _print_summary(result, out, tl_json, tl_png)
+    return 0
+
+
+def _print_summary(result: Any, out: Path, tl_json: Path, tl_png: Path | None) -> None:
+    w = sys.stdout.write
+    w(f"policy      {result.policy} (pack: {result.codec or 'none'})\n")
+    w(f"latency     {result.latency_s:.3f} s (startup {result.startup_s:.3f} s, "
+      f"execution {result.exec_s:.3f} s)\n")
+    w(f"bytes       {result.bytes} shard bytes + {result.manifest_bytes} manifest bytes "
+      f"in {result.requests} requests\n")
+    w(f"stalls      {result.stalls} ({result.stall_s:.3f} s)\n")
+    if result.configs:
+        w("configs     " + " ".join(
+            _short(p) for p in result.params) + "\n")
+    if result.psnr_db is not None:
+        w(f"vs exact    PSNR {result.psnr_db:.2f} dB, SSIM {result.ssim:.4f}\n")
+    w(f"wrote       {out}, {tl_json}" + (f", {tl_png}" if tl_png else "") + "\n")
+
+
+def _short(params: dict[str, Any]) -> str:
+    if not params:
+        return "-"
+    if "rank" in params and "bits" in params:
+        return f"r{params['rank']}b{params['bits']}"
+    return ",".join(f"{k}{v}" for k, v in params.items())
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from edge.bench import DEFAULT_POLICIES, BenchSpec, run_bench, write
+
+    spec = BenchSpec(
+        json_path=Path(args.json), quick=args.quick, template=args.template, trace=args.trace,
+        start_s=args.start, policies=tuple(args.policies or DEFAULT_POLICIES),
+        server=args.server, catalog=args.catalog_dir, cache_dir=Path(args.cache_dir),
+        weights=args.weights, runs=args.runs,
+        plots=Path(args.plots) if args.plots else None,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    doc = run_bench(spec)
+    write(doc, spec.json_path)
+    print(f"wrote {spec.json_path}: " + ", ".join(
+        f"{p} {doc['latency_s'][p]:.2f} s" for p in doc["policies"]))
+    return 0

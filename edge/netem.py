@@ -1,0 +1,51 @@
+"""Putting an emulated link (a trace or a fixed rate) between the edge and a server.
+
+:func:`shaped` starts a :class:`traces.link.PacedLinkThread` (a TCP proxy on 127.0.0.1
+whose server -> client direction follows the trace) in front of ``server_url`` and yields
+the URL to use instead, plus the link (to restart the trace between runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from edge.errors import EdgeError
+from traces import Trace, load_trace
+from traces.link import PacedLinkThread
+
+
+def upstream_of(server_url: str) -> tuple[str, int]:
+    parts = urlsplit(server_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise EdgeError(f"an emulated link needs a plain http:// server URL, got {server_url!r}")
+    return parts.hostname, parts.port or 80
+
+
+@contextlib.contextmanager
+def shaped(server_url: str, trace: Trace, start_s: float = 0.0
+           ) -> Iterator[tuple[str, PacedLinkThread]]:
+    """``with shaped(url, trace, start) as (link_url, link): ...``."""
+    host, port = upstream_of(server_url)
+    with PacedLinkThread(trace, upstream=(host, port), start_s=start_s) as link:
+        path = urlsplit(server_url).path.rstrip("/")
+        yield f"http://127.0.0.1:{link.port}{path}", link
+
+
+def trace_from_args(trace_path: str | None, rate_mbps: float | None, scale: float = 1.0
+                    ) -> Trace | None:
+    """The link of ``--trace PATH`` or ``--rate MBPS`` (None: no emulation)."""
+    if trace_path and rate_mbps is not None:
+        raise EdgeError("give either --trace or --rate, not both")
+    if rate_mbps is not None:
+        if not rate_mbps > 0:
+            raise EdgeError(f"--rate must be > 0 Mbit/s, got {rate_mbps}")
+        return Trace.constant(rate_mbps * 1e6 * scale, 1.0)
+    if trace_path:
+        if not Path(trace_path).exists():
+            raise EdgeError(f"trace file {trace_path} does not exist")
+        trace = load_trace(trace_path)
+        return trace.scaled(scale) if scale != 1.0 else trace
+    return None

@@ -1,0 +1,231 @@
+"""Allocator and monitor: pure functions driven by scripted arrivals (no network, no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from edge.allocator import (
+    AdaptiveAllocator,
+    ConfigOption,
+    PolicyContext,
+    ShardOptions,
+    budget_bytes,
+    fixed_config,
+    get_policy,
+    options_from_manifest,
+)
+from edge.errors import EdgeError
+from edge.monitor import BandwidthMonitor, ExecutionProgress
+
+# A shard offers (rank, bits) configurations; quality = psnr_db grows with bytes.
+LADDER = [(1, 2, 1_000, 20.0), (4, 2, 3_000, 25.0), (4, 4, 5_000, 29.0),
+          (8, 4, 10_000, 33.0), (16, 4, 20_000, 37.0), (16, 8, 40_000, 45.0)]
+
+
+def table(shard: int, scale: float = 1.0, psnr: bool = True) -> ShardOptions:
+    opts = [ConfigOption(id=i, nbytes=int(n * scale), params={"rank": r, "bits": b},
+                         psnr_db=q if psnr else None, weighted_err=1.0 / (i + 1))
+            for i, (r, b, n, q) in enumerate(LADDER)]
+    return ShardOptions(shard, opts)
+
+
+def manifest(shards: int = 3) -> dict:
+    return {"shards": [
+        {"index": s, "step": s, "blocks": [0, 1], "compute_cost": 1.0,
+         "configs": [{"id": i, "params": {"rank": r, "bits": b}, "bytes": n,
+                      "quality": {"psnr_db": q, "weighted_err": 1 / (i + 1)},
+                      "pareto": i != 2}
+                     for i, (r, b, n, q) in enumerate(LADDER)]}
+        for s in range(shards)]}
+
+
+def test_budget_uses_rate_window_latency_and_safety():
+    assert budget_bytes(1.0, 8e6) == pytest.approx(1e6)
+    assert budget_bytes(1.0, 8e6, latency_s=0.25, safety=0.5) == pytest.approx(375_000)
+    assert budget_bytes(0.1, 8e6, latency_s=0.2) == 0.0
+    assert budget_bytes(1.0, 0.0) == 0.0
+    assert budget_bytes(1.0, math.inf) == 0.0
+
+
+def test_options_from_manifest_keeps_pareto_and_orders_by_quality():
+    tables = options_from_manifest(manifest())
+    assert len(tables) == 3
+    ids = [o.id for o in tables[0].options]
+    assert ids == [5, 4, 3, 1, 0]  # best first; config 2 is not on the Pareto front
+    assert tables[0].best.id == 5 and tables[0].smallest.id == 0
+    everything = options_from_manifest(manifest(), pareto_only=False)
+    assert len(everything[0].options) == 6
+
+
+def test_options_from_manifest_rejects_gaps():
+    m = manifest(3)
+    m["shards"].pop(1)
+    with pytest.raises(EdgeError, match="numbered"):
+        options_from_manifest(m)
+
+
+def test_quality_falls_back_to_weighted_error_then_bytes():
+    t = table(0, psnr=False)
+    assert [o.id for o in t.options] == [5, 4, 3, 2, 1, 0]  # lower weighted_err first
+    bare = ShardOptions(0, [ConfigOption(i, n, {}) for i, n in enumerate([5, 50, 20])])
+    assert [o.id for o in bare.options] == [1, 2, 0]
+
+
+def test_adaptive_picks_highest_quality_that_fits_else_smallest():
+    alloc = AdaptiveAllocator([table(0)], latency_s=0.0, safety=1.0)
+    # 8 Mbit/s = 1 MB/s: a 12 ms window holds 12 kB -> rank 8, 4 bits (10 kB)
+    assert alloc.choose(0, 0.012, 8e6) == 3
+    assert alloc.choose(0, 0.041, 8e6) == 5
+    assert alloc.choose(0, 0.0005, 8e6) == 0   # nothing fits: the smallest
+    assert alloc.choose(0, 1.0, 0.0) == 0      # no rate estimate: the smallest
+
+
+def test_adaptive_prefers_quality_over_bytes_when_not_monotone():
+    opts = [ConfigOption(0, 1000, {}, psnr_db=30.0), ConfigOption(1, 2000, {}, psnr_db=28.0),
+            ConfigOption(2, 3000, {}, psnr_db=35.0)]
+    alloc = AdaptiveAllocator([ShardOptions(0, opts)], safety=1.0)
+    assert alloc.choose(0, 2.5e-3, 8e6) == 0  # 2500 B: config 1 fits but is worse than 0
+
+
+def test_fixed_config_one_parameter_set_from_the_median_budget():
+    tables = [table(0), table(1, scale=1.2), table(2, scale=0.8)]
+    exec_s = [0.01, 0.01, 0.01]
+    # median 8 Mbit/s over 10 ms = 10 kB per shard (safety 1): (8, 4) has mean 10 kB
+    alloc = fixed_config(tables, exec_s, 8e6, safety=1.0)
+    assert alloc.configs == [3, 3, 3]
+    assert {alloc.choose(s, w, r) for s in range(3) for w in (0, 10) for r in (1, 1e9)} == {3}
+    # a tiny budget: the smallest common one
+    assert fixed_config(tables, exec_s, 1e3, safety=1.0).configs == [0, 0, 0]
+
+
+def test_fixed_config_needs_common_parameters():
+    a = ShardOptions(0, [ConfigOption(0, 10, {"rank": 1, "bits": 2})])
+    b = ShardOptions(1, [ConfigOption(0, 10, {"rank": 2, "bits": 2})])
+    with pytest.raises(EdgeError, match="every shard"):
+        fixed_config([a, b], [0.1, 0.1], 1e6)
+
+
+def test_fixed_bits_policy_only_uses_that_bitwidth():
+    ctx = PolicyContext(tables=[table(0)], exec_s=[0.01], safety=1.0, options={"bits": 4})
+    alloc = get_policy("sakura-fixed-bits").build(ctx)
+    assert alloc.choose(0, 1.0, 8e9) == 4      # best 4-bit one, not the 8-bit config 5
+    assert alloc.choose(0, 1e-6, 8e6) == 2     # smallest 4-bit one
+    mixed = ShardOptions(0, [ConfigOption(0, 10, {"rank": 4, "bits": 4, "ranks": [4, 2, 0]}),
+                             ConfigOption(1, 8, {"rank": 2, "bits": 4, "ranks": [2, 2, 0]})])
+    alloc = get_policy("sakura-fixed-bits").build(PolicyContext([mixed], [0.01]))
+    assert alloc.choose(0, 1.0, 8e9) == 1      # mixed precision is excluded
+
+
+def test_policies_registry():
+    assert get_policy("local").codec is None
+    assert get_policy("sakura-fixed-config").codec == "sakura"
+    with pytest.raises(EdgeError, match="unknown policy"):
+        get_policy("nope")
+    with pytest.raises(EdgeError, match="budget rate"):
+        get_policy("sakura-fixed-config").build(PolicyContext([table(0)], [0.1]))
+
+
+# ----------------------------------------------------------------------------- monitor
+
+
+def test_rate_estimate_is_harmonic_mean_of_recent_body_rates():
+    mon = BandwidthMonitor(k=3, min_sample_bytes=1)
+    assert mon.estimate_bps() is None
+    # body rates 8, 4, 8 Mbit/s (1 MB in 1, 2, 1 s)
+    for i, body_s in enumerate([1.0, 2.0, 1.0]):
+        mon.record(i, 1_000_000, 10.0 * i, 10.0 * i + 0.05, 10.0 * i + 0.05 + body_s)
+    assert mon.estimate_bps() == pytest.approx(3 / (1 / 8e6 + 1 / 4e6 + 1 / 8e6))
+    assert mon.latency_s() == pytest.approx(0.05)
+    mon.record(3, 1_000_000, 40.0, 40.0, 40.5)  # 16 Mbit/s; the oldest drops out
+    assert mon.estimate_bps() == pytest.approx(3 / (1 / 4e6 + 1 / 8e6 + 1 / 16e6))
+    assert mon.bytes_total() == 4_000_000
+
+
+def test_small_bodies_do_not_drive_the_estimate():
+    mon = BandwidthMonitor(k=4, min_sample_bytes=4096)
+    mon.record(None, 100_000, 0.0, 0.01, 0.11)       # manifest: 8 Mbit/s
+    mon.record(0, 500, 1.0, 1.001, 1.001)            # one read: meaningless rate
+    assert mon.estimate_bps() == pytest.approx(8e6)
+    only_small = BandwidthMonitor(min_sample_bytes=4096, initial_bps=1e6)
+    only_small.record(0, 500, 0.0, 0.0, 0.001)
+    assert only_small.estimate_bps() == pytest.approx(4e6)  # used while nothing better
+
+
+def test_deadlines_follow_execution_progress():
+    prog = ExecutionProgress([0.1, 0.2, 0.1, 0.1], origin=0.0, startup_s=0.05)
+    w0 = prog.window(0, now=0.01)
+    assert w0.deadline == pytest.approx(0.05) and w0.window_s == pytest.approx(0.04)
+    prog.received(0, 0.04)
+    prog.reconstructed(0, 0.04, 0.05)         # reconstruction estimate 10 ms
+    # shard 1 before execution started: ready_0 (0.05) + exec_0 (0.1)
+    w1 = prog.window(1, now=0.05)
+    assert w1.deadline == pytest.approx(0.15)
+    assert w1.window_s == pytest.approx(0.15 - 0.05 - 0.01)
+    assert w1.slot_s == pytest.approx(0.1)
+    assert w1.carry_s == pytest.approx(w1.window_s - 0.1)
+    prog.exec_started(0, 0.05)
+    prog.received(1, 0.08)
+    # shard 2: shard 0 ends at 0.15, shard 1 (ready ~0.09) runs 0.2 -> 0.35
+    w2 = prog.window(2, now=0.08)
+    assert w2.deadline == pytest.approx(0.35)
+    assert w2.carry_s == pytest.approx(0.35 - 0.08 - 0.01 - 0.2)
+
+
+def test_measured_execution_corrects_later_predictions():
+    prog = ExecutionProgress([0.1] * 4, origin=0.0, alpha=1.0)
+    prog.exec_started(0, 0.0)
+    prog.exec_ended(0, 0.2)                     # twice as slow as calibrated
+    assert prog.predicted_exec_s(2) == pytest.approx(0.2)
+    prog.exec_started(1, 0.2)
+    assert prog.deadline(3, now=0.25) == pytest.approx(0.2 + 0.2 + 0.2)
+
+
+def test_late_arrival_shifts_deadlines_and_leaves_no_negative_carry():
+    prog = ExecutionProgress([0.1] * 3, origin=0.0)
+    prog.exec_started(0, 0.0)
+    prog.exec_ended(0, 0.1)
+    # shard 1 arrives late at 0.3 (execution stalled 0.2 s): it cannot start before that
+    prog.received(1, 0.3)
+    prog.reconstructed(1, 0.3, 0.3)
+    w = prog.window(2, now=0.3)
+    assert w.deadline == pytest.approx(0.4)
+    assert w.carry_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_scripted_arrivals_drive_the_allocator():
+    """Simulate a link shard by shard: early arrivals raise the next window (carry-over),
+    a rate drop lowers the choice, and the choice never exceeds what fits."""
+    n = 8
+    exec_s = [0.02] * n
+    tables = [table(s) for s in range(n)]
+    alloc = AdaptiveAllocator(tables, latency_s=0.0, safety=1.0)
+    rates = [8e6] * 4 + [2e6] * 4            # the link slows down half way
+    prog = ExecutionProgress(exec_s, origin=0.0)
+    mon = BandwidthMonitor(k=1, min_sample_bytes=1)
+    mon.record(None, 10_000, 0.0, 0.0, 0.01)  # a manifest sample: 8 Mbit/s
+    now = 0.0
+    exec_free = 0.0
+    chosen, windows = [], []
+    for j in range(n):
+        w = prog.window(j, now)
+        rate = mon.estimate_bps()
+        cfg = alloc.choose(j, w.window_s, rate)
+        nbytes = tables[j].by_id(cfg).nbytes
+        assert nbytes <= max(budget_bytes(w.window_s, rate), tables[j].smallest.nbytes)
+        start, end = now, now + nbytes * 8 / rates[j]
+        mon.record(j, nbytes, start, start, end)
+        prog.received(j, end)
+        prog.reconstructed(j, end, end)
+        begin = max(end, exec_free)
+        prog.exec_started(j, begin)
+        exec_free = begin + exec_s[j]
+        prog.exec_ended(j, exec_free)
+        chosen.append(cfg)
+        windows.append(w)
+        now = end
+    fast = [tables[0].by_id(c).nbytes for c in chosen[1:4]]
+    slow = [tables[0].by_id(c).nbytes for c in chosen[5:]]
+    assert min(fast) > max(slow)             # adapts down after the rate drop
+    assert chosen[0] == 4                    # 20 ms startup window at 8 Mbit/s -> 20 kB

@@ -1,0 +1,213 @@
+"""Whole edits through the runtime: real server, real HTTP on 127.0.0.1, paced links."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from cloud.server import create_app
+from cloud.storage import LocalStorage
+from dit.editing import Geometry, cached_edit
+from edge.allocator import POLICIES
+from edge.client import RetryPolicy
+from edge.errors import EdgeError, ServerUnreachable
+from edge.netem import shaped
+from edge.runtime import EditOptions
+from traces import Trace
+from tests.edge.helpers import TEMPLATE_ID, FaultyApp, RecordingApp, Server, free_port
+
+PROMPT = "turn my secret portrait into a pirate captain"
+SEED = 987654321
+
+
+def exact_image(world, req):
+    geo = Geometry.of(world.model, world.template)
+    return cached_edit(world.model, world.template, geo, world.cache.to_fp16_exact(), req)
+
+
+def check_timeline(result, max_ahead):
+    tl = result.timeline
+    assert [r["shard"] for r in tl] == list(range(len(tl)))
+    for r in tl:
+        stages = [r["recv_start"], r["recv_first_byte"], r["recv_end"], r["recon_start"],
+                  r["recon_end"], r["exec_start"], r["exec_end"]]
+        assert None not in stages, r
+        assert stages == sorted(stages), r
+        assert r["bytes"] > 0 and r["config"] is not None
+    for a, b in zip(tl, tl[1:]):
+        assert a["exec_end"] <= b["exec_start"] + 1e-9
+        assert a["recv_end"] <= b["recv_start"] + 1e-9     # one transfer at a time
+    for j in range(max_ahead, len(tl)):                     # bounded buffer
+        assert tl[j]["recv_start"] >= tl[j - max_ahead]["exec_start"] - 1e-9
+    assert result.bytes == sum(r["bytes"] for r in tl)
+    assert result.stalls == sum(1 for r in tl[1:] if r["stall_s"] > 1e-3)
+
+
+def test_every_policy_runs_and_fp16_equals_exact(world):
+    rt = world.runtime()
+    req = rt.request(PROMPT, SEED)
+    exact = exact_image(world, req)
+    results = {}
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        for policy in POLICIES:
+            res = rt.edit(server.url, TEMPLATE_ID, world.template, req, policy,
+                          options=EditOptions(budget_rate_bps=50e6))
+            results[policy] = res.compare(exact)
+    assert torch.equal(results["fp16"].image, exact)
+    assert results["fp16"].psnr_db == float("inf")
+    fp16_bytes = world.cache.fp16_bytes()
+    assert results["fp16"].bytes == fp16_bytes
+    for policy, res in results.items():
+        assert res.image.shape == world.template.image.shape
+        if policy == "local":
+            assert res.bytes == 0 and res.timeline == [] and res.requests == 0
+            continue
+        check_timeline(res, max_ahead=2)
+        assert res.psnr_db > 25, (policy, res.psnr_db)
+        assert res.codec == POLICIES[policy].codec
+    for policy in ("sakura", "svd", "sakura-fixed-bits", "sakura-fixed-config"):
+        assert results[policy].bytes < fp16_bytes / 2
+    assert {p["bits"] for p in results["sakura-fixed-bits"].params} == {4}
+    fixed = results["sakura-fixed-config"].params
+    assert all(p == fixed[0] for p in fixed)
+    # outside the mask every policy returns the template
+    keep = ~world.template.mask
+    for res in results.values():
+        assert torch.equal(res.image[:, keep], world.template.image.clamp(-1, 1)[:, keep])
+
+
+def test_the_server_sees_only_template_codec_shard_config(world):
+    """Record every request at both ends during an edit with a prompt, a seed and a private
+    reference image: nothing derived from them may appear in any URL, header or body."""
+    recorder = RecordingApp(create_app(LocalStorage(world.catalog_dir)))
+    rt = world.runtime()
+    reference = torch.rand(3, 16, 16) * 2 - 1
+    req = rt.request(PROMPT, SEED, reference)
+    client_log = []
+    with Server(recorder) as server:
+        res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                      request_log=client_log)
+    pack_files = {m["pack_file"] for m in world.manifests.values()}
+    allowed_path = re.compile(
+        rf"^/v1/templates/{TEMPLATE_ID}/sakura/(manifest|shards/(\d+)/(\d+))$")
+    allowed_headers = {"host", "accept", "accept-encoding", "user-agent", "range",
+                       "if-range", "if-none-match", "connection", "authorization"}
+    secrets = [PROMPT, str(SEED), "secret", "portrait", "pirate", "captain"]
+    assert len(recorder.requests) == len(client_log) == 1 + len(res.timeline)
+    for entry in recorder.requests:
+        assert entry["method"] == "GET" and entry["body"] == b""
+        m = allowed_path.match(entry["path"])
+        assert m, entry["path"]
+        if m.group(2) is not None:
+            assert entry["query"] in {f"pack={p}" for p in pack_files}
+        else:
+            assert entry["query"] == ""
+        assert set(entry["headers"]) <= allowed_headers, entry["headers"]
+        text = json.dumps(entry, default=repr).lower()
+        for s in secrets:
+            assert s.lower() not in text
+    shards = [tuple(map(int, allowed_path.match(e["path"]).groups()[1:]))
+              for e in recorder.requests[1:]]
+    assert shards == [(r["shard"], r["config"]) for r in res.timeline]
+    for rec in client_log:
+        assert set(k.lower() for k in rec.headers) <= allowed_headers
+        assert not any(s.lower() in rec.url.lower() for s in secrets)
+
+
+def test_a_server_restart_mid_edit_is_survived(world):
+    rt = world.runtime()
+    req = rt.request(PROMPT, SEED)
+    exact = exact_image(world, req)
+    port = free_port()
+    server = Server(create_app(LocalStorage(world.catalog_dir)), port).start()
+    restarted = threading.Event()
+
+    def restart() -> None:
+        time.sleep(0.35)
+        server.stop()
+        time.sleep(0.4)
+        server.start()
+        restarted.set()
+
+    try:
+        # ~170 kB of fp16 at 1.2 Mbit/s: the edit lasts more than a second
+        with shaped(server.url, Trace.constant(1.2e6)) as (url, _link):
+            t = threading.Thread(target=restart, daemon=True)
+            t.start()
+            res = rt.edit(url, TEMPLATE_ID, world.template, req, "fp16")
+            t.join(10)
+    finally:
+        server.stop()
+    assert restarted.is_set()
+    assert torch.equal(res.image, exact)
+    assert sum(r["attempts"] for r in res.timeline) > len(res.timeline)
+
+
+def test_a_corrupted_shard_response_is_refetched_in_an_edit(world):
+    rt = world.runtime()
+    req = rt.request(PROMPT, SEED)
+    faulty = FaultyApp(create_app(LocalStorage(world.catalog_dir)), "/fp16/shards/3/0",
+                       "corrupt")
+    with Server(faulty) as server:
+        res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "fp16")
+    assert faulty.hits == 1
+    assert [r["refetches"] for r in res.timeline] == [0, 0, 0, 1, 0, 0, 0, 0]
+    assert torch.equal(res.image, exact_image(world, req))
+
+
+def test_a_trace_outage_delays_the_edit_and_is_reported_as_stalls(world):
+    rt = world.runtime()
+    req = rt.request(PROMPT, SEED)
+    outage = 0.8
+    rate = 4e6  # fp16 (169 kB) alone takes ~0.34 s at 4 Mbit/s
+    trace = Trace.from_edges([0.0, 0.15, 0.15 + outage, 600.0], [rate, 0.0, rate])
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        with shaped(server.url, Trace.constant(rate)) as (url, _link):
+            calm = rt.edit(url, TEMPLATE_ID, world.template, req, "fp16")
+        with shaped(server.url, trace, 0.0) as (url, link):
+            link.restart(0.0)  # the outage starts 0.15 s into the edit
+            res = rt.edit(url, TEMPLATE_ID, world.template, req, "fp16")
+    assert torch.equal(res.image, calm.image)
+    assert res.latency_s > calm.latency_s + 0.5 * outage
+    assert res.stalls >= 1
+    assert res.stall_s >= 0.5 * outage
+    assert max(r["stall_s"] for r in res.timeline[1:]) >= 0.5 * outage
+
+
+def test_allocator_adapts_to_the_link_rate(world):
+    rt = world.runtime()
+    req = rt.request(PROMPT, SEED)
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")  # caches the manifest
+        with shaped(server.url, Trace.constant(0.3e6)) as (url, _):
+            slow = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura")
+        with shaped(server.url, Trace.constant(200e6)) as (url, _):
+            fast = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura")
+    assert slow.bytes < fast.bytes
+    exact = exact_image(world, req)
+    assert fast.compare(exact).psnr_db >= slow.compare(exact).psnr_db
+
+
+def test_unreachable_server_gives_a_clear_error(world):
+    rt = world.runtime()
+    req = rt.request(PROMPT, SEED)
+    opts = EditOptions(retry=RetryPolicy(connect_timeout_s=1, max_attempts=2, backoff_s=0.05))
+    with pytest.raises(ServerUnreachable, match="cannot reach the SAKURA server"):
+        rt.edit(f"http://127.0.0.1:{free_port()}", TEMPLATE_ID, world.template, req,
+                "sakura", options=opts)
+
+
+def test_a_pack_for_another_geometry_is_refused(world):
+    from tests.edge.helpers import tiny_template
+
+    rt = world.runtime()
+    other = tiny_template(world.model, steps=3)
+    req = rt.request(PROMPT, SEED)
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        with pytest.raises(EdgeError, match=r"steps 4 \(pack\) vs 3 \(device\)"):
+            rt.edit(server.url, TEMPLATE_ID, other, req, "sakura")
