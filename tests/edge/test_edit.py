@@ -18,8 +18,8 @@ from edge.client import RetryPolicy
 from edge.errors import EdgeError, ServerUnreachable
 from edge.netem import shaped
 from edge.runtime import EditOptions
-from traces import Trace
 from tests.edge.helpers import TEMPLATE_ID, FaultyApp, RecordingApp, Server, free_port
+from traces import Trace
 
 PROMPT = "turn my secret portrait into a pirate captain"
 SEED = 987654321
