@@ -27,6 +27,7 @@ import csv
 import io
 import os
 import re
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -68,9 +69,12 @@ def _read_text(path: Path) -> str:
     return text
 
 
-def _lines(text: str) -> list[tuple[int, str]]:
-    """(1-based line number, stripped line) for every non-empty line."""
-    return [(i + 1, ln.strip()) for i, ln in enumerate(text.splitlines()) if ln.strip()]
+def _lines(text: str) -> Iterator[tuple[int, str]]:
+    """(1-based line number, stripped line) for every non-empty line, lazily."""
+    for i, ln in enumerate(text.splitlines()):
+        stripped = ln.strip()
+        if stripped:
+            yield i + 1, stripped
 
 
 def detect_format(path: str | os.PathLike[str], text: str | None = None) -> str:
@@ -78,10 +82,10 @@ def detect_format(path: str | os.PathLike[str], text: str | None = None) -> str:
     p = Path(path)
     if text is None:
         text = _read_text(p)
-    lines = _lines(text)
-    if not lines:
+    first_line = next(_lines(text), None)
+    if first_line is None:
         raise TraceFormatError(f"trace file {p} is empty; {_EXPECTED}")
-    first = lines[0][1]
+    first = first_line[1]
     if "," in first and not _RE_TWO_COMMA.match(first):
         header = [h.strip() for h in first.split(",")]
         if "DL_bitrate" in header:
@@ -125,9 +129,9 @@ def _samples_to_trace(
     last_width = float(np.median(positive)) if positive.size else 1.0
     distinct, first_idx, counts = np.unique(t, return_index=True, return_counts=True)
     ends = np.append(distinct[1:], distinct[-1] + last_width)
-    starts = np.empty_like(t)
-    for value, i0, c, end in zip(distinct, first_idx, counts, ends):
-        starts[i0 : i0 + c] = value + (end - value) * np.arange(c) / c
+    group = np.repeat(np.arange(distinct.size), counts)
+    rank = np.arange(t.size) - first_idx[group]
+    starts = distinct[group] + (ends - distinct)[group] * rank / counts[group]
     duration = float(ends[-1])
     return Trace(starts, rates_bps, duration, name=name, labels=labels, source=source, fmt=fmt)
 
@@ -201,6 +205,19 @@ def load_bytes_csv(path: str | os.PathLike[str], text: str | None = None) -> Tra
     )
 
 
+def _parse_gnet_time(text: str) -> datetime:
+    """``YYYY.MM.DD_HH.MM.SS`` (fast path by position, strict fallback)."""
+    if len(text) == 19 and text[4] == text[7] == text[13] == text[16] == "." and text[10] == "_":
+        try:
+            return datetime(
+                int(text[0:4]), int(text[5:7]), int(text[8:10]),
+                int(text[11:13]), int(text[14:16]), int(text[17:19]),
+            )  # fmt: skip
+        except ValueError:
+            pass
+    return datetime.strptime(text, _GNET_TIME)
+
+
 def load_gnettrack(
     path: str | os.PathLike[str], text: str | None = None, column: str = "DL_bitrate"
 ) -> Trace:
@@ -232,7 +249,7 @@ def load_gnettrack(
                 f"{p}:{lineno}: row has {len(row)} fields, header has {len(header)}"
             )
         try:
-            stamp = datetime.strptime(row[i_time].strip(), _GNET_TIME)
+            stamp = _parse_gnet_time(row[i_time].strip())
         except ValueError:
             raise TraceFormatError(
                 f"{p}:{lineno}: Timestamp {row[i_time][:40]!r} is not YYYY.MM.DD_HH.MM.SS"
@@ -284,8 +301,14 @@ def load_mahimahi(
                     f"got {line[:80]!r}"
                 ) from None
         raise TraceFormatError(f"{p}: not a Mahimahi trace; {_EXPECTED}") from None
-    if len(tokens) != len(_lines(text)):
-        raise TraceFormatError(f"{p}: Mahimahi traces have exactly one timestamp per line")
+    lines = text.splitlines()
+    if len(tokens) != len(lines) - lines.count(""):
+        for lineno, line in _lines(text):
+            if not _RE_INT.match(line):
+                raise TraceFormatError(
+                    f"{p}:{lineno}: expected one integer ms timestamp per line (Mahimahi), "
+                    f"got {line[:80]!r}"
+                )
     if np.any(ms < 0):
         raise TraceFormatError(f"{p}: negative Mahimahi timestamp")
     back = np.nonzero(np.diff(ms) < 0)[0]
