@@ -222,8 +222,6 @@ def default_trace() -> Path:
 def run_bench(spec: BenchSpec) -> dict[str, Any]:
     from dit.templates import load_catalog
     from dit.weights import DEFAULT_WEIGHTS, load_model
-    from edge.timeline import plot_timeline
-    from traces import load_trace
 
     for p in spec.policies:
         if p not in POLICIES:
@@ -261,16 +259,20 @@ def run_bench(spec: BenchSpec) -> dict[str, Any]:
         server_proc = ServerProcess(catalog_dir).start()
         server = server_proc.url
     try:
-        return _bench(spec, runtime, tid, template, req, prompt, server, load_trace,
-                      plot_timeline, t_begin)
+        return bench_edit(spec, runtime, tid, template, req, prompt, server, t_begin)
     finally:
         if server_proc is not None:
             server_proc.stop()
 
 
-def _bench(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Template,
-           req: EditRequest, prompt: str, server: str, load_trace: Any, plot_timeline: Any,
-           t_begin: float) -> dict[str, Any]:
+def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Template,
+               req: EditRequest, prompt: str, server: str, t_begin: float | None = None
+               ) -> dict[str, Any]:
+    """Every policy of ``spec`` on one edit against ``server`` (which serves ``tid``)."""
+    from edge.timeline import plot_timeline
+    from traces import load_trace
+
+    t_begin = time.monotonic() if t_begin is None else t_begin
     log = spec.log
     geo = Geometry.of(runtime.model, template)
     runtime.profile(tid, template, geo, req)  # calibration (and warm-up)

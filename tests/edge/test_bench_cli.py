@@ -1,0 +1,132 @@
+"""``sakura bench edit`` (regime matching, keys) on the tiny world, and ``sakura edit``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloud.server import create_app
+from cloud.storage import LocalStorage
+from edge.bench import BenchSpec, bench_edit
+from edge.errors import EdgeError
+from edge.netem import trace_from_args
+from sakura.cli import main
+from tests.edge.helpers import TEMPLATE_ID, Server
+
+
+def lumos_trace(path: Path, rates_mbps: list[float]) -> Path:
+    path.write_text("".join(f"{i}\t{r}\n" for i, r in enumerate(rates_mbps)))
+    return path
+
+
+def test_bench_edit_runs_every_policy_regime_matched(world, tmp_path):
+    trace = lumos_trace(tmp_path / "t.txt", [100, 300, 200, 50, 200, 400, 200, 0, 200] * 8)
+    rt = world.runtime()
+    req = rt.request("bench prompt", 100)
+    policies = ("local", "fp16", "intq", "cachegen", "svd", "sakura", "sakura-fixed-config",
+                "sakura-fixed-bits")
+    spec = BenchSpec(json_path=tmp_path / "b.json", quick=True, trace=str(trace), start_s=2.0,
+                     policies=policies, plots=tmp_path / "plots", log=lambda m: None)
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        doc = bench_edit(spec, rt, TEMPLATE_ID, world.template, req, "bench prompt",
+                         server.url)
+    for key in ("latency_s", "bytes", "psnr_db", "stalls", "ssim"):
+        assert set(doc[key]) == set(policies), key
+    regime = doc["regime"]
+    assert regime["mode"] == "regime-matched" and doc["compute_bound_s"] > 0
+    assert regime["raw_median_mbps"] == pytest.approx(200.0)
+    # the FP16 cache at the scaled median takes regime_x times the masked execution time
+    assert regime["fp16_at_median_s"] == pytest.approx(10 * doc["compute_bound_s"])
+    assert regime["scaled_median_mbps"] == pytest.approx(200.0 * regime["factor"])
+    assert regime["fp16_bytes"] == world.cache.fp16_bytes()
+    assert doc["psnr_db"]["fp16"] == "inf"
+    assert doc["bytes"]["fp16"] == world.cache.fp16_bytes()
+    assert doc["bytes"]["local"] == 0
+    assert doc["bytes"]["sakura"] < doc["bytes"]["fp16"]
+    assert doc["latency_s"]["fp16"] > doc["compute_bound_s"]
+    assert set(doc["device_state"]["manifest_bytes"]) == {"fp16", "intq", "cachegen", "svd",
+                                                          "sakura"}
+    assert len(list((tmp_path / "plots").glob("*.png"))) == len(policies) - 1
+    json.dumps(doc)  # serialisable as is
+
+
+def test_trace_arguments(tmp_path):
+    assert trace_from_args(None, None) is None
+    assert trace_from_args(None, 20.0, scale=0.5).rate_at(3.0) == pytest.approx(10e6)
+    with pytest.raises(EdgeError, match="either --trace or --rate"):
+        trace_from_args("x", 1.0)
+    with pytest.raises(EdgeError, match="does not exist"):
+        trace_from_args(str(tmp_path / "missing.txt"), None)
+    t = trace_from_args(str(lumos_trace(tmp_path / "t.txt", [10, 20])), None, scale=2)
+    assert t.rate_at(1.5) == pytest.approx(40e6)
+
+
+@pytest.fixture(scope="module")
+def text_world(tmp_path_factory, text_encoder):
+    """A small model with the real text encoder's width, a 32-pixel catalog template built
+    from a shipped one, and its packs: what `sakura edit` needs."""
+    from dit.model import MMDiT, MMDiTConfig
+    from dit.templates import DEFAULT_CATALOG, load_catalog
+    from dit.weights import save_model
+    from edge.bench import build_catalog
+    from edge.runtime import EdgeRuntime
+
+    root = tmp_path_factory.mktemp("text-world")
+    torch.manual_seed(0)
+    model = MMDiT(MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=1, single_blocks=1,
+                              mlp_ratio=2.0, rope_axes=(4, 6, 6))).eval()
+    save_model(model, root / "model.safetensors")
+    entries = json.loads(DEFAULT_CATALOG.read_text())["templates"]
+    tid, entry = next(iter(entries.items()))
+    entry = {**entry, "image": str(DEFAULT_CATALOG.parent / entry["image"]),
+             "mask": str(DEFAULT_CATALOG.parent / entry["mask"]), "steps": 3,
+             "resolution": 32}
+    (root / "catalog.json").write_text(json.dumps({"version": 1, "templates": {tid: entry}}))
+    spec = load_catalog(root / "catalog.json")[tid]
+    rt = EdgeRuntime(model, encoder=text_encoder)
+    template = spec.to_template(rt.encoder)
+    build_catalog(root / "packs", tid, template, rt, spec.requests(rt.encoder, "profiling")[:1],
+                  codecs=("sakura", "fp16"))
+    return root, tid
+
+
+def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys):
+    root, tid = text_world
+    ref = tmp_path / "ref.png"
+    from skimage.io import imsave
+
+    imsave(ref, (torch.rand(20, 20, 3) * 255).byte().numpy(), check_contrast=False)
+    out = tmp_path / "edit.png"
+    with Server(create_app(LocalStorage(root / "packs"))) as server:
+        code = main(["edit", "--server", server.url, "--template", tid, "--prompt",
+                     "a tiny pirate hat", "--reference", str(ref), "--seed", "3",
+                     "--rate", "20", "--out", str(out), "--weights",
+                     str(root / "model.safetensors"), "--catalog", str(root / "catalog.json"),
+                     "--compare-exact"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for word in ("latency", "bytes", "stalls", "configs", "PSNR", "SSIM"):
+        assert word in printed
+    from skimage.io import imread
+
+    assert imread(out).shape == (32, 32, 3)
+    doc = json.loads((tmp_path / "edit.timeline.json").read_text())
+    assert doc["policy"] == "sakura" and doc["link"]["mode"] == "paced"
+    assert len(doc["timeline"]) == doc["requests"] - 1 == 3 * 1  # 3 steps x 1 shard
+    assert doc["psnr_db"] is not None and doc["ssim"] is not None
+    assert (tmp_path / "edit.timeline.png").stat().st_size > 1000
+
+
+def test_sakura_edit_reports_an_unreachable_server(text_world, tmp_path, capsys):
+    from tests.edge.helpers import free_port
+
+    root, tid = text_world
+    code = main(["edit", "--server", f"http://127.0.0.1:{free_port()}", "--template", tid,
+                 "--prompt", "x", "--out", str(tmp_path / "x.png"), "--weights",
+                 str(root / "model.safetensors"), "--catalog", str(root / "catalog.json")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "sakura: error: cannot reach the SAKURA server" in err

@@ -1,0 +1,130 @@
+"""The pipeline's stages, buffers, stall accounting and error propagation, with scripted
+transfer and decode times (no network, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from edge.client import Fetched
+from edge.errors import EdgeError, ServerUnreachable
+from edge.monitor import BandwidthMonitor, ExecutionProgress
+from edge.pipeline import NetLoop, Pipeline
+
+SHARDS = [(0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [2, 3])]
+
+
+def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05):
+    origin = time.monotonic()
+    decisions = []
+
+    async def fetch(shard, config):
+        t0 = time.monotonic()
+        if fail_at == shard:
+            raise ServerUnreachable("scripted: the server went away")
+        await asyncio.sleep(fetch_s[shard])
+        return Fetched(bytes(1000 * (config + 1)), t0, t0 + 0.001, time.monotonic())
+
+    def decode(shard, config, data):
+        time.sleep(decode_s)
+        return [torch.full((3, 4), float(shard)) for _ in range(4)]
+
+    def allocate(shard, window, rate):
+        decisions.append((shard, window, rate))
+        return shard % 2
+
+    pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=allocate,
+                    monitor=BandwidthMonitor(initial_bps=8e6),
+                    progress=ExecutionProgress([exec_s] * 4, origin), origin=origin,
+                    max_ahead=max_ahead, describe=lambda s, c: {"level": c})
+    return pipe, decisions
+
+
+def execute(pipe, exec_s=0.05):
+    """What cached_edit does: get(step, block) in execution order, computing in between."""
+    seen = []
+    for step in range(2):
+        for block in range(4):
+            k, v = pipe.provider.get(step, block)
+            seen.append(int(k[0, 0]))
+            time.sleep(exec_s / 2)
+    return seen
+
+
+def test_shards_arrive_in_order_and_tensors_match_the_block():
+    with NetLoop() as net:
+        pipe, decisions = make([0.01] * 4)
+        pipe.start(net)
+        seen = execute(pipe)
+        stats = pipe.finish()
+    assert seen == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert stats.configs == [0, 1, 0, 1]
+    assert stats.bytes == 1000 + 2000 + 1000 + 2000
+    assert stats.stalls == 0
+    assert [d[0] for d in decisions] == [0, 1, 2, 3]
+    assert all(d[2] == pytest.approx(8e6) or d[2] > 0 for d in decisions)
+    assert [r.params for r in pipe.records] == [{"level": c} for c in (0, 1, 0, 1)]
+
+
+def test_a_late_shard_is_a_stall_of_the_right_length():
+    with NetLoop() as net:
+        pipe, _ = make([0.01, 0.01, 0.35, 0.01])
+        pipe.start(net)
+        execute(pipe)
+        stats = pipe.finish()
+    # shard 2 is asked for at ~0.11 s after shard 0 starts; it arrives at ~0.37 s
+    assert stats.stalls == 1
+    late = pipe.records[2]
+    assert late.stall_s == pytest.approx(0.25, abs=0.12)
+    assert stats.stall_s == pytest.approx(late.stall_s)
+    assert late.exec_start >= late.recon_end - 1e-9
+
+
+def test_back_pressure_bounds_the_shards_held_ahead():
+    with NetLoop() as net:
+        pipe, _ = make([0.0] * 4, max_ahead=1)
+        pipe.start(net)
+        execute(pipe, exec_s=0.08)
+        pipe.finish()
+    recs = pipe.records
+    for j in range(1, 4):
+        # with one slot, shard j is fetched only once shard j - 1 started executing
+        assert recs[j].recv_start >= recs[j - 1].exec_start - 1e-9
+
+
+def test_slow_reconstruction_is_part_of_the_stall():
+    with NetLoop() as net:
+        pipe, _ = make([0.0] * 4, decode_s=0.12)
+        pipe.start(net)
+        execute(pipe, exec_s=0.02)
+        stats = pipe.finish()
+    assert stats.stalls >= 2
+    for r in pipe.records:
+        assert r.recon_end - r.recon_start >= 0.11
+
+
+def test_a_receive_failure_reaches_the_executing_thread():
+    with NetLoop() as net:
+        pipe, _ = make([0.01] * 4, fail_at=2)
+        pipe.start(net)
+        with pytest.raises(ServerUnreachable, match="went away"):
+            execute(pipe)
+        pipe.close()
+    assert pipe.records[2].exec_start is None
+
+
+def test_a_decode_failure_reaches_the_executing_thread():
+    with NetLoop() as net:
+        pipe, _ = make([0.01] * 4)
+
+        def bad_decode(shard, config, data):
+            raise ValueError("scripted decode failure")
+
+        pipe.decode = bad_decode
+        pipe.start(net)
+        with pytest.raises(EdgeError, match="could not be delivered.*scripted decode"):
+            execute(pipe)
+        pipe.close()
