@@ -11,6 +11,7 @@ without link emulation) and prints PSNR/SSIM against it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,10 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--catalog", help="device template catalog (default: the shipped one)")
     p.add_argument("--compare-exact", action="store_true",
                    help="also compute `exact` and print PSNR/SSIM against it")
+    p.add_argument("--state-dir", default=str(default_state_dir()),
+                   help="device state kept between edits: manifests (revalidated by ETag), "
+                        "execution calibration, last rate estimate (default %(default)s)")
+    p.add_argument("--no-state", action="store_true", help="keep no state between edits")
     p.add_argument("--max-ahead", type=int, default=2,
                    help="shards buffered ahead of execution (default 2)")
     p.set_defaults(func=_edit)
@@ -68,6 +73,11 @@ def register(commands: Any, bench: Any) -> None:
     b.add_argument("--weights", help="model weights (default: the shipped model)")
     b.add_argument("--plots", metavar="DIR", help="write a timeline plot per run here")
     b.set_defaults(func=_bench)
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sakura" / "edge"
 
 
 def load_image(path: str, size: int) -> Any:
@@ -115,7 +125,7 @@ def _edit(args: argparse.Namespace) -> int:
         raise EdgeError(f"template {args.template!r} is not in the device catalog "
                         f"(known: {', '.join(catalog)})")
     spec = catalog[args.template]
-    runtime = EdgeRuntime(model)
+    runtime = EdgeRuntime(model, state_dir=None if args.no_state else args.state_dir)
     template = spec.to_template(runtime.encoder)
     reference = load_image(args.reference, template.size) if args.reference else None
     req = runtime.request(args.prompt, args.seed, reference)

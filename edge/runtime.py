@@ -26,8 +26,10 @@ the prediction online with measured shard times.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +159,12 @@ class EditResult:
                 "timeline": self.timeline}
 
 
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _finite(x: float | None) -> float | str | None:
     if x is not None and math.isinf(x):
         return "inf"
@@ -181,19 +189,50 @@ class EdgeRuntime:
     """The device: a model, a text encoder, and calibrated execution times."""
 
     def __init__(self, model: MMDiT, encoder: Any = None,
-                 profile_file: str | Path | None = None) -> None:
+                 state_dir: str | Path | None = None) -> None:
         self.model = model
         self._encoder = encoder
-        self.profile_file = Path(profile_file) if profile_file else None
+        self.state_dir = Path(state_dir) if state_dir else None
         self.profiles: dict[str, ExecProfile] = {}
         self.manifests: dict[tuple[str, str], CachedManifest] = {}
         self.last_rate_bps: float | None = None
-        if self.profile_file and self.profile_file.exists():
-            try:
-                raw = json.loads(self.profile_file.read_text())
-                self.profiles = {k: ExecProfile(list(v)) for k, v in raw.items()}
-            except (ValueError, TypeError, AttributeError):
-                self.profiles = {}
+        self._load_state()
+
+    # ------------------------------------------------------------------ device state
+    def _load_state(self) -> None:
+        """Calibrations, manifests and the rate prior of earlier runs (``state_dir``)."""
+        if self.state_dir is None or not (self.state_dir / "state.json").exists():
+            return
+        try:
+            doc = json.loads((self.state_dir / "state.json").read_text())
+            self.profiles = {k: ExecProfile([float(x) for x in v])
+                             for k, v in doc.get("profiles", {}).items()}
+            rate = doc.get("last_rate_bps")
+            self.last_rate_bps = float(rate) if rate else None
+            for name in doc.get("manifests", []):
+                entry = json.loads((self.state_dir / "manifests" / name).read_text())
+                key = (str(entry["template"]), str(entry["codec"]))
+                self.manifests[key] = CachedManifest(str(entry["etag"]), entry["manifest"],
+                                                     int(entry["size"]))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            # A damaged cache is dropped, never trusted (manifests are revalidated anyway).
+            self.profiles, self.manifests, self.last_rate_bps = {}, {}, None
+
+    def save_state(self) -> None:
+        if self.state_dir is None:
+            return
+        folder = self.state_dir / "manifests"
+        folder.mkdir(parents=True, exist_ok=True)
+        names = []
+        for (template, codec), cached in self.manifests.items():
+            name = f"{template}.{codec}.json"
+            _atomic_text(folder / name, json.dumps(
+                {"template": template, "codec": codec, "etag": cached.etag,
+                 "size": cached.size, "manifest": cached.data}, separators=(",", ":")))
+            names.append(name)
+        _atomic_text(self.state_dir / "state.json", json.dumps(
+            {"profiles": {k: v.block_s for k, v in self.profiles.items()},
+             "last_rate_bps": self.last_rate_bps, "manifests": names}, indent=1))
 
     @property
     def encoder(self) -> Any:
@@ -216,13 +255,10 @@ class EdgeRuntime:
     def profile(self, key: str, template: Template, geo: Geometry, req: EditRequest
                 ) -> ExecProfile:
         refs = 0 if req.ref_images is None else int(req.ref_images.shape[0])
-        full_key = f"{key}|steps={template.steps}|cfg={req.txt_uncond is not None}|refs={refs}"
+        arch = hashlib.sha256(json.dumps(self.model.cfg.to_dict(), sort_keys=True).encode())
+        full_key = f"{key}|model={arch.hexdigest()[:12]}|steps={template.steps}|cfg={req.txt_uncond is not None}|refs={refs}"
         if full_key not in self.profiles:
             self.profiles[full_key] = calibrate(self.model, template, geo, req)
-            if self.profile_file:
-                self.profile_file.parent.mkdir(parents=True, exist_ok=True)
-                self.profile_file.write_text(json.dumps(
-                    {k: v.block_s for k, v in self.profiles.items()}, indent=1))
         return self.profiles[full_key]
 
     # ------------------------------------------------------------------ edits
@@ -269,7 +305,7 @@ class EdgeRuntime:
                 monitor.record(None, raw_len, got.start, got.first_byte, got.end)
             tables = options_from_manifest(manifest_dict)
             allocator = get_policy(policy).build(PolicyContext(
-                tables=tables, exec_s=exec_s, latency_s=monitor.latency_s(),
+                tables=tables, exec_s=exec_s, latency_s=0.0,
                 budget_rate_bps=opts.budget_rate_bps or monitor.estimate_bps(),
                 safety=opts.safety, options=opts.policy_options))
             progress = ExecutionProgress(exec_s, origin)
@@ -283,7 +319,8 @@ class EdgeRuntime:
                 return decode_config(manifest, shard, config, data, codec_impl)
 
             def allocate(shard: int, window, rate: float) -> int:
-                return allocator.choose(shard, window.window_s, rate)
+                # the request's latency (time to first byte) is not transfer time
+                return allocator.choose(shard, window.window_s - monitor.latency_s(), rate)
 
             def describe(shard: int, config: int) -> dict[str, Any]:
                 return dict(manifest.shard(shard).config(config).params)
@@ -301,6 +338,7 @@ class EdgeRuntime:
             stats = pipe.finish()
             latency = time.monotonic() - origin
             self.last_rate_bps = monitor.estimate_bps()
+            self.save_state()
         finally:
             net.run(client.close())
         timeline = [r.to_dict() for r in pipe.records]

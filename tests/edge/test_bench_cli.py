@@ -105,7 +105,7 @@ def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys
                      "a tiny pirate hat", "--reference", str(ref), "--seed", "3",
                      "--rate", "20", "--out", str(out), "--weights",
                      str(root / "model.safetensors"), "--catalog", str(root / "catalog.json"),
-                     "--compare-exact"])
+                     "--compare-exact", "--state-dir", str(tmp_path / "state")])
     assert code == 0
     printed = capsys.readouterr().out
     for word in ("latency", "bytes", "stalls", "configs", "PSNR", "SSIM"):
@@ -118,6 +118,9 @@ def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys
     assert len(doc["timeline"]) == doc["requests"] - 1 == 3 * 1  # 3 steps x 1 shard
     assert doc["psnr_db"] is not None and doc["ssim"] is not None
     assert (tmp_path / "edit.timeline.png").stat().st_size > 1000
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert state["last_rate_bps"] > 0 and len(state["profiles"]) == 1
+    assert sorted(state["manifests"]) == [f"{tid}.fp16.json", f"{tid}.sakura.json"]
 
 
 def test_sakura_edit_reports_an_unreachable_server(text_world, tmp_path, capsys):
@@ -126,7 +129,8 @@ def test_sakura_edit_reports_an_unreachable_server(text_world, tmp_path, capsys)
     root, tid = text_world
     code = main(["edit", "--server", f"http://127.0.0.1:{free_port()}", "--template", tid,
                  "--prompt", "x", "--out", str(tmp_path / "x.png"), "--weights",
-                 str(root / "model.safetensors"), "--catalog", str(root / "catalog.json")])
+                 str(root / "model.safetensors"), "--catalog", str(root / "catalog.json"),
+                 "--no-state"])
     assert code == 1
     err = capsys.readouterr().err
     assert "sakura: error: cannot reach the SAKURA server" in err

@@ -211,3 +211,23 @@ def test_a_pack_for_another_geometry_is_refused(world):
     with Server(create_app(LocalStorage(world.catalog_dir))) as server:
         with pytest.raises(EdgeError, match=r"steps 4 \(pack\) vs 3 \(device\)"):
             rt.edit(server.url, TEMPLATE_ID, other, req, "sakura")
+
+
+def test_device_state_survives_a_restart_of_the_runtime(world, tmp_path):
+    from edge.runtime import EdgeRuntime
+    from tests.edge.helpers import FakeEncoder
+
+    state = tmp_path / "state"
+    first = EdgeRuntime(world.model, FakeEncoder(), state_dir=state)
+    req = first.request(PROMPT, SEED)
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        cold = first.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
+        again = EdgeRuntime(world.model, FakeEncoder(), state_dir=state)
+        assert again.last_rate_bps == pytest.approx(first.last_rate_bps)
+        assert set(again.profiles) == set(first.profiles)
+        warm = again.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
+        (state / "state.json").write_text("{not json")
+        broken = EdgeRuntime(world.model, FakeEncoder(), state_dir=state)
+        assert broken.manifests == {} and broken.last_rate_bps is None
+    assert cold.manifest_bytes > 10_000
+    assert warm.manifest_bytes == 0  # revalidated: 304, no body
