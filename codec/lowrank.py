@@ -395,10 +395,13 @@ class LowRankCodec(Codec):
         g = _Geometry(m_count, n, c, grp, bits, (), ())
         if grp < 1 or grp & (grp - 1):
             raise PackError(f"shard {spec.index}: group {grp} is not a power of two")
-        ranks = list(params.get("ranks", []))
-        if len(ranks) != levels:
+        ranks = params.get("ranks")
+        if (not isinstance(ranks, list) or len(ranks) != levels
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
             raise PackError(f"shard {spec.index}: params {params} do not match {levels} levels")
-        counts = [int(r) * m_count for r in ranks]
+        counts = [r * m_count for r in ranks]
+        if counts[0] < 1:
+            raise PackError(f"shard {spec.index}: a configuration needs at least one component")
         if any(k > s for k, s in zip(counts, stored)) or counts != sorted(counts, reverse=True):
             raise PackError(f"shard {spec.index}: ranks {ranks} exceed what the pack stores")
         need = hsize + levels * 5 + sum(k * g.chunk_bytes(lv) for lv, k in enumerate(counts))
@@ -433,14 +436,14 @@ class LowRankCodec(Codec):
         """Keys (even matrices) to (``inverse``) or from the pre-RoPE frame; values as is."""
         if self.opts.rope is None:
             return mats
-        key = ("rope", spec.tokens, spec.channels)
+        dtype = mats[0].dtype
+        key = ("rope", spec.tokens, spec.channels, dtype)
         cache = self.__dict__.setdefault("_quantizers", {})
         if key not in cache:
-            cache[key] = rope_angles(self.opts.rope, spec.tokens, spec.channels)
-        angles = cache[key]
-        heads = int(self.opts.rope["heads"])
-        return [rope_rotate(x, angles, heads, inverse) if i % 2 == 0 else x
-                for i, x in enumerate(mats)]
+            angles = rope_angles(self.opts.rope, spec.tokens, spec.channels)
+            cache[key] = rope_phasors(angles, int(self.opts.rope["heads"]), dtype)
+        phasors = cache[key]
+        return [rope_apply(x, phasors, inverse) if i % 2 == 0 else x for i, x in enumerate(mats)]
 
     def _quantizer(self, g: _Geometry) -> ProgressiveQuantizer:
         """Decoder quantizers (and their constant tables), built once per geometry."""
@@ -510,10 +513,17 @@ def rope_angles(rope: dict[str, Any], tokens: int, channels: int) -> torch.Tenso
 
 def rope_rotate(x: torch.Tensor, angles: torch.Tensor, heads: int, inverse: bool) -> torch.Tensor:
     """Rotate channel pairs of every head of ``x [N, C]`` by ``angles`` (``-angles`` if inverse)."""
+    return rope_apply(x, rope_phasors(angles, heads, x.dtype), inverse)
+
+
+def rope_phasors(angles: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """``exp(i * angle)`` per token and channel pair of all heads: ``[N, heads * D / 2]``."""
+    a = angles.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return torch.polar(torch.ones_like(a), a).repeat(1, heads)
+
+
+def rope_apply(x: torch.Tensor, phasors: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Pairs ``(2j, 2j + 1)`` of ``x [N, C]`` as complex numbers, times the phasors."""
     n, c = x.shape
-    xh = x.reshape(n, heads, c // heads)
-    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
-    if inverse:
-        sin = -sin
-    x1, x2 = xh[..., 0::2], xh[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).reshape(n, c)
+    xc = torch.view_as_complex(x.contiguous().view(n, c // 2, 2))
+    return torch.view_as_real(xc * (phasors.conj() if inverse else phasors)).reshape(n, c)

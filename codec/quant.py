@@ -225,17 +225,10 @@ class ProgressiveQuantizer:
         full = 2.0 * absmax / (1 << b0)
         fracs = torch.linspace(0.3, 1.0, self.trials, dtype=rot.dtype)
         cand = to_fp16_scale(full.unsqueeze(-1) * fracs)  # [k, G, T]
-        # the search runs in float32 (the final codes below are computed in float64)
-        step = cand[:, gidx, :].permute(0, 2, 1).float()  # [k, T, L]
-        res = rot.float().unsqueeze(1).expand(k, self.trials, -1).clone()
-        score = torch.zeros(k, ngroups, self.trials)
-        for lv, bits in enumerate(self.level_bits):
-            if lv:
-                step = step / (1 << bits)
-            res -= midrise_values(midrise_codes(res, step, bits), step, bits)
-            err = torch.zeros(k, self.trials, ngroups).index_add_(2, gidx, res * res)
-            score += torch.log(err.permute(0, 2, 1) + 1e-30)
-        best = score.argmin(dim=-1, keepdim=True)
+        best = torch.empty(k, ngroups, 1, dtype=torch.long)
+        rows = max(1, (1 << 23) // (self.trials * self.plan.length))  # bound the memory
+        for lo in range(0, k, rows):
+            best[lo : lo + rows] = self._search(rot[lo : lo + rows], cand[lo : lo + rows], gidx)
         d0 = torch.gather(cand, -1, best).squeeze(-1)  # [k, G]
         step = d0[:, gidx]
         res = rot.clone()
@@ -251,6 +244,20 @@ class ProgressiveQuantizer:
             codes.append(q.to(torch.uint8))
             recons.append(self.plan.rotate(running, inverse=True))
         return d0.to(torch.float16), codes, recons
+
+    def _search(self, rot: torch.Tensor, cand: torch.Tensor, gidx: torch.Tensor) -> torch.Tensor:
+        """Index of the best candidate step per group (the search runs in float32)."""
+        k, ngroups = rot.shape[0], self.plan.groups
+        step = cand[:, gidx, :].permute(0, 2, 1).float()  # [k, T, L]
+        res = rot.float().unsqueeze(1).expand(k, self.trials, -1).clone()
+        score = torch.zeros(k, ngroups, self.trials)
+        for lv, bits in enumerate(self.level_bits):
+            if lv:
+                step = step / (1 << bits)
+            res -= midrise_values(midrise_codes(res, step, bits), step, bits)
+            err = torch.zeros(k, self.trials, ngroups).index_add_(2, gidx, res * res)
+            score += torch.log(err.permute(0, 2, 1) + 1e-30)
+        return score.argmin(dim=-1, keepdim=True)
 
     def decode(self, steps: torch.Tensor, codes: list[torch.Tensor]) -> torch.Tensor:
         """``steps [k0, G]`` fp16 and per-level codes (``[k_l, L]``, k_l non-increasing) ->

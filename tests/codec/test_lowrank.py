@@ -109,3 +109,23 @@ def test_zero_importance_and_zero_matrix():
     dec = codec.decode(cfg.params, enc.config_data(len(enc.configs) - 1), spec)
     assert torch.isfinite(dec[0]).all() and float(dec[0].abs().max()) == 0.0
     assert torch.isfinite(dec[1]).all()
+
+
+def test_decode_rejects_bad_params_and_bytes(small_cache):
+    import pytest
+
+    from codec import PackError
+
+    sd = _shard(small_cache)
+    codec = get_codec("sakura")
+    enc = codec.encode_shard(sd)
+    cfg = enc.configs[3]
+    data = enc.config_data(3)
+    for params in ({}, {"ranks": "12"}, {"ranks": [1, 2]}, {"ranks": [-1, 0, 0, 0]},
+                   {"ranks": [0, 0, 0, 0]}, {"ranks": [1.5, 0, 0, 0]}, {"ranks": [999, 0, 0, 0]}):
+        with pytest.raises(PackError):
+            codec.decode(params, data, sd.spec)
+    with pytest.raises(PackError):
+        codec.decode(cfg.params, data[:-1], sd.spec)
+    with pytest.raises(PackError):
+        codec.decode(cfg.params, b"XXXX" + data[4:], sd.spec)
