@@ -176,6 +176,8 @@ class PacedLink(LinkEmulator):
             return self
         if self._origin is None:
             self.schedule.restart(self._start_s)
+        # Asyncio primitives bind to one loop: a fresh pacer for every start.
+        self._pacer = _Pacer(self.schedule, self._pacer.burst_s)
         try:
             self._server = await asyncio.start_server(
                 self._handle, self.host, self._requested_port, backlog=512
