@@ -1,0 +1,1 @@
+"""Adapters that run SAKURA on diffusers transformers (see ``dit/adapters/README.md``)."""

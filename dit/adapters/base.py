@@ -1,0 +1,645 @@
+"""The adapter interface: SAKURA's masked editing and KV reuse on diffusers transformers.
+
+A :class:`ModelAdapter` wraps one diffusers transformer (not a fork of it: the model's own
+modules, forward and scheduler run) and installs SAKURA attention processors on every
+attention module. While SAKURA runs a forward, the processors hand the query/key/value of the
+tokens they compute to a :class:`dit.attention.AttentionHook` in SAKURA's layout
+``[text, image, reference]`` (heads first), exactly as the default model's blocks do; outside
+such a run they behave like the stock diffusers processors. So every hook of ``dit`` works on
+every adapter, and the editing algorithms below are written once for all models:
+
+* :meth:`ModelAdapter.template_run` - the template run on the forward-noised trajectory,
+  capturing K/V of the unmasked image tokens (after QK-norm and RoPE) for every step and
+  attention layer into a :class:`dit.cache.TemplateCache`;
+* :meth:`ModelAdapter.cached_edit` - the device path: only text, masked (and uncached
+  reference) tokens are computed, the template cache comes from a ``KVProvider``;
+* :meth:`ModelAdapter.pinned_reference_edit` - the slow reference: every token computed, the
+  unmasked hidden states pinned to the template run at the input of every block;
+* :meth:`ModelAdapter.full_edit` (``local``) and :meth:`ModelAdapter.profile_importance`.
+
+Everything works in the model's latent token space (row-major token grid, ``[N, C]`` with
+C = the transformer's input channels); VAEs and text encoders stay outside (see
+``dit.adapters.pipeline``). The K/V of one attention call are one cache "block"; SD3.5's
+dual-attention layers therefore contribute two blocks (``layer.i.attn``, ``layer.i.attn2``).
+An adapter runs one forward at a time (it is not thread-safe).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dit.adapters.errors import AdapterError, InputError, UnsupportedError
+from dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
+from dit.cache import KVProvider, TemplateCache
+from dit.sampler import noise_like
+
+EDIT_SEED_OFFSET = 1_000_003  # same convention as dit.editing.edit_noise
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class LatentImage:
+    """An image in the model's latent token space: ``tokens [h*w, C]`` row-major, ``grid (h, w)``."""
+
+    tokens: torch.Tensor
+    grid: tuple[int, int]
+
+
+@dataclass
+class Conditioning:
+    """An encoded prompt (text encoders run outside the adapter).
+
+    ``embeds [1, T, D]`` token embeddings; ``pooled [1, P]`` the pooled vector (SD3.5 only);
+    for QwenImage 2.1 ``image_slots [T]`` marks the vision-language encoder's image slots
+    (each stands for 2x2 latent tokens of the condition image in ``images``, in order).
+    """
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor | None = None
+    image_slots: torch.Tensor | None = None
+    images: list[LatentImage] = field(default_factory=list)
+
+
+@dataclass
+class LatentTemplate:
+    """An edit template in latent space: template latents ``[N, C]`` on ``grid``, the token
+    mask ``[N]`` (True = editable), the template prompt, seed, steps, true-CFG scale
+    (``guidance``; 1 = off) and the embedded guidance of guidance-distilled models."""
+
+    latents: torch.Tensor
+    grid: tuple[int, int]
+    mask: torch.Tensor
+    cond: Conditioning
+    seed: int
+    steps: int = 20
+    guidance: float = 1.0
+    embedded_guidance: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+@dataclass
+class LatentRequest:
+    """A private edit: prompt (and negative prompt for CFG), seed and, for FLUX.2, reference
+    images (Flux2-klein KV semantics). Never leaves the device."""
+
+    cond: Conditioning
+    uncond: Conditioning | None
+    seed: int
+    references: list[LatentImage] = field(default_factory=list)
+
+
+@dataclass
+class AdapterGeometry:
+    """Token and cache geometry of a template on a model."""
+
+    grid: tuple[int, int]
+    masked: torch.Tensor
+    unmasked: torch.Tensor
+    heads: int
+    head_dim: int
+    blocks: list[str]
+
+    @property
+    def tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def channels(self) -> int:
+        return self.heads * self.head_dim
+
+    def fp16_bytes(self, steps: int) -> int:
+        """Bytes of the FP16 template cache (K and V of the unmasked tokens, every step/block)."""
+        return 2 * steps * len(self.blocks) * len(self.unmasked) * self.channels * 2
+
+
+@dataclass
+class AdapterRun:
+    """The template run's outputs: the cache, plus block-input hidden states of the image
+    tokens (``hidden[step][layer] -> [N, D]``) for the slow pinned reference."""
+
+    cache: TemplateCache
+    geometry: AdapterGeometry
+    hidden: list[dict[int, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class Branch:
+    """Per-prompt state of one guidance branch during an edit.
+
+    ``extra``: K/V computed once and appended at every step (reference images, or the
+    block-causal prefix). ``refs``: reference tokens recomputed every step instead
+    (``cache_refs=False``). ``key_shift`` maps template-cache keys into this branch's RoPE
+    frame (QwenImage 2.1, whose image position depends on the prompt length).
+    """
+
+    cond: Conditioning
+    extra: dict[int, list[KVSegment]] = field(default_factory=dict)
+    refs: list[LatentImage] = field(default_factory=list)
+    key_shift: Callable[[torch.Tensor], torch.Tensor] | None = None
+    embedded_guidance: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Pins:
+    """Slow reference: pin the image hidden states at ``rows`` to the template run's at the
+    input of every block; ``cond`` is the template's prompt (SD3.5: the pinned tokens keep the
+    template's pooled-text modulation, as their cached K/V do)."""
+
+    hidden: dict[int, torch.Tensor]
+    rows: torch.Tensor
+    cond: Conditioning
+
+
+@dataclass
+class RunContext:
+    """What the SAKURA processors need during one forward (set by the adapter)."""
+
+    hook: AttentionHook
+    rows: torch.Tensor                 # grid rows of the computed target image tokens
+    txt: int = 0                       # text tokens computed in this call
+    ref: int = 0                       # reference tokens computed in this call (inline)
+    pins: Pins | None = None
+    keep: dict[int, torch.Tensor] | None = None
+    scratch: dict[Any, Any] = field(default_factory=dict)
+
+
+class Channel:
+    """The adapter-owned slot through which processors see the running forward (or None)."""
+
+    def __init__(self) -> None:
+        self.active: RunContext | None = None
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def heads_to_channels(x: torch.Tensor) -> torch.Tensor:
+    """``[H, N, D]`` -> ``[N, H*D]``."""
+    h, n, d = x.shape
+    return x.transpose(0, 1).reshape(n, h * d)
+
+
+def channels_to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[N, C]`` -> ``[1, H, N, C/H]``."""
+    n, c = x.shape
+    return x.reshape(n, heads, c // heads).transpose(0, 1)[None]
+
+
+class AdapterHook(AttentionHook):
+    """The one hook the adapter algorithms use (joint visibility rules of ``dit.attention``).
+
+    Appends ``extra`` segments (references / prefix) and the template cache of ``step`` from
+    ``provider`` (keys mapped by ``key_shift``); records K/V of the image tokens at
+    ``capture`` rows (template run) or of all computed image tokens (``record``, reference
+    extraction); accumulates attention mass of image queries on cached tokens into
+    ``importance [blocks, U]``. Extra K/V are cast to the computed tokens' dtype and device.
+    """
+
+    def __init__(self, *, heads: int, extra: dict[int, list[KVSegment]] | None = None,
+                 provider: KVProvider | None = None, step: int = 0,
+                 key_shift: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 capture: torch.Tensor | None = None, record: bool = False,
+                 importance: torch.Tensor | None = None):
+        super().__init__("joint")
+        self.heads, self.extra, self.provider, self.step = heads, extra or {}, provider, step
+        self.key_shift, self.capture, self.record = key_shift, capture, record
+        self.importance = importance
+        self.needs_probs = importance is not None
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._like: torch.Tensor | None = None
+
+    def attend(self, block: int, q, k, v, layout: Layout) -> torch.Tensor:
+        self._like = q
+        return super().attend(block, q, k, v, layout)
+
+    def on_kv(self, block: int, k, v, layout: Layout) -> None:
+        if self.capture is not None:
+            idx = layout.txt + self.capture.to(k.device)
+            self.keys[block] = heads_to_channels(k[0, :, idx]).float().cpu()
+            self.values[block] = heads_to_channels(v[0, :, idx]).float().cpu()
+        elif self.record:
+            lo, hi = layout.txt, layout.txt + layout.img
+            self.keys[block] = k[:, :, lo:hi].clone()
+            self.values[block] = v[:, :, lo:hi].clone()
+
+    def extra_kv(self, block: int) -> list[KVSegment]:
+        segs = list(self.extra.get(block, []))
+        if self.provider is not None:
+            k, v = self.provider.get(self.step, block)
+            if self.key_shift is not None:
+                k = self.key_shift(k)
+            segs.append(KVSegment(CACHE, channels_to_heads(k, self.heads),
+                                  channels_to_heads(v, self.heads)))
+        like = self._like
+        if like is None:
+            return segs
+        return [KVSegment(s.role, s.k.to(like.device, like.dtype), s.v.to(like.device, like.dtype))
+                for s in segs]
+
+    def on_probs(self, block: int, probs, q_segs, k_segs) -> None:
+        q0 = k0 = 0
+        q_rng = k_rng = None
+        for role, n in q_segs:
+            if role == IMG:
+                q_rng = (q0, q0 + n)
+            q0 += n
+        for role, n in k_segs:
+            if role == CACHE:
+                k_rng = (k0, k0 + n)
+            k0 += n
+        if q_rng is None or k_rng is None or self.importance is None:
+            return
+        mass = probs[:, :, q_rng[0]:q_rng[1], k_rng[0]:k_rng[1]].float().sum(dim=(0, 1, 2))
+        self.importance[block] += mass.cpu()
+
+
+def hook_attend(hook: AttentionHook, block: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, txt: int, ref: int = 0, img_first: bool = False) -> torch.Tensor:
+    """Run ``hook.attend`` on diffusers-layout ``[B, L, H, D]`` tensors.
+
+    The native token order is ``[text, reference, image]`` (FLUX.2, Qwen) or ``[image,
+    text]`` (``img_first``, SD3); SAKURA's is ``[text, image, reference]``. Returns the output
+    in the native order, ``[B, L, H, D]``.
+    """
+    n = q.shape[1]
+    img = n - txt - ref
+
+    def to_hook(x: torch.Tensor) -> torch.Tensor:
+        x = x.transpose(1, 2)
+        if img_first:
+            return torch.cat([x[:, :, img:], x[:, :, :img]], dim=2) if txt else x
+        if ref:
+            return torch.cat([x[:, :, :txt], x[:, :, txt + ref:], x[:, :, txt:txt + ref]], dim=2)
+        return x
+
+    layout = Layout(txt=txt, img=img, ref=ref, ref_sizes=(ref,) if ref else ())
+    out = hook.attend(block, to_hook(q), to_hook(k), to_hook(v), layout)
+    if img_first and txt:
+        out = torch.cat([out[:, :, txt:], out[:, :, :txt]], dim=2)
+    elif ref:
+        out = torch.cat([out[:, :, :txt], out[:, :, txt + img:], out[:, :, txt:txt + img]], dim=2)
+    return out.transpose(1, 2)
+
+
+def token_mask(mask: torch.Tensor, pixels_per_token: int) -> torch.Tensor:
+    """Pixel mask ``[H, W]`` -> token mask ``[N]``: a token is editable if any pixel is."""
+    m = F.max_pool2d(mask.float()[None, None], pixels_per_token)[0, 0] > 0
+    return m.flatten()
+
+
+# ----------------------------------------------------------------------------- adapter
+
+
+class ModelAdapter(ABC):
+    """One diffusers transformer with SAKURA processors installed (see the module doc)."""
+
+    name: str = "adapter"
+    supports_references: bool = False
+    supports_prefix: bool = False
+
+    def __init__(self, model: nn.Module, scheduler_config: dict[str, Any] | None = None,
+                 name: str | None = None, pixels_per_token: int = 16):
+        self.model = model.eval()
+        self.name = name or self.name
+        self.scheduler_config = dict(scheduler_config or self.default_scheduler_config())
+        self.pixels_per_token = pixels_per_token
+        self._channel = Channel()
+        self._stock: dict[str, Any] = {}
+        self.install()
+
+    # -- model-specific --------------------------------------------------------------------
+
+    @abstractmethod
+    def install(self) -> None:
+        """Install SAKURA processors on every attention module (keeping the stock ones)."""
+
+    @abstractmethod
+    def layers(self) -> list[nn.Module]:
+        """The transformer blocks in execution order (pins and hidden capture hook them)."""
+
+    @property
+    @abstractmethod
+    def block_names(self) -> list[str]:
+        """One name per attention call of a forward (= one cache block), in order."""
+
+    @property
+    @abstractmethod
+    def heads(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def head_dim(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def latent_channels(self) -> int:
+        """Channels of one latent token (the transformer's input)."""
+
+    @abstractmethod
+    def default_scheduler_config(self) -> dict[str, Any]:
+        """The pipeline's scheduler config, used when the checkpoint ships none."""
+
+    @abstractmethod
+    def set_timesteps(self, scheduler, steps: int, tokens: int) -> None:
+        """Set the scheduler's timesteps exactly as the model's pipeline does."""
+
+    @abstractmethod
+    def velocity(self, x: torch.Tensor, rows: torch.Tensor, grid: tuple[int, int],
+                 timestep: torch.Tensor, branch: Branch, hook: AttentionHook, *,
+                 pins: Pins | None = None, keep: dict[int, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+        """Velocity ``[1, M, C]`` (float32) of the image tokens ``x [1, M, C]`` at grid
+        ``rows`` (``[M]``, row-major), at the scheduler ``timestep``, under ``branch``'s
+        prompt, with every attention going through ``hook``."""
+
+    def image_offset(self, layer: int, ctx: RunContext) -> int:
+        """Row of the first target image token in ``layer``'s ``hidden_states`` input."""
+        return 0
+
+    def rope_option(self, geo: AdapterGeometry) -> dict[str, Any] | None:
+        """``codec.lowrank`` ``rope`` option for the cached keys (None: no RoPE)."""
+        return None
+
+    def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """Classifier-free guidance as the model's pipeline combines it."""
+        return v_uncond + scale * (v_cond - v_uncond)
+
+    def prepare_branch(self, cond: Conditioning, refs: list[LatentImage] | None = None,
+                       cache_refs: bool = True, embedded_guidance: float | None = None,
+                       template: LatentTemplate | None = None) -> Branch:
+        """Per-prompt state (references / prefix extracted once here when cached)."""
+        if refs:
+            raise UnsupportedError(f"{self.name} has no exact reference-image KV caching")
+        return Branch(cond=cond, embedded_guidance=embedded_guidance)
+
+    # -- shared ----------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_names)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def restore_processors(self) -> None:
+        """Put the stock diffusers processors back (the adapter is unusable afterwards)."""
+        for name, module in self.model.named_modules():
+            if name in self._stock:
+                module.set_processor(self._stock[name])
+
+    def model_info(self) -> dict[str, Any]:
+        """What a pack manifest records about the model."""
+        return {"name": self.name, "class": type(self.model).__name__,
+                "config": {k: v for k, v in dict(self.model.config).items()
+                           if not k.startswith("_")}}
+
+    def block_costs(self) -> list[float]:
+        """Relative compute of each cache block (parameters touched, mean 1)."""
+        costs = self._block_params()
+        mean = sum(costs) / len(costs)
+        return [c / mean for c in costs]
+
+    def _block_params(self) -> list[float]:
+        return [float(sum(p.numel() for p in m.parameters())) for m in self.layers()]
+
+    def token_mask(self, pixel_mask: torch.Tensor) -> torch.Tensor:
+        """Pixel mask of the image ``[H, W]`` -> token mask ``[N]``."""
+        return token_mask(pixel_mask, self.pixels_per_token)
+
+    def geometry(self, template: LatentTemplate) -> AdapterGeometry:
+        self._check_template(template)
+        m = template.mask.bool()
+        return AdapterGeometry(template.grid, m.nonzero().flatten(), (~m).nonzero().flatten(),
+                               self.heads, self.head_dim, list(self.block_names))
+
+    def make_scheduler(self, steps: int, tokens: int):
+        """The pipeline's own scheduler, with the pipeline's timesteps for this resolution."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        self.set_timesteps(sched, steps, tokens)
+        sched.set_begin_index(0)
+        return sched
+
+    def template_noise(self, template: LatentTemplate) -> torch.Tensor:
+        return noise_like((1, template.tokens, self.latent_channels), template.seed)
+
+    def edit_noise(self, template: LatentTemplate, seed: int) -> torch.Tensor:
+        return noise_like((1, template.tokens, self.latent_channels), seed + EDIT_SEED_OFFSET)
+
+    def compose(self, template: LatentTemplate, geo: AdapterGeometry,
+                x_masked: torch.Tensor) -> torch.Tensor:
+        """Template latents outside the mask, edited tokens inside -> ``[N, C]``."""
+        out = template.latents.float().clone()
+        out[geo.masked] = x_masked.reshape(-1, out.shape[-1]).to(out.dtype)
+        return out
+
+    @contextmanager
+    def running(self, ctx: RunContext) -> Iterator[RunContext]:
+        """Make ``ctx`` visible to the processors (and pin / capture hidden states) for one
+        forward; always restored."""
+        if self._channel.active is not None:
+            raise AdapterError(f"{self.name}: one forward at a time per adapter")
+        handles = []
+        if ctx.pins is not None or ctx.keep is not None:
+            for i, layer in enumerate(self.layers()):
+                handles.append(layer.register_forward_pre_hook(partial(self._pre_block, i),
+                                                               with_kwargs=True))
+        self._channel.active = ctx
+        try:
+            yield ctx
+        finally:
+            self._channel.active = None
+            for h in handles:
+                h.remove()
+
+    def _pre_block(self, layer: int, module: nn.Module, args, kwargs):
+        ctx = self._channel.active
+        if ctx is None:
+            return None
+        hidden = kwargs["hidden_states"]
+        off = self.image_offset(layer, ctx)
+        if ctx.keep is not None:
+            n = len(ctx.rows)
+            ctx.keep[layer] = hidden[0, off:off + n].float().cpu().clone()
+        if ctx.pins is not None:
+            rows = ctx.pins.rows.to(hidden.device)
+            pinned = ctx.pins.hidden[layer].to(hidden.device, hidden.dtype)
+            hidden = hidden.clone()
+            hidden[:, off + rows] = pinned[rows]
+            kwargs["hidden_states"] = hidden
+            self.on_pinned(layer, module, hidden, off, ctx)
+        return args, kwargs
+
+    def on_pinned(self, layer: int, module: nn.Module, hidden: torch.Tensor, off: int,
+                  ctx: RunContext) -> None:
+        """After pinning ``layer``'s input (SD3.5 re-modulates the pinned rows here)."""
+        return None
+
+    def _check_template(self, template: LatentTemplate) -> None:
+        n = template.tokens
+        if template.latents.shape != (n, self.latent_channels):
+            raise InputError(f"template latents {tuple(template.latents.shape)} do not fit grid "
+                             f"{template.grid} x {self.latent_channels} channels of {self.name}")
+        if template.mask.shape != (n,):
+            raise InputError(f"token mask {tuple(template.mask.shape)} does not fit {n} tokens")
+
+    def _branches(self, template: LatentTemplate, req: LatentRequest, cache_refs: bool
+                  ) -> list[Branch]:
+        out = [self.prepare_branch(req.cond, req.references, cache_refs,
+                                   template.embedded_guidance, template)]
+        if template.guidance != 1.0:
+            if req.uncond is None:
+                raise InputError(f"guidance {template.guidance} needs a negative prompt (uncond)")
+            out.append(self.prepare_branch(req.uncond, req.references, cache_refs,
+                                           template.embedded_guidance, template))
+        return out
+
+    def _guided(self, vs: list[torch.Tensor], scale: float) -> torch.Tensor:
+        return vs[0] if len(vs) == 1 else self.combine_guidance(vs[0], vs[1], scale)
+
+    @staticmethod
+    def _step(sched, v: torch.Tensor, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return sched.step(v, t, x, return_dict=False)[0].float()
+
+    # -- the algorithms --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def template_run(self, template: LatentTemplate, keep_hidden: bool = False) -> AdapterRun:
+        """Run the model on the template's forward-noised trajectory; capture K/V."""
+        geo = self.geometry(template)
+        sched = self.make_scheduler(template.steps, template.tokens)
+        x0 = template.latents.float()[None]
+        e = self.template_noise(template)
+        branch = self.prepare_branch(template.cond, None, True, template.embedded_guidance,
+                                     template)
+        rows = torch.arange(template.tokens)
+        keys, values, hidden = [], [], []
+        for s in range(template.steps):
+            sigma = float(sched.sigmas[s])
+            xt = (1 - sigma) * x0 + sigma * e
+            hook = AdapterHook(heads=self.heads, extra=branch.extra, capture=geo.unmasked)
+            keep: dict[int, torch.Tensor] | None = {} if keep_hidden else None
+            self.velocity(xt, rows, template.grid, sched.timesteps[s], branch, hook, keep=keep)
+            keys.append(torch.stack([hook.keys[b] for b in range(self.num_blocks)]))
+            values.append(torch.stack([hook.values[b] for b in range(self.num_blocks)]))
+            if keep is not None:
+                hidden.append(keep)
+        k, v = torch.stack(keys), torch.stack(values)
+        cache = TemplateCache(keys=k, values=v, importance=torch.zeros(k.shape[:3]),
+                              token_index=geo.unmasked.clone(),
+                              timesteps=sched.sigmas[:-1].float().clone(), num_heads=self.heads)
+        return AdapterRun(cache, geo, hidden)
+
+    @torch.inference_mode()
+    def cached_edit(self, template: LatentTemplate, geo: AdapterGeometry, provider: KVProvider,
+                    req: LatentRequest, *, cache_refs: bool = True, hook_factory=None,
+                    on_step=None) -> torch.Tensor:
+        """The device path: text + masked (+ uncached reference) tokens are computed, the
+        template cache of the unmasked tokens comes from ``provider`` step by step, block by
+        block. Returns the composed latents ``[N, C]``.
+
+        ``hook_factory(step, branch) -> AttentionHook`` replaces the default cached hook
+        (importance profiling, regional execution).
+        """
+        branches = self._branches(template, req, cache_refs)
+        sched = self.make_scheduler(template.steps, template.tokens)
+        x = self.edit_noise(template, req.seed)[:, geo.masked]
+        for s in range(template.steps):
+            t = sched.timesteps[s]
+            vs = []
+            for br in branches:
+                hook = (hook_factory(s, br) if hook_factory else
+                        AdapterHook(heads=self.heads, extra=br.extra, provider=provider, step=s,
+                                    key_shift=br.key_shift))
+                vs.append(self.velocity(x, geo.masked, template.grid, t, br, hook))
+            x = self._step(sched, self._guided(vs, template.guidance), t, x)
+            if on_step is not None:
+                on_step(s)
+        return self.compose(template, geo, x[0])
+
+    @torch.inference_mode()
+    def pinned_reference_edit(self, template: LatentTemplate, run: AdapterRun,
+                              req: LatentRequest) -> torch.Tensor:
+        """Slow reference: every token computed (references recomputed every step), the
+        unmasked hidden states pinned to the template run's at every block input."""
+        if not run.hidden:
+            raise InputError("template_run(..., keep_hidden=True) is needed for the reference")
+        geo = run.geometry
+        branches = self._branches(template, req, cache_refs=False)
+        sched = self.make_scheduler(template.steps, template.tokens)
+        x0 = template.latents.float()[None]
+        e = self.template_noise(template)
+        x = self.edit_noise(template, req.seed).clone()
+        rows = torch.arange(template.tokens)
+        for s in range(template.steps):
+            t, sigma = sched.timesteps[s], float(sched.sigmas[s])
+            x[:, geo.unmasked] = ((1 - sigma) * x0 + sigma * e)[:, geo.unmasked]
+            pins = Pins(run.hidden[s], geo.unmasked, template.cond)
+            vs = [self.velocity(x, rows, template.grid, t, br, AdapterHook(heads=self.heads,
+                                                                          extra=br.extra),
+                                pins=pins) for br in branches]
+            x = self._step(sched, self._guided(vs, template.guidance), t, x)
+        return self.compose(template, geo, x[0, geo.masked])
+
+    @torch.inference_mode()
+    def full_edit(self, template: LatentTemplate, req: LatentRequest) -> torch.Tensor:
+        """``local``: no cache. Every token computed each step; the unmasked ones re-noised to
+        the template trajectory (the same masked-editing rule, computed locally)."""
+        geo = self.geometry(template)
+        branches = self._branches(template, req, cache_refs=True)
+        sched = self.make_scheduler(template.steps, template.tokens)
+        x0 = template.latents.float()[None]
+        e = self.template_noise(template)
+        x = self.edit_noise(template, req.seed).clone()
+        rows = torch.arange(template.tokens)
+        for s in range(template.steps):
+            t, sigma = sched.timesteps[s], float(sched.sigmas[s])
+            x[:, geo.unmasked] = ((1 - sigma) * x0 + sigma * e)[:, geo.unmasked]
+            vs = [self.velocity(x, rows, template.grid, t, br,
+                                AdapterHook(heads=self.heads, extra=br.extra)) for br in branches]
+            x = self._step(sched, self._guided(vs, template.guidance), t, x)
+        return self.compose(template, geo, x[0, geo.masked])
+
+    @torch.inference_mode()
+    def profile_importance(self, template: LatentTemplate, run: AdapterRun,
+                           requests: list[LatentRequest]) -> torch.Tensor:
+        """Attention mass of masked queries on each cached token, ``[S, B, U]``, summed over
+        heads, queries, guidance branches and requests; stored into the cache."""
+        cache = run.cache
+        imp = torch.zeros(cache.steps, cache.blocks, cache.tokens)
+        for req in requests:
+            self.cached_edit(template, run.geometry, cache, req, hook_factory=lambda s, br: (
+                AdapterHook(heads=self.heads, extra=br.extra, provider=cache, step=s,
+                            key_shift=br.key_shift, importance=imp[s])))
+        cache.importance = imp
+        return imp
+
+
+__all__ = [
+    "AdapterGeometry", "AdapterHook", "AdapterRun", "Branch", "Channel", "Conditioning",
+    "LatentImage", "LatentRequest", "LatentTemplate", "ModelAdapter", "Pins", "RunContext",
+    "channels_to_heads", "heads_to_channels", "hook_attend", "token_mask",
+]
