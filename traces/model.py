@@ -327,8 +327,13 @@ class Trace:
             raise TraceError(f"slice duration must be > 0, got {length}")
         return self.window(start, start + length)
 
-    def looped(self, total_s: float) -> Trace:
-        """An explicit trace of ``total_s`` seconds made by repeating this one."""
+    def looped(self, total_s: float | None = None) -> Trace:
+        """An explicit trace of ``total_s`` seconds made by repeating this one.
+
+        Every query already loops, so without ``total_s`` this returns the trace itself.
+        """
+        if total_s is None:
+            return self
         return self.window(0.0, float(total_s), name=f"{self.name}*loop{total_s:g}s")
 
     def scaled(self, factor: float) -> Trace:

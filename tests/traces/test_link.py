@@ -136,7 +136,7 @@ def test_client_disconnect_and_upstream_failure_do_not_break_the_link() -> None:
 
 
 def test_upstream_dying_mid_transfer_ends_the_client_cleanly() -> None:
-    with BlastServer() as src, PacedLinkThread(Trace.constant(8 * MB), src.address) as link:
+    with BlastServer() as src, PacedLinkThread(Trace.constant(40 * MB), src.address) as link:
         c = socket.create_connection(link.address, timeout=5)
         got = len(c.recv(1000))
         assert got > 0

@@ -98,6 +98,7 @@ def test_slice_wraps_and_preserves_integral(steps: Trace) -> None:
     tail = steps.slice(1.5)
     assert tail.duration_s == 2.5
     assert tail.bytes_between(0, 2.5) == pytest.approx(4e6)
+    assert steps.looped() is steps  # queries loop anyway
     long = steps.looped(10.0)
     assert long.duration_s == 10.0
     assert long.bytes_between(0, 10) == pytest.approx(steps.bytes_between(0, 10))
