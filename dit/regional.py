@@ -1,0 +1,632 @@
+"""FlashDiff regional execution: saliency, recursive Otsu patch partition, the patch gate,
+and the per-request state machine that drives a model through a small backend interface.
+
+The algorithm (``dit/REGIONAL.md`` has the full description and the reasons):
+
+1. **Warm-up.** The first ``warmup`` steps run every token of the region (the whole image
+   in generation, the masked tokens in a cached edit). The last warm-up step also reports
+   the cross-attention of image queries onto the prompt tokens and the image-image
+   attention (cond branch, mean over heads and probe blocks).
+2. **Saliency and partition.** Saliency of a token = its attention mass on the *salient*
+   prompt tokens (special tokens, punctuation and function words excluded:
+   :func:`salient_token_mask`). The region is split recursively into ``R`` load-balanced
+   patches: each split is the axis-aligned cut (rows or columns) that maximises Otsu's
+   between-class variance of the saliency among the cuts that keep the two sides within
+   ``balance_tol`` of their target sizes (:func:`otsu_split`). ``R`` comes from a bounded
+   search (:func:`choose_partition`): unexplained saliency variance plus the per-patch
+   overhead (each patch task recomputes the text tokens).
+3. **Gate.** Before every later step each patch gets a score
+   ``importance x change``: importance = lift of its within-patch self-attention (mass
+   its queries put on its own tokens over what uniform attention would put there),
+   change = relative drift of its velocity between its last two executions, per step,
+   times the steps since its last execution. Scores are normalised by their mean; a patch
+   below ``eps`` is skipped and reuses its last velocity; a patch skipped ``max_skips``
+   times in a row is forced to run (:class:`PatchGate`).
+4. **Patch execution.** An active patch runs its own tokens (and the text tokens) fresh;
+   the rest of the region is visible through the K/V each token had at its last
+   execution (``context="stale"``), the template cache stays visible in edits. All
+   patches of one step read the store as it was at the step boundary, and their writes
+   are applied after the step, so a patch's output does not depend on which other
+   patches ran with it, on which worker, or in which order (what makes the cloud render
+   engine's (request, step, patch) outputs idempotent). ``context="none"`` is the naive
+   baseline: independent patches that see only themselves.
+
+Everything model-specific sits behind :class:`RegionalBackend` (``dit.regional_mmdit``
+implements it for the default MMDiT).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+# Function words excluded from saliency (plus anything without a letter or digit).
+FUNCTION_WORDS = frozenset(
+    "a an the and or but nor of to in on at by for with without from into onto over under "
+    "as is are was were be been being it its this that these those his her their our your "
+    "my he she they we you i me him them us some any each every no not than then so very "
+    "up down out off about above below near next".split()
+)
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+def salient_token_mask(tokenizer, prompt: str, max_tokens: int) -> torch.Tensor:
+    """Which of the ``max_tokens`` text positions carry content (bool ``[max_tokens]``).
+
+    Uses the same tokenisation as ``dit.text.TextEncoder`` (lower-cased, padded to
+    ``max_tokens``). Special tokens (CLS/SEP/PAD), punctuation and :data:`FUNCTION_WORDS`
+    are excluded; a word piece ``##x`` follows the word it continues. If nothing is left
+    (an empty or all-function-word prompt) every non-special token counts.
+    """
+    enc = tokenizer(prompt.lower(), padding="max_length", truncation=True,
+                    max_length=max_tokens)
+    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"])
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    out = torch.zeros(max_tokens, dtype=torch.bool)
+    nonspecial = torch.zeros(max_tokens, dtype=torch.bool)
+    head_salient = False
+    for i, tok in enumerate(tokens[:max_tokens]):
+        if tok in special:
+            head_salient = False
+            continue
+        nonspecial[i] = True
+        if tok.startswith("##"):
+            out[i] = head_salient
+            continue
+        head_salient = bool(re.search(r"[a-z0-9]", tok)) and tok not in FUNCTION_WORDS
+        out[i] = head_salient
+    return out if out.any() else nonspecial
+
+
+# ----------------------------------------------------------------------------- partition
+
+
+@dataclass(frozen=True)
+class Split:
+    """One Otsu cut: tokens ``left`` (coordinate < ``cut`` on ``axis``) and ``right``."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+    axis: int
+    cut: float
+    between_var: float
+
+
+def _cut_candidates(coords: torch.Tensor, sal: torch.Tensor, axis: int):
+    """All cuts along one axis: (n_left, cut value, between-class variance) per candidate."""
+    order = torch.argsort(coords[:, axis], stable=True)
+    c = coords[order, axis].double()
+    s = sal[order].double()
+    n = len(s)
+    n0 = torch.arange(1, n, dtype=torch.float64)
+    cs = torch.cumsum(s, 0)[:-1]
+    mu0 = cs / n0
+    mu1 = (s.sum() - cs) / (n - n0)
+    var_b = (n0 / n) * (1 - n0 / n) * (mu0 - mu1) ** 2
+    distinct = c[1:] > c[:-1]  # a cut must fall between two different coordinates
+    cut = (c[1:] + c[:-1]) / 2
+    return order, n0.long(), cut, var_b, distinct
+
+
+def otsu_split(coords: torch.Tensor, sal: torch.Tensor, frac: float = 0.5,
+               balance_tol: float = 0.25, bounds: tuple[float, float] | None = None) -> Split:
+    """The balanced axis-aligned cut of a token set with the largest Otsu criterion.
+
+    ``coords`` ``[n, 2]`` (row, column), ``sal`` ``[n]``. Allowed cuts leave
+    ``n_left / n`` within ``frac +- balance_tol * min(frac, 1 - frac)`` and fall between
+    two distinct coordinates (``bounds`` = explicit ``(lo, hi)`` for ``n_left`` instead).
+    Among them the one maximising the between-class variance ``w0 w1 (mu0 - mu1)^2``
+    wins; ties go to the most balanced cut (so a uniform map is cut into equal halves).
+    If no allowed cut exists the most balanced distinct cut is taken.
+    """
+    n = coords.shape[0]
+    if n < 2:
+        raise ValueError("cannot split fewer than 2 tokens")
+    if bounds is None:
+        slack = balance_tol * min(frac, 1 - frac) * n
+        bounds = (frac * n - slack, frac * n + slack)
+    lo, hi = bounds[0] - 1e-9, bounds[1] + 1e-9
+    s64 = sal.double()
+    scale = float(((s64 - s64.mean()) ** 2).mean()) or 1.0
+    best = fallback = None
+    for axis in (0, 1):
+        order, n0, cut, var_b, distinct = _cut_candidates(coords, sal, axis)
+        if not distinct.any():
+            continue
+        imbalance = (n0.double() - frac * n).abs()
+        ok = distinct & (n0.double() >= lo) & (n0.double() <= hi)
+        if ok.any():
+            # relative criterion rounded so float noise does not break ties
+            score = torch.where(ok, torch.round(var_b / scale * 1e9) / 1e9, -torch.inf)
+            top = score.max()
+            i = int(torch.argmin(torch.where(score == top, imbalance, torch.inf)))
+            key = (float(top), -float(imbalance[i]))
+            if best is None or key > best[0]:
+                best = (key, axis, order, int(n0[i]), float(cut[i]), float(var_b[i]))
+        j = int(torch.argmin(torch.where(distinct, imbalance, torch.inf)))
+        key = -float(imbalance[j])
+        if fallback is None or key > fallback[0]:
+            fallback = (key, axis, order, int(n0[j]), float(cut[j]), float(var_b[j]))
+    choice = best or fallback
+    if choice is None:  # every token at the same position: split by order
+        order = torch.arange(n)
+        k = max(1, min(n - 1, round(frac * n)))
+        return Split(order[:k], order[k:], 0, float("nan"), 0.0)
+    _, axis, order, k, cut, var_b = choice
+    return Split(order[:k], order[k:], axis, cut, var_b)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Patches (index tensors into the region's tokens) and how well they explain the
+    saliency: ``explained`` = between-patch variance / total variance (1 when flat)."""
+
+    patches: tuple[torch.Tensor, ...]
+    explained: float
+    objective: float = float("nan")
+    searched: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def count(self) -> int:
+        return len(self.patches)
+
+    def sizes(self) -> list[int]:
+        return [len(p) for p in self.patches]
+
+    def owner(self, n: int) -> torch.Tensor:
+        """Patch index of every region token ``[n]``."""
+        out = torch.full((n,), -1, dtype=torch.long)
+        for i, p in enumerate(self.patches):
+            out[p] = i
+        return out
+
+
+def explained_variance(sal: torch.Tensor, patches) -> float:
+    s = sal.double()
+    total = float(((s - s.mean()) ** 2).sum())
+    if total <= 1e-18 * max(1.0, float((s**2).sum())):
+        return 1.0
+    between = sum(len(p) * float((s[p].mean() - s.mean()) ** 2) for p in patches)
+    return between / total
+
+
+def otsu_partition(coords: torch.Tensor, sal: torch.Tensor, patches: int,
+                   balance_tol: float = 0.25) -> Partition:
+    """Recursive Otsu partition of a token set into ``patches`` load-balanced patches.
+
+    A set that must become ``r`` patches is cut (:func:`otsu_split`) into sides that
+    become ``r0 = floor(r/2)`` and ``r - r0`` patches. The cut must leave every side able
+    to hold patches of ``(1 +- balance_tol) * n / patches`` tokens, so (where the grid
+    allows) every final patch is within the tolerance of the mean size: equal-cost
+    monotasks for the scheduler.
+    """
+    n = coords.shape[0]
+    if not 1 <= patches <= n:
+        raise ValueError(f"cannot make {patches} patches of {n} tokens")
+    unit = n / patches
+    small, big = (1 - balance_tol) * unit, (1 + balance_tol) * unit
+
+    def rec(idx: torch.Tensor, r: int) -> list[torch.Tensor]:
+        if r == 1:
+            return [idx.sort().values]
+        r0, m = r // 2, len(idx)
+        r1 = r - r0
+        bounds = (max(r0 * small, m - r1 * big), min(r0 * big, m - r1 * small))
+        sp = otsu_split(coords[idx], sal[idx], r0 / r, balance_tol, bounds)
+        return rec(idx[sp.left], r0) + rec(idx[sp.right], r1)
+
+    parts = rec(torch.arange(n), patches)
+    return Partition(tuple(parts), explained_variance(sal, parts))
+
+
+def choose_partition(coords: torch.Tensor, sal: torch.Tensor, candidates=(2, 3, 4, 6, 8),
+                     overhead_tokens: int = 16, overhead_weight: float = 1.0,
+                     balance_tol: float = 0.25, min_patch_tokens: int = 4) -> Partition:
+    """Bounded search over the number of patches.
+
+    For every candidate ``R`` (at most ``n / min_patch_tokens``) the recursive Otsu
+    partition is built and scored by ``J(R) = (1 - explained(R)) + overhead_weight *
+    (R - 1) * overhead_tokens / (n + overhead_tokens)``: saliency variance a patch mixes
+    (its salient part forces the whole patch to run) plus the extra rows that ``R``
+    separate patch executions compute (each recomputes the text tokens). The smallest
+    ``J`` wins (the smaller ``R`` on ties).
+    """
+    n = coords.shape[0]
+    limit = max(1, n // max(1, min_patch_tokens))
+    rs = sorted({r for r in candidates if 1 <= r <= limit}) or [1]
+    best, searched = None, []
+    for r in rs:
+        part = otsu_partition(coords, sal, r, balance_tol)
+        obj = (1 - part.explained) + overhead_weight * (r - 1) * overhead_tokens / (n + overhead_tokens)
+        searched.append((r, obj))
+        if best is None or obj < best[1] - 1e-12:
+            best = (part, obj)
+    part, obj = best
+    return Partition(part.patches, part.explained, obj, tuple(searched))
+
+
+# ----------------------------------------------------------------------------- gate
+
+
+@dataclass
+class GateDecision:
+    """One step's gate output over the patches."""
+
+    active: torch.Tensor   # bool [R]
+    weights: torch.Tensor  # normalised scores [R]
+    forced: torch.Tensor   # bool [R]: active only because of max_skips
+
+    def active_ids(self) -> list[int]:
+        return torch.nonzero(self.active).flatten().tolist()
+
+
+@dataclass
+class PatchGate:
+    """Skip patches whose normalised refinement score is below ``eps``; force a patch
+    back after ``max_skips`` consecutive skips. ``skips[p]`` counts the current run."""
+
+    patches: int
+    eps: float = 0.5
+    max_skips: int = 3
+    skips: torch.Tensor = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.skips is None:
+            self.skips = torch.zeros(self.patches, dtype=torch.long)
+
+    @staticmethod
+    def weights(importance: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+        score = importance.double().clamp_min(0) * change.double().clamp_min(0)
+        mean = score.mean()
+        if not torch.isfinite(mean) or mean <= 0:
+            return torch.ones_like(score)
+        return score / mean
+
+    def decide(self, importance: torch.Tensor, change: torch.Tensor) -> GateDecision:
+        w = self.weights(importance, change)
+        forced = (self.skips >= self.max_skips) & (w < self.eps)
+        active = (w >= self.eps) | forced
+        self.skips = torch.where(active, torch.zeros_like(self.skips), self.skips + 1)
+        return GateDecision(active, w.float(), forced)
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+@dataclass
+class KVStore:
+    """Per-block K/V of the region tokens, each token's from its last execution.
+
+    ``k``/``v`` ``[L, Bc, H, n, D]`` (blocks, guidance branches, heads, tokens, head dim).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def write(self, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[:, :, :, idx] = k.to(self.k.dtype)
+        self.v[:, :, :, idx] = v.to(self.v.dtype)
+
+    def clone(self) -> KVStore:
+        return KVStore(self.k.clone(), self.v.clone())
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+@dataclass
+class FullResult:
+    """A whole-region step: guided velocity ``[n, C]``, the K/V of every region token,
+    and (when probed) image->text attention ``[n, T]`` and image->region attention
+    ``[n, n]`` (cond branch, mean over heads and probe blocks)."""
+
+    velocity: torch.Tensor
+    kv: KVStore | None = None
+    text_attn: torch.Tensor | None = None
+    img_attn: torch.Tensor | None = None
+    img_keys: int = 0  # image keys each query could see (region + template cache)
+
+
+@dataclass
+class PatchResult:
+    """One patch's step: velocity ``[n_p, C]``, K/V ``[L, Bc, H, n_p, D]``, and the
+    mean attention mass its queries put on its own tokens (``self_mass``, with
+    ``img_keys`` image keys visible)."""
+
+    velocity: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    self_mass: float
+    img_keys: int
+
+
+class RegionalBackend(Protocol):
+    """What regional execution needs from a model (MMDiT here, diffusers adapters later).
+
+    The region is ``n`` image tokens with ``coords`` ``[n, 2]`` (row, column). Velocities
+    are already guided (classifier-free guidance is the backend's business).
+    """
+
+    coords: torch.Tensor
+    text_tokens: int
+
+    def run_full(self, step: int, t: float, x: torch.Tensor, probe: bool,
+                 want_kv: bool) -> FullResult:
+        """All region tokens ``x [n, C]`` at timestep ``t``."""
+        ...
+
+    def run_patches(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
+                    context: KVStore | None) -> list[PatchResult]:
+        """Each patch separately (its tokens + text fresh, ``context`` minus its own tokens
+        visible), possibly packed into one call; ``x`` holds the whole region."""
+        ...
+
+    def cost(self, queries: int, keys: int, calls: int = 1) -> float:
+        """Multiply-accumulates of one call with ``queries`` fresh rows and ``keys`` keys."""
+        ...
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@dataclass
+class RegionalConfig:
+    """Knobs of regional execution (defaults: ``dit/REGIONAL.md``)."""
+
+    warmup: int = 4
+    eps: float = 0.6
+    max_skips: int = 3
+    patch_candidates: tuple[int, ...] = (2, 3, 4, 6, 8)
+    patches: int | None = None          # fix R instead of searching
+    balance_tol: float = 0.25
+    overhead_weight: float = 1.0
+    min_patch_tokens: int = 4
+    context: str = "stale"              # "stale" | "none" (naive independent patches)
+    use_importance: bool = True         # False: gate on the change signal only
+
+    def validate(self, steps: int) -> None:
+        if self.warmup < 1:
+            raise ValueError("warmup must be >= 1 (the partition needs one full step)")
+        if self.context not in ("stale", "none"):
+            raise ValueError("context must be 'stale' or 'none'")
+        if self.max_skips < 0 or self.eps < 0:
+            raise ValueError("eps and max_skips must be non-negative")
+
+
+@dataclass
+class RegionalStats:
+    """What happened: patch-steps run/skipped, modelled compute, the partition."""
+
+    steps: int
+    warmup: int
+    patches: int = 0
+    patch_sizes: list[int] = field(default_factory=list)
+    executed_patch_steps: int = 0
+    skipped_patch_steps: int = 0
+    forced_patch_steps: int = 0
+    macs: float = 0.0
+    full_macs: float = 0.0
+    explained: float = float("nan")
+    active_log: list[list[int]] = field(default_factory=list)
+
+    @property
+    def skipped_fraction(self) -> float:
+        total = self.executed_patch_steps + self.skipped_patch_steps
+        return self.skipped_patch_steps / total if total else 0.0
+
+    @property
+    def compute_fraction(self) -> float:
+        return self.macs / self.full_macs if self.full_macs else 1.0
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "warmup": self.warmup, "patches": self.patches,
+                "patch_sizes": self.patch_sizes, "executed_patch_steps": self.executed_patch_steps,
+                "skipped_patch_steps": self.skipped_patch_steps,
+                "forced_patch_steps": self.forced_patch_steps,
+                "skipped_fraction": self.skipped_fraction,
+                "compute_fraction": self.compute_fraction, "explained": self.explained}
+
+
+class RegionalState:
+    """One request's regional execution, step by step, independent of who computes.
+
+    The single-process sampler (:func:`run_regional`) and the cloud render engine drive
+    the same state: ask :meth:`phase`, get the work done by a backend, hand back the
+    results with :meth:`apply_full` / :meth:`apply_patches`. Results are keyed by
+    (step, patch); applying a step twice is refused, so outputs are applied exactly once.
+    """
+
+    def __init__(self, cfg: RegionalConfig, coords: torch.Tensor, timesteps: torch.Tensor,
+                 x: torch.Tensor, text_tokens: int, salient: torch.Tensor | None = None,
+                 cost=None):
+        self.steps = len(timesteps) - 1
+        cfg.validate(self.steps)
+        self.cfg, self.coords, self.ts = cfg, coords, timesteps
+        self.x = x.clone()
+        self.n = x.shape[0]
+        self.text_tokens = text_tokens
+        self.salient = salient
+        self.cost = cost
+        self.step = 0
+        self.store: KVStore | None = None
+        self.partition: Partition | None = None
+        self.gate: PatchGate | None = None
+        self.v_last = torch.zeros_like(self.x)
+        self.v_prev: torch.Tensor | None = None
+        self.importance: torch.Tensor | None = None
+        self.rate: torch.Tensor | None = None
+        self.last_exec: torch.Tensor | None = None
+        self.decisions: dict[int, GateDecision] = {}
+        self.stats = RegionalStats(self.steps, min(cfg.warmup, self.steps))
+        self.img_keys_full = 0
+
+    # -- queries ----------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.steps
+
+    def phase(self, step: int | None = None) -> str:
+        step = self.step if step is None else step
+        return "full" if step < self.cfg.warmup or self.partition is None else "patches"
+
+    def wants_probe(self, step: int) -> bool:
+        """The last warm-up step is probed (it builds the partition)."""
+        return step == self.cfg.warmup - 1 and step < self.steps - 1
+
+    def wants_kv(self, step: int) -> bool:
+        return self.wants_probe(step) and self.cfg.context == "stale"
+
+    def dt(self, step: int) -> float:
+        return float(self.ts[step + 1] - self.ts[step])
+
+    def t(self, step: int) -> float:
+        return float(self.ts[step])
+
+    # -- full steps -------------------------------------------------------------------
+
+    def apply_full(self, step: int, res: FullResult) -> None:
+        if step != self.step or self.phase(step) != "full":
+            raise RuntimeError(f"full result for step {step} does not fit (at {self.step})")
+        v = res.velocity.to(self.x.dtype)
+        self.v_prev, self.v_last = self.v_last if step > 0 else None, v.clone()
+        self._account(self.n + self.text_tokens, self.n + self.text_tokens + self._extra_keys(res))
+        if self.wants_probe(step):
+            self._build_partition(res)
+        self.x = self.x + self.dt(step) * v
+        self.step += 1
+
+    def _extra_keys(self, res: FullResult) -> int:
+        if res.img_keys:
+            self.img_keys_full = res.img_keys
+        return max(0, self.img_keys_full - self.n)
+
+    def _build_partition(self, res: FullResult) -> None:
+        if res.text_attn is None or res.img_attn is None:
+            raise RuntimeError("the last warm-up step must be probed")
+        ta = res.text_attn.double()
+        sal = ta[:, self.salient].sum(-1) if self.salient is not None else ta.sum(-1)
+        cfg = self.cfg
+        if cfg.patches:
+            part = otsu_partition(self.coords, sal, min(cfg.patches, self.n), cfg.balance_tol)
+        else:
+            part = choose_partition(self.coords, sal, cfg.patch_candidates, self.text_tokens,
+                                    cfg.overhead_weight, cfg.balance_tol, cfg.min_patch_tokens)
+        self.partition = part
+        self.gate = PatchGate(part.count, cfg.eps, cfg.max_skips)
+        self.store = res.kv
+        a = res.img_attn.double()
+        keys = res.img_keys or self.n
+        self.importance = torch.tensor(
+            [float(a[p][:, p].sum(-1).mean()) / (len(p) / keys) for p in part.patches])
+        rate = torch.ones(part.count)
+        if self.v_prev is not None:
+            for i, p in enumerate(part.patches):
+                rate[i] = _rel_change(self.v_last[p], self.v_prev[p])
+        self.rate = rate
+        self.last_exec = torch.full((part.count,), self.step, dtype=torch.long)
+        self.stats.patches = part.count
+        self.stats.patch_sizes = part.sizes()
+        self.stats.explained = part.explained
+
+    # -- patch steps ------------------------------------------------------------------
+
+    def decide(self, step: int) -> GateDecision:
+        """The gate decision for ``step`` (computed once; later calls return it)."""
+        if step in self.decisions:
+            return self.decisions[step]
+        if step != self.step or self.phase(step) != "patches":
+            raise RuntimeError(f"no patch step {step} now (at {self.step})")
+        change = self.rate * (step - self.last_exec).double()
+        imp = self.importance if self.cfg.use_importance else torch.ones_like(self.rate)
+        d = self.gate.decide(imp, change)
+        self.decisions[step] = d
+        return d
+
+    def patch_inputs(self, patch: int) -> torch.Tensor:
+        return self.partition.patches[patch]
+
+    def apply_patches(self, step: int, results: dict[int, PatchResult]) -> None:
+        if step != self.step:
+            raise RuntimeError(f"patch results for step {step} do not fit (at {self.step})")
+        d = self.decide(step)
+        want = set(d.active_ids())
+        if set(results) != want:
+            raise RuntimeError(f"step {step}: results for {sorted(results)}, need {sorted(want)}")
+        parts = self.partition.patches
+        v = self.v_last.clone()
+        for p, r in results.items():
+            idx = parts[p]
+            new = r.velocity.to(v.dtype)
+            gap = max(1, step - int(self.last_exec[p]))
+            self.rate[p] = _rel_change(new, self.v_last[idx]) / gap
+            v[idx] = new
+            self.importance[p] = r.self_mass / (len(idx) / max(1, r.img_keys))
+            self.last_exec[p] = step
+        if self.store is not None:  # deferred writes: order-independent
+            for p in sorted(results):
+                self.store.write(parts[p], results[p].k, results[p].v)
+        self.v_last = v
+        self._account_patches([len(parts[p]) for p in sorted(results)])
+        self.stats.executed_patch_steps += len(results)
+        self.stats.skipped_patch_steps += len(parts) - len(results)
+        self.stats.forced_patch_steps += int(d.forced.sum())
+        self.stats.active_log.append(sorted(results))
+        self.x = self.x + self.dt(step) * v
+        self.step += 1
+
+    # -- compute accounting -----------------------------------------------------------
+
+    def _account(self, queries: int, keys: int) -> None:
+        if self.cost is None:
+            return
+        full = self.cost(self.n + self.text_tokens,
+                         self.n + self.text_tokens + max(0, self.img_keys_full - self.n))
+        self.stats.full_macs += full
+        self.stats.macs += self.cost(queries, keys)
+
+    def _account_patches(self, sizes: list[int]) -> None:
+        if self.cost is None:
+            return
+        t = self.text_tokens
+        extra = max(0, self.img_keys_full - self.n)
+        q = sum(s + t for s in sizes)
+        keys = q + extra + (self.n if self.cfg.context == "stale" else 0)
+        self.stats.full_macs += self.cost(self.n + t, self.n + t + extra)
+        self.stats.macs += self.cost(q, keys) if sizes else 0.0
+
+
+def _rel_change(new: torch.Tensor, old: torch.Tensor) -> float:
+    den = float(new.double().norm())
+    return float((new.double() - old.double()).norm()) / max(den, 1e-12)
+
+
+def run_regional(backend: RegionalBackend, state: RegionalState) -> RegionalState:
+    """Drive ``state`` to the end with ``backend`` in this process."""
+    while not state.done:
+        s = state.step
+        if state.phase(s) == "full":
+            res = backend.run_full(s, state.t(s), state.x, probe=state.wants_probe(s),
+                                   want_kv=state.wants_kv(s))
+            state.apply_full(s, res)
+        else:
+            d = state.decide(s)
+            ids = d.active_ids()
+            outs = backend.run_patches(s, state.t(s), state.x,
+                                       [state.partition.patches[p] for p in ids],
+                                       state.store if state.cfg.context == "stale" else None)
+            state.apply_patches(s, dict(zip(ids, outs)))
+    return state
+
+
+__all__ = [
+    "FUNCTION_WORDS", "FullResult", "GateDecision", "KVStore", "Partition", "PatchGate",
+    "PatchResult", "RegionalBackend", "RegionalConfig", "RegionalState", "RegionalStats",
+    "Split", "choose_partition", "explained_variance", "otsu_partition", "otsu_split",
+    "run_regional", "salient_token_mask",
+]

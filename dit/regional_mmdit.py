@@ -1,0 +1,309 @@
+"""Regional execution for the default MMDiT: the :class:`~dit.regional.RegionalBackend`
+implementation, and regional full generation / regional cached edits.
+
+Patch-restricted execution runs the model on a subset of image tokens. Several patches
+of one step are *packed* into one call along the token axis: ``[text x P, patch_1 ...
+patch_P]`` with a block-diagonal attention mask, so each patch (and its own copy of the
+text tokens) sees only itself fresh, plus
+
+* the K/V of the rest of the region as of each token's last execution (the
+  :class:`~dit.regional.KVStore`, its own stale entries masked out; ``context="stale"``),
+* in a cached edit, the template cache of the unmasked tokens (role ``cache``).
+
+Packing is exactly separate execution (up to float summation order): the model mixes
+tokens only in attention, and the mask removes every cross-patch pair. It saves the
+per-call overhead of an eager forward, which dominates at this model size on a CPU.
+Attention probabilities are computed explicitly only in the *probe blocks* (default: the
+double-stream blocks, where text and image attend jointly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dit.attention import AttentionHook, Layout
+from dit.cache import KVProvider
+from dit.editing import EditRequest, Geometry, Template, channels_to_heads, compose, edit_noise
+from dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, unpatchify
+from dit.regional import (
+    FullResult,
+    KVStore,
+    PatchResult,
+    RegionalConfig,
+    RegionalState,
+    run_regional,
+)
+from dit.sampler import noise_like, schedule
+
+
+def mmdit_macs(cfg: MMDiTConfig, queries: int, keys: int) -> float:
+    """Multiply-accumulates of the transformer blocks for one guidance branch."""
+    d = cfg.hidden_size
+    mlp = int(d * cfg.mlp_ratio)
+    attn = 2 * queries * keys * d
+    double = queries * (4 * d * d + 2 * d * mlp) + attn
+    single = queries * (d * (3 * d + mlp) + (d + mlp) * d) + attn
+    return float(cfg.double_blocks * double + cfg.single_blocks * single)
+
+
+class PackHook(AttentionHook):
+    """Attention for a packed call: fixed extra K/V, the stale context, a block mask,
+    K/V recording of the image tokens and explicit probabilities in probe blocks."""
+
+    def __init__(self, fixed: Callable[[int], list[torch.Tensor]] | None,
+                 context: KVStore | None, mask: torch.Tensor | None, probe_blocks: set[int]):
+        super().__init__("joint")
+        self.fixed, self.context, self.mask = fixed, context, mask
+        self.probe_blocks = probe_blocks
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.probs_sum: torch.Tensor | None = None
+        self.probed = 0
+
+    def attend(self, block: int, q, k, v, layout: Layout):
+        if layout.ref:
+            raise ValueError("regional execution does not take reference tokens")
+        t = layout.txt
+        self.k[block] = k[:, :, t : t + layout.img]
+        self.v[block] = v[:, :, t : t + layout.img]
+        b = q.shape[0]
+        ks, vs = [k], [v]
+        if self.fixed is not None:
+            fk, fv = self.fixed(block)
+            ks.append(fk.expand(b, -1, -1, -1))
+            vs.append(fv.expand(b, -1, -1, -1))
+        if self.context is not None:
+            ks.append(self.context.k[block].expand(b, -1, -1, -1))
+            vs.append(self.context.v[block].expand(b, -1, -1, -1))
+        if len(ks) > 1:
+            k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        if block in self.probe_blocks:
+            scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+            if self.mask is not None:
+                scores = scores.masked_fill(~self.mask, float("-inf"))
+            probs = scores.softmax(dim=-1)
+            a = probs[0].mean(0)  # cond branch, mean over heads
+            self.probs_sum = a if self.probs_sum is None else self.probs_sum + a
+            self.probed += 1
+            return probs @ v
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+@dataclass
+class _Pack:
+    sizes: list[int]
+    txt: int
+    fixed: int
+    store: int
+
+
+class MMDiTRegional:
+    """:class:`~dit.regional.RegionalBackend` for :class:`~dit.model.MMDiT`.
+
+    ``pos`` ``[n, 3]`` are the region tokens' rotary positions and ``coords`` ``[n, 2]``
+    their (row, column) on the token grid; ``fixed(step)`` (cached edits) returns a
+    function ``block -> (k, v)`` of the template cache, each ``[1, H, U, D]``.
+    """
+
+    def __init__(self, model: MMDiT, txt: torch.Tensor, txt_uncond: torch.Tensor | None,
+                 guidance: float, pos: torch.Tensor, coords: torch.Tensor,
+                 fixed: Callable[[int], Callable[[int], tuple[torch.Tensor, torch.Tensor]]] | None = None,
+                 fixed_tokens: int = 0, probe_blocks: tuple[int, ...] | None = None):
+        if model.cfg.attention_mode != "joint":
+            raise ValueError("regional execution supports the joint attention mode only")
+        self.model, self.guidance = model, guidance
+        self.branches = 2 if txt_uncond is not None and guidance != 1.0 else 1
+        self.txt = torch.cat([txt, txt_uncond.expand_as(txt)]) if self.branches == 2 else txt
+        self.pos, self.coords = pos, coords
+        self.fixed, self.fixed_tokens = fixed, fixed_tokens
+        self.text_tokens = int(txt.shape[1])
+        blocks = probe_blocks if probe_blocks is not None else tuple(range(model.cfg.double_blocks))
+        self.probe_blocks = set(blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def cost(self, queries: int, keys: int, calls: int = 1) -> float:
+        return self.branches * mmdit_macs(self.model.cfg, queries, keys)
+
+    # -- one packed call -------------------------------------------------------------
+
+    def _mask(self, pack: _Pack, owner: torch.Tensor | None) -> torch.Tensor | None:
+        p = len(pack.sizes)
+        if p == 1 and owner is None:
+            return None
+        groups = torch.arange(p)
+        gq = torch.cat([groups.repeat_interleave(pack.txt),
+                        groups.repeat_interleave(torch.tensor(pack.sizes))])
+        gk = torch.cat([gq, torch.full((pack.fixed,), -1)])
+        fresh_or_fixed = (gk[None] == gq[:, None]) | (gk[None] == -1)
+        if owner is None:
+            return fresh_or_fixed
+        stale = owner[None] != gq[:, None]  # a patch never sees its own stale K/V
+        return torch.cat([fresh_or_fixed, stale], dim=1)
+
+    @torch.no_grad()
+    def _call(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
+              context: KVStore | None, probe: bool):
+        dev = self.device
+        idx = torch.cat(patches)
+        sizes = [len(p) for p in patches]
+        pack = _Pack(sizes, self.text_tokens, self.fixed_tokens,
+                     0 if context is None else context.k.shape[3])
+        owner = None
+        if context is not None:
+            owner = torch.full((pack.store,), -2, dtype=torch.long)
+            for i, p in enumerate(patches):
+                owner[p] = i
+        mask = self._mask(pack, owner)
+        fixed = self.fixed(step) if self.fixed is not None else None
+        if fixed is not None and dev.type != "cpu":
+            fixed_cpu = fixed
+
+            def fixed(b, f=fixed_cpu):
+                return tuple(z.to(dev) for z in f(b))
+        ctx = None
+        if context is not None:
+            ctx = KVStore(context.k.to(dev), context.v.to(dev))
+        hook = PackHook(fixed, ctx, None if mask is None else mask.to(dev),
+                         self.probe_blocks if probe else set())
+        bc = self.branches
+        img = x[idx].to(dev, torch.float32)[None].expand(bc, -1, -1)
+        txt = self.txt.to(dev).repeat(1, len(patches), 1)
+        tt = torch.full((bc,), float(t), device=dev)
+        out = self.model(TokenBatch(img=img, img_pos=self.pos[idx].to(dev), txt=txt, t=tt), hook)
+        vel = out[1:] + self.guidance * (out[:1] - out[1:]) if bc == 2 else out
+        vel = vel[0].float().cpu()
+        nb = self.model.cfg.num_blocks
+        k = torch.stack([hook.k[b] for b in range(nb)]).float().cpu()
+        v = torch.stack([hook.v[b] for b in range(nb)]).float().cpu()
+        probs = None
+        if hook.probed:
+            probs = (hook.probs_sum / hook.probed).float().cpu()
+        return vel, k, v, probs, pack
+
+    # -- the backend interface -------------------------------------------------------
+
+    def run_full(self, step: int, t: float, x: torch.Tensor, probe: bool,
+                 want_kv: bool) -> FullResult:
+        n = x.shape[0]
+        vel, k, v, probs, pack = self._call(step, t, x, [torch.arange(n)], None, probe)
+        res = FullResult(vel, KVStore(k, v) if want_kv else None, img_keys=n + self.fixed_tokens)
+        if probs is not None:
+            tt = pack.txt
+            res.text_attn = probs[tt:, :tt]
+            res.img_attn = probs[tt:, tt : tt + n]
+        return res
+
+    def run_patches(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
+                    context: KVStore | None) -> list[PatchResult]:
+        if not patches:
+            return []
+        n = x.shape[0]
+        vel, k, v, probs, pack = self._call(step, t, x, patches, context, True)
+        out, off = [], 0
+        q0 = len(patches) * pack.txt
+        for p in patches:
+            m = len(p)
+            sl = slice(off, off + m)
+            mass = float("nan")
+            if probs is not None:
+                rows = probs[q0 + off : q0 + off + m]
+                mass = float(rows[:, q0 + off : q0 + off + m].sum(-1).mean())
+            keys = m + self.fixed_tokens + (n - m if context is not None else 0)
+            out.append(PatchResult(vel[sl], k[:, :, :, sl].clone(), v[:, :, :, sl].clone(),
+                                   mass, keys))
+            off += m
+        return out
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def grid_coords(grid: int, index: torch.Tensor | None = None) -> torch.Tensor:
+    """(row, column) of token indices of a row-major ``grid x grid`` token grid."""
+    idx = torch.arange(grid * grid) if index is None else index
+    return torch.stack([idx // grid, idx % grid], dim=-1)
+
+
+def generation_backend(model: MMDiT, txt, txt_uncond, size: int, guidance: float,
+                       probe_blocks=None) -> MMDiTRegional:
+    grid = size // model.cfg.patch_size
+    return MMDiTRegional(model, txt, txt_uncond, guidance,
+                         grid_positions(grid, model.cfg.pos_span), grid_coords(grid),
+                         probe_blocks=probe_blocks)
+
+
+def generation_state(model: MMDiT, size: int, seed: int, steps: int, cfg: RegionalConfig,
+                     backend: MMDiTRegional, salient: torch.Tensor | None = None) -> RegionalState:
+    """The state of a regional generation; its latents start as ``sampler.generate``'s."""
+    grid = size // model.cfg.patch_size
+    x = noise_like((1, grid * grid, model.cfg.patch_dim), seed)[0]
+    return RegionalState(cfg, backend.coords, schedule(steps), x, backend.text_tokens,
+                         salient, backend.cost)
+
+
+def latents_to_image(model: MMDiT, x: torch.Tensor, size: int) -> torch.Tensor:
+    return unpatchify(x[None], model.cfg.patch_size, model.cfg.in_channels, size).clamp(-1, 1)
+
+
+def regional_generate(model: MMDiT, txt: torch.Tensor, txt_uncond: torch.Tensor | None,
+                      size: int, seed: int, steps: int = 20, guidance: float = 3.0,
+                      cfg: RegionalConfig | None = None, salient: torch.Tensor | None = None,
+                      probe_blocks=None) -> tuple[torch.Tensor, RegionalState]:
+    """Full generation with regional execution -> (image ``[1, 3, size, size]``, state).
+
+    With ``cfg.warmup >= steps`` this is ``dit.sampler.generate`` exactly.
+    """
+    cfg = cfg or RegionalConfig()
+    backend = generation_backend(model, txt, txt_uncond, size, guidance, probe_blocks)
+    state = run_regional(backend, generation_state(model, size, seed, steps, cfg, backend, salient))
+    return latents_to_image(model, state.x, size), state
+
+
+def edit_backend(model: MMDiT, template: Template, geo: Geometry, provider: KVProvider,
+                 req: EditRequest, probe_blocks=None) -> MMDiTRegional:
+    heads = model.cfg.num_heads
+
+    def fixed(step: int):
+        def get(block: int):
+            k, v = provider.get(step, block)
+            return channels_to_heads(k, heads), channels_to_heads(v, heads)
+        return get
+
+    unmasked = len(geo.unmasked)
+    return MMDiTRegional(model, req.txt, req.txt_uncond, template.guidance,
+                         geo.pos[geo.masked], grid_coords(geo.grid, geo.masked),
+                         fixed=fixed if unmasked else None, fixed_tokens=unmasked,
+                         probe_blocks=probe_blocks)
+
+
+def regional_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVProvider,
+                  req: EditRequest, cfg: RegionalConfig | None = None,
+                  salient: torch.Tensor | None = None,
+                  probe_blocks=None) -> tuple[torch.Tensor, RegionalState]:
+    """A cached masked edit whose masked tokens run regionally -> (image ``[3, H, W]``, state).
+
+    The region is the masked tokens; the template cache of the unmasked tokens is appended
+    to every call as in ``dit.editing.cached_edit`` (which this equals with
+    ``cfg.warmup >= template.steps``). References are not supported here.
+    """
+    if req.ref_images is not None and len(req.ref_images):
+        raise ValueError("regional_edit does not take reference images")
+    cfg = cfg or RegionalConfig()
+    backend = edit_backend(model, template, geo, provider, req, probe_blocks)
+    x = edit_noise(model, template, req.seed)[0, geo.masked]
+    state = RegionalState(cfg, backend.coords, schedule(template.steps), x, backend.text_tokens,
+                          salient, backend.cost)
+    run_regional(backend, state)
+    return compose(model, template, geo, state.x[None]), state
+
+
+__all__ = ["MMDiTRegional", "edit_backend", "generation_backend", "generation_state",
+           "grid_coords", "latents_to_image", "mmdit_macs", "regional_edit",
+           "regional_generate"]
