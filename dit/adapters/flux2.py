@@ -262,3 +262,26 @@ class Flux2Adapter(ModelAdapter):
             else:
                 br.refs = list(refs)
         return br
+
+
+@torch.inference_mode()
+def native_velocity(adapter: Flux2Adapter, x: torch.Tensor, grid: tuple[int, int],
+                    timestep: torch.Tensor, cond: Conditioning,
+                    refs: list[LatentImage] | None = None, kv_cache=None):
+    """The stock diffusers path (no SAKURA run): with ``refs`` the pipeline's step-0
+    ``"extract"`` call (returns ``(velocity, Flux2KVCache)``); with ``kv_cache`` its
+    ``"cached"`` call; else the plain forward. For tests and the bench."""
+    m, dev, dt = adapter.model, adapter.device, adapter.dtype
+    txt = cond.embeds.to(dev, dt)
+    hidden, ids, kw = x.to(dev, dt), image_ids(grid), {}
+    if refs:
+        toks, ref_ids = reference_inputs(refs)
+        hidden = torch.cat([toks.to(dev, dt), hidden], dim=1)
+        ids = torch.cat([ref_ids, ids])
+        kw = {"kv_cache_mode": "extract", "num_ref_tokens": toks.shape[1]}
+    elif kv_cache is not None:
+        kw = {"kv_cache_mode": "cached", "kv_cache": kv_cache}
+    out = m(hidden_states=hidden, encoder_hidden_states=txt,
+            timestep=(timestep / 1000).reshape(1).to(dev, dt), img_ids=ids.to(dev),
+            txt_ids=text_ids(txt.shape[1]).to(dev), guidance=None, return_dict=False, **kw)
+    return (out[0].float(), out[1]) if refs else out[0].float()

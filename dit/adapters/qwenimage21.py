@@ -267,3 +267,22 @@ class QwenImage21Adapter(ModelAdapter):
                           key_valid=None)
             out = m.proj_out(m.norm_out(h, temb, target))
         return out.float()
+
+
+@torch.inference_mode()
+def native_velocity(adapter: QwenImage21Adapter, x: torch.Tensor, grid: tuple[int, int],
+                    timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+    """The stock diffusers forward over the whole ``[prefix, target]`` sequence (block-causal
+    prefill, no cache): the uncached reference of prefix caching. For tests and the bench."""
+    m, dev, dt = adapter.model, adapter.device, adapter.dtype
+    pad, shapes, _ = adapter._layout(cond, grid)
+    n = grid[0] * grid[1]
+    t = cond.embeds.shape[1]
+    slots = (cond.image_slots if cond.image_slots is not None
+             else torch.zeros(t, dtype=torch.bool)).bool()
+    img_mask = torch.cat([slots, torch.ones(n // TOKENS_PER_SLOT, dtype=torch.bool)])[None]
+    hidden = torch.cat([im.tokens.float() for im in cond.images] + [x[0].float()])[None]
+    out = m(hidden_states=hidden.to(dev, dt), encoder_hidden_states=cond.embeds.to(dev, dt),
+            timestep=(timestep / 1000).reshape(1).to(dev, dt), img_shapes=[shapes],
+            img_mask=img_mask.to(dev), return_dict=False)[0]
+    return out[:, -n:].float()

@@ -1,0 +1,147 @@
+"""Tiny random diffusers transformers, templates and requests (tests and ``sakura bench
+adapters`` only).
+
+Built the way diffusers' own model tests build theirs: the real classes with a few layers,
+narrow heads and seeded random weights. Two sizes: ``"test"`` (unit tests, a 6x6 token grid)
+and ``"bench"`` (wider, 4-6 blocks, a 32x32 grid = the token count of a 512x512 image) so
+that masked-execution timings are not pure overhead. Never used as a product model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dit.adapters.base import Conditioning, LatentImage, LatentRequest, LatentTemplate, ModelAdapter
+
+KINDS = ("flux2", "sd3.5", "qwenimage", "qwenimage-2.1")
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    kind: str
+    size: str
+    grid: tuple[int, int]
+    text_dim: int
+    pooled_dim: int = 0
+
+
+def _configs(kind: str, size: str) -> tuple[str, dict]:
+    test = size == "test"
+    if kind == "flux2":
+        return "Flux2Transformer2DModel", dict(
+            patch_size=1, in_channels=16 if test else 64, num_layers=2,
+            num_single_layers=2 if test else 4, attention_head_dim=16 if test else 32,
+            num_attention_heads=2 if test else 4, joint_attention_dim=32 if test else 64,
+            timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4) if test else (8, 8, 8, 8),
+            guidance_embeds=False)
+    if kind == "sd3.5":
+        return "SD3Transformer2DModel", dict(
+            sample_size=12 if test else 64, patch_size=2, in_channels=4, num_layers=3 if test else 4,
+            attention_head_dim=8 if test else 32, num_attention_heads=2 if test else 4,
+            joint_attention_dim=32 if test else 64, caption_projection_dim=16 if test else 128,
+            pooled_projection_dim=24 if test else 64, out_channels=4,
+            pos_embed_max_size=16 if test else 32, dual_attention_layers=(0,) if test else (0, 1),
+            qk_norm="rms_norm")
+    if kind == "qwenimage":
+        return "QwenImageTransformer2DModel", dict(
+            patch_size=2, in_channels=16 if test else 64, out_channels=4 if test else 16,
+            num_layers=2 if test else 4, attention_head_dim=16 if test else 32,
+            num_attention_heads=2 if test else 4, joint_attention_dim=16 if test else 64,
+            axes_dims_rope=(8, 4, 4) if test else (8, 12, 12))
+    if kind == "qwenimage-2.1":
+        return "QwenImage21Transformer2DModel", dict(
+            in_channels=16 if test else 64, out_channels=16 if test else 64,
+            num_layers=2 if test else 4, attention_head_dim=16 if test else 32,
+            num_attention_heads=2 if test else 4, context_in_dim=32 if test else 64,
+            axes_dims_rope=(4, 6, 6) if test else (8, 12, 12))
+    raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {KINDS}")
+
+
+def tiny_spec(kind: str, size: str = "test") -> TinySpec:
+    _, cfg = _configs(kind, size)
+    grid = (6, 6) if size == "test" else (32, 32)
+    text = cfg.get("joint_attention_dim", cfg.get("context_in_dim"))
+    return TinySpec(kind, size, grid, int(text), int(cfg.get("pooled_projection_dim", 0)))
+
+
+def tiny_transformer(kind: str, size: str = "test", seed: int = 0) -> torch.nn.Module:
+    """A seeded random diffusers transformer of ``kind`` (weights ~ N(0, 1/fan_in))."""
+    import diffusers
+
+    cls, cfg = _configs(kind, size)
+    torch.manual_seed(seed)
+    model = getattr(diffusers, cls)(**cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(p.shape[1])))
+            elif p.ndim == 1 and p.numel() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (p.data if p.abs().sum() else 0))
+    return model.eval()
+
+
+def tiny_adapter(kind: str, size: str = "test", seed: int = 0) -> ModelAdapter:
+    from dit.adapters.flux2 import Flux2Adapter
+    from dit.adapters.qwenimage import QwenImageAdapter
+    from dit.adapters.qwenimage21 import QwenImage21Adapter
+    from dit.adapters.sd3 import SD3Adapter
+
+    cls = {"flux2": Flux2Adapter, "sd3.5": SD3Adapter, "qwenimage": QwenImageAdapter,
+           "qwenimage-2.1": QwenImage21Adapter}[kind]
+    return cls(tiny_transformer(kind, size, seed), name=f"tiny-{kind}")
+
+
+def box_mask(grid: tuple[int, int], ratio: float) -> torch.Tensor:
+    """A centred box token mask ``[N]`` covering about ``ratio`` of the grid."""
+    h, w = grid
+    side_h = max(1, round(h * math.sqrt(ratio)))
+    side_w = max(1, round((ratio * h * w) / side_h))
+    a, b = (h - side_h) // 2, (w - min(side_w, w)) // 2
+    m = torch.zeros(h, w, dtype=torch.bool)
+    m[a:a + side_h, b:b + min(side_w, w)] = True
+    return m.flatten()
+
+
+def conditioning(spec: TinySpec, tokens: int, gen: torch.Generator,
+                 image: tuple[int, int] | None = None) -> Conditioning:
+    emb = torch.randn(1, tokens, spec.text_dim, generator=gen)
+    pooled = torch.randn(1, spec.pooled_dim, generator=gen) if spec.pooled_dim else None
+    if image is None:
+        return Conditioning(emb, pooled)
+    slots = torch.zeros(tokens, dtype=torch.bool)
+    n = image[0] * image[1] // 4
+    slots[1:1 + n] = True
+    return Conditioning(emb, pooled, slots,
+                        [LatentImage(torch.randn(image[0] * image[1], _channels(spec), generator=gen),
+                                     image)])
+
+
+def _channels(spec: TinySpec) -> int:
+    _, cfg = _configs(spec.kind, spec.size)
+    return int(cfg["in_channels"]) * (int(cfg["patch_size"]) ** 2 if spec.kind == "sd3.5" else 1)
+
+
+def tiny_template(adapter: ModelAdapter, spec: TinySpec, ratio: float = 0.2, steps: int = 4,
+                  seed: int = 1) -> LatentTemplate:
+    gen = torch.Generator().manual_seed(seed)
+    n = spec.grid[0] * spec.grid[1]
+    lat = torch.randn(n, adapter.latent_channels, generator=gen)
+    return LatentTemplate(lat, spec.grid, box_mask(spec.grid, ratio), conditioning(spec, 5, gen),
+                          seed=seed, steps=steps, guidance=2.0)
+
+
+def tiny_request(adapter: ModelAdapter, spec: TinySpec, seed: int = 7, refs: int = 0,
+                 prefix_image: bool = False) -> LatentRequest:
+    """An edit request; its prompt has another length than the template's (7 vs 5 tokens);
+    ``refs`` FLUX.2 reference images, ``prefix_image`` a QwenImage 2.1 condition image."""
+    gen = torch.Generator().manual_seed(seed)
+    image = (4, 2) if prefix_image else None
+    cond = conditioning(spec, 9 if prefix_image else 7, gen, image)
+    uncond = conditioning(spec, 3, gen)
+    references = [LatentImage(torch.randn(h * w, adapter.latent_channels, generator=gen), (h, w))
+                  for h, w in [(3, 3), (2, 4), (4, 4)][:refs]]
+    return LatentRequest(cond, uncond, seed, references)
