@@ -180,7 +180,7 @@ class CacheGenCodec(Codec):
     def decode(self, params: dict[str, Any], data: bytes, spec: ShardSpec) -> list[torch.Tensor]:
         try:
             return self._decode(data, spec)
-        except (struct.error, ValueError, RuntimeError) as exc:
+        except (struct.error, ValueError, RuntimeError, AssertionError, IndexError) as exc:
             raise PackError(f"shard {spec.index}: bad cachegen data: {exc}") from None
 
     def _decode(self, data: bytes, spec: ShardSpec) -> list[torch.Tensor]:

@@ -56,8 +56,13 @@ def _inspect(args: argparse.Namespace) -> int:
             return 0
         g = manifest.geometry
         configs = sum(len(s.configs) for s in manifest.shards)
+        options = dict(manifest.codec_options)
+        if isinstance(options.get("rope"), dict):
+            rope = options["rope"]
+            options["rope"] = (f"{rope.get('heads')} heads, axes {rope.get('axes')}, theta "
+                               f"{rope.get('theta')}, {len(rope.get('positions', []))} positions")
         print(f"template {manifest.template_id}  codec {manifest.codec}  "
-              f"options {json.dumps(manifest.codec_options)}")
+              f"options {json.dumps(options)}")
         print(f"pack {reader.path} ({reader.manifest.pack_bytes} bytes)")
         print(f"geometry steps {g['steps']} blocks {g['blocks']} tokens {g['tokens']} "
               f"channels {g['channels']} heads {g['heads']} blocks/shard {g['blocks_per_shard']}")

@@ -44,7 +44,7 @@ from codec.shards import ShardData, ShardSpec
 BASE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HEADER_FMT = "<4sBBHIIH"  # magic, version, levels, matrices, N, C, group
 HEADER_MAGIC = b"SKLR"
-THIN = 1.1  # mixed configs on the Pareto front are kept at least 10% apart in bytes
+THIN = 1.15  # configs on the Pareto front are kept at least 15% apart in bytes
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,14 @@ class LowRankOptions:
     floor: float = DEFAULT_FLOOR
     """Importance floor relative to the mean importance."""
     uniform_bits: tuple[int, ...] = (2, 4, 8)
-    """Precisions (cumulative bits) at which every ladder rank is offered uniformly (all
-    components at that precision: the fixed-bitwidth configurations)."""
+    """Precisions (cumulative bits) of the uniform configurations (every component at that
+    precision: the fixed-bitwidth ones) considered for the ladder ranks."""
     mixed: bool = True
-    """Also offer mixed-precision configs (top components at more bits) on the
-    weighted-error Pareto front, besides the uniform (rank, bits) ones."""
+    """Also consider mixed-precision configs (top components at more bits)."""
+    keep: str = "pareto"
+    """Which candidate configurations go into the pack's table: ``"pareto"`` (the
+    non-dominated set by bytes and weighted error, thinned to 15% byte steps) or
+    ``"all"`` (every uniform one as well, e.g. for fixed-bitwidth ablations)."""
     rope: dict[str, Any] | None = None
     """Optional axial RoPE of the model (``{"heads", "axes", "theta", "positions"}``, see
     :func:`rope_option`): keys are factorized in the pre-rotation frame, where they are
@@ -98,6 +101,8 @@ class LowRankOptions:
             raise CodecError(f"floor must be in (0, 1], got {self.floor}")
         if self.rope is not None:
             check_rope(self.rope)
+        if self.keep not in ("pareto", "all"):
+            raise CodecError(f"keep must be 'pareto' or 'all', got {self.keep!r}")
 
 
 @dataclass(frozen=True)
@@ -244,38 +249,41 @@ class LowRankCodec(Codec):
             assert packed.shape[1] == g.chunk_bytes(lv)
             chunks.append(packed)
 
-        # 3. units: header, then per level one unit per rank-ladder segment
-        header = struct.pack(HEADER_FMT, HEADER_MAGIC, 1, g.levels, m_count, n, c, g.group)
-        header += bytes(g.level_bits) + struct.pack(f"<{g.levels}I", *level_slots)
-        units: list[bytes] = [header]
-        seg_units: list[list[int]] = []  # per level: unit index of each ladder segment
-        for lv in range(g.levels):
-            idx = []
-            prev = 0
-            for r in g.ladder:
-                if r > g.level_max[lv]:
-                    break
-                units.append(chunks[lv][prev * m_count : r * m_count].tobytes())
-                idx.append(len(units) - 1)
-                prev = r
-            seg_units.append(idx)
-
-        # 4. candidate configurations and their weighted errors (closed form)
+        # 3. candidate configurations, their weighted errors (closed form), the table
         cands = self._candidates(g)
         errs = self._config_errors(shard, g, slot_m, recon_levels, cands)
         per_rank = np.array([m_count * g.chunk_bytes(lv) for lv in range(g.levels)])
         sizes = (g.header_bytes + np.array(cands, dtype=np.int64) @ per_rank).tolist()
-        chosen = self._select(g, cands, errs, sizes)
+        chosen = [cands[i] for i in self._select(g, cands, errs, sizes)]
+        chosen_err = [errs[cands.index(cf)] for cf in chosen]
+
+        # 4. units: the header, then per level one unit between successive prefix lengths
+        # that some configuration uses; components no configuration uses are not stored
+        cuts = [sorted({cf[lv] for cf in chosen if cf[lv] > 0}) for lv in range(g.levels)]
+        stored = [(cut[-1] if cut else 0) * m_count for cut in cuts]
+        header = struct.pack(HEADER_FMT, HEADER_MAGIC, 1, g.levels, m_count, n, c, g.group)
+        header += bytes(g.level_bits) + struct.pack(f"<{g.levels}I", *stored)
+        units: list[bytes] = [header]
+        unit_of: list[dict[int, int]] = []  # per level: prefix length -> its last unit
+        for lv in range(g.levels):
+            prev = 0
+            unit_of.append({})
+            for r in cuts[lv]:
+                units.append(chunks[lv][prev * m_count : r * m_count].tobytes())
+                unit_of[lv][r] = len(units) - 1
+                prev = r
         configs = []
-        for i in chosen:
-            ranks = cands[i]
+        for ranks, err in zip(chosen, chosen_err):
             used = [0]
             for lv, r in enumerate(ranks):
-                used += seg_units[lv][: g.ladder.index(r) + 1] if r > 0 else []
+                if r > 0:
+                    first = unit_of[lv][cuts[lv][0]]
+                    used += list(range(first, unit_of[lv][r] + 1))
             top = max(lv for lv, r in enumerate(ranks) if r > 0)
             params = {"rank": ranks[0], "bits": g.bits[top], "ranks": list(ranks)}
-            configs.append(EncodedConfig(params=params, units=used, weighted_err=errs[i]))
-        meta = {"components": slots, "ladder": list(g.ladder), "level_max": list(g.level_max)}
+            configs.append(EncodedConfig(params=params, units=used, weighted_err=err))
+        meta = {"components": slots, "ladder": list(g.ladder), "level_max": list(g.level_max),
+                "stored": stored}
         return EncodedShard(units=units, configs=configs, meta=meta)
 
     def _candidates(self, g: _Geometry) -> list[tuple[int, ...]]:
@@ -307,22 +315,23 @@ class LowRankCodec(Codec):
         self, g: _Geometry, cands: list[tuple[int, ...]], errs: list[float], sizes: list[int]
     ) -> list[int]:
         top_bits = {i: g.bits[max(lv for lv, r in enumerate(cf) if r)] for i, cf in enumerate(cands)}
-        keep = {i for i, cf in enumerate(cands)
-                if self._is_uniform(cf) and top_bits[i] in self.opts.uniform_bits}
-        if self.opts.mixed:
-            order = sorted(range(len(cands)), key=lambda i: (sizes[i], errs[i]))
-            front = []
-            best = float("inf")
-            for i in order:
-                if errs[i] < best - 1e-15:
-                    front.append(i)
-                    best = errs[i]
-            # thin the front: successive mixed configs at least THIN x apart in bytes
-            last = 0.0
-            for j, i in enumerate(front):
-                if j == len(front) - 1 or sizes[i] >= last * THIN:
-                    keep.add(i)
-                    last = sizes[i]
+        uniform = {i for i, cf in enumerate(cands)
+                   if self._is_uniform(cf) and top_bits[i] in self.opts.uniform_bits}
+        pool = range(len(cands)) if self.opts.mixed else sorted(uniform)
+        order = sorted(pool, key=lambda i: (sizes[i], errs[i]))
+        front = []
+        best = float("inf")
+        for i in order:
+            if errs[i] < best - 1e-15:
+                front.append(i)
+                best = errs[i]
+        # thin the front: successive configs at least THIN x apart in bytes (keep the ends)
+        keep = set(uniform) if self.opts.keep == "all" else set()
+        last = 0.0
+        for j, i in enumerate(front):
+            if j in (0, len(front) - 1) or sizes[i] >= last * THIN:
+                keep.add(i)
+                last = sizes[i]
         return sorted(keep, key=lambda i: (sizes[i], errs[i]))
 
     def _config_errors(

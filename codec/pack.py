@@ -397,7 +397,7 @@ def write_pack(
     manifest.pack_bytes = pack_bytes
     manifest.pack_sha256 = sha
     manifest.validate()
-    _atomic_write(manifest_path(out_dir, template_id), manifest.to_json(indent=1).encode())
+    _atomic_write(manifest_path(out_dir, template_id), manifest.to_json().encode())
     _fsync_dir(out_dir)
     return manifest
 

@@ -48,7 +48,7 @@ def test_closed_form_error_matches_decode(small_cache):
 
 def test_layout_is_progressive(small_cache):
     sd = _shard(small_cache)
-    codec = get_codec("sakura")
+    codec = get_codec("sakura", keep="all")
     enc = codec.encode_shard(sd)
     g = codec.geometry(sd.spec.num_matrices, sd.spec.tokens, sd.spec.channels)
     uniform = {(c.params["rank"], c.params["bits"]) for c in enc.configs
@@ -129,3 +129,17 @@ def test_decode_rejects_bad_params_and_bytes(small_cache):
         codec.decode(cfg.params, data[:-1], sd.spec)
     with pytest.raises(PackError):
         codec.decode(cfg.params, b"XXXX" + data[4:], sd.spec)
+
+
+def test_default_table_is_the_thinned_pareto_front(small_cache):
+    sd = _shard(small_cache)
+    enc = get_codec("sakura").encode_shard(sd)
+    sizes = [enc.config_bytes(i) for i in range(len(enc.configs))]
+    errs = [c.weighted_err for c in enc.configs]
+    assert sizes == sorted(sizes) and errs == sorted(errs, reverse=True)
+    assert all(b >= a * 1.15 for a, b in zip(sizes[:-2], sizes[1:-1]))
+    full = get_codec("sakura", keep="all").encode_shard(sd)
+    assert len(full.configs) > len(enc.configs)
+    assert min(c.weighted_err for c in full.configs) == errs[-1]
+    uniform_only = get_codec("sakura", mixed=False).encode_shard(sd)
+    assert all(len({r for r in c.params["ranks"] if r}) == 1 for c in uniform_only.configs)
