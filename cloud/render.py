@@ -1,0 +1,582 @@
+"""The cloud render engine: FlashDiff regional execution served across worker processes.
+
+``RenderEngine`` owns a pool of spawned worker processes (``cloud.render_worker``; one per
+GPU when there are GPUs, CPU otherwise), a scheduler (``cloud.render_sched``: priority
+monotasks, least-maximum-load placement with affinity) and, per request, a
+``dit.regional.RegionalState``: the same state machine the single-process sampler drives.
+The engine turns the state's next step into monotasks (a warm-up step, or one task per
+active patch), ships them to workers, and applies their outputs at the step boundary.
+
+Recovery: outputs are keyed by (request, step, patch) and applied exactly once. The
+engine holds the authoritative per-request state (latents, last velocities, K/V store), so
+when a worker dies (its pipe closes or its process sentinel fires) its unfinished tasks go
+back to the queue, a replacement worker is spawned, and the tasks re-run elsewhere from
+the engine's copy (a snapshot of the store), giving the same outputs.
+
+Requests arrive through :meth:`RenderEngine.submit` (returns a ``concurrent.futures``
+future), the HTTP front (``cloud.render_http``) or an arrival-trace replay
+(``cloud.render_trace``). See ``cloud/RENDER.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import wait
+
+import numpy as np
+import torch
+
+from cloud.render_sched import FULL, PATCH, WARMUP, Group, Scheduler, Task, TaskKey
+from dit.model import MMDiTConfig, unpatchify
+from dit.regional import FullResult, KVStore, PatchResult, RegionalConfig, RegionalState
+from dit.regional_mmdit import grid_coords, mmdit_macs
+from dit.sampler import noise_like, schedule
+from sakura.errors import SakuraError
+
+MODES = ("regional", "full", "naive")
+
+
+class RenderError(SakuraError):
+    """A render request is invalid or failed."""
+
+
+@dataclass
+class RenderRequest:
+    """One text-to-image request. ``mode``: ``regional`` (FlashDiff), ``full`` (every
+    token every step) or ``naive`` (independent patches, no context)."""
+
+    prompt: str = ""
+    seed: int = 0
+    steps: int = 20
+    size: int = 64
+    guidance: float = 3.0
+    mode: str = "regional"
+    txt: torch.Tensor | None = None         # [1, T, D] text embeddings (else from prompt)
+    txt_uncond: torch.Tensor | None = None
+    salient: torch.Tensor | None = None     # [T] bool (else from the prompt's tokens)
+
+
+@dataclass
+class RenderResult:
+    rid: int
+    image: torch.Tensor            # [3, size, size] in [-1, 1]
+    arrival: float
+    finish: float
+    stats: dict
+    mode: str
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish - self.arrival
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. Costs are in token rows (one token through the model, both guidance
+    branches): ``capacity_rows`` = backlog per worker, ``group_overhead_rows`` = fixed
+    cost of one forward call, ``transfer_weight`` = cost of shipping one token's K/V
+    state relative to computing one row."""
+
+    workers: int = 2
+    weights: str | None = None
+    regional: RegionalConfig = field(default_factory=RegionalConfig)
+    capacity_rows: float = 600.0
+    group_overhead_rows: float = 64.0
+    transfer_weight: float = 0.1
+    threads: int = 1
+    device: str = "auto"
+    respawn: bool = True
+    start_timeout_s: float = 300.0
+    max_size: int = 128
+    max_steps: int = 100
+
+
+@dataclass
+class _Worker:
+    """A worker process, the pipe it answers on, and the thread that feeds its inbox pipe
+    (sends never block the engine loop, so two large messages crossing cannot deadlock)."""
+
+    wid: int
+    proc: object
+    conn: object                 # worker -> engine
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    sender: threading.Thread | None = None
+    ready: bool = False
+    pid: int = 0
+    device: str = ""
+    alive: bool = True
+    done_groups: int = 0
+
+    def send(self, msg) -> None:
+        if self.alive:
+            self.outbox.put(msg)
+
+
+def _feed(w: _Worker, conn) -> None:
+    while True:
+        msg = w.outbox.get()
+        if msg is None:
+            break
+        try:
+            conn.send(msg)
+        except OSError:  # the worker is gone: its sentinel tells the engine loop
+            break
+    try:
+        conn.close()
+    except OSError:
+        pass
+
+
+@dataclass
+class _Req:
+    rid: int
+    seq: int
+    req: RenderRequest
+    state: RegionalState
+    spec: dict
+    future: Future
+    arrival: float
+    pending: dict[int, tuple[PatchResult, int]] = field(default_factory=dict)
+    last: tuple[int, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]]] | None = None
+    seen: set[int] = field(default_factory=set)   # workers holding its backend
+    tasks: int = 0
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().numpy()
+
+
+def model_config(weights: str | None) -> MMDiTConfig:
+    """The model's config from the weights file's metadata (no weights loaded)."""
+    from dit.weights import DEFAULT_WEIGHTS, WeightsError, metadata
+
+    path = weights or str(DEFAULT_WEIGHTS)
+    try:
+        return MMDiTConfig.from_dict(json.loads(metadata(path)["config"]))
+    except FileNotFoundError as exc:
+        raise WeightsError(f"model weights not found at {path}") from exc
+    except (KeyError, ValueError, OSError) as exc:
+        raise WeightsError(f"{path} is not a SAKURA MMDiT checkpoint: {exc}") from exc
+
+
+class RenderEngine:
+    """Serving loop over worker processes. Use as a context manager or start()/stop()."""
+
+    def __init__(self, cfg: EngineConfig | None = None, encoder=None):
+        self.cfg = cfg or EngineConfig()
+        self.model_cfg = model_config(self.cfg.weights)
+        self.encoder = encoder
+        self._encode_lock = threading.Lock()
+        self._uncond: torch.Tensor | None = None
+        self.sched = Scheduler(self.cfg.capacity_rows, self._transfer, self.cfg.group_overhead_rows)
+        self._workers: dict[int, _Worker] = {}
+        self._wid = itertools.count()
+        self._rid = itertools.count()
+        self._reqs: dict[int, _Req] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._replica: dict[int, dict[int, int]] = {}  # worker -> rid -> store version
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ctx = None
+        self.deaths = 0
+        self.respawned = 0
+        # outputs applied, in order (bounded; tests check there is no duplicate)
+        self.applied: collections.deque[TaskKey] = collections.deque(maxlen=100_000)
+        self.loop_error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def __enter__(self) -> RenderEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        import multiprocessing as mp
+
+        self._ctx = mp.get_context("spawn")
+        for _ in range(self.cfg.workers):
+            self._spawn()
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while not all(w.ready for w in self._workers.values()):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RenderError("render workers did not start in time")
+            self._poll(0.2)
+            if not any(w.alive for w in self._workers.values()):
+                self.stop()
+                raise RenderError("every render worker died while loading the model")
+        self._thread = threading.Thread(target=self._loop, name="render-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for w in self._workers.values():
+            w.send(("stop",))
+            w.outbox.put(None)
+        for w in self._workers.values():
+            w.proc.join(timeout=10)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(timeout=5)
+            if w.sender is not None:
+                w.sender.join(timeout=5)
+        for sock in (self._wake_r, self._wake_w):
+            sock.close()
+        for r in list(self._reqs.values()):
+            if not r.future.done():
+                r.future.set_exception(RenderError("the render engine stopped"))
+        self._reqs.clear()
+
+    def _spawn(self) -> _Worker:
+        from cloud.render_worker import worker_main
+
+        wid = next(self._wid)
+        inbox_r, inbox_w = self._ctx.Pipe(duplex=False)
+        results_r, results_w = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=worker_main, name=f"render-worker-{wid}", daemon=True,
+                                 args=(wid, inbox_r, results_w, self.cfg.weights,
+                                       self.cfg.device, self.cfg.threads))
+        proc.start()
+        inbox_r.close()
+        results_w.close()
+        w = _Worker(wid, proc, results_r)
+        w.sender = threading.Thread(target=_feed, args=(w, inbox_w), daemon=True,
+                                    name=f"render-feed-{wid}")
+        w.sender.start()
+        self._workers[wid] = w
+        self._replica[wid] = {}
+        return w
+
+    def worker_pids(self) -> dict[int, int]:
+        """Live workers: id -> process id (to watch them, or to kill one in a test)."""
+        return {w.wid: w.pid for w in self._workers.values() if w.alive and w.ready}
+
+    def busy_workers(self) -> set[int]:
+        """Workers with dispatched, unfinished tasks (a racy snapshot, for tests/monitoring)."""
+        for _ in range(10):
+            try:
+                return {w for w, load in list(self.sched.workers.items()) if load > 0}
+            except RuntimeError:  # resized by the engine thread meanwhile
+                continue
+        return set()
+
+    def metrics(self) -> dict:
+        s = self.sched.stats
+        return {"workers": {w.wid: {"pid": w.pid, "device": w.device, "alive": w.alive,
+                                    "groups": w.done_groups} for w in self._workers.values()},
+                "dispatched": s.dispatched, "completed": s.completed,
+                "duplicates": s.duplicates, "requeued": s.requeued,
+                "affinity_hits": s.affinity_hits, "worker_deaths": self.deaths,
+                "respawned": self.respawned, "active_requests": len(self._reqs)}
+
+    # -- requests --------------------------------------------------------------------
+
+    def submit(self, req: RenderRequest) -> Future:
+        """Queue a request; the future resolves to a :class:`RenderResult`."""
+        req = self.prepare(req)
+        fut: Future = Future()
+        rid = next(self._rid)
+        self._inbox.put((rid, req, fut, time.monotonic()))
+        self._wake()
+        return fut
+
+    def prepare(self, req: RenderRequest) -> RenderRequest:
+        """Validate a request and encode its prompt (text embeddings, salient tokens)."""
+        mc = self.model_cfg
+        if req.mode not in MODES:
+            raise RenderError(f"mode must be one of {MODES}")
+        if not 1 <= req.steps <= self.cfg.max_steps:
+            raise RenderError(f"steps must be in 1..{self.cfg.max_steps}")
+        if req.size % mc.patch_size or not mc.patch_size * 2 <= req.size <= self.cfg.max_size:
+            raise RenderError(f"size must be a multiple of {mc.patch_size} in "
+                              f"{2 * mc.patch_size}..{self.cfg.max_size}")
+        if req.txt is None:
+            if self.encoder is None:
+                raise RenderError("no text encoder: pass embeddings (txt) with the request")
+            from dit.regional import salient_token_mask
+
+            with self._encode_lock:
+                txt = self.encoder.encode([req.prompt])
+                if self._uncond is None:
+                    self._uncond = self.encoder.encode([""])
+                salient = salient_token_mask(self.encoder.tokenizer, req.prompt,
+                                             self.encoder.max_tokens)
+            req = replace(req, txt=txt, txt_uncond=self._uncond,
+                          salient=req.salient if req.salient is not None else salient)
+        if req.txt.ndim != 3 or req.txt.shape[0] != 1 or req.txt.shape[-1] != mc.text_dim:
+            raise RenderError(f"txt must be [1, T, {mc.text_dim}]")
+        return req
+
+    def _admit(self, rid: int, req: RenderRequest, fut: Future, arrival: float) -> None:
+        mc = self.model_cfg
+        grid = req.size // mc.patch_size
+        cfg = self.cfg.regional
+        if req.mode == "full":
+            cfg = replace(cfg, warmup=req.steps)
+        elif req.mode == "naive":
+            cfg = replace(cfg, context="none")
+        branches = 2 if req.txt_uncond is not None and req.guidance != 1.0 else 1
+        x = noise_like((1, grid * grid, mc.patch_dim), req.seed)[0]
+        state = RegionalState(cfg, grid_coords(grid), schedule(req.steps), x,
+                              int(req.txt.shape[1]), req.salient,
+                              lambda q, k: branches * mmdit_macs(mc, q, k))
+        spec = {"txt": _np(req.txt), "txt_uncond": None if branches == 1 else _np(req.txt_uncond),
+                "size": req.size, "guidance": req.guidance}
+        r = _Req(rid, rid, req, state, spec, fut, arrival)
+        self._reqs[rid] = r
+        self._enqueue(r)
+
+    def _enqueue(self, r: _Req) -> None:
+        st = r.state
+        if st.done:
+            self._finish(r)
+            return
+        s = st.step
+        n, t = st.n, st.text_tokens
+        if st.phase(s) == "full":
+            kind = WARMUP if r.req.mode != "full" else FULL
+            self.sched.add(Task(TaskKey(r.rid, s, -1), kind, r.seq, float(n + t), n))
+            return
+        d = st.decide(s)
+        for p in d.active_ids():
+            m = len(st.partition.patches[p])
+            self.sched.add(Task(TaskKey(r.rid, s, p), PATCH, r.seq, float(m + t), m))
+
+    def _finish(self, r: _Req) -> None:
+        mc = self.model_cfg
+        img = unpatchify(r.state.x[None], mc.patch_size, mc.in_channels, r.req.size)[0]
+        stats = r.state.stats.to_dict()
+        stats["tasks"] = r.tasks
+        res = RenderResult(r.rid, img.clamp(-1, 1), r.arrival, time.monotonic(), stats, r.req.mode)
+        self._close(r)
+        r.future.set_result(res)
+
+    def _close(self, r: _Req) -> None:
+        self._reqs.pop(r.rid, None)
+        self.sched.drop_request(r.rid)
+        self.sched.forget(r.rid)
+        for wid in r.seen:
+            self._replica.get(wid, {}).pop(r.rid, None)
+            w = self._workers.get(wid)
+            if w is not None:
+                w.send(("close", r.rid))
+
+    def _fail(self, r: _Req, message: str) -> None:
+        self._close(r)
+        if not r.future.done():
+            r.future.set_exception(RenderError(message))
+
+    # -- placement and messages ------------------------------------------------------
+
+    def _sync_kind(self, r: _Req, step: int, wid: int) -> str:
+        version = self._replica.get(wid, {}).get(r.rid)
+        if version == step:
+            return "none"
+        if version == step - 1 and r.last is not None and r.last[0] == step - 1:
+            return "delta"
+        return "snapshot"
+
+    def _transfer(self, task: Task, wid: int) -> float:
+        r = self._reqs.get(task.key.rid)
+        if r is None:
+            return 0.0
+        w = self.cfg.transfer_weight
+        if task.kind != PATCH or r.state.cfg.context != "stale":
+            return 0.0 if wid in r.seen else w * 16
+        kind = self._sync_kind(r, task.key.step, wid)
+        if kind == "none":
+            return 0.0
+        if kind == "delta":
+            _, outs = r.last
+            return w * sum(len(o[0]) for o in outs.values() if o[3] != wid)
+        return w * r.state.n
+
+    def _send(self, g: Group) -> None:
+        r = self._reqs.get(g.rid)
+        w = self._workers[g.worker]
+        keys = [t.key for t in g.tasks]
+        if r is None:
+            for k in keys:
+                self.sched.complete(k, g.worker)
+            return
+        st = r.state
+        s = g.step
+        payload = {"rid": r.rid, "step": s, "t": st.t(s), "x": _np(st.x),
+                   "keys": [(k.rid, k.step, k.patch) for k in keys],
+                   "spec": None if g.worker in r.seen else r.spec}
+        if st.phase(s) == "full":
+            payload.update(kind="full", probe=st.wants_probe(s), want_kv=st.wants_kv(s))
+        else:
+            ctx = st.cfg.context == "stale"
+            payload.update(kind="patches", context=ctx,
+                           patches=[(k.patch, _np(st.partition.patches[k.patch])) for k in keys])
+            if ctx:
+                kind = self._sync_kind(r, s, g.worker)
+                if kind == "snapshot":
+                    payload["sync"] = ("snapshot", s, _np(st.store.k), _np(st.store.v))
+                elif kind == "delta":
+                    _, outs = r.last
+                    payload["sync"] = ("delta", s, [(o[0], o[1], o[2]) for o in outs.values()
+                                                     if o[3] != g.worker])
+                self._replica[g.worker][r.rid] = s
+        w.send(("run", payload))
+        r.seen.add(g.worker)
+        r.tasks += len(keys)
+
+    # -- results ---------------------------------------------------------------------
+
+    def _on_message(self, w: _Worker, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            _, _, pid, device = msg
+            w.ready, w.pid, w.device = True, pid, device
+            self.sched.add_worker(w.wid)
+            return
+        if kind == "done":
+            w.done_groups += 1
+            self._on_done(w, msg[2])
+            return
+        if kind == "resync":
+            _, _, rid, step, keys = msg
+            self._replica[w.wid].pop(rid, None)
+            r = self._reqs.get(rid)
+            if r is not None:
+                r.seen.discard(w.wid)
+            self._retry(w, keys)
+            return
+        if kind == "error":
+            _, _, rid, step, keys, tb = msg
+            for k in keys:
+                self.sched.complete(TaskKey(*k), w.wid)
+            r = self._reqs.get(rid)
+            if r is not None:
+                self._fail(r, f"worker {w.wid} failed on step {step}:\n{tb}")
+
+    def _retry(self, w: _Worker, keys) -> None:
+        for k in keys:
+            self.sched.retry(TaskKey(*k))
+
+    def _on_done(self, w: _Worker, out: dict) -> None:
+        r = self._reqs.get(out["rid"])
+        keys = [TaskKey(*k) for k in out["keys"]]
+        fresh = [k for k in keys if self.sched.complete(k, w.wid)]
+        if r is None or not fresh:
+            return
+        st = r.state
+        s = out["step"]
+        if out["kind"] == "full":
+            f = out["full"]
+            kv = None
+            if f["k"] is not None:
+                kv = KVStore(torch.from_numpy(f["k"]), torch.from_numpy(f["v"]))
+                self._replica[w.wid][r.rid] = s + 1
+            res = FullResult(torch.from_numpy(f["velocity"]), kv,
+                             None if f["text_attn"] is None else torch.from_numpy(f["text_attn"]),
+                             None if f["img_attn"] is None else torch.from_numpy(f["img_attn"]),
+                             f["img_keys"])
+            st.apply_full(s, res)
+            self.applied.append(keys[0])
+            r.last = None
+            self._enqueue(r)
+            return
+        want = {k.patch for k in fresh}
+        for p in out["patches"]:
+            if p["patch"] in want:
+                pr = PatchResult(torch.from_numpy(p["velocity"]), torch.from_numpy(p["k"]),
+                                 torch.from_numpy(p["v"]), p["self_mass"], p["img_keys"])
+                r.pending[p["patch"]] = (pr, w.wid)
+                self.applied.append(TaskKey(r.rid, s, p["patch"]))
+        active = set(st.decide(s).active_ids())
+        if set(r.pending) == active:
+            results = {p: pr for p, (pr, _) in r.pending.items()}
+            parts = st.partition.patches
+            r.last = (s, {p: (_np(parts[p]), _np(pr.k), _np(pr.v), wid)
+                          for p, (pr, wid) in r.pending.items()})
+            r.pending = {}
+            st.apply_patches(s, results)
+            self._enqueue(r)
+
+    # -- the loop --------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _lost(self, w: _Worker) -> None:
+        if not w.alive:
+            return
+        w.alive = False
+        w.outbox.put(None)
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+        self.deaths += 1
+        self._replica[w.wid] = {}
+        for r in self._reqs.values():
+            r.seen.discard(w.wid)
+        if w.ready:
+            self.sched.worker_lost(w.wid)
+        # a worker that died while loading the model is not replaced (it would again)
+        if self.cfg.respawn and w.ready and not self._stop.is_set():
+            self._spawn()
+            self.respawned += 1
+
+    def _poll(self, timeout: float) -> None:
+        live = [w for w in self._workers.values() if w.alive]
+        objs = [w.conn for w in live] + [w.proc.sentinel for w in live] + [self._wake_r]
+        ready = set(wait(objs, timeout))
+        if self._wake_r in ready:
+            try:
+                self._wake_r.recv(4096)
+            except OSError:
+                pass
+        for w in live:
+            if w.conn in ready or w.proc.sentinel in ready:
+                try:
+                    while w.conn.poll():
+                        self._on_message(w, w.conn.recv())
+                except (EOFError, OSError):
+                    self._lost(w)
+                    continue
+            if w.proc.sentinel in ready and w.alive:
+                self._lost(w)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                while True:
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._admit(*item)
+                for g in self.sched.place():
+                    self._send(g)
+                self._poll(0.05)
+        except BaseException as exc:  # pragma: no cover - surfaced to every waiter
+            self.loop_error = exc
+            for r in list(self._reqs.values()):
+                self._fail(r, f"render engine loop failed: {exc!r}")
+            raise
+
+
+__all__ = ["EngineConfig", "MODES", "RenderEngine", "RenderError", "RenderRequest",
+           "RenderResult", "model_config"]

@@ -1,0 +1,227 @@
+"""The render engine's scheduler: priority monotasks, least-maximum-load placement with
+affinity, step-boundary preemption and idempotent completion. Pure logic, no processes.
+
+A *monotask* is one unit of one request's denoising step: a whole step (``patch = -1``:
+warm-up or full execution) or one patch of a regional step. Its output is keyed by
+``(request, step, patch)``; the first completion of a key is applied, any later one is a
+duplicate and is dropped, so re-running a task (after its worker died) is harmless.
+
+Order: warm-up tasks first (priority 0: a new request's warm-up unblocks its partition and
+all its patch tasks), then patch / full-step tasks (priority 1); within a class, requests
+in arrival order, then step, then patch. A request's step ``s + 1`` tasks only exist once
+all of its step ``s`` outputs are applied, and a dispatched task always runs to the end,
+so a newly arrived request overtakes running requests only at their step boundaries.
+
+Placement: each worker has a load (estimated cost of its dispatched, unfinished tasks) and
+a capacity (a short backlog, so that priorities are decided late). A task goes to the
+worker that minimises the maximum load after placing it, where placing it on a worker
+that lacks the request's state adds the cost of shipping that state (``transfer``):
+that is the affinity. Ties go to the worker with affinity, then the less loaded one.
+Tasks of one (request, step) placed on one worker in one round form one *group* (one
+message, one packed forward).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+WARMUP, PATCH, FULL = "warmup", "patch", "full"
+PRIORITY = {WARMUP: 0, PATCH: 1, FULL: 1}
+
+
+@dataclass(frozen=True, order=True)
+class TaskKey:
+    """Identity of a monotask output: (request, step, patch); patch -1 = whole step."""
+
+    rid: int
+    step: int
+    patch: int
+
+
+@dataclass
+class Task:
+    key: TaskKey
+    kind: str
+    seq: int            # the request's arrival order
+    cost: float         # estimated compute, in token rows
+    tokens: int = 0     # region tokens the task computes (for transfer estimates)
+
+    @property
+    def priority(self) -> int:
+        return PRIORITY[self.kind]
+
+    def order(self) -> tuple:
+        return (self.priority, self.seq, self.key.step, self.key.patch)
+
+
+@dataclass
+class Group:
+    """Tasks of one (request, step) sent to one worker together."""
+
+    worker: int
+    tasks: list[Task]
+
+    @property
+    def rid(self) -> int:
+        return self.tasks[0].key.rid
+
+    @property
+    def step(self) -> int:
+        return self.tasks[0].key.step
+
+
+@dataclass
+class SchedulerStats:
+    dispatched: int = 0
+    completed: int = 0
+    duplicates: int = 0
+    requeued: int = 0
+    workers_lost: int = 0
+    affinity_hits: int = 0
+    placements: list[tuple[TaskKey, int]] = field(default_factory=list)
+
+
+class Scheduler:
+    """Ready queue + placement + in-flight bookkeeping.
+
+    ``transfer(task, worker)`` returns the extra cost of running ``task`` on ``worker``
+    (0 when the worker holds the request's state). ``group_overhead`` is the fixed cost
+    of one message (one forward call).
+    """
+
+    def __init__(self, capacity: float, transfer: Callable[[Task, int], float] | None = None,
+                 group_overhead: float = 0.0):
+        self.capacity = capacity
+        self.transfer = transfer or (lambda task, worker: 0.0)
+        self.group_overhead = group_overhead
+        self.workers: dict[int, float] = {}          # worker -> load
+        self.inflight: dict[TaskKey, tuple[int, Task, float]] = {}
+        self.done: set[TaskKey] = set()
+        self._ready: list[tuple[tuple, int, Task]] = []
+        self._queued: set[TaskKey] = set()
+        self._tie = itertools.count()
+        self.stats = SchedulerStats()
+
+    # -- workers ---------------------------------------------------------------------
+
+    def add_worker(self, worker: int) -> None:
+        self.workers.setdefault(worker, 0.0)
+
+    def worker_lost(self, worker: int) -> list[Task]:
+        """Forget a dead worker; its unfinished tasks go back to the ready queue."""
+        self.workers.pop(worker, None)
+        lost = [(k, t) for k, (w, t, _) in self.inflight.items() if w == worker]
+        for k, t in lost:
+            del self.inflight[k]
+            self.add(t)
+        self.stats.requeued += len(lost)
+        self.stats.workers_lost += 1
+        return [t for _, t in lost]
+
+    def load(self, worker: int) -> float:
+        return self.workers[worker]
+
+    # -- tasks -----------------------------------------------------------------------
+
+    def add(self, task: Task) -> bool:
+        """Queue a task unless its output exists or it is already queued / running."""
+        k = task.key
+        if k in self.done or k in self._queued or k in self.inflight:
+            return False
+        heapq.heappush(self._ready, (task.order(), next(self._tie), task))
+        self._queued.add(k)
+        return True
+
+    def drop_request(self, rid: int) -> None:
+        """Remove a request's queued tasks (e.g. it failed)."""
+        keep = [e for e in self._ready if e[2].key.rid != rid]
+        self._queued = {e[2].key for e in keep}
+        self._ready = keep
+        heapq.heapify(self._ready)
+
+    @property
+    def pending(self) -> int:
+        return len(self._ready)
+
+    def peek(self) -> Task | None:
+        return self._ready[0][2] if self._ready else None
+
+    def place(self) -> list[Group]:
+        """Assign ready tasks, highest priority first, while some worker has room."""
+        groups: list[Group] = []
+        open_groups: dict[tuple[int, int, int], Group] = {}
+        while self._ready:
+            task = self._ready[0][2]
+            free = [w for w, load in self.workers.items() if load < self.capacity]
+            if not free:
+                break
+            best = None
+            for w in free:
+                key = (w, task.key.rid, task.key.step)
+                extra = 0.0 if key in open_groups else self.transfer(task, w)
+                overhead = 0.0 if key in open_groups else self.group_overhead
+                after = self.workers[w] + task.cost + extra + overhead
+                worst = max([after] + [ld for u, ld in self.workers.items() if u != w])
+                cand = (worst, extra > 0, after, w)
+                if best is None or cand < best[0]:
+                    best = (cand, w, task.cost + extra + overhead, extra == 0)
+            _, w, charged, affine = best
+            heapq.heappop(self._ready)
+            self._queued.discard(task.key)
+            self.workers[w] += charged
+            self.inflight[task.key] = (w, task, charged)
+            self.stats.dispatched += 1
+            self.stats.affinity_hits += int(affine)
+            self.stats.placements.append((task.key, w))
+            gk = (w, task.key.rid, task.key.step)
+            if gk in open_groups:
+                open_groups[gk].tasks.append(task)
+            else:
+                g = Group(w, [task])
+                open_groups[gk] = g
+                groups.append(g)
+        return groups
+
+    def complete(self, key: TaskKey, worker: int) -> bool:
+        """Record an output. True the first time a key completes; False for a duplicate
+        (or an output of a task this scheduler never dispatched)."""
+        if key in self.done:
+            self.stats.duplicates += 1
+            self._release(key, worker)
+            return False
+        if key not in self.inflight:
+            self.stats.duplicates += 1
+            return False
+        self._release(key, worker)
+        self.done.add(key)
+        self.stats.completed += 1
+        return True
+
+    def _release(self, key: TaskKey, worker: int) -> None:
+        entry = self.inflight.get(key)
+        if entry is None:
+            return
+        w, _, charged = entry
+        del self.inflight[key]
+        if w in self.workers:
+            self.workers[w] = max(0.0, self.workers[w] - charged)
+
+    def retry(self, key: TaskKey) -> bool:
+        """Put a dispatched, unfinished task back in the queue (its worker could not run it)."""
+        entry = self.inflight.get(key)
+        if entry is None:
+            return False
+        self._release(key, entry[0])
+        self.stats.requeued += 1
+        return self.add(entry[1])
+
+    def forget(self, rid: int) -> None:
+        """Drop the done-set entries of a finished request (bounded memory)."""
+        self.done = {k for k in self.done if k.rid != rid}
+
+
+__all__ = ["FULL", "PATCH", "PRIORITY", "WARMUP", "Group", "Scheduler", "SchedulerStats",
+           "Task", "TaskKey"]

@@ -1,0 +1,177 @@
+"""A render worker process: loads the model once, runs monotask groups sent by the engine.
+
+Protocol over two one-way pipes (pickled tuples; tensors travel as numpy arrays, never as
+shared-memory handles, so a worker killed mid-send cannot leave the parent holding a
+dangling handle):
+
+* worker -> engine: ``("ready", wid, pid, device)`` once the model is loaded;
+  ``("done", wid, payload)`` per group; ``("resync", wid, rid, step, keys)`` when its
+  copy of a request's K/V store is not at the version the engine assumed;
+  ``("error", wid, rid, step, keys, traceback)``.
+* engine -> worker (a second pipe): ``("run", payload)``, ``("close", rid)``, ``("stop",)``.
+
+The worker keeps a *replica* of each request's K/V store (the stale context of patch
+tasks) at a version = the step whose start it reflects, and a stash of the patch outputs
+it computed itself. The engine either says nothing (the replica is current), sends a
+*delta* (the previous step's outputs computed elsewhere: the worker adds its stash and
+the delta and advances one step), or a full *snapshot*. Writes are disjoint token sets,
+so the result does not depend on the order they are applied in.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+class ResyncNeeded(Exception):
+    """The replica is not at the version the engine assumed."""
+
+
+@dataclass
+class Replica:
+    k: torch.Tensor
+    v: torch.Tensor
+    version: int
+    stash: dict[int, list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    def write(self, idx, k, v) -> None:
+        i = torch.as_tensor(np.asarray(idx), dtype=torch.long)
+        self.k[:, :, :, i] = torch.as_tensor(k)
+        self.v[:, :, :, i] = torch.as_tensor(v)
+
+
+def pick_device(wid: int, device: str) -> str:
+    if device == "auto":
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return f"cuda:{wid % torch.cuda.device_count()}"
+        return "cpu"
+    return device
+
+
+def _t(a) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().numpy()
+
+
+class _Worker:
+    def __init__(self, model):
+        from dit.regional_mmdit import generation_backend
+
+        self.model = model
+        self.make_backend = generation_backend
+        self.backends: dict[int, object] = {}
+        self.replicas: dict[int, Replica] = {}
+
+    def backend(self, rid: int, spec: dict | None):
+        if spec is not None:
+            txt = _t(spec["txt"])
+            unc = _t(spec["txt_uncond"]) if spec["txt_uncond"] is not None else None
+            self.backends[rid] = self.make_backend(self.model, txt, unc, spec["size"],
+                                                   spec["guidance"])
+        if rid not in self.backends:
+            raise ResyncNeeded(f"request {rid} was never opened here")
+        return self.backends[rid]
+
+    def sync(self, rid: int, step: int, sync) -> Replica:
+        if sync is not None and sync[0] == "snapshot":
+            _, version, k, v = sync
+            self.replicas[rid] = Replica(_t(k).clone(), _t(v).clone(), version)
+        elif sync is not None and sync[0] == "delta":
+            _, version, writes = sync
+            rep = self.replicas.get(rid)
+            if rep is None or rep.version != version - 1:
+                raise ResyncNeeded(f"request {rid}: replica not at step {version - 1}")
+            for idx, k, v in rep.stash.pop(version - 1, []):
+                rep.write(idx, k, v)
+            for idx, k, v in writes:
+                rep.write(idx, k, v)
+            rep.version = version
+        rep = self.replicas.get(rid)
+        if rep is None or rep.version != step:
+            raise ResyncNeeded(f"request {rid}: replica not at step {step}")
+        return rep
+
+    def run(self, p: dict) -> dict:
+        from dit.regional import KVStore
+
+        rid, step = p["rid"], p["step"]
+        be = self.backend(rid, p.get("spec"))
+        x = _t(p["x"])
+        t0 = time.perf_counter()
+        if p["kind"] == "full":
+            res = be.run_full(step, p["t"], x, p["probe"], p["want_kv"])
+            out = {"velocity": _np(res.velocity), "img_keys": res.img_keys,
+                   "text_attn": None if res.text_attn is None else _np(res.text_attn),
+                   "img_attn": None if res.img_attn is None else _np(res.img_attn),
+                   "k": None, "v": None}
+            if res.kv is not None:
+                out["k"], out["v"] = _np(res.kv.k), _np(res.kv.v)
+                self.replicas[rid] = Replica(res.kv.k.clone(), res.kv.v.clone(), step + 1)
+            return {"rid": rid, "step": step, "kind": "full", "full": out,
+                    "seconds": time.perf_counter() - t0}
+        store = None
+        if p["context"]:
+            rep = self.sync(rid, step, p.get("sync"))
+            store = KVStore(rep.k, rep.v)
+        idx = [_t(i).long() for _, i in p["patches"]]
+        outs = be.run_patches(step, p["t"], x, idx, store)
+        if p["context"]:
+            rep = self.replicas[rid]
+            for s in [s for s in rep.stash if s < step]:
+                del rep.stash[s]
+            rep.stash.setdefault(step, []).extend(
+                (i.numpy(), r.k, r.v) for i, r in zip(idx, outs))
+        patches = [{"patch": pid, "velocity": _np(r.velocity), "k": _np(r.k), "v": _np(r.v),
+                    "self_mass": r.self_mass, "img_keys": r.img_keys}
+                   for (pid, _), r in zip(p["patches"], outs)]
+        return {"rid": rid, "step": step, "kind": "patches", "patches": patches,
+                "seconds": time.perf_counter() - t0}
+
+    def close(self, rid: int) -> None:
+        self.backends.pop(rid, None)
+        self.replicas.pop(rid, None)
+
+
+def worker_main(wid: int, inbox, conn, weights: str | None, device: str, threads: int) -> None:
+    """Entry point of a spawned worker process: messages come on ``inbox``, answers go
+    out on ``conn``."""
+    torch.set_num_threads(max(1, threads))
+    from dit.weights import load_model
+
+    dev = pick_device(wid, device)
+    model = load_model(weights).to(dev)
+    worker = _Worker(model)
+    conn.send(("ready", wid, os.getpid(), dev))
+    while True:
+        try:
+            msg = inbox.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        if msg[0] == "close":
+            worker.close(msg[1])
+            continue
+        payload = msg[1]
+        keys = payload["keys"]
+        try:
+            out = worker.run(payload)
+            out["keys"] = keys
+            conn.send(("done", wid, out))
+        except ResyncNeeded:
+            worker.close(payload["rid"])  # the engine resends the spec and a snapshot
+            conn.send(("resync", wid, payload["rid"], payload["step"], keys))
+        except Exception:  # reported to the engine, which fails the request
+            conn.send(("error", wid, payload["rid"], payload["step"], keys, traceback.format_exc()))
+
+
+__all__ = ["Replica", "ResyncNeeded", "pick_device", "worker_main"]

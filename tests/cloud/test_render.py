@@ -1,0 +1,300 @@
+"""The cloud render engine: scheduler invariants (pure), and the real thing with spawned
+worker processes: equality with single-process regional execution, recovery from a
+SIGKILLed worker, the HTTP front and arrival-trace replay."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+
+import httpx
+import pytest
+import torch
+
+from cloud.render import EngineConfig, RenderEngine, RenderError, RenderRequest
+from cloud.render_sched import FULL, PATCH, WARMUP, Scheduler, Task, TaskKey
+from cloud.render_trace import (
+    bursty_arrivals,
+    load_trace,
+    poisson_arrivals,
+    replay,
+    request_factory,
+    save_trace,
+)
+from dit.model import MMDiT, MMDiTConfig
+from dit.regional import RegionalConfig
+from dit.regional_mmdit import regional_generate
+from dit.sampler import generate
+from dit.weights import save_model
+
+
+def _task(rid, step, patch, kind, cost=10.0, seq=None):
+    return Task(TaskKey(rid, step, patch), kind, rid if seq is None else seq, cost)
+
+
+# ----------------------------------------------------------------------------- scheduler
+
+
+def test_priorities_warmup_first_then_arrival_order():
+    s = Scheduler(capacity=1e9)
+    s.add_worker(0)
+    s.add(_task(0, 5, 1, PATCH))
+    s.add(_task(0, 5, 0, PATCH))
+    s.add(_task(1, 0, -1, FULL))
+    s.add(_task(2, 0, -1, WARMUP))
+    s.add(_task(3, 1, -1, WARMUP))
+    order = [t.key for g in s.place() for t in g.tasks]
+    assert order == [TaskKey(2, 0, -1), TaskKey(3, 1, -1), TaskKey(0, 5, 0), TaskKey(0, 5, 1),
+                     TaskKey(1, 0, -1)]
+
+
+def test_least_maximum_load_and_capacity():
+    s = Scheduler(capacity=25.0)
+    for w in (0, 1):
+        s.add_worker(w)
+    for p in range(6):
+        s.add(_task(0, 3, p, PATCH))
+    groups = s.place()
+    # equal costs alternate between the workers; each takes 3 before it is full (>= 25)
+    assert sorted(len(g.tasks) for g in groups) == [3, 3]
+    assert {g.worker for g in groups} == {0, 1}
+    assert s.load(0) == s.load(1) == 30.0
+    s.add(_task(1, 0, -1, WARMUP))
+    assert s.place() == []  # nobody has room: it waits in the queue
+    s.complete(TaskKey(0, 3, 0), [w for (k, w) in s.stats.placements if k.patch == 0][0])
+    (g,) = s.place()
+    assert g.tasks[0].key == TaskKey(1, 0, -1)
+
+
+def test_affinity_breaks_ties_and_transfer_cost_is_weighed_against_load():
+    holder = {0}  # worker 0 holds the request's state
+    s = Scheduler(capacity=1e9, transfer=lambda t, w: 0.0 if w in holder else 8.0)
+    for w in (0, 1):
+        s.add_worker(w)
+    for p in range(3):
+        s.add(_task(0, 2, p, PATCH, cost=10.0))
+    groups = s.place()
+    # task 0 -> worker 0 (affinity); task 1: worker 0 would reach 20, worker 1 18 -> w1;
+    # task 2: worker 0 reaches 20, worker 1 28 (its state is there now) -> w0
+    assert [(g.worker, [t.key.patch for t in g.tasks]) for g in groups] == [(0, [0, 2]), (1, [1])]
+    assert s.load(1) == 18.0  # the transfer was charged once
+    s2 = Scheduler(capacity=1e9, transfer=lambda t, w: 0.0 if w in holder else 50.0)
+    for w in (0, 1):
+        s2.add_worker(w)
+    for p in range(3):
+        s2.add(_task(0, 2, p, PATCH, cost=10.0))
+    # shipping the state costs more than queueing behind: everything stays on worker 0
+    assert [(g.worker, len(g.tasks)) for g in s2.place()] == [(0, 3)]
+
+
+def test_no_lost_or_duplicated_outputs_after_a_worker_dies():
+    s = Scheduler(capacity=1e9)
+    for w in (0, 1):
+        s.add_worker(w)
+    keys = [TaskKey(r, 4, p) for r in range(3) for p in range(4)]
+    for k in keys:
+        s.add(Task(k, PATCH, k.rid, 10.0))
+    placed = {t.key: g.worker for g in s.place() for t in g.tasks}
+    assert set(placed) == set(keys)
+    done_before = [k for k in keys if placed[k] == 0][:2]
+    for k in done_before:
+        assert s.complete(k, 0)
+    requeued = s.worker_lost(0)
+    assert {t.key for t in requeued} == {k for k in keys if placed[k] == 0} - set(done_before)
+    s.add_worker(2)  # the replacement
+    replaced = {t.key: g.worker for g in s.place() for t in g.tasks}
+    assert set(replaced) == {t.key for t in requeued}
+    assert 0 not in replaced.values()
+    for k, w in list(replaced.items()) + [(k, w) for k, w in placed.items() if w == 1]:
+        assert s.complete(k, w)
+    # a late or repeated output of a finished key is a duplicate and is refused
+    assert not s.complete(done_before[0], 0)
+    assert not s.complete(TaskKey(9, 9, 9), 1)
+    assert s.done == set(keys) and not s.inflight and s.pending == 0
+    assert s.stats.completed == len(keys) and s.stats.duplicates == 2
+    assert not s.add(Task(keys[0], PATCH, 0, 10.0))  # finished outputs are never re-queued
+
+
+def test_preemption_only_at_step_boundaries():
+    s = Scheduler(capacity=15.0)
+    s.add_worker(0)
+    s.add(_task(0, 7, 0, PATCH))
+    s.add(_task(0, 7, 1, PATCH))
+    (g,) = s.place()
+    assert [t.key.patch for t in g.tasks] == [0, 1]  # dispatched: they run to the end
+    s.add(_task(5, 0, -1, WARMUP))  # a new request arrives
+    s.add(_task(0, 8, 0, PATCH))    # (what the old request's next step would queue)
+    assert s.place() == []          # the running step is not interrupted
+    assert set(s.inflight) == {TaskKey(0, 7, 0), TaskKey(0, 7, 1)}
+    s.complete(TaskKey(0, 7, 0), 0)
+    s.complete(TaskKey(0, 7, 1), 0)
+    groups = s.place()              # at the boundary the warm-up goes first
+    assert [g.tasks[0].key for g in groups] == [TaskKey(5, 0, -1), TaskKey(0, 8, 0)]
+
+
+# ----------------------------------------------------------------------------- trace
+
+
+def test_arrival_traces_are_seeded_and_have_the_requested_rate(tmp_path):
+    prompts = ["a", "b", "c"]
+    b1 = bursty_arrivals(400, rate=4.0, prompts=prompts, burst=5, seed=3)
+    assert b1 == bursty_arrivals(400, rate=4.0, prompts=prompts, burst=5, seed=3)
+    assert len(b1) == 400 and all(x.t <= y.t for x, y in zip(b1, b1[1:]))
+    assert 2.5 < 400 / b1[-1].t < 6.5
+    gaps = sorted(y.t - x.t for x, y in zip(b1, b1[1:]))
+    assert gaps[len(gaps) // 2] < 0.05  # most gaps are inside bursts
+    p = poisson_arrivals(400, rate=4.0, prompts=prompts, seed=3)
+    assert 3.0 < 400 / p[-1].t < 5.3
+    save_trace(b1[:5], tmp_path / "t.jsonl")
+    assert load_trace(tmp_path / "t.jsonl") == b1[:5]
+    (tmp_path / "t.csv").write_text("t,prompt,seed\n0.5,x,1\n0.1,y,2\n")
+    assert [a.prompt for a in load_trace(tmp_path / "t.csv")] == ["y", "x"]
+    (tmp_path / "bad.jsonl").write_text('{"t": 1}\n')
+    with pytest.raises(RenderError):
+        load_trace(tmp_path / "bad.jsonl")
+
+
+# ----------------------------------------------------------------------------- engine
+
+STEPS, SIZE, GUIDANCE = 8, 32, 2.0
+CFG = RegionalConfig(warmup=2, eps=1.0, max_skips=1, patches=4)
+
+
+def _model() -> MMDiT:
+    torch.manual_seed(0)
+    cfg = MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=2, single_blocks=2,
+                      mlp_ratio=2.0, text_dim=384, text_tokens=16, rope_axes=(4, 6, 6))
+    model = MMDiT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.08)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, text_encoder):
+    model = _model()
+    path = tmp_path_factory.mktemp("render") / "tiny.safetensors"
+    save_model(model, path)
+    eng = RenderEngine(EngineConfig(workers=2, weights=str(path), regional=CFG,
+                                    capacity_rows=400), encoder=text_encoder)
+    eng.start()
+    eng.test_model = model
+    yield eng
+    eng.stop()
+
+
+def _reference(model, req: RenderRequest, cfg: RegionalConfig):
+    if req.mode == "full":
+        return generate(model, req.txt, req.txt_uncond, SIZE, req.seed, STEPS, GUIDANCE)[0], None
+    if req.mode == "naive":
+        cfg = RegionalConfig(**{**cfg.__dict__, "context": "none"})
+    img, st = regional_generate(model, req.txt, req.txt_uncond, SIZE, req.seed, STEPS, GUIDANCE,
+                                cfg, req.salient)
+    return img[0], st
+
+
+def _requests(engine, n, text_encoder):
+    prompts = ["smileys: grinning face", "animals & nature: dog face", "food: red apple"]
+    out = []
+    for i in range(n):
+        req = engine.prepare(RenderRequest(prompt=prompts[i % 3], seed=i, steps=STEPS,
+                                            size=SIZE, guidance=GUIDANCE,
+                                            mode=("regional", "full", "naive")[i % 3]))
+        out.append(req)
+    return out
+
+
+def test_engine_matches_single_process_execution(engine, text_encoder):
+    reqs = _requests(engine, 6, text_encoder)
+    futs = [engine.submit(r) for r in reqs]
+    for req, fut in zip(reqs, futs):
+        res = fut.result(timeout=120)
+        ref, st = _reference(engine.test_model, req, CFG)
+        assert res.image.shape == (3, SIZE, SIZE)
+        assert float((res.image - ref).abs().max()) < 1e-4
+        if st is not None:  # the same gate decisions, made by the engine
+            assert res.stats["skipped_patch_steps"] == st.stats.skipped_patch_steps > 0
+            assert res.stats["patches"] == 4
+    m = engine.metrics()
+    assert m["completed"] == m["dispatched"] and m["duplicates"] == 0
+    assert m["affinity_hits"] > 0
+
+
+def test_engine_recovers_from_a_killed_worker(engine, text_encoder):
+    reqs = _requests(engine, 9, text_encoder)
+    before = engine.metrics()
+    applied_before = len(engine.applied)
+    futs = [engine.submit(r) for r in reqs]
+    deadline = time.monotonic() + 60
+    victim = min(engine.worker_pids())
+    # kill a worker once it has work in flight (the backlog holds several tasks)
+    while victim not in engine.busy_workers():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    os.kill(engine.worker_pids()[victim], signal.SIGKILL)
+    results = [f.result(timeout=120) for f in futs]
+    after = engine.metrics()
+    assert after["worker_deaths"] == before["worker_deaths"] + 1
+    assert after["respawned"] == before["respawned"] + 1
+    assert after["requeued"] > before["requeued"]
+    while len(engine.worker_pids()) < 2:  # the replacement loads the model meanwhile
+        assert time.monotonic() < deadline + 60
+        time.sleep(0.05)
+    assert victim not in engine.worker_pids()
+    # every output applied exactly once: no (request, step, patch) twice, none missing
+    applied = list(engine.applied)[applied_before:]
+    assert not [k for k, c in Counter(applied).items() if c > 1]
+    expected = sum(r.stats["warmup"] + r.stats["executed_patch_steps"] if r.mode != "full"
+                   else STEPS for r in results)
+    assert len(applied) == expected
+    for req, res in zip(reqs, results):
+        ref, _ = _reference(engine.test_model, req, CFG)
+        assert float((res.image - ref).abs().max()) < 1e-4
+
+
+def test_engine_rejects_bad_requests(engine):
+    with pytest.raises(RenderError):
+        engine.submit(RenderRequest(prompt="x", size=30))
+    with pytest.raises(RenderError):
+        engine.submit(RenderRequest(prompt="x", steps=0))
+    with pytest.raises(RenderError):
+        engine.submit(RenderRequest(prompt="x", mode="fast"))
+
+
+def test_http_front_and_trace_replay(engine):
+    from cloud.render_http import create_render_app
+    from cloud.runner import serve_in_thread
+
+    with serve_in_thread(create_render_app(engine)) as base:
+        r = httpx.post(f"{base}/v1/renders", json={"prompt": "food: red apple", "seed": 2,
+                                                   "steps": 4, "size": 32, "wait": True},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["status"] == "done" and body["stats"]["steps"] == 4
+        png = httpx.get(base + body["image"], timeout=10)
+        assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
+        q = httpx.post(f"{base}/v1/renders", json={"prompt": "dog", "steps": 3, "size": 32})
+        assert q.status_code == 202
+        rid = q.json()["id"]
+        for _ in range(600):
+            st = httpx.get(f"{base}/v1/renders/{rid}").json()
+            if st["status"] != "queued":
+                break
+            time.sleep(0.05)
+        assert st["status"] == "done"
+        assert httpx.get(f"{base}/v1/renders/999").status_code == 404
+        bad = httpx.post(f"{base}/v1/renders", json={"prompt": "x", "size": 30})
+        assert bad.status_code == 400 and "size" in bad.json()["error"]
+        assert httpx.post(f"{base}/v1/renders", json={"seed": 1}).status_code == 422
+        assert httpx.get(f"{base}/v1/engine").json()["completed"] > 0
+
+    trace = bursty_arrivals(5, rate=20.0, prompts=["smileys: grinning face"], burst=3, seed=1)
+    rep = replay(engine, trace, request_factory(RenderRequest(steps=4, size=32, guidance=GUIDANCE)))
+    summary = rep.summary()
+    assert summary["requests"] == 5 and summary["throughput_rps"] > 0
+    assert summary["p50_latency_s"] <= summary["p90_latency_s"] <= summary["p99_latency_s"]
