@@ -360,13 +360,11 @@ class ModelAdapter(ABC):
         """Set the scheduler's timesteps exactly as the model's pipeline does."""
 
     @abstractmethod
-    def velocity(self, x: torch.Tensor, rows: torch.Tensor, grid: tuple[int, int],
-                 timestep: torch.Tensor, branch: Branch, hook: AttentionHook, *,
-                 pins: Pins | None = None, keep: dict[int, torch.Tensor] | None = None
-                 ) -> torch.Tensor:
-        """Velocity ``[1, M, C]`` (float32) of the image tokens ``x [1, M, C]`` at grid
-        ``rows`` (``[M]``, row-major), at the scheduler ``timestep``, under ``branch``'s
-        prompt, with every attention going through ``hook``."""
+    def _velocity(self, x: torch.Tensor, rows: torch.Tensor, grid: tuple[int, int],
+                  timestep: torch.Tensor, branch: Branch, hook: AttentionHook, *,
+                  pins: Pins | None = None, keep: dict[int, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+        """The model-specific forward behind :meth:`velocity`."""
 
     def image_offset(self, layer: int, ctx: RunContext) -> int:
         """Row of the first target image token in ``layer``'s ``hidden_states`` input."""
@@ -390,6 +388,23 @@ class ModelAdapter(ABC):
         return Branch(cond=cond, embedded_guidance=embedded_guidance)
 
     # -- shared ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def velocity(self, x: torch.Tensor, rows: torch.Tensor, grid: tuple[int, int],
+                 timestep: torch.Tensor, branch: Branch, hook: AttentionHook, *,
+                 pins: Pins | None = None, keep: dict[int, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+        """Velocity ``[1, M, C]`` (float32) of the image tokens ``x [1, M, C]`` at grid
+        ``rows`` (``[M]``, row-major), at the scheduler ``timestep`` (``sigma * 1000``),
+        under ``branch``'s prompt, with every attention call going through ``hook``.
+
+        The primitive of everything else, and of regional execution: ``rows`` may be any
+        subset (a patch), with the K/V of the other tokens supplied by ``hook``.
+        """
+        if x.shape[:2] != (1, len(rows)) or x.shape[-1] != self.latent_channels:
+            raise InputError(f"x {tuple(x.shape)} does not fit {len(rows)} rows x "
+                             f"{self.latent_channels} channels")
+        return self._velocity(x, rows, grid, timestep, branch, hook, pins=pins, keep=keep)
 
     @property
     def num_blocks(self) -> int:

@@ -210,8 +210,8 @@ class Flux2Adapter(ModelAdapter):
         g = 4.0 if branch.embedded_guidance is None else branch.embedded_guidance
         return torch.full([1], float(g), device=self.device)
 
-    def velocity(self, x, rows, grid, timestep, branch: Branch, hook: AttentionHook, *,
-                 pins: Pins | None = None, keep=None) -> torch.Tensor:
+    def _velocity(self, x, rows, grid, timestep, branch: Branch, hook: AttentionHook, *,
+                  pins: Pins | None = None, keep=None) -> torch.Tensor:
         dev, dt = self.device, self.dtype
         txt = branch.cond.embeds.to(dev, dt)
         ids = image_ids(grid)[rows]

@@ -143,8 +143,8 @@ class QwenImageAdapter(ModelAdapter):
         pos = torch.stack([torch.zeros_like(hh), hh, ww], -1).reshape(-1, 3)[geo.unmasked]
         return rope_option(pos, list(self.model.config.axes_dims_rope), 10000.0, self.heads)
 
-    def velocity(self, x, rows, grid, timestep, branch: Branch, hook: AttentionHook, *,
-                 pins: Pins | None = None, keep=None) -> torch.Tensor:
+    def _velocity(self, x, rows, grid, timestep, branch: Branch, hook: AttentionHook, *,
+                  pins: Pins | None = None, keep=None) -> torch.Tensor:
         m, dev, dt = self.model, self.device, self.dtype
         txt = branch.cond.embeds.to(dev, dt)
         n = grid[0] * grid[1]

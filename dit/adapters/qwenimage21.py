@@ -247,8 +247,8 @@ class QwenImage21Adapter(ModelAdapter):
         return rope_option(pos[geo.unmasked], list(self.model.config.axes_dims_rope),
                            ROPE_THETA, self.heads)
 
-    def velocity(self, x, rows, grid, timestep, branch: Branch, hook: AttentionHook, *,
-                 pins: Pins | None = None, keep=None) -> torch.Tensor:
+    def _velocity(self, x, rows, grid, timestep, branch: Branch, hook: AttentionHook, *,
+                  pins: Pins | None = None, keep=None) -> torch.Tensor:
         m, dev, dt = self.model, self.device, self.dtype
         rope = branch.info.get("rope")
         if rope is None:

@@ -171,8 +171,8 @@ class SD3Adapter(ModelAdapter):
         if module.use_dual_attention:
             ctx.scratch[(layer, "attn2")] = normed[5]
 
-    def velocity(self, x, rows, grid, timestep, branch: Branch, hook: AttentionHook, *,
-                 pins: Pins | None = None, keep=None) -> torch.Tensor:
+    def _velocity(self, x, rows, grid, timestep, branch: Branch, hook: AttentionHook, *,
+                  pins: Pins | None = None, keep=None) -> torch.Tensor:
         cond = branch.cond
         if cond.pooled is None:
             raise InputError("SD3.5 needs the pooled text embedding (Conditioning.pooled)")
