@@ -5,8 +5,8 @@ connection to ``upstream``. The downstream direction (upstream server -> client)
 connections shares one bottleneck whose capacity follows the trace; the upstream direction
 is not shaped. Pacing is a virtual-clock token bucket: a chunk of ``n`` bytes may leave when
 the trace's integral since the link's virtual clock reaches ``n`` bytes, where the virtual
-clock never lags real time by more than ``burst_s`` (the only capacity a quiet link may
-save up). Chunks are ``quantum_s`` worth of the current rate (at least one 1500-byte MTU),
+clock never lags real time by more than ``burst_s`` (default 20 ms: the only capacity a
+quiet link may save up, and the slack to catch up after the event loop was held up). Chunks are ``quantum_s`` worth of the current rate (at least one 1500-byte MTU),
 so pacing is fine grained; outages (rate 0) deliver nothing until they end.
 
 ``PacedLinkThread`` runs a ``PacedLink`` on its own event loop in a thread for synchronous
@@ -146,7 +146,7 @@ class PacedLink(LinkEmulator):
         host: str = "127.0.0.1",
         port: int = 0,
         quantum_s: float = 0.002,
-        burst_s: float = 0.005,
+        burst_s: float = 0.02,
         max_chunk: int = 65536,
         connect_timeout_s: float = 5.0,
         upstream_rcvbuf: int = 256 * 1024,
@@ -316,9 +316,9 @@ class PacedLink(LinkEmulator):
                         return
                     n = min(len(view), self._chunk_size())
                     granted = await self._pacer.acquire(n)
-                    writer.write(view[:n])
                     self.counters.bytes_down += n
                     self.delivery.record(granted, self.counters.bytes_down)
+                    writer.write(view[:n])
                     view = view[n:]
                     await writer.drain()
         except (ConnectionError, OSError):

@@ -72,10 +72,10 @@ def test_shares_are_fair_and_counters_match() -> None:
         totals = [lg.cum[-1] for lg in logs]
         assert len(totals) == 3 and min(totals) > 0.2 * sum(totals)
         a, b = link.origin + 0.5, link.origin + 1.8
-        link_side = link.delivered_between(a, b)
-        client_side = sum(lg.cum_at(b) - lg.cum_at(a) for lg in logs)
-        assert link_side == pytest.approx(link.expected_bytes(a, b), rel=0.05)
-        assert client_side == pytest.approx(link_side, rel=0.05)
+        assert link.delivered_between(a, b) == pytest.approx(link.expected_bytes(a, b), rel=0.05)
+        # What the clients read is what the link released (minus what was still in their
+        # socket buffers when they stopped reading).
+        assert 0.9 * link.counters.bytes_down <= sum(totals) <= link.counters.bytes_down
         assert link.counters.connections_total == 3
 
 
@@ -103,7 +103,11 @@ def test_live_rate_change_and_zero_rate() -> None:
         assert slow == pytest.approx(1e6 * (t_fast - origin - 0.2), rel=0.05)
         assert fast == pytest.approx(link.expected_bytes(t_fast + 0.05, t_zero), rel=0.05)
         assert link.expected_bytes(t_zero, t_zero + 1.0) == 0
-        assert lg.cum_at(t_zero + 0.95) - lg.cum_at(t_zero + 0.05) == 0
+        # Nothing leaves the link at rate 0 (a chunk granted in the same instant as the
+        # change may still go: 10 ms margin), and nothing reaches the client after the
+        # bytes already in flight (0.3 s margin for a loaded machine's thread scheduling).
+        assert link.delivered_between(t_zero + 0.01, t_zero + 0.95) == 0
+        assert lg.cum_at(t_zero + 0.95) - lg.cum_at(t_zero + 0.3) == 0
 
 
 def test_client_disconnect_and_upstream_failure_do_not_break_the_link() -> None:
