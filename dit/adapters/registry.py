@@ -132,9 +132,15 @@ def load_adapter(name: str, path: str | Path, *, dtype: torch.dtype | None = Non
     check_checkpoint(spec, config, tdir)
     cls = getattr(diffusers, spec.model_class)
     try:
-        model = cls.from_pretrained(tdir, torch_dtype=dtype, local_files_only=True)
+        model = cls.from_pretrained(tdir, torch_dtype=dtype, local_files_only=True,
+                                    use_safetensors=True)
     except (OSError, ValueError, RuntimeError) as exc:
-        raise ModelPathError(f"cannot load {spec.model_class} from {tdir}: {exc}") from None
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+        first = next((ln for ln in lines if "size mismatch" in ln), lines[0])
+        if "size mismatch" in str(exc):
+            raise CheckpointMismatchError(
+                f"the weights in {tdir} do not match its config.json ({first})") from None
+        raise ModelPathError(f"cannot load {spec.model_class} weights from {tdir}: {first}") from None
     model = model.to(device)
     sched = None
     if sched_file is not None:

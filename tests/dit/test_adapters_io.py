@@ -1,0 +1,182 @@
+"""Adapters around the pipeline: loading local checkpoints (and their errors), template
+capture -> codec pack -> decode -> cached edit, RoPE options for the codec, cache geometry of
+the released checkpoints, and the `sakura bench adapters` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from dit.adapters.base import AdapterHook, Branch
+from dit.adapters.errors import (
+    CheckpointMismatchError,
+    ModelPathError,
+    UnknownModelError,
+)
+from dit.adapters.registry import MODELS, load_adapter
+from dit.adapters.tiny import tiny_adapter, tiny_request, tiny_spec, tiny_template, tiny_transformer
+
+
+def _velocity(a, spec, tpl):
+    n = tpl.tokens
+    x = torch.randn(1, n, a.latent_channels, generator=torch.Generator().manual_seed(2))
+    return a.velocity(x, torch.arange(n), tpl.grid, torch.tensor(700.0), Branch(tpl.cond),
+                      AdapterHook(heads=a.heads))
+
+
+def test_load_adapter_from_a_pipeline_folder_and_a_bare_transformer(tmp_path):
+    ref = tiny_adapter("sd3.5")
+    spec = tiny_spec("sd3.5")
+    tpl = tiny_template(ref, spec)
+    pipe = tmp_path / "pipe"
+    ref.model.save_pretrained(pipe / "transformer")
+    (pipe / "scheduler").mkdir()
+    (pipe / "scheduler" / "scheduler_config.json").write_text(json.dumps(
+        {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000,
+         "shift": 2.0}))
+    a = load_adapter("sd3", pipe)
+    assert a.scheduler_config["shift"] == 2.0 and a.name == "sd3"
+    assert torch.equal(_velocity(a, spec, tpl), _velocity(ref, spec, tpl))
+    bare = tmp_path / "bare"
+    tiny_transformer("flux2").save_pretrained(bare)
+    f = load_adapter("flux2", bare)
+    assert f.block_names == ["double.0", "double.1", "single.0", "single.1"]
+    assert f.scheduler_config["use_dynamic_shifting"]  # the pipeline default when none ships
+
+
+def test_load_adapter_errors(tmp_path):
+    with pytest.raises(UnknownModelError, match="flux2-klein-4b"):
+        load_adapter("flux3", tmp_path)
+    with pytest.raises(ModelPathError, match="does not exist"):
+        load_adapter("flux2", tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelPathError, match="not a folder"):
+        load_adapter("flux2", tmp_path / "file")
+    with pytest.raises(ModelPathError, match="config.json"):
+        load_adapter("flux2", tmp_path)
+    d = tmp_path / "tiny"
+    tiny_transformer("flux2").save_pretrained(d)
+    with pytest.raises(CheckpointMismatchError, match="SD3Transformer2DModel"):
+        load_adapter("sd3.5-medium", d)
+    with pytest.raises(CheckpointMismatchError, match=r"num_layers=2 \(expected 5\)"):
+        load_adapter("flux2-klein-4b", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["attention_head_dim"] = 8
+    cfg["axes_dims_rope"] = [2, 2, 2, 2]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointMismatchError, match="do not match its config.json"):
+        load_adapter("flux2", d)
+    for w in d.glob("*.safetensors"):
+        w.unlink()
+    with pytest.raises(ModelPathError, match="weights"):
+        load_adapter("flux2", d)
+
+
+@pytest.mark.parametrize("kind", ["flux2", "sd3.5"])
+def test_capture_pack_decode_cached_edit_round_trip(tmp_path, kind):
+    """Template capture -> importance -> codec pack -> read back -> cached edit."""
+    from codec import get_codec
+    from codec.pack import open_pack, write_pack
+    from codec.provider import PackProvider
+
+    a = tiny_adapter(kind)
+    spec = tiny_spec(kind)
+    tpl = tiny_template(a, spec)
+    run = a.template_run(tpl)
+    a.profile_importance(tpl, run, [tiny_request(a, spec, seed=s) for s in (1, 2)])
+    req = tiny_request(a, spec, seed=9)
+    exact = a.cached_edit(tpl, run.geometry, run.cache.to_fp16_exact(), req)
+    spread = (a.cached_edit(tpl, run.geometry, run.cache.to_fp16_exact(),
+                            tiny_request(a, spec, seed=10)) - exact)[run.geometry.masked].abs().mean()
+    rope = a.rope_option(run.geometry)
+    assert (rope is None) == (kind == "sd3.5")
+    for name, opts in (("fp16", {}), ("sakura", {"rope": rope} if rope else {})):
+        write_pack(tmp_path / name, "tpl", run.cache, get_codec(name, **opts), blocks_per_shard=2,
+                   model=a.model_info(), compute_cost=None)
+        manifest, reader = open_pack(tmp_path / name, "tpl")
+        assert manifest.model["class"] == type(a.model).__name__
+        assert manifest.geometry["blocks"] == a.num_blocks
+        best = [max(s.configs, key=lambda c: c.bytes).id for s in manifest.shards]
+        with reader:
+            out = a.cached_edit(tpl, run.geometry, PackProvider(manifest, reader, best), req)
+        err = (out - exact)[run.geometry.masked].abs().mean()
+        if name == "fp16":
+            assert torch.equal(out, exact)  # fp16 delivers the exact reference
+        else:
+            assert torch.isfinite(out).all() and err < 0.5 * spread, (err, spread)
+
+
+def test_rope_options_reproduce_the_models_rotary_tables():
+    from codec.lowrank import rope_angles
+
+    a = tiny_adapter("flux2")
+    tpl = tiny_template(a, tiny_spec("flux2"))
+    geo = a.geometry(tpl)
+    opt = a.rope_option(geo)
+    ang = rope_angles(opt, len(geo.unmasked), a.heads * a.head_dim)
+    from dit.adapters.flux2 import image_ids
+
+    cos, _ = a.model.pos_embed(image_ids(geo.grid)[geo.unmasked])
+    assert torch.allclose(ang.cos().repeat_interleave(2, dim=-1), cos.float(), atol=1e-5)
+    for kind in ("qwenimage", "qwenimage-2.1"):
+        a = tiny_adapter(kind)
+        spec = tiny_spec(kind)
+        tpl = tiny_template(a, spec)
+        geo = a.geometry(tpl)
+        if kind == "qwenimage":
+            table = a.model.pos_embed([[(1, *geo.grid)]], max_txt_seq_len=5, device="cpu")[0]
+            opt = a.rope_option(geo)
+        else:
+            table = a.extract_prefix_kv(tpl.cond, geo.grid).target_rope
+            opt = a.rope_option(geo, frame=a.frame_of(tpl.cond))
+        ang = rope_angles(opt, len(geo.unmasked), a.heads * a.head_dim)
+        assert torch.allclose(torch.polar(torch.ones_like(ang), ang), table[geo.unmasked], atol=1e-4)
+
+
+def test_cache_geometry_of_tiny_and_released_models():
+    from dit.adapters.geometry import GIB, cache_geometry, paper_comparison, released
+
+    for kind in ("flux2", "sd3.5"):
+        a = tiny_adapter(kind)
+        tpl = tiny_template(a, tiny_spec(kind))
+        run = a.template_run(tpl)
+        cfg = dict(a.model.config)
+        ppt = 16  # flux2: VAE 8 x 2x2 packing; sd3: VAE 8 x patch 2
+        g = cache_geometry(kind, type(a.model).__name__, cfg, tpl.grid[0] * ppt, tpl.steps)
+        ratio = len(run.geometry.masked) / tpl.tokens
+        assert g.tokens == tpl.tokens and g.blocks == a.num_blocks
+        assert g.fp16_bytes(ratio) == run.cache.fp16_bytes()
+    geo = released(512)
+    klein = geo["flux2-klein-4b"]
+    assert (klein.tokens, klein.blocks, klein.channels) == (1024, 25, 3072)
+    assert klein.bytes_per_step() == 2 * 25 * 1024 * 3072 * 2
+    assert geo["sd3.5-medium"].blocks == 24 + 13 and geo["sd3.5-large"].blocks == 38
+    cmp = paper_comparison(klein)
+    assert abs(cmp["ours_full_grid_gib_per_step"] - klein.bytes_per_step() / GIB) < 1e-12
+    assert 4.9 < cmp["steps_equivalent_to_paper"] < 5.1
+    assert set(MODELS) >= {"flux2-klein-4b", "flux2-klein-4b-kv", "sd3.5-medium", "qwenimage",
+                           "qwenimage-2.1"}
+
+
+def test_bench_command_registers_and_runs(tmp_path):
+    from dit.adapters.cli import register
+
+    parser = argparse.ArgumentParser(prog="sakura")
+    commands = parser.add_subparsers(dest="command")
+    bench = commands.add_parser("bench").add_subparsers(dest="bench")
+    register(commands, bench)
+    out = tmp_path / "adapters.json"
+    args = parser.parse_args(["bench", "adapters", "--json", str(out), "--quick",
+                              "--models", "qwenimage"])
+    assert args.func(args) == 0
+    res = json.loads(out.read_text())
+    m = res["models"]["qwenimage"]
+    assert m["exact_max_abs_err"] <= 1e-4 and m["masked_speedup_10pct"] > 0
+    assert res["cache_geometry_512"]["flux2-klein-4b"]["blocks"] == 25
+    assert res["paper_comparison"]["paper_fp16_gib"] == 1.46
+    bad = parser.parse_args(["bench", "adapters", "--models", "nope"])
+    with pytest.raises(UnknownModelError):
+        bad.func(bad)
