@@ -27,6 +27,13 @@ policy                       codec    choice per shard
 ``sakura-fixed-bits``        sakura   adaptive rank, bits fixed (default 4)
 ``local``                    --       no cache: the whole model on the device
 ============================ ======== ============================================================
+
+The two ablations choose among *uniform* configurations (every component at one
+precision). A ``sakura`` pack built with the codec's default table (the thinned Pareto
+front) offers few of them; a pack encoded with ``keep="all"`` offers every ladder rank at
+every bitwidth. :data:`ABLATION_PACK` names such a pack; the runtime streams it instead
+when asked (``EditOptions.pack``, ``sakura edit --pack``; ``sakura bench edit`` does so
+when the server lists it).
 """
 
 from __future__ import annotations
@@ -261,6 +268,9 @@ def _fixed_config(ctx: PolicyContext) -> Allocator:
         raise EdgeError("sakura-fixed-config needs a budget rate (the trace's median rate)")
     return fixed_config(ctx.tables, ctx.exec_s, ctx.budget_rate_bps, ctx.safety)
 
+
+ABLATION_PACK = "sakura-all"
+ABLATIONS = ("sakura-fixed-config", "sakura-fixed-bits")
 
 POLICIES: dict[str, Policy] = {
     p.name: p

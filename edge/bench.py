@@ -20,12 +20,13 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 
 from codec.pack import Manifest, decode_config
 from dit.editing import EditRequest, Geometry, Template, cached_edit
-from edge.allocator import POLICIES
+from edge.allocator import ABLATION_PACK, ABLATIONS, POLICIES
 from edge.client import PackClient
 from edge.errors import EdgeError
 from edge.netem import shaped
@@ -118,10 +119,14 @@ def build_catalog(out_dir: Path, template_id: str, template: Template, runtime: 
                   blocks_per_shard: int = 2, model_info: dict[str, Any] | None = None) -> Path:
     """Template run, importance profiling, one pack per codec, published into ``out_dir``."""
     from cloud.publish import CatalogTransaction
+    from codec.base import CODECS as REGISTERED
     from codec.base import get_codec
     from codec.pack import write_pack
     from dit.editing import profile_importance, template_run
 
+    get_codec("fp16")  # loads the built-in codecs
+    if ABLATION_PACK in REGISTERED and ABLATION_PACK not in codecs:
+        codecs = (*codecs, ABLATION_PACK)
     run = template_run(runtime.model, template)
     profile_importance(runtime.model, template, run, profiling)
     work = out_dir / "_work"
@@ -131,6 +136,25 @@ def build_catalog(out_dir: Path, template_id: str, template: Template, runtime: 
                            blocks_per_shard=blocks_per_shard, model=dict(model_info or {}))
             txn.publish(template_id, name, m.to_dict(), work / name / m.pack_file)
     return out_dir
+
+
+def catalog_usable(catalog_dir: Path, template_id: str) -> bool:
+    """Every pack of ``template_id`` opens and its first shard decodes with this codec."""
+    from codec.pack import PackReader
+    from sakura.errors import SakuraError
+
+    try:
+        doc = json.loads((catalog_dir / "catalog.json").read_text())
+        codecs = doc["templates"][template_id]["codecs"]
+        for name, entry in codecs.items():
+            folder = catalog_dir / "templates" / template_id / name
+            with PackReader(folder / entry["pack_file"]) as reader:
+                m = reader.manifest
+                cfg = min(m.shard(0).configs, key=lambda c: c.bytes)
+                decode_config(m, 0, cfg.id, reader.read_config(0, cfg.id))
+    except (SakuraError, OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- exact
@@ -145,6 +169,15 @@ async def _fetch_all(server: str, template_id: str, codec: str) -> tuple[dict, l
                                             int(s["configs"][0]["id"]), manifest=manifest)
             bodies.append(got.data)
         return manifest, bodies
+
+
+async def _catalog_codecs(server: str, template_id: str) -> set[str]:
+    async with PackClient(server) as client:
+        catalog = await client.catalog()
+    entry = catalog.get("templates", {}).get(template_id)
+    if entry is None:
+        raise EdgeError(f"the server at {server} does not serve template {template_id!r}")
+    return set(entry.get("codecs", {}))
 
 
 async def _prefetch_manifests(server: str, template_id: str, codecs: list[str],
@@ -249,6 +282,9 @@ def run_bench(spec: BenchSpec) -> dict[str, Any]:
             key = hashlib.sha256(f"{file_sha256(weights)}|{tid}|{template.steps}|"
                                  f"{','.join(CODECS)}".encode()).hexdigest()[:16]
             catalog_dir = spec.cache_dir / f"catalog-{tid}-{key}"
+            if (catalog_dir / "catalog.json").exists() and not catalog_usable(catalog_dir, tid):
+                log(f"packs in {catalog_dir} no longer decode (codec changed): rebuilding")
+                shutil.rmtree(catalog_dir)
             if not (catalog_dir / "catalog.json").exists():
                 log(f"building packs for {tid} ({', '.join(CODECS)}) into {catalog_dir} ...")
                 t0 = time.monotonic()
@@ -301,7 +337,14 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
     # Device state as on a phone that has used the template before: manifests cached
     # (revalidated per edit), and a rate prior from a warm-up edit over the same link; every
     # policy starts from that same prior.
-    codecs = sorted({POLICIES[p].codec for p in spec.policies if POLICIES[p].codec})
+    offered = asyncio.run(_catalog_codecs(server, tid))
+    ablation_pack = ABLATION_PACK if ABLATION_PACK in offered else None
+    packs = {p: (ablation_pack if p in ABLATIONS and ablation_pack else POLICIES[p].codec)
+             for p in spec.policies}
+    missing = sorted({c for c in packs.values() if c and c not in offered})
+    if missing:
+        raise EdgeError(f"the server has no {', '.join(missing)} pack for {tid}")
+    codecs = sorted({c for c in packs.values() if c})
     asyncio.run(_prefetch_manifests(server, tid, codecs, runtime))
     manifest_bytes = {c: runtime.manifests[(tid, c)].size for c in codecs}
     results: dict[str, list[EditResult]] = {p: [] for p in spec.policies}
@@ -318,7 +361,8 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
                     res = runtime.edit(server, tid, template, req, "local")
                 else:
                     link.restart(start)
-                    res = runtime.edit(link_url, tid, template, req, policy, options=options)
+                    res = runtime.edit(link_url, tid, template, req, policy,
+                                       options=replace(options, pack=packs[policy]))
                 res.compare(exact)
                 results[policy].append(res)
                 log(f"  start {start:7.2f}  {policy:20s} {res.latency_s:7.3f} s  "
@@ -363,10 +407,12 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
                          "manifest_bytes": manifest_bytes,
                          "rate_prior_mbps": None if prior is None else prior / 1e6},
         "policies": list(spec.policies),
+        "packs": packs,
         "latency_s": {p: med([r.latency_s for r in rs]) for p, rs in results.items()},
         "bytes": {p: int(med([r.bytes for r in rs])) for p, rs in results.items()},
         "psnr_db": {p: psnr_value(min(r.psnr_db for r in rs)) for p, rs in results.items()},
         "ssim": {p: min(r.ssim for r in rs) for p, rs in results.items()},
+        "vs_full": _vs_full(results),
         "stalls": {p: int(med([r.stalls for r in rs])) for p, rs in results.items()},
         "stall_s": {p: med([r.stall_s for r in rs]) for p, rs in results.items()},
         "startup_s": {p: med([r.startup_s for r in rs]) for p, rs in results.items()},
@@ -377,6 +423,21 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
     if "sakura" in lat:
         doc["speedup_of_sakura"] = {p: lat[p] / lat["sakura"] for p in lat if p != "sakura"}
     return doc
+
+
+def _vs_full(results: dict[str, list[EditResult]]) -> dict[str, Any] | None:
+    """PSNR/SSIM of every system against ``full`` (the ``local`` edit: no cache reuse)."""
+    from edge.quality import psnr, ssim
+
+    if not results.get("local"):
+        return None
+    full = results["local"][0].image
+    out: dict[str, Any] = {"psnr_db": {}, "ssim": {}}
+    for p, rs in results.items():
+        value = psnr(rs[0].image, full)
+        out["psnr_db"][p] = "inf" if value == float("inf") else value
+        out["ssim"][p] = ssim(rs[0].image, full)
+    return out
 
 
 def write(doc: dict[str, Any], path: Path) -> None:

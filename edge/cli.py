@@ -33,6 +33,9 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
     p.add_argument("--policy", default="sakura", choices=list(POLICIES),
                    help="system to run (default sakura)")
+    p.add_argument("--pack", metavar="CODEC",
+                   help="stream this codec's pack instead of the policy's own (e.g. "
+                        "sakura-all for the ablations)")
     p.add_argument("--trace", metavar="PATH", help="replay this network trace on the link")
     p.add_argument("--start", type=float, default=0.0, metavar="S",
                    help="trace start offset in seconds (default 0)")
@@ -129,7 +132,7 @@ def _edit(args: argparse.Namespace) -> int:
     template = spec.to_template(runtime.encoder)
     reference = load_image(args.reference, template.size) if args.reference else None
     req = runtime.request(args.prompt, args.seed, reference)
-    options = EditOptions(max_ahead=args.max_ahead)
+    options = EditOptions(max_ahead=args.max_ahead, pack=args.pack)
     link_info: dict[str, Any] = {"mode": "direct"}
     if trace is not None:
         stats = trace.slice(args.start, 60.0).stats() if args.trace else trace.stats()

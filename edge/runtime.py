@@ -181,6 +181,7 @@ class EditOptions:
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
     initial_rate_bps: float | None = None  # rate prior (None: the device's last estimate)
     cache_manifests: bool = True  # keep manifests on the device, revalidate by ETag
+    pack: str | None = None     # stream this codec's pack instead of the policy's default
     policy_options: dict[str, Any] = field(default_factory=dict)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
@@ -279,7 +280,7 @@ class EdgeRuntime:
         net = NetLoop()
         try:
             return self._streamed(net, server, template_id, template, geo, req, pol.name,
-                                  pol.codec, profile, token, request_log, opts)
+                                  opts.pack or pol.codec, profile, token, request_log, opts)
         finally:
             net.close()
 

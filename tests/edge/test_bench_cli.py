@@ -50,6 +50,8 @@ def test_bench_edit_runs_every_policy_regime_matched(world, tmp_path):
     assert set(doc["device_state"]["manifest_bytes"]) == {"fp16", "intq", "cachegen", "svd",
                                                           "sakura"}
     assert len(list((tmp_path / "plots").glob("*.png"))) == len(policies) - 1
+    assert doc["vs_full"]["psnr_db"]["local"] == "inf"
+    assert doc["packs"]["sakura-fixed-bits"] in ("sakura", "sakura-all")
     json.dumps(doc)  # serialisable as is
 
 
