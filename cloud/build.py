@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from cloud.publish import (
     CatalogTransaction,
@@ -56,10 +55,10 @@ class BuildReport:
 
 
 def _png_b64(arr: np.ndarray) -> str:
-    from skimage.io import imsave
+    from PIL import Image
 
     buf = io.BytesIO()
-    imsave(buf, arr, format="png", check_contrast=False)
+    Image.fromarray(arr).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -77,8 +76,9 @@ def template_assets(spec, template) -> dict[str, Any]:
     }
 
 
-def decode_assets(entry: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Catalog entry -> (image ``[3, H, W]`` in [-1, 1], mask ``[H, W]`` bool)."""
+def decode_assets(entry: dict[str, Any]):
+    """Catalog entry -> (image ``[3, H, W]`` in [-1, 1], mask ``[H, W]`` bool) tensors."""
+    import torch
     from skimage.io import imread
 
     t = entry["template"]

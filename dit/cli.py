@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from dit.train import TrainConfig
+# Keep in step with dit.train.TrainConfig.out_dir (not imported: the CLI must start fast).
+DEFAULT_TRAIN_DIR = str(Path.home() / ".cache" / "sakura" / "train")
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dit.train import train
+    from dit.train import TrainConfig, train
 
     cfg = TrainConfig(steps=args.steps, out_dir=args.out_dir, weights_out=args.weights_out,
                       threads=args.threads, batch_size=args.batch_size)
@@ -45,7 +47,7 @@ def register(commands, bench) -> None:
     p = commands.add_parser("train", help="train the default MMDiT on the emoji data (resumable)")
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--out-dir", default=TrainConfig.out_dir, help="checkpoints and loss log")
+    p.add_argument("--out-dir", default=DEFAULT_TRAIN_DIR, help="checkpoints and loss log")
     p.add_argument("--weights-out", default="dit/weights/sakura-mmdit.safetensors")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.set_defaults(func=_train)
