@@ -31,6 +31,7 @@ class ModelSpec:
     description: str
     config: dict[str, Any] = field(default_factory=dict)
     default_steps: int = 28
+    default_guidance: float = 1.0  # true-CFG scale of the model's pipeline (1 = off)
 
 
 FLUX2_KLEIN_4B = {"num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24,
@@ -57,7 +58,8 @@ _A_F2, _A_SD3 = "dit.adapters.flux2:Flux2Adapter", "dit.adapters.sd3:SD3Adapter"
 _A_QI, _A_QI21 = "dit.adapters.qwenimage:QwenImageAdapter", "dit.adapters.qwenimage21:QwenImage21Adapter"
 
 MODELS: dict[str, ModelSpec] = {s.name: s for s in (
-    ModelSpec("flux2", _F2, _A_F2, "any Flux2Transformer2DModel checkpoint", default_steps=28),
+    ModelSpec("flux2", _F2, _A_F2, "any Flux2Transformer2DModel checkpoint", default_steps=28,
+              default_guidance=4.0),
     ModelSpec("flux2-dev", _F2, _A_F2, "FLUX.2 [dev] (32B, guidance-distilled)", FLUX2_DEV, 50),
     ModelSpec("flux2-klein-4b", _F2, _A_F2, "FLUX.2 [klein] 4B (step-distilled)", FLUX2_KLEIN_4B, 4),
     ModelSpec("flux2-klein-4b-kv", _F2, _A_F2, "FLUX.2 [klein] 4B, KV reference variant",
@@ -65,12 +67,14 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (
     ModelSpec("flux2-klein-9b", _F2, _A_F2, "FLUX.2 [klein] 9B (step-distilled)", FLUX2_KLEIN_9B, 4),
     ModelSpec("flux2-klein-9b-kv", _F2, _A_F2, "FLUX.2 [klein] 9B, KV reference variant",
               FLUX2_KLEIN_9B, 4),
-    ModelSpec("sd3", _SD3, _A_SD3, "any SD3Transformer2DModel checkpoint"),
+    ModelSpec("sd3", _SD3, _A_SD3, "any SD3Transformer2DModel checkpoint", default_guidance=4.5),
     ModelSpec("sd3.5-medium", _SD3, _A_SD3, "Stable Diffusion 3.5 Medium (dual attention)",
-              SD35_MEDIUM, 40),
-    ModelSpec("sd3.5-large", _SD3, _A_SD3, "Stable Diffusion 3.5 Large", SD35_LARGE, 28),
-    ModelSpec("qwenimage", _QI, _A_QI, "any QwenImageTransformer2DModel checkpoint", default_steps=50),
-    ModelSpec("qwenimage-20b", _QI, _A_QI, "Qwen-Image / Qwen-Image-Edit (20B)", QWENIMAGE_20B, 50),
+              SD35_MEDIUM, 40, 4.5),
+    ModelSpec("sd3.5-large", _SD3, _A_SD3, "Stable Diffusion 3.5 Large", SD35_LARGE, 28, 3.5),
+    ModelSpec("qwenimage", _QI, _A_QI, "any QwenImageTransformer2DModel checkpoint",
+              default_steps=50, default_guidance=4.0),
+    ModelSpec("qwenimage-20b", _QI, _A_QI, "Qwen-Image / Qwen-Image-Edit (20B)", QWENIMAGE_20B,
+              50, 4.0),
     ModelSpec("qwenimage-2.1", _QI21, _A_QI21, "any QwenImage21Transformer2DModel (block-causal)",
               default_steps=50),
 )}

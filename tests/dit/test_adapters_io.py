@@ -227,3 +227,80 @@ def test_image_latents_through_the_checkpoints_vae(tmp_path, kind, family):
     assert out.shape == img.shape and torch.isfinite(out).all()
     with pytest.raises(ModelPathError, match="no VAE"):
         load_image_latents(a, tmp_path / "nowhere")
+
+
+class _HashEncoder:
+    """Test-only text encoder: deterministic random embeddings per prompt (MiniLM-shaped for
+    the default model, a Conditioning for diffusers models)."""
+
+    def __init__(self, dim: int, tokens: int, pooled: int = 0):
+        self.dim, self.tokens, self.pooled = dim, tokens, pooled
+
+    def _gen(self, text: str) -> torch.Generator:
+        return torch.Generator().manual_seed(sum(map(ord, text)) * 7919 + len(text))
+
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        return torch.cat([torch.randn(1, self.tokens, self.dim, generator=self._gen(t))
+                          for t in texts])
+
+    def conditioning(self, text: str):
+        from dit.adapters.base import Conditioning
+
+        g = self._gen(text)
+        emb = torch.randn(1, self.tokens + len(text) % 3, self.dim, generator=g)
+        return Conditioning(emb, torch.randn(1, self.pooled, generator=g) if self.pooled else None)
+
+
+def _engines(tmp_path):
+    from dit.adapters.engine import DefaultEngine, DiffusersEngine
+    from dit.adapters.latents import load_image_latents
+    from tests.dit.common import tiny_model
+
+    model = tiny_model()
+    yield DefaultEngine(model, _HashEncoder(model.cfg.text_dim, model.cfg.text_tokens)), 32
+    a = tiny_adapter("flux2")
+    _tiny_vae("flux2").save_pretrained(tmp_path / "vae")
+    enc = _HashEncoder(tiny_spec("flux2").text_dim, 5)
+    yield DiffusersEngine(a, load_image_latents(a, tmp_path), enc.conditioning, 4, 2.0), 96
+
+
+def test_engine_build_pack_edit_round_trip_for_both_model_kinds(tmp_path):
+    """The uniform caller interface: pixels + prompts -> template run -> importance -> pack
+    (fp16 and sakura) -> decoded provider -> cached edit -> pixels, for the default model and a
+    diffusers adapter through the same calls."""
+    from codec import get_codec
+    from codec.pack import open_pack, write_pack
+    from codec.provider import PackProvider
+
+    for i, (engine, size) in enumerate(_engines(tmp_path)):
+        gen = torch.Generator().manual_seed(i)
+        image = torch.rand(3, size, size, generator=gen) * 2 - 1
+        mask = torch.zeros(size, size, dtype=torch.bool)
+        mask[size // 4: size // 2, size // 3: 2 * size // 3] = True
+        prep = engine.prepare(image, mask, "a template prompt", seed=3, steps=3, guidance=2.0)
+        assert 0 < prep.token_mask_ratio < 0.5
+        run = engine.template_run(prep)
+        engine.profile_importance(prep, run, [engine.request(p, 100 + j) for j, p in
+                                              enumerate(["profile one", "profile two"])])
+        assert run.cache.importance.sum() > 0
+        req = engine.request("the private prompt", seed=9)
+        exact = engine.edit(prep, run.cache.to_fp16_exact(), req)
+        assert exact.shape == image.shape
+        costs = engine.block_costs()
+        assert len(costs) == run.cache.blocks
+        for name in ("fp16", "sakura"):
+            rope = engine.rope_option(prep) if name == "sakura" else None
+            codec = get_codec(name, **({"rope": rope} if rope else {}))
+            d = tmp_path / f"{i}-{name}"
+            write_pack(d, "tpl", run.cache, codec, blocks_per_shard=2,
+                       model=engine.model_info(), compute_cost=None)
+            manifest, reader = open_pack(d, "tpl")
+            best = [max(s.configs, key=lambda c: c.bytes).id for s in manifest.shards]
+            steps = []
+            with reader:
+                out = engine.edit(prep, PackProvider(manifest, reader, best), req,
+                                  on_step=steps.append)
+            assert steps == [0, 1, 2] and torch.isfinite(out).all()
+            if name == "fp16":
+                assert torch.equal(out, exact)
+        assert (engine.local_edit(prep, req) - exact).abs().max() > 0

@@ -1,0 +1,239 @@
+"""One interface for the callers (``sakura build``, ``sakura edit``, benches) over the default
+SAKURA model and every diffusers adapter.
+
+An :class:`EditEngine` takes what a catalog entry holds (pixel image ``[3, H, W]`` in
+[-1, 1], pixel mask ``[H, W]``, prompt strings, seeds, steps, guidance) and returns pixel
+images, so a caller never touches latents, text encoders or model-specific types:
+
+    engine = load_engine(None)                                  # the shipped SAKURA model
+    engine = load_engine("flux2-klein-4b", "/models/klein")     # a local diffusers checkpoint
+    prep = engine.prepare(image, mask, prompt, seed, steps, guidance)
+    run = engine.template_run(prep)                  # run.cache: a dit.cache.TemplateCache
+    engine.profile_importance(prep, run, [engine.request(p, seed) for p, seed in ...])
+    image = engine.edit(prep, provider, engine.request(user_prompt, seed), on_step=...)
+
+``model_info()`` is the manifest's ``model`` entry, ``block_costs()`` the relative compute
+of each cache block (a shard's ``compute_cost`` is the sum over its blocks) and
+``rope_option(prep)`` the ``rope`` option of the low-rank codecs (None without RoPE).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dit.adapters.base import LatentRequest, LatentTemplate, ModelAdapter
+from dit.adapters.errors import InputError
+from dit.adapters.latents import ImageLatents
+from dit.cache import KVProvider
+
+
+@dataclass
+class Prepared:
+    """A template ready for one engine: the engine's template object and its geometry."""
+
+    template: Any
+    geometry: Any
+    prompt: str
+
+    @property
+    def token_mask_ratio(self) -> float:
+        g = self.geometry
+        return len(g.masked) / (len(g.masked) + len(g.unmasked))
+
+
+class EditEngine(ABC):
+    """What build and edit need from a model (see the module doc)."""
+
+    name: str
+    default_steps: int = 20
+    default_guidance: float = 3.0
+
+    @abstractmethod
+    def prepare(self, image: torch.Tensor, mask: torch.Tensor, prompt: str, seed: int,
+                steps: int | None = None, guidance: float | None = None) -> Prepared: ...
+
+    @abstractmethod
+    def request(self, prompt: str, seed: int, negative: str = "",
+                references: torch.Tensor | None = None) -> Any: ...
+
+    @abstractmethod
+    def template_run(self, prep: Prepared) -> Any:
+        """The template run; the result's ``cache`` is a ``TemplateCache``."""
+
+    @abstractmethod
+    def profile_importance(self, prep: Prepared, run: Any, requests: list[Any]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def edit(self, prep: Prepared, provider: KVProvider, req: Any, on_step=None) -> torch.Tensor:
+        """Cached masked edit -> image ``[3, H, W]`` in [-1, 1]."""
+
+    @abstractmethod
+    def local_edit(self, prep: Prepared, req: Any) -> torch.Tensor:
+        """``local``: the whole model on the device, no cache -> image."""
+
+    @abstractmethod
+    def model_info(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def block_costs(self) -> list[float]: ...
+
+    @abstractmethod
+    def rope_option(self, prep: Prepared) -> dict[str, Any] | None: ...
+
+
+class DefaultEngine(EditEngine):
+    """The shipped SAKURA MMDiT with its MiniLM text encoder (``dit.editing``)."""
+
+    name = "sakura-mmdit"
+
+    def __init__(self, model, encoder):
+        self.model, self.encoder = model, encoder
+
+    def prepare(self, image, mask, prompt, seed, steps=None, guidance=None) -> Prepared:
+        from dit.editing import Geometry, Template
+
+        tpl = Template(image=image, mask=mask, txt=self.encoder.encode([prompt]), seed=seed,
+                       steps=steps or self.default_steps,
+                       guidance=self.default_guidance if guidance is None else guidance)
+        return Prepared(tpl, Geometry.of(self.model, tpl), prompt)
+
+    def request(self, prompt, seed, negative="", references=None):
+        from dit.editing import EditRequest
+
+        return EditRequest(txt=self.encoder.encode([prompt]),
+                           txt_uncond=self.encoder.encode([negative]), seed=seed,
+                           ref_images=references)
+
+    def template_run(self, prep):
+        from dit.editing import template_run
+
+        return template_run(self.model, prep.template)
+
+    def profile_importance(self, prep, run, requests):
+        from dit.editing import profile_importance
+
+        return profile_importance(self.model, prep.template, run, requests)
+
+    def edit(self, prep, provider, req, on_step=None):
+        from dit.editing import cached_edit
+
+        return cached_edit(self.model, prep.template, prep.geometry, provider, req,
+                           on_step=on_step)
+
+    def local_edit(self, prep, req):
+        from dit.editing import full_edit
+
+        return full_edit(self.model, prep.template, req)
+
+    def model_info(self):
+        return {"name": self.name, "config": self.model.cfg.to_dict()}
+
+    def block_costs(self):
+        return [2.0 if b < self.model.cfg.double_blocks else 1.0
+                for b in range(self.model.cfg.num_blocks)]
+
+    def rope_option(self, prep):
+        from codec.lowrank import rope_option
+
+        cfg, geo = self.model.cfg, prep.geometry
+        return rope_option(geo.pos[geo.unmasked], cfg.rope_axes, cfg.rope_theta, cfg.num_heads)
+
+
+class DiffusersEngine(EditEngine):
+    """A diffusers adapter with its checkpoint's VAE and text encoding (``encode``)."""
+
+    def __init__(self, adapter: ModelAdapter, latents: ImageLatents,
+                 encode: Callable[[str], Any], default_steps: int = 28,
+                 default_guidance: float = 1.0):
+        self.adapter, self.latents = adapter, latents
+        self.encode = lru_cache(maxsize=256)(encode)
+        self.name = adapter.name
+        self.default_steps, self.default_guidance = default_steps, default_guidance
+
+    def prepare(self, image, mask, prompt, seed, steps=None, guidance=None) -> Prepared:
+        lat = self.latents.encode(image)
+        tmask = self.adapter.token_mask(mask)
+        if tmask.numel() != lat.grid[0] * lat.grid[1]:
+            raise InputError(f"mask {tuple(mask.shape)} gives {tmask.numel()} tokens, the image "
+                             f"{lat.grid[0]}x{lat.grid[1]}: sizes must be multiples of "
+                             f"{self.adapter.pixels_per_token} pixels")
+        tpl = LatentTemplate(lat.tokens, lat.grid, tmask, self.encode(prompt), seed=seed,
+                             steps=steps or self.default_steps,
+                             guidance=self.default_guidance if guidance is None else guidance)
+        return Prepared(tpl, self.adapter.geometry(tpl), prompt)
+
+    def request(self, prompt, seed, negative="", references=None) -> LatentRequest:
+        refs = [self.latents.encode(r) for r in references] if references is not None else []
+        return LatentRequest(self.encode(prompt), self.encode(negative), seed, refs)
+
+    def template_run(self, prep):
+        return self.adapter.template_run(prep.template)
+
+    def profile_importance(self, prep, run, requests):
+        return self.adapter.profile_importance(prep.template, run, requests)
+
+    def _image(self, prep, tokens):
+        return self.latents.decode(tokens, prep.template.grid)
+
+    def edit(self, prep, provider, req, on_step=None):
+        out = self.adapter.cached_edit(prep.template, prep.geometry, provider, req,
+                                       on_step=on_step)
+        return self._image(prep, out)
+
+    def local_edit(self, prep, req):
+        return self._image(prep, self.adapter.full_edit(prep.template, req))
+
+    def model_info(self):
+        return self.adapter.model_info()
+
+    def block_costs(self):
+        return self.adapter.block_costs()
+
+    def rope_option(self, prep):
+        from dit.adapters.qwenimage21 import QwenImage21Adapter
+
+        if isinstance(self.adapter, QwenImage21Adapter):
+            return self.adapter.rope_option(prep.geometry,
+                                            frame=self.adapter.frame_of(prep.template.cond))
+        return self.adapter.rope_option(prep.geometry)
+
+
+def load_engine(model: str | None = None, model_path: str | Path | None = None, *,
+                weights: str | Path | None = None, dtype: torch.dtype | None = None,
+                device: str | torch.device = "cpu") -> EditEngine:
+    """``model=None``: the shipped SAKURA model (``weights`` or the default); else the diffusers
+    checkpoint folder ``model_path`` (transformer, VAE and text encoders) as ``model``."""
+    if model is None:
+        from dit.text import TextEncoder
+        from dit.weights import load_model
+
+        return DefaultEngine(load_model(weights), TextEncoder())
+    from functools import partial
+
+    from dit.adapters.errors import ModelPathError
+    from dit.adapters.latents import (
+        encode_prompt,
+        family_of,
+        load_image_latents,
+        load_pipeline,
+    )
+    from dit.adapters.registry import MODELS, load_adapter
+
+    if model_path is None:
+        raise ModelPathError(f"--model {model} needs --model-path (a local checkpoint folder)")
+    adapter = load_adapter(model, model_path, dtype=dtype, device=device)
+    latents = load_image_latents(adapter, model_path, dtype=dtype)
+    pipe = load_pipeline(adapter, model_path, dtype=dtype)
+    spec = MODELS[model]
+    return DiffusersEngine(adapter, latents, partial(encode_prompt, pipe, family_of(adapter)),
+                           spec.default_steps, spec.default_guidance)
+
+
+__all__ = ["DefaultEngine", "DiffusersEngine", "EditEngine", "Prepared", "load_engine"]
