@@ -46,24 +46,26 @@ def blast(conn):
         conn.close()
 while True:
     conn, _ = srv.accept()
+    print("accepted", flush=True)
     threading.Thread(target=blast, args=(conn,), daemon=True).start()
 """
 
-#: Sink for a namespace: ``python -c SINK_SCRIPT HOST PORT SECONDS``; prints "t cum" lines.
+#: Sink for a namespace: ``python -c SINK_SCRIPT HOST PORT``: connects, then reads the
+#: monotonic end time from stdin, reads the flow until then and prints "t cum" lines.
 SINK_SCRIPT = r"""
 import socket, sys, time
-host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+host, port = sys.argv[1], int(sys.argv[2])
 for attempt in range(200):
     try:
         s = socket.create_connection((host, port), timeout=5)
         break
     except OSError:
         time.sleep(0.02)
+end = float(sys.stdin.readline())
 s.settimeout(0.05)
 buf = bytearray(262144)
 cum = 0
 out = [(time.monotonic(), 0)]
-end = time.monotonic() + seconds
 while True:
     now = time.monotonic()
     if now >= end:
@@ -340,7 +342,7 @@ def measure_kernel(
     """Blast through a :class:`traces.netns.KernelShapedLink` and compare windows.
 
     The source runs in the server namespace, the sink in the client namespace (as small
-    Python processes); the trace clock restarts when the source is listening. The source
+    Python processes); the trace clock restarts when the source accepts the flow. The source
     uses ``congestion_control`` (default CUBIC, a queue-filling sender, so that the link and
     not the sender's model of it is measured; ``""`` keeps the system default, which may be
     BBR, whose pacing does not track a fast-changing link).
@@ -362,15 +364,25 @@ def measure_kernel(
         line = src.stdout.readline() if src.stdout else ""
         if "ready" not in line:
             raise LinkError("traffic source in the server namespace did not start")
-        link.restart(start_s)
-        res = link.run_in(
+        sink = link.popen_in(
             "client",
-            [sys.executable, "-c", SINK_SCRIPT, link.server_addr, str(port), str(seconds)],
-            timeout=seconds + 30,
+            [sys.executable, "-c", SINK_SCRIPT, link.server_addr, str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        if res.returncode != 0:
-            raise LinkError(f"traffic sink failed: {res.stderr.strip()[-400:]}")
-        log = ReceiveLog.parse(res.stdout)
+        # Trace time starts when the flow does (connection accepted), not at process start.
+        if "accepted" not in (src.stdout.readline() if src.stdout else ""):
+            raise LinkError("traffic sink in the client namespace did not connect")
+        link.restart(start_s)
+        try:
+            out, err = sink.communicate(f"{link.origin + seconds}\n", timeout=seconds + 30)
+        except subprocess.TimeoutExpired as exc:
+            raise LinkError("traffic sink did not finish") from exc
+        if sink.returncode != 0:
+            raise LinkError(f"traffic sink failed: {err.strip()[-400:]}")
+        log = ReceiveLog.parse(out)
         windows = windows_from_log(
             log, link.expected_bytes, link.origin, settle_s, window_s, n_windows
         )

@@ -4,8 +4,12 @@
 creating pid and a random suffix), joins them with a veth pair addressed from a random
 private /30 that exists only inside those namespaces, and puts a ``tbf`` qdisc on the
 server side's veth (so server -> client is shaped, client -> server is not). A thread
-changes the tbf rate at every slice boundary of the trace. Only the namespaces it created
-are touched; everything is deleted on exit, on errors and on KeyboardInterrupt.
+changes the tbf rate at every slice boundary of the trace; slices shorter than
+``min_slice_s`` (default 0.25 s, e.g. Mahimahi's 100-ms bins) are averaged over cells of
+that length, because each ``tc`` change lands within a few ms of its boundary (integrals
+over whole cells are kept; an outage shorter than a cell becomes a lower rate). Only the
+namespaces it created are touched; everything is deleted on exit, on errors and on
+KeyboardInterrupt.
 
 Rate changes and tbf: trace rates are goodput, tbf counts Ethernet frames, so tbf runs at
 ``rate x 1514/1448`` (full TCP segments with timestamps). ``tc qdisc change`` refills the
@@ -40,7 +44,7 @@ from typing import Any
 
 from traces.errors import LinkError, NetnsUnavailableError
 from traces.model import Trace
-from traces.schedule import LinkEmulator, LinkSchedule
+from traces.schedule import LinkEmulator, LinkSchedule, Segment
 
 PREFIX = "sakura"
 PACKET_BYTES = 1514  # what tbf counts for a full-size Ethernet frame on veth
@@ -171,6 +175,7 @@ class KernelShapedLink(LinkEmulator):
         compensate_burst: bool = True,
         overhead: float = PACKET_BYTES / 1448,
         min_burst_bytes: int = 2 * PACKET_BYTES,
+        min_slice_s: float = 0.25,
     ) -> None:
         if not (0 < burst_s <= 0.1 and queue_s > 0):
             raise LinkError("burst_s must be in (0, 0.1] and queue_s > 0 seconds")
@@ -183,6 +188,7 @@ class KernelShapedLink(LinkEmulator):
         self.compensate_burst = compensate_burst
         self.overhead = float(overhead)
         self.min_burst_bytes = int(max(PACKET_BYTES, min_burst_bytes))
+        self.min_slice_s = float(min_slice_s)
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.server_ns = f"{PREFIX}-{tag}-srv"
         self.client_ns = f"{PREFIX}-{tag}-cli"
@@ -295,10 +301,46 @@ class KernelShapedLink(LinkEmulator):
         with contextlib.suppress(OSError):
             self._kick_sock.sendto(b"k", (self.client_addr, _KICK_PORT))
 
+    # Control grid: tbf follows the trace's slices, but slices shorter than min_slice_s
+    # (Mahimahi's 100-ms bins) are averaged over cells of min_slice_s of trace time, since
+    # each tc change lands within a few ms of its boundary.
+    def _cell(self, seg: Segment) -> float | None:
+        g = self.min_slice_s
+        return g if g > 0 and float(seg.trace.widths_s.min()) < g else None
+
+    def _control_rate(self, wall: float) -> float:
+        """The rate tbf should have at ``wall`` (bits/s of goodput)."""
+        seg = self.schedule.segment_at(wall)
+        g = self._cell(seg)
+        t = seg.trace_time(wall)
+        if g is None:
+            return float(seg.trace.rate_at(t))
+        k = math.floor(t / g)
+        return seg.trace.bits_between(k * g, (k + 1) * g) / g
+
+    def _control_next(self, wall: float) -> float:
+        """Wall time of the next control boundary after ``wall``."""
+        seg = self.schedule.segment_at(wall)
+        g = self._cell(seg)
+        if g is None:
+            return self.schedule.next_change(wall)
+        t = seg.trace_time(wall)
+        k = math.floor(t / g + 1e-9) + 1
+        return seg.wall_start + (k * g - seg.trace_start)
+
+    def _control_run(self, wall: float, horizon_s: float = 60.0) -> float:
+        """Seconds from ``wall`` until the control rate next changes (inf beyond horizon)."""
+        current = self._control_rate(wall)
+        b = self._control_next(wall)
+        while b - wall <= horizon_s:
+            if self._control_rate(b + 1e-6) != current:
+                return b - wall
+            b = self._control_next(b + 1e-6)
+        return math.inf
+
     def _apply_at(self, wall: float) -> None:
-        """Apply the setting of the slice containing ``wall``."""
-        sched = self.schedule
-        self._apply(sched.rate_at(wall), sched.next_rate_change(wall) - wall)
+        """Apply the setting of the control slice containing ``wall``."""
+        self._apply(self._control_rate(wall), self._control_run(wall))
 
     def _rate_loop(self) -> None:
         sched = self.schedule
@@ -306,9 +348,9 @@ class KernelShapedLink(LinkEmulator):
         while not self._stop.is_set():
             version = sched.version
             now = time.monotonic()
-            boundary = sched.next_change(now)
-            before = sched.rate_at(boundary - 1e-6)
-            after = sched.rate_at(boundary + 1e-6)
+            boundary = self._control_next(now)
+            before = self._control_rate(boundary - 1e-6)
+            after = self._control_rate(boundary + 1e-6)
             # tc takes effect ~apply_latency after we call it: call it that much early.
             lead = min(self.apply_latency_s, 0.02)
             if before <= 0:
@@ -330,7 +372,7 @@ class KernelShapedLink(LinkEmulator):
                 continue
             while lead == 0.0 and time.monotonic() < boundary:
                 time.sleep(boundary - time.monotonic())
-            self._apply(after, sched.next_rate_change(boundary + 1e-6) - boundary)
+            self._apply(after, self._control_run(boundary + 1e-6))
             # Do not re-handle this boundary if we are still before it.
             while time.monotonic() < boundary and not self._stop.is_set():
                 time.sleep(max(0.0, min(boundary - time.monotonic(), 0.05)))
@@ -360,8 +402,8 @@ class KernelShapedLink(LinkEmulator):
             if self._origin is None:
                 self.schedule.restart(self._start_s)
             now = time.monotonic()
-            rate = self.schedule.rate_at(now)
-            params = self._tbf_params(rate, self.schedule.next_rate_change(now) - now)
+            rate = self._control_rate(now)
+            params = self._tbf_params(rate, self._control_run(now))
             self._must(self._tc_tbf("add", *params))
             self._last = params
             self.applied.append(TbfSetting(now, rate, *params))
