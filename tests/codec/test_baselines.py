@@ -81,3 +81,25 @@ def test_cachegen_levels(small_cache):
 def test_cachegen_layer_bins():
     codec = get_codec("cachegen", layer_factors=[1.0, 2.0, 3.0])
     assert [codec.layer_factor(b, 6) for b in range(6)] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+
+
+def test_decoders_reject_garbage(small_cache):
+    from codec import PackError
+
+    sd = _shard(small_cache)
+    gen = torch.Generator().manual_seed(5)
+    for name in ("cachegen", "intq", "fp16", "sakura"):
+        codec = get_codec(name)
+        enc = codec.encode_shard(sd)
+        cfg = enc.configs[0]
+        data = bytearray(enc.config_data(0))
+        noise = torch.randint(0, 256, (len(data) - 8,), generator=gen, dtype=torch.uint8)
+        data[8:] = bytes(noise.tolist())
+        for bad in (bytes(data[: len(data) // 2]), b"", b"\x00" * 3):
+            with pytest.raises(PackError):
+                codec.decode(cfg.params, bad, sd.spec)
+        try:  # same length, random payload: either a clean error or finite tensors
+            out = codec.decode(cfg.params, bytes(data), sd.spec)
+            assert len(out) == sd.spec.num_matrices
+        except PackError:
+            pass
