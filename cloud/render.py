@@ -41,7 +41,7 @@ from dit.regional_mmdit import grid_coords, mmdit_macs
 from dit.sampler import noise_like, schedule
 from sakura.errors import SakuraError
 
-MODES = ("regional", "full", "naive")
+MODES = ("regional", "separate", "full", "naive")
 
 
 class RenderError(SakuraError):
@@ -50,8 +50,9 @@ class RenderError(SakuraError):
 
 @dataclass
 class RenderRequest:
-    """One text-to-image request. ``mode``: ``regional`` (FlashDiff), ``full`` (every
-    token every step) or ``naive`` (independent patches, no context)."""
+    """One text-to-image request. ``mode``: ``regional`` (FlashDiff, active patches of a
+    step run jointly), ``separate`` (FlashDiff, every patch its own monotask), ``full``
+    (every token every step) or ``naive`` (independent patches, no context)."""
 
     prompt: str = ""
     seed: int = 0
@@ -330,6 +331,10 @@ class RenderEngine:
             cfg = replace(cfg, warmup=req.steps)
         elif req.mode == "naive":
             cfg = replace(cfg, context="none")
+        elif req.mode == "separate":
+            cfg = replace(cfg, execution="separate")
+        else:
+            cfg = replace(cfg, execution="joint")
         branches = 2 if req.txt_uncond is not None and req.guidance != 1.0 else 1
         x = noise_like((1, grid * grid, mc.patch_dim), req.seed)[0]
         state = RegionalState(cfg, grid_coords(grid), schedule(req.steps), x,
@@ -355,7 +360,8 @@ class RenderEngine:
         d = st.decide(s)
         for p in d.active_ids():
             m = len(st.partition.patches[p])
-            self.sched.add(Task(TaskKey(r.rid, s, p), PATCH, r.seq, float(m + t), m))
+            cost = float(m + (0 if st.joint else t))
+            self.sched.add(Task(TaskKey(r.rid, s, p), PATCH, r.seq, cost, m, gang=st.joint))
 
     def _finish(self, r: _Req) -> None:
         mc = self.model_cfg
@@ -423,7 +429,7 @@ class RenderEngine:
             payload.update(kind="full", probe=st.wants_probe(s), want_kv=st.wants_kv(s))
         else:
             ctx = st.cfg.context == "stale"
-            payload.update(kind="patches", context=ctx,
+            payload.update(kind="patches", context=ctx, joint=st.joint,
                            patches=[(k.patch, _np(st.partition.patches[k.patch])) for k in keys])
             if ctx:
                 kind = self._sync_kind(r, s, g.worker)

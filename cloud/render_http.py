@@ -34,7 +34,7 @@ class RenderBody(BaseModel):
     steps: int = Field(default=20, ge=1, le=100)
     size: int = Field(default=64, ge=8, le=1024)
     guidance: float = Field(default=3.0, ge=0.0, le=20.0)
-    mode: Literal["regional", "full", "naive"] = "regional"
+    mode: Literal["regional", "separate", "full", "naive"] = "regional"
     wait: bool = False
 
 

@@ -23,6 +23,7 @@ message, one packed forward).
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from collections.abc import Callable
@@ -48,6 +49,7 @@ class Task:
     seq: int            # the request's arrival order
     cost: float         # estimated compute, in token rows
     tokens: int = 0     # region tokens the task computes (for transfer estimates)
+    gang: bool = False  # all ready tasks of its (request, step) go to one worker together
 
     @property
     def priority(self) -> int:
@@ -81,7 +83,9 @@ class SchedulerStats:
     requeued: int = 0
     workers_lost: int = 0
     affinity_hits: int = 0
-    placements: list[tuple[TaskKey, int]] = field(default_factory=list)
+    # recent placements (task, worker), bounded
+    placements: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=100_000))
 
 
 class Scheduler:
@@ -158,32 +162,45 @@ class Scheduler:
             free = [w for w, load in self.workers.items() if load < self.capacity]
             if not free:
                 break
+            unit = [heapq.heappop(self._ready)[2]]
+            while task.gang and self._ready and self._same_step(self._ready[0][2], task):
+                unit.append(heapq.heappop(self._ready)[2])  # siblings are next in order
+            cost = sum(t.cost for t in unit)
             best = None
             for w in free:
                 key = (w, task.key.rid, task.key.step)
                 extra = 0.0 if key in open_groups else self.transfer(task, w)
                 overhead = 0.0 if key in open_groups else self.group_overhead
-                after = self.workers[w] + task.cost + extra + overhead
+                after = self.workers[w] + cost + extra + overhead
                 worst = max([after] + [ld for u, ld in self.workers.items() if u != w])
                 cand = (worst, extra > 0, after, w)
                 if best is None or cand < best[0]:
-                    best = (cand, w, task.cost + extra + overhead, extra == 0)
-            _, w, charged, affine = best
-            heapq.heappop(self._ready)
-            self._queued.discard(task.key)
-            self.workers[w] += charged
-            self.inflight[task.key] = (w, task, charged)
-            self.stats.dispatched += 1
-            self.stats.affinity_hits += int(affine)
-            self.stats.placements.append((task.key, w))
-            gk = (w, task.key.rid, task.key.step)
-            if gk in open_groups:
-                open_groups[gk].tasks.append(task)
-            else:
-                g = Group(w, [task])
-                open_groups[gk] = g
-                groups.append(g)
+                    best = (cand, w, extra + overhead, extra == 0)
+            _, w, fixed, affine = best
+            for i, t in enumerate(unit):
+                self._queued.discard(t.key)
+                self._assign(t, w, t.cost + (fixed if i == 0 else 0.0), affine, open_groups,
+                             groups)
         return groups
+
+    @staticmethod
+    def _same_step(a: Task, b: Task) -> bool:
+        return (a.key.rid, a.key.step) == (b.key.rid, b.key.step)
+
+    def _assign(self, task: Task, w: int, charged: float, affine: bool,
+                open_groups: dict, groups: list[Group]) -> None:
+        self.workers[w] += charged
+        self.inflight[task.key] = (w, task, charged)
+        self.stats.dispatched += 1
+        self.stats.affinity_hits += int(affine)
+        self.stats.placements.append((task.key, w))
+        gk = (w, task.key.rid, task.key.step)
+        if gk in open_groups:
+            open_groups[gk].tasks.append(task)
+        else:
+            g = Group(w, [task])
+            open_groups[gk] = g
+            groups.append(g)
 
     def complete(self, key: TaskKey, worker: int) -> bool:
         """Record an output. True the first time a key completes; False for a duplicate

@@ -123,7 +123,7 @@ class _Worker:
             rep = self.sync(rid, step, p.get("sync"))
             store = KVStore(rep.k, rep.v)
         idx = [_t(i).long() for _, i in p["patches"]]
-        outs = be.run_patches(step, p["t"], x, idx, store)
+        outs = be.run_patches(step, p["t"], x, idx, store, joint=p.get("joint", False))
         if p["context"]:
             rep = self.replicas[rid]
             for s in [s for s in rep.stash if s < step]:

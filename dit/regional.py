@@ -361,9 +361,13 @@ class RegionalBackend(Protocol):
         ...
 
     def run_patches(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
-                    context: KVStore | None) -> list[PatchResult]:
-        """Each patch separately (its tokens + text fresh, ``context`` minus its own tokens
-        visible), possibly packed into one call; ``x`` holds the whole region."""
+                    context: KVStore | None, joint: bool = False) -> list[PatchResult]:
+        """The given patches at timestep ``t``; ``x`` holds the whole region.
+
+        ``joint=False``: each patch separately (its tokens + text fresh, ``context`` minus
+        its own tokens visible), possibly packed into one call. ``joint=True``: the
+        patches together in one call (fresh among themselves, the text computed once,
+        ``context`` of the tokens that do not run)."""
         ...
 
     def cost(self, queries: int, keys: int, calls: int = 1) -> float:
@@ -387,13 +391,19 @@ class RegionalConfig:
     overhead_weight: float = 1.0
     min_patch_tokens: int = 4
     context: str = "stale"              # "stale" | "none" (naive independent patches)
-    use_importance: bool = True         # False: gate on the change signal only
+    execution: str = "joint"            # "joint" | "separate" (see dit/REGIONAL.md)
+    importance_power: float = 1.0       # score = importance**power * change (0: change only)
+    change: str = "relative"            # "relative" | "absolute" velocity drift
 
     def validate(self, steps: int) -> None:
         if self.warmup < 1:
             raise ValueError("warmup must be >= 1 (the partition needs one full step)")
         if self.context not in ("stale", "none"):
             raise ValueError("context must be 'stale' or 'none'")
+        if self.execution not in ("joint", "separate"):
+            raise ValueError("execution must be 'joint' or 'separate'")
+        if self.change not in ("relative", "absolute"):
+            raise ValueError("change must be 'relative' or 'absolute'")
         if self.max_skips < 0 or self.eps < 0:
             raise ValueError("eps and max_skips must be non-negative")
 
@@ -479,6 +489,12 @@ class RegionalState:
         """The last warm-up step is probed (it builds the partition)."""
         return step == self.cfg.warmup - 1 and step < self.steps - 1
 
+    @property
+    def joint(self) -> bool:
+        """Whether the active patches of a step run as one unit (``execution="joint"``);
+        the naive baseline always runs its patches separately."""
+        return self.cfg.execution == "joint" and self.cfg.context == "stale"
+
     def wants_kv(self, step: int) -> bool:
         return self.wants_probe(step) and self.cfg.context == "stale"
 
@@ -527,7 +543,7 @@ class RegionalState:
         rate = torch.ones(part.count)
         if self.v_prev is not None:
             for i, p in enumerate(part.patches):
-                rate[i] = _rel_change(self.v_last[p], self.v_prev[p])
+                rate[i] = self._drift(self.v_last[p], self.v_prev[p])
         self.rate = rate
         self.last_exec = torch.full((part.count,), self.step, dtype=torch.long)
         self.stats.patches = part.count
@@ -543,7 +559,7 @@ class RegionalState:
         if step != self.step or self.phase(step) != "patches":
             raise RuntimeError(f"no patch step {step} now (at {self.step})")
         change = self.rate * (step - self.last_exec).double()
-        imp = self.importance if self.cfg.use_importance else torch.ones_like(self.rate)
+        imp = self.importance.clamp_min(0) ** self.cfg.importance_power
         d = self.gate.decide(imp, change)
         self.decisions[step] = d
         return d
@@ -564,7 +580,7 @@ class RegionalState:
             idx = parts[p]
             new = r.velocity.to(v.dtype)
             gap = max(1, step - int(self.last_exec[p]))
-            self.rate[p] = _rel_change(new, self.v_last[idx]) / gap
+            self.rate[p] = self._drift(new, self.v_last[idx]) / gap
             v[idx] = new
             self.importance[p] = r.self_mass / (len(idx) / max(1, r.img_keys))
             self.last_exec[p] = step
@@ -579,6 +595,11 @@ class RegionalState:
         self.stats.active_log.append(sorted(results))
         self.x = self.x + self.dt(step) * v
         self.step += 1
+
+    def _drift(self, new: torch.Tensor, old: torch.Tensor) -> float:
+        if self.cfg.change == "absolute":
+            return float((new.double() - old.double()).pow(2).mean().sqrt())
+        return _rel_change(new, old)
 
     # -- compute accounting -----------------------------------------------------------
 
@@ -595,8 +616,13 @@ class RegionalState:
             return
         t = self.text_tokens
         extra = max(0, self.img_keys_full - self.n)
-        q = sum(s + t for s in sizes)
-        keys = q + extra + (self.n if self.cfg.context == "stale" else 0)
+        stale = self.cfg.context == "stale"
+        if self.joint:
+            q = sum(sizes) + t
+            keys = q + extra + (self.n - sum(sizes) if stale else 0)
+        else:
+            q = sum(s + t for s in sizes)
+            keys = q + extra + (self.n if stale else 0)
         self.stats.full_macs += self.cost(self.n + t, self.n + t + extra)
         self.stats.macs += self.cost(q, keys) if sizes else 0.0
 
@@ -619,7 +645,8 @@ def run_regional(backend: RegionalBackend, state: RegionalState) -> RegionalStat
             ids = d.active_ids()
             outs = backend.run_patches(s, state.t(s), state.x,
                                        [state.partition.patches[p] for p in ids],
-                                       state.store if state.cfg.context == "stale" else None)
+                                       state.store if state.cfg.context == "stale" else None,
+                                       joint=state.joint)
             state.apply_patches(s, dict(zip(ids, outs)))
     return state
 

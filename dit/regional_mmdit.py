@@ -149,14 +149,14 @@ class MMDiTRegional:
 
     @torch.no_grad()
     def _call(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
-              context: KVStore | None, probe: bool):
+              context: KVStore | None, probe: bool, mask_own: bool = True):
         dev = self.device
         idx = torch.cat(patches)
         sizes = [len(p) for p in patches]
         pack = _Pack(sizes, self.text_tokens, self.fixed_tokens,
                      0 if context is None else context.k.shape[3])
         owner = None
-        if context is not None:
+        if context is not None and mask_own:
             owner = torch.full((pack.store,), -2, dtype=torch.long)
             for i, p in enumerate(patches):
                 owner[p] = i
@@ -201,9 +201,11 @@ class MMDiTRegional:
         return res
 
     def run_patches(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
-                    context: KVStore | None) -> list[PatchResult]:
+                    context: KVStore | None, joint: bool = False) -> list[PatchResult]:
         if not patches:
             return []
+        if joint:
+            return self._run_joint(step, t, x, patches, context)
         n = x.shape[0]
         vel, k, v, probs, pack = self._call(step, t, x, patches, context, True)
         out, off = [], 0
@@ -216,6 +218,34 @@ class MMDiTRegional:
                 rows = probs[q0 + off : q0 + off + m]
                 mass = float(rows[:, q0 + off : q0 + off + m].sum(-1).mean())
             keys = m + self.fixed_tokens + (n - m if context is not None else 0)
+            out.append(PatchResult(vel[sl], k[:, :, :, sl].clone(), v[:, :, :, sl].clone(),
+                                   mass, keys))
+            off += m
+        return out
+
+
+    def _run_joint(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
+                   context: KVStore | None) -> list[PatchResult]:
+        """All patches in one call: fresh among themselves, the rest of the region from
+        the store (only the tokens that do not run), text computed once."""
+        n = x.shape[0]
+        union = torch.cat(patches)
+        ctx = None
+        if context is not None:
+            rest = torch.ones(n, dtype=torch.bool)
+            rest[union] = False
+            keep = torch.nonzero(rest).flatten()
+            ctx = KVStore(context.k[:, :, :, keep], context.v[:, :, :, keep])
+        vel, k, v, probs, pack = self._call(step, t, x, [union], ctx, True, mask_own=False)
+        tt = pack.txt
+        keys = (n if context is not None else len(union)) + self.fixed_tokens
+        out, off = [], 0
+        for p in patches:
+            m = len(p)
+            sl = slice(off, off + m)
+            mass = float("nan")
+            if probs is not None:
+                mass = float(probs[tt + off : tt + off + m, tt + off : tt + off + m].sum(-1).mean())
             out.append(PatchResult(vel[sl], k[:, :, :, sl].clone(), v[:, :, :, sl].clone(),
                                    mass, keys))
             off += m

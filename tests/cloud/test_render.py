@@ -134,6 +134,23 @@ def test_preemption_only_at_step_boundaries():
     assert [g.tasks[0].key for g in groups] == [TaskKey(5, 0, -1), TaskKey(0, 8, 0)]
 
 
+def test_gang_tasks_of_a_joint_step_go_to_one_worker():
+    s = Scheduler(capacity=25.0)
+    for w in (0, 1):
+        s.add_worker(w)
+    for p in range(4):
+        s.add(Task(TaskKey(0, 3, p), PATCH, 0, 10.0, gang=True))
+    s.add(_task(1, 0, -1, WARMUP))
+    groups = s.place()
+    # the warm-up first; then the whole gang on the other worker even though it overfills it
+    assert [(g.worker, [t.key.patch for t in g.tasks]) for g in groups] == [(0, [-1]),
+                                                                           (1, [0, 1, 2, 3])]
+    lost = s.worker_lost(1)
+    assert len(lost) == 4  # a gang is requeued whole
+    (g,) = s.place()
+    assert g.worker == 0 and len(g.tasks) == 4
+
+
 # ----------------------------------------------------------------------------- trace
 
 
@@ -192,6 +209,8 @@ def _reference(model, req: RenderRequest, cfg: RegionalConfig):
         return generate(model, req.txt, req.txt_uncond, SIZE, req.seed, STEPS, GUIDANCE)[0], None
     if req.mode == "naive":
         cfg = RegionalConfig(**{**cfg.__dict__, "context": "none"})
+    if req.mode == "separate":
+        cfg = RegionalConfig(**{**cfg.__dict__, "execution": "separate"})
     img, st = regional_generate(model, req.txt, req.txt_uncond, SIZE, req.seed, STEPS, GUIDANCE,
                                 cfg, req.salient)
     return img[0], st
@@ -199,17 +218,17 @@ def _reference(model, req: RenderRequest, cfg: RegionalConfig):
 
 def _requests(engine, n, text_encoder):
     prompts = ["smileys: grinning face", "animals & nature: dog face", "food: red apple"]
+    modes = ("regional", "full", "naive", "separate")
     out = []
     for i in range(n):
         req = engine.prepare(RenderRequest(prompt=prompts[i % 3], seed=i, steps=STEPS,
-                                            size=SIZE, guidance=GUIDANCE,
-                                            mode=("regional", "full", "naive")[i % 3]))
+                                           size=SIZE, guidance=GUIDANCE, mode=modes[i % 4]))
         out.append(req)
     return out
 
 
 def test_engine_matches_single_process_execution(engine, text_encoder):
-    reqs = _requests(engine, 6, text_encoder)
+    reqs = _requests(engine, 8, text_encoder)
     futs = [engine.submit(r) for r in reqs]
     for req, fut in zip(reqs, futs):
         res = fut.result(timeout=120)

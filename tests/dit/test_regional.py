@@ -198,7 +198,7 @@ class ScriptedBackend:
         return FullResult(self._v(step, torch.arange(n)), kv, ta if probe else None,
                           torch.full((n, n), 1.0 / n) if probe else None, n)
 
-    def run_patches(self, step, t, x, patches, context):
+    def run_patches(self, step, t, x, patches, context, joint=False):
         self.calls.append((step, [len(p) for p in patches]))
         return [PatchResult(self._v(step, p), torch.full((1, 1, 1, len(p), 1), float(step)),
                             torch.zeros(1, 1, 1, len(p), 1), len(p) / self.n, self.n)
@@ -291,6 +291,32 @@ def test_packed_patches_equal_separate_execution():
     assert torch.allclose(one.velocity, full.velocity, atol=2e-5)
 
 
+def test_joint_execution_runs_active_patches_together():
+    model = tiny_model()
+    req = tiny_request(model)
+    be = generation_backend(model, req.txt, req.txt_uncond, 32, 2.0)
+    x = torch.randn(64, model.cfg.patch_dim, generator=torch.Generator().manual_seed(0))
+    full = be.run_full(0, 0.7, x, probe=False, want_kv=True)
+    patches = list(otsu_partition(be.coords, torch.rand(64), 4).patches)
+    # every patch together with a current store = the full step (tokens in another order)
+    alljoint = be.run_patches(0, 0.7, x, patches, full.kv, joint=True)
+    for p, r in zip(patches, alljoint):
+        assert torch.allclose(r.velocity, full.velocity[p], atol=2e-5)
+        assert torch.allclose(r.k, full.kv.k[:, :, :, p], atol=2e-5)
+        assert r.img_keys == 64
+    # two patches jointly: they see each other fresh, the rest from the store
+    two = be.run_patches(1, 0.6, x, [patches[1], patches[3]], full.kv, joint=True)
+    sep = be.run_patches(1, 0.6, x, [patches[1], patches[3]], full.kv, joint=False)
+    assert not torch.allclose(two[0].velocity, sep[0].velocity, atol=1e-6)
+    assert float((two[0].velocity - sep[0].velocity).abs().max()) < 0.05
+    # with eps = 0 nothing is skipped and joint regional execution is full execution
+    ref = generate(model, req.txt, req.txt_uncond, 32, seed=3, steps=5, guidance=2.0)
+    img, st = regional_generate(model, req.txt, req.txt_uncond, 32, 3, 5, 2.0,
+                                RegionalConfig(warmup=2, eps=0.0, patches=4))
+    assert float((img - ref).abs().max()) < 1e-4
+    assert st.stats.compute_fraction == pytest.approx(1.0)
+
+
 def test_stale_context_beats_naive_patches_and_gate_saves_compute():
     model = tiny_model()
     req = tiny_request(model)
@@ -298,7 +324,8 @@ def test_stale_context_beats_naive_patches_and_gate_saves_compute():
     errs = {}
     for ctx in ("stale", "none"):
         img, st = regional_generate(model, req.txt, req.txt_uncond, 32, 3, 6, 2.0,
-                                    RegionalConfig(warmup=2, eps=0.0, patches=4, context=ctx))
+                                    RegionalConfig(warmup=2, eps=0.0, patches=4, context=ctx,
+                                                   execution="separate"))
         errs[ctx] = float((img - ref).abs().mean())
         assert st.stats.skipped_fraction == 0
     assert errs["stale"] < 0.5 * errs["none"]
