@@ -103,6 +103,10 @@ class _Pacer:
             while True:
                 now = time.monotonic()
                 start = max(self._virtual, now - self.burst_s)
+                if self.schedule.rate_at(now) <= 0:
+                    # In an outage nothing leaves, not even capacity saved up before it
+                    # (or a grant the event loop reached late): wait for the outage's end.
+                    start = max(start, now)
                 finish = self.schedule.finish_time(start, nbytes)
                 if finish <= now:
                     self._virtual = finish
@@ -119,8 +123,11 @@ class _Pacer:
                         handle.cancel()
                     self._wake = None
                 if timed_out:
+                    now = time.monotonic()
+                    if now > finish and self.schedule.rate_at(now) <= 0:
+                        continue  # woke up late, inside an outage: wait it out
                     self._virtual = finish
-                    return time.monotonic()
+                    return now
                 # The schedule changed: recompute from the new segment.
 
     def changed(self) -> None:

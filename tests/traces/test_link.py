@@ -45,10 +45,13 @@ def test_real_trace_accuracy(trace_dir: Path, rel: str, seed: int) -> None:
 def test_real_outage_delivers_nothing_then_resumes(trace_dir: Path) -> None:
     wifi = load_trace(trace_dir / "wifi/13_3_wifi.csv")
     assert list(wifi.rates_bps[86:94]) == [0.0] * 8  # an 8-s outage in the real trace
-    piece = wifi.slice(92.0, 5.0)  # 2 s of outage, then 13.6 and 72 Mbit/s
-    m = measure_paced(piece, window_s=2.0, n_windows=2, settle_s=0.0)
+    # Its first 2 s after 1.5 s at 0.69/0.28 Mbit/s, then its last second and the recovery
+    # (13.6, 72 Mbit/s): outage during 1.5-4.5 s of the piece.
+    piece = Trace.concatenate([wifi.slice(84.5, 3.5), wifi.slice(93.0, 3.0)])
+    m = measure_paced(piece, window_s=2.0, n_windows=2, settle_s=1.5)
     outage, after = m.windows
-    assert outage.outage and outage.measured_bytes == 0
+    assert outage.outage and outage.measured_bytes == 0, m.to_dict()
+    assert after.expected_bytes == pytest.approx(13.613904e6 / 8, rel=1e-6)
     assert after.rel_error < 0.05, m.to_dict()
 
 
