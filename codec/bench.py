@@ -125,7 +125,7 @@ def model_templates(
         spec = catalog[tid]
         tpl = spec.to_template(enc)
         if steps or quick:
-            tpl = replace(tpl, steps=steps or 8)
+            tpl = replace(tpl, steps=steps or 6)
         run = template_run(model, tpl)
         profiling = spec.requests(enc, "profiling")[: 1 if quick else None]
         profile_importance(model, tpl, run, profiling)

@@ -88,7 +88,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def register(commands, bench) -> None:
     b = bench.add_parser("codec", help="codecs at ~5x/15x/50x vs FP16: bytes, KV error, edit PSNR")
     b.add_argument("--json", required=True, help="write the results here")
-    b.add_argument("--quick", action="store_true", help="one template, fewer steps (< 60 s)")
+    b.add_argument("--quick", action="store_true",
+                   help="one template, 6 steps, 1 profiling and 2 evaluation requests (< 60 s)")
     src = b.add_mutually_exclusive_group()
     src.add_argument("--cache", action="append", metavar="FILE",
                      help="a saved TemplateCache (.safetensors); repeatable; KV metrics only")

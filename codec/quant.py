@@ -74,37 +74,6 @@ def midrise_values(codes: torch.Tensor, delta: torch.Tensor, bits: int) -> torch
     return (codes - ((1 << bits) - 1) / 2) * delta
 
 
-def fit_midrise_step(
-    v: torch.Tensor, bits: int, mask: torch.Tensor | None = None, trials: int = 16
-) -> torch.Tensor:
-    """Per-row MSE-optimal step for a mid-rise quantizer of ``v [..., G]`` (fp16-rounded).
-
-    Candidates: ``trials`` steps between 12% and 100% of the no-clipping step
-    ``2 max|v| / L`` and ``trials`` steps around the Gaussian optimum ``~4 rms / L``; the one
-    with the lowest squared error wins (clipping outliers is often better at low bit widths,
-    where a max-scaled step wastes most levels on the tails). ``mask`` (0/1, same shape as
-    ``v``) excludes padding from the fit.
-    """
-    levels = 1 << bits
-    if mask is None:
-        mask = torch.ones_like(v)
-    v = v * mask
-    full = 2.0 * v.abs().amax(dim=-1) / levels
-    count = mask.sum(dim=-1).clamp_min(1)
-    rms = (v.pow(2).sum(dim=-1) / count).sqrt() * (4.0 / levels)
-    fracs = torch.linspace(0.12, 1.0, trials, dtype=v.dtype)
-    mults = torch.logspace(-1.0, 1.0, trials, base=4.0, dtype=v.dtype)
-    cand = torch.cat([full.unsqueeze(-1) * fracs, rms.unsqueeze(-1) * mults], dim=-1)
-    cand = torch.minimum(cand, full.unsqueeze(-1))
-    cand = to_fp16_scale(cand)  # [..., 2T]
-    vv = v.unsqueeze(-2)  # [..., 1, G]
-    dd = cand.unsqueeze(-1)  # [..., 2T, 1]
-    diff = vv - midrise_values(midrise_codes(vv, dd, bits), dd, bits)
-    err = (diff**2 * mask.unsqueeze(-2)).sum(-1)
-    best = err.argmin(dim=-1, keepdim=True)
-    return torch.gather(cand, -1, best).squeeze(-1)
-
-
 # ---------------------------------------------------------------------- rotations
 def hadamard(size: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Orthonormal Sylvester Hadamard matrix of a power-of-two ``size`` (symmetric)."""
@@ -206,7 +175,7 @@ class ProgressiveQuantizer:
 
     plan: SegmentPlan
     level_bits: tuple[int, ...]
-    trials: int = 12
+    trials: int = 8
 
     def encode(self, vectors: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """``vectors [k, L]`` (float64) -> ``(steps [k, G] fp16, codes per level [k, L] uint8,
