@@ -87,6 +87,11 @@ class EditEngine(ABC):
     @abstractmethod
     def rope_option(self, prep: Prepared) -> dict[str, Any] | None: ...
 
+    @abstractmethod
+    def cache_geometry(self, prep: Prepared) -> dict[str, int]:
+        """``steps, blocks, tokens, channels, heads`` of the template's cache (what a pack
+        manifest's ``geometry`` must say)."""
+
 
 class DefaultEngine(EditEngine):
     """The shipped SAKURA MMDiT with its MiniLM text encoder (``dit.editing``)."""
@@ -138,6 +143,12 @@ class DefaultEngine(EditEngine):
     def block_costs(self):
         return [2.0 if b < self.model.cfg.double_blocks else 1.0
                 for b in range(self.model.cfg.num_blocks)]
+
+    def cache_geometry(self, prep):
+        cfg = self.model.cfg
+        return {"steps": prep.template.steps, "blocks": cfg.num_blocks,
+                "tokens": len(prep.geometry.unmasked), "channels": cfg.hidden_size,
+                "heads": cfg.num_heads}
 
     def rope_option(self, prep):
         from codec.lowrank import rope_option
@@ -195,6 +206,11 @@ class DiffusersEngine(EditEngine):
 
     def block_costs(self):
         return self.adapter.block_costs()
+
+    def cache_geometry(self, prep):
+        geo = prep.geometry
+        return {"steps": prep.template.steps, "blocks": len(geo.blocks),
+                "tokens": len(geo.unmasked), "channels": geo.channels, "heads": geo.heads}
 
     def rope_option(self, prep):
         from dit.adapters.qwenimage21 import QwenImage21Adapter
