@@ -32,6 +32,7 @@ from cloud.publish import (
 
 BUILDER_VERSION = "sakura-build-1"
 DEFAULT_CODECS = ("sakura", "svd", "fp16", "intq", "cachegen")
+LOWRANK_CODECS = ("sakura", "svd")
 
 
 @dataclass
@@ -99,6 +100,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
     from tqdm import tqdm
 
     from codec import ShardLayout, get_codec
+    from codec.lowrank import rope_option
     from codec.pack import write_pack
     from dit.editing import profile_importance, template_run
     from dit.templates import load_catalog, with_resolution
@@ -154,8 +156,14 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
             tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp,
             CatalogTransaction(out) as txn,
         ):
+            rope = rope_option(run.geometry.pos[run.geometry.unmasked], model.cfg.rope_axes,
+                               model.cfg.rope_theta, model.cfg.num_heads)
             for name in cfg.codecs:
-                codec = get_codec(name, **cfg.codec_options.get(name, {}))
+                options = dict(cfg.codec_options.get(name, {}))
+                if name in LOWRANK_CODECS:
+                    # keys are factorised in the pre-RoPE frame (codec/README.md)
+                    options.setdefault("rope", rope)
+                codec = get_codec(name, **options)
                 work = Path(tmp) / name
                 manifest = write_pack(
                     work,

@@ -8,9 +8,20 @@ Public API::
     from codec.profile import rate_quality_curve
 """
 
-from codec.base import CODECS, Codec, EncodedConfig, EncodedShard, get_codec
 from codec.errors import CodecError, PackError
-from codec.shards import ShardLayout
+
+_LAZY = {  # torch-backed names load on first use, so `sakura --help` starts fast
+    "CODECS": "codec.base", "Codec": "codec.base", "EncodedConfig": "codec.base",
+    "EncodedShard": "codec.base", "get_codec": "codec.base", "ShardLayout": "codec.shards",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'codec' has no attribute {name!r}")
 
 __all__ = [
     "CODECS",
