@@ -95,6 +95,7 @@ class EngineConfig:
     threads: int = 1
     device: str = "auto"
     respawn: bool = True
+    priority: str = "warmup_first"   # or "fifo" (cloud.render_sched)
     start_timeout_s: float = 300.0
     max_size: int = 128
     max_steps: int = 100
@@ -177,7 +178,8 @@ class RenderEngine:
         self.encoder = encoder
         self._encode_lock = threading.Lock()
         self._uncond: torch.Tensor | None = None
-        self.sched = Scheduler(self.cfg.capacity_rows, self._transfer, self.cfg.group_overhead_rows)
+        self.sched = Scheduler(self.cfg.capacity_rows, self._transfer,
+                               self.cfg.group_overhead_rows, self.cfg.priority)
         self._workers: dict[int, _Worker] = {}
         self._wid = itertools.count()
         self._rid = itertools.count()

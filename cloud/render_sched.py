@@ -6,11 +6,13 @@ warm-up or full execution) or one patch of a regional step. Its output is keyed 
 ``(request, step, patch)``; the first completion of a key is applied, any later one is a
 duplicate and is dropped, so re-running a task (after its worker died) is harmless.
 
-Order: warm-up tasks first (priority 0: a new request's warm-up unblocks its partition and
-all its patch tasks), then patch / full-step tasks (priority 1); within a class, requests
-in arrival order, then step, then patch. A request's step ``s + 1`` tasks only exist once
-all of its step ``s`` outputs are applied, and a dispatched task always runs to the end,
-so a newly arrived request overtakes running requests only at their step boundaries.
+Order (policy ``warmup_first``, FlashDiff's): warm-up tasks first (priority 0: a new
+request's warm-up unblocks its partition and all its patch tasks), then patch / full-step
+tasks (priority 1); within a class, requests in arrival order, then step, then patch.
+Policy ``fifo`` drops the classes: the earliest request first. A request's step ``s + 1``
+tasks only exist once all of its step ``s`` outputs are applied, and a dispatched task
+always runs to the end, so a newly arrived request overtakes running requests only at
+their step boundaries.
 
 Placement: each worker has a load (estimated cost of its dispatched, unfinished tasks) and
 a capacity (a short backlog, so that priorities are decided late). A task goes to the
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 WARMUP, PATCH, FULL = "warmup", "patch", "full"
 PRIORITY = {WARMUP: 0, PATCH: 1, FULL: 1}
+POLICIES = ("warmup_first", "fifo")
 
 
 @dataclass(frozen=True, order=True)
@@ -55,8 +58,9 @@ class Task:
     def priority(self) -> int:
         return PRIORITY[self.kind]
 
-    def order(self) -> tuple:
-        return (self.priority, self.seq, self.key.step, self.key.patch)
+    def order(self, policy: str = "warmup_first") -> tuple:
+        cls = self.priority if policy == "warmup_first" else 0
+        return (cls, self.seq, self.key.step, self.key.patch)
 
 
 @dataclass
@@ -97,7 +101,10 @@ class Scheduler:
     """
 
     def __init__(self, capacity: float, transfer: Callable[[Task, int], float] | None = None,
-                 group_overhead: float = 0.0):
+                 group_overhead: float = 0.0, policy: str = "warmup_first"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}")
+        self.policy = policy
         self.capacity = capacity
         self.transfer = transfer or (lambda task, worker: 0.0)
         self.group_overhead = group_overhead
@@ -135,7 +142,7 @@ class Scheduler:
         k = task.key
         if k in self.done or k in self._queued or k in self.inflight:
             return False
-        heapq.heappush(self._ready, (task.order(), next(self._tie), task))
+        heapq.heappush(self._ready, (task.order(self.policy), next(self._tie), task))
         self._queued.add(k)
         return True
 
@@ -240,5 +247,5 @@ class Scheduler:
         self.done = {k for k in self.done if k.rid != rid}
 
 
-__all__ = ["FULL", "PATCH", "PRIORITY", "WARMUP", "Group", "Scheduler", "SchedulerStats",
+__all__ = ["FULL", "PATCH", "POLICIES", "PRIORITY", "WARMUP", "Group", "Scheduler", "SchedulerStats",
            "Task", "TaskKey"]

@@ -383,7 +383,7 @@ class RegionalConfig:
     """Knobs of regional execution (defaults: ``dit/REGIONAL.md``)."""
 
     warmup: int = 4
-    eps: float = 0.6
+    eps: float = 1.0
     max_skips: int = 3
     patch_candidates: tuple[int, ...] = (2, 3, 4, 6, 8)
     patches: int | None = None          # fix R instead of searching
