@@ -10,26 +10,35 @@ Public API::
     latents = adapter.cached_edit(template, run.geometry, provider, request)
 """
 
-from dit.adapters.base import (
-    AdapterGeometry,
-    AdapterHook,
-    AdapterRun,
-    Branch,
-    Conditioning,
-    LatentImage,
-    LatentRequest,
-    LatentTemplate,
-    ModelAdapter,
-)
-from dit.adapters.errors import (
-    AdapterError,
-    CheckpointMismatchError,
-    InputError,
-    ModelPathError,
-    UnknownModelError,
-    UnsupportedError,
-)
-from dit.adapters.registry import MODELS, ModelSpec, load_adapter
+_LAZY = {  # loaded on first use so that `sakura --help` does not import torch/diffusers
+    "AdapterGeometry": "dit.adapters.base",
+    "AdapterHook": "dit.adapters.base",
+    "AdapterRun": "dit.adapters.base",
+    "Branch": "dit.adapters.base",
+    "Conditioning": "dit.adapters.base",
+    "LatentImage": "dit.adapters.base",
+    "LatentRequest": "dit.adapters.base",
+    "LatentTemplate": "dit.adapters.base",
+    "ModelAdapter": "dit.adapters.base",
+    "AdapterError": "dit.adapters.errors",
+    "CheckpointMismatchError": "dit.adapters.errors",
+    "InputError": "dit.adapters.errors",
+    "ModelPathError": "dit.adapters.errors",
+    "UnknownModelError": "dit.adapters.errors",
+    "UnsupportedError": "dit.adapters.errors",
+    "MODELS": "dit.adapters.registry",
+    "ModelSpec": "dit.adapters.registry",
+    "load_adapter": "dit.adapters.registry",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dit.adapters' has no attribute {name!r}")
+
 
 __all__ = [
     "MODELS",
