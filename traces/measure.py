@@ -247,15 +247,13 @@ class BlastServer:
                 conn.close()
 
 
-def receive_for(address: tuple[str, int], seconds: float) -> ReceiveLog:
-    """Connect to ``address`` and read for ``seconds``, logging cumulative bytes."""
-    sock = socket.create_connection(address, timeout=5)
+def read_until(sock: socket.socket, end: float) -> ReceiveLog:
+    """Read ``sock`` until monotonic time ``end``, logging cumulative bytes; closes it."""
     sock.settimeout(0.05)
     buf = bytearray(262144)
     cum = 0
     times = [time.monotonic()]
     cums = [0]
-    end = times[0] + seconds
     try:
         while True:
             now = time.monotonic()
@@ -280,6 +278,12 @@ def receive_for(address: tuple[str, int], seconds: float) -> ReceiveLog:
     return ReceiveLog(times, cums)
 
 
+def receive_for(address: tuple[str, int], seconds: float) -> ReceiveLog:
+    """Connect to ``address`` and read for ``seconds``, logging cumulative bytes."""
+    sock = socket.create_connection(address, timeout=5)
+    return read_until(sock, time.monotonic() + seconds)
+
+
 def measure_paced(
     trace: Trace,
     start_s: float = 0.0,
@@ -293,22 +297,31 @@ def measure_paced(
 
     With ``connections > 1`` several sinks share the link; their bytes are summed.
     """
+    from traces.errors import LinkError
     from traces.link import PacedLinkThread
 
     seconds = settle_s + window_s * n_windows + 0.1
     with BlastServer() as source, PacedLinkThread(trace, source.address, start_s=start_s) as link:
+        socks = [socket.create_connection(link.address, timeout=5) for _ in range(connections)]
+        deadline = time.monotonic() + 10
+        while link.counters.connections_active < connections:
+            if time.monotonic() > deadline:
+                raise LinkError("paced link did not accept the measurement connections")
+            time.sleep(0.005)
+        # Trace time starts once the flows are connected (not at link start-up).
+        link.restart(start_s)
+        origin = link.origin
         logs: list[ReceiveLog] = []
         threads = [
             threading.Thread(
-                target=lambda: logs.append(receive_for(link.address, seconds)), daemon=True
+                target=lambda s=s: logs.append(read_until(s, origin + seconds)), daemon=True
             )
-            for _ in range(connections)
+            for s in socks
         ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(seconds + 10)
-        origin = link.origin
         windows = _sum_windows(logs, link.expected_bytes, origin, settle_s, window_s, n_windows)
     return Measurement("paced", trace.name, float(start_s), windows)
 
