@@ -360,6 +360,11 @@ class RenderEngine:
             self.sched.add(Task(TaskKey(r.rid, s, -1), kind, r.seq, float(n + t), n))
             return
         d = st.decide(s)
+        if not d.active_ids():  # every patch skipped: the step is the reused velocities
+            st.apply_patches(s, {})
+            r.last = (s, {})
+            self._enqueue(r)
+            return
         for p in d.active_ids():
             m = len(st.partition.patches[p])
             cost = float(m + (0 if st.joint else t))

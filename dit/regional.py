@@ -268,27 +268,46 @@ class GateDecision:
 @dataclass
 class PatchGate:
     """Skip patches whose normalised refinement score is below ``eps``; force a patch
-    back after ``max_skips`` consecutive skips. ``skips[p]`` counts the current run."""
+    back after ``max_skips`` consecutive skips. ``skips[p]`` counts the current run.
+
+    Scores are ``importance x change``. ``normalize="step"`` divides them by this step's
+    mean over the patches (a patch is judged against the others now);
+    ``normalize="running"`` divides by the mean over every step decided so far,
+    this one included (a patch is judged against the others over the run, so quiet
+    steps skip more and steps where everything changes skip less)."""
 
     patches: int
     eps: float = 0.5
     max_skips: int = 3
+    normalize: str = "step"
     skips: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    _sum: float = 0.0
+    _steps: int = 0
 
     def __post_init__(self) -> None:
         if self.skips is None:
             self.skips = torch.zeros(self.patches, dtype=torch.long)
+        if self.normalize not in ("step", "running"):
+            raise ValueError("normalize must be 'step' or 'running'")
 
     @staticmethod
-    def weights(importance: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+    def weights(importance: torch.Tensor, change: torch.Tensor,
+                reference: float | None = None) -> torch.Tensor:
         score = importance.double().clamp_min(0) * change.double().clamp_min(0)
-        mean = score.mean()
-        if not torch.isfinite(mean) or mean <= 0:
+        ref = score.mean() if reference is None else torch.tensor(reference, dtype=torch.float64)
+        if not torch.isfinite(ref) or ref <= 0:
             return torch.ones_like(score)
-        return score / mean
+        return score / ref
 
     def decide(self, importance: torch.Tensor, change: torch.Tensor) -> GateDecision:
-        w = self.weights(importance, change)
+        ref = None
+        if self.normalize == "running":
+            score = importance.double().clamp_min(0) * change.double().clamp_min(0)
+            if torch.isfinite(score.mean()):
+                self._sum += float(score.mean())
+                self._steps += 1
+            ref = self._sum / max(1, self._steps)
+        w = self.weights(importance, change, ref)
         forced = (self.skips >= self.max_skips) & (w < self.eps)
         active = (w >= self.eps) | forced
         self.skips = torch.where(active, torch.zeros_like(self.skips), self.skips + 1)
@@ -392,8 +411,9 @@ class RegionalConfig:
     min_patch_tokens: int = 4
     context: str = "stale"              # "stale" | "none" (naive independent patches)
     execution: str = "joint"            # "joint" | "separate" (see dit/REGIONAL.md)
-    importance_power: float = 1.0       # score = importance**power * change (0: change only)
+    importance_power: float = 0.5       # score = importance**power * change (0: change only)
     change: str = "relative"            # "relative" | "absolute" velocity drift
+    normalize: str = "running"          # "running" | "step" (PatchGate)
 
     def validate(self, steps: int) -> None:
         if self.warmup < 1:
@@ -402,6 +422,8 @@ class RegionalConfig:
             raise ValueError("context must be 'stale' or 'none'")
         if self.execution not in ("joint", "separate"):
             raise ValueError("execution must be 'joint' or 'separate'")
+        if self.normalize not in ("step", "running"):
+            raise ValueError("normalize must be 'step' or 'running'")
         if self.change not in ("relative", "absolute"):
             raise ValueError("change must be 'relative' or 'absolute'")
         if self.max_skips < 0 or self.eps < 0:
@@ -534,7 +556,7 @@ class RegionalState:
             part = choose_partition(self.coords, sal, cfg.patch_candidates, self.text_tokens,
                                     cfg.overhead_weight, cfg.balance_tol, cfg.min_patch_tokens)
         self.partition = part
-        self.gate = PatchGate(part.count, cfg.eps, cfg.max_skips)
+        self.gate = PatchGate(part.count, cfg.eps, cfg.max_skips, cfg.normalize)
         self.store = res.kv
         a = res.img_attn.double()
         keys = res.img_keys or self.n

@@ -160,6 +160,21 @@ def test_gate_skips_below_eps_and_forces_after_k_skips():
     assert seq[0].weights.mean().item() == pytest.approx(1.0)
 
 
+def test_running_normalisation_skips_more_in_quiet_steps():
+    step, run = PatchGate(2, eps=1.0, max_skips=9), PatchGate(2, eps=1.0, max_skips=9,
+                                                                normalize="running")
+    imp = torch.ones(2)
+    loud, quiet = torch.tensor([4.0, 3.0]), torch.tensor([0.4, 0.3])
+    assert step.decide(imp, loud).active.tolist() == run.decide(imp, loud).active.tolist() \
+        == [True, False]
+    # a quiet step: per-step normalisation still runs the larger one; against the run's
+    # mean both are small and skip
+    assert step.decide(imp, quiet).active.tolist() == [True, False]
+    assert run.decide(imp, quiet).active.tolist() == [False, False]
+    # a loud step after quiet ones: everything runs
+    assert run.decide(imp, torch.tensor([5.0, 4.5])).active.tolist() == [True, True]
+
+
 def test_gate_weights_are_relative_and_reactivate_on_change():
     a, b = PatchGate(2, eps=0.5, max_skips=10), PatchGate(2, eps=0.5, max_skips=10)
     imp = torch.tensor([2.0, 1.0])
