@@ -31,7 +31,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -262,7 +262,8 @@ class PackClient:
                              got.etag)
 
     async def fetch_config(self, template: str, codec: str, shard: int, config: int, *,
-                           manifest: Mapping[str, Any] | None = None) -> Fetched:
+                           manifest: Mapping[str, Any] | None = None,
+                           progress: Callable[[int], None] | None = None) -> Fetched:
         """The verified bytes of one configuration of one shard (see the module doc)."""
         url = self._url(template, codec, "shards", int(shard), int(config))
         params = {}
@@ -271,7 +272,7 @@ class PackClient:
             spec = BodySpec.from_manifest(manifest, shard, config)
             if manifest.get("pack_file"):
                 params["pack"] = str(manifest["pack_file"])
-        return await self._fetch_body(url, params, spec)
+        return await self._fetch_body(url, params, spec, progress)
 
     # ------------------------------------------------------------------ internals
     async def _get_json(self, url: str, etag: str | None = None) -> _JsonGot:
@@ -317,8 +318,8 @@ class PackClient:
             f"(gave up after {attempts} attempts without progress); check that the server is "
             "running (`sakura serve DIR`) and the URL and network are right")
 
-    async def _fetch_body(self, url: str, params: dict[str, str], spec: BodySpec | None
-                          ) -> Fetched:
+    async def _fetch_body(self, url: str, params: dict[str, str], spec: BodySpec | None,
+                          progress: Callable[[int], None] | None = None) -> Fetched:
         buf = bytearray()
         etag: str | None = None
         sha: str | None = None
@@ -358,6 +359,8 @@ class PackClient:
                             first_byte = time.monotonic()
                         buf += chunk
                         attempt.progressed = True
+                        if progress is not None:
+                            progress(len(buf))
             except (TimeoutError, _Retry, aiohttp.ClientError, OSError) as exc:
                 attempt.error = _describe(exc)
             if not attempt.error:

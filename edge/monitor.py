@@ -3,9 +3,9 @@
 :class:`BandwidthMonitor` keeps one sample per shard transfer (bytes, request start, first
 body byte, end) and estimates throughput as the harmonic mean of the last ``k`` body rates,
 as adaptive video streaming does (robust to short bursts that overstate the rate), plus the
-per-request latency (median of recent times to first byte). Bodies smaller than
-``min_sample_bytes`` arrive in one read and say little about the rate: they are used only
-while there is no larger sample.
+per-request latency (median of recent times to first byte). A body that arrived in less
+than ``min_body_s`` (one read, or a burst the link had saved up) says little about the
+rate: such samples are used only while there is no longer one.
 
 :class:`ExecutionProgress` knows the measured execution time of every shard (a calibration,
 corrected online by the ratio of measured to predicted times), when each shard arrived,
@@ -56,12 +56,12 @@ class BandwidthMonitor:
     """Throughput and latency estimates from recent transfers."""
 
     def __init__(self, k: int = 5, initial_bps: float | None = None,
-                 min_sample_bytes: int = 4096) -> None:
+                 min_body_s: float = 0.002) -> None:
         if k < 1:
             raise ValueError("k must be >= 1")
         self.k = k
         self.initial_bps = initial_bps
-        self.min_sample_bytes = min_sample_bytes
+        self.min_body_s = min_body_s
         self.samples: list[TransferSample] = []
         self._lock = threading.Lock()
 
@@ -74,7 +74,7 @@ class BandwidthMonitor:
 
     def _recent(self) -> list[TransferSample]:
         with self._lock:
-            usable = [s for s in self.samples if s.nbytes >= self.min_sample_bytes]
+            usable = [s for s in self.samples if s.end - s.first_byte >= self.min_body_s]
             return (usable or self.samples)[-self.k:]
 
     def estimate_bps(self) -> float | None:

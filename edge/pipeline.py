@@ -5,7 +5,12 @@ Three stages run concurrently:
 * **receive** (a coroutine on the network loop, :class:`NetLoop`): for shard ``j`` it waits
   for a buffer slot (back-pressure: at most ``max_ahead`` shards received, reconstructing
   or reconstructed but not yet executing), asks the allocator for a configuration given
-  the window and rate estimate at that moment, fetches and verifies the bytes;
+  the window and rate estimate at that moment, fetches and verifies the bytes. Requests
+  are pipelined: the request for ``j`` goes out while ``j - 1`` is still arriving, once
+  what is left of it will arrive within one request latency (at most ``max_inflight``
+  transfers), so small shards do not leave the link idle for a round trip each. The
+  allocator gets the window minus the *lead*: the longer of the time the link still owes
+  earlier shards and the request latency (time to first byte);
 * **reconstruct** (a thread): decodes the bytes into the shard's K/V tensors;
 * **execute** (the caller's thread): the DiT asks :class:`ShardProvider` ``get(step,
   block)`` in execution order; the first block of a shard blocks until that shard is
@@ -25,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -97,6 +102,7 @@ class ShardRecord:
     params: dict[str, Any] = field(default_factory=dict)
     bytes: int = 0
     window_s: float | None = None
+    lead_s: float = 0.0  # time until the body could start: bytes still due, request latency
     carry_s: float | None = None
     rate_bps: float | None = None
     deadline: float | None = None
@@ -117,6 +123,16 @@ class ShardRecord:
 
 
 @dataclass
+class _InFlight:
+    """A transfer on the wire: its expected size and bytes received so far."""
+
+    shard: int
+    nbytes: int
+    received: int = 0
+    task: asyncio.Future[None] = field(default=None)  # type: ignore[assignment]
+
+
+@dataclass
 class PipelineStats:
     """Summary of a finished pipeline."""
 
@@ -127,7 +143,7 @@ class PipelineStats:
     configs: list[int | None]
 
 
-Fetch = Callable[[int, int], Awaitable[Fetched]]
+Fetch = Callable[[int, int, Callable[[int], None]], Awaitable[Fetched]]
 Decode = Callable[[int, int, bytes], list[torch.Tensor]]
 Allocate = Callable[[int, Window, float], int]
 
@@ -144,6 +160,8 @@ class Pipeline:
                  decode: Decode, allocate: Allocate, monitor: BandwidthMonitor,
                  progress: ExecutionProgress, origin: float, max_ahead: int = 2,
                  describe: Callable[[int, int], dict[str, Any]] | None = None,
+                 config_bytes: Callable[[int, int], int] | None = None,
+                 max_inflight: int = 2,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_ahead < 1:
             raise ValueError("max_ahead must be >= 1")
@@ -152,6 +170,9 @@ class Pipeline:
         self.monitor, self.progress = monitor, progress
         self.origin, self.clock, self.max_ahead = origin, clock, max_ahead
         self.describe = describe
+        self.config_bytes = config_bytes
+        self.max_inflight = max(1, max_inflight)
+        self._inflight: dict[int, _InFlight] = {}
         self.records = [ShardRecord(i, s, list(b)) for i, (s, b) in enumerate(shard_blocks)]
         self._index = {(s, b): (i, k) for i, (s, bl) in enumerate(shard_blocks)
                        for k, b in enumerate(bl)}
@@ -229,34 +250,90 @@ class Pipeline:
             except RuntimeError:  # loop closed
                 pass
 
+    async def _wait_slot(self, shard: int) -> None:
+        assert self._slot_event is not None
+        while not self._slot_free(shard):
+            self._slot_event.clear()
+            if self._slot_free(shard):
+                break
+            await self._slot_event.wait()
+
+    def _outstanding(self) -> int:
+        return sum(max(0, f.nbytes - f.received) for f in self._inflight.values())
+
+    async def _wait_link(self) -> None:
+        """Return once the next request may go out: nothing in flight, or (with fewer than
+        ``max_inflight`` transfers) the bytes still due arrive within one request latency,
+        so the next body starts right behind them instead of after an idle round trip."""
+        while self._inflight and self._error is None:
+            tasks = [f.task for f in self._inflight.values()]
+            rate = self.monitor.estimate_bps()
+            latency = self.monitor.latency_s()
+            if len(tasks) < self.max_inflight and rate and self.config_bytes is not None:
+                due_s = self._outstanding() * 8.0 / rate
+                if due_s <= latency:
+                    return
+                timeout = min(0.01, max(0.001, due_s - latency))
+            else:
+                timeout = None
+            await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+
     async def _receive_loop(self) -> None:
         self._slot_event = asyncio.Event()
-        for j in range(len(self.shard_blocks)):
-            while not self._slot_free(j):
-                self._slot_event.clear()
-                if self._slot_free(j):
-                    break
-                await self._slot_event.wait()
-            if self._error is not None:
-                return
-            now = self.clock()
-            window = self.progress.window(j, now)
-            rate = self.monitor.estimate_bps() or 0.0
-            config = int(self.allocate(j, window, rate))
-            rec = self.records[j]
-            rec.config = config
-            rec.params = dict(self.describe(j, config)) if self.describe else {}
-            rec.window_s, rec.carry_s, rec.rate_bps = window.window_s, window.carry_s, rate
-            rec.deadline = self._rel(window.deadline)
-            got = await self.fetch(j, config)
-            rec.recv_start = self._rel(got.start)
-            rec.recv_first_byte = self._rel(got.first_byte)
-            rec.recv_end = self._rel(got.end)
-            rec.bytes = len(got.data)
-            rec.attempts, rec.resumes, rec.refetches = got.attempts, got.resumes, got.refetches
-            self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
-            self.progress.received(j, got.end)
-            self._recon_q.put((j, config, got.data))
+        try:
+            for j in range(len(self.shard_blocks)):
+                await self._wait_slot(j)
+                if self._error is None:
+                    await self._wait_link()
+                if self._error is not None:
+                    return
+                now = self.clock()
+                window = self.progress.window(j, now)
+                rate = self.monitor.estimate_bps() or 0.0
+                due = self._outstanding() * 8.0 / rate if rate > 0 else 0.0
+                # the body starts after the bytes still due and after the request latency
+                lead = max(due, self.monitor.latency_s())
+                config = int(self.allocate(j, replace(window, window_s=window.window_s - lead),
+                                           rate))
+                rec = self.records[j]
+                rec.config = config
+                rec.params = dict(self.describe(j, config)) if self.describe else {}
+                rec.window_s, rec.carry_s, rec.rate_bps = window.window_s, window.carry_s, rate
+                rec.lead_s = lead
+                rec.deadline = self._rel(window.deadline)
+                size = self.config_bytes(j, config) if self.config_bytes else 0
+                entry = _InFlight(j, size)
+                entry.task = asyncio.ensure_future(self._transfer(j, config, entry))
+                self._inflight[j] = entry
+            while self._inflight and self._error is None:
+                await asyncio.wait([f.task for f in self._inflight.values()],
+                                   return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in list(self._inflight.values()):
+                f.task.cancel()
+
+    async def _transfer(self, j: int, config: int, entry: _InFlight) -> None:
+        def progress(n: int) -> None:
+            entry.received = n
+
+        try:
+            got = await self.fetch(j, config, progress)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the executing thread
+            self.fail(exc)
+            return
+        finally:
+            self._inflight.pop(j, None)
+        rec = self.records[j]
+        rec.recv_start = self._rel(got.start)
+        rec.recv_first_byte = self._rel(got.first_byte)
+        rec.recv_end = self._rel(got.end)
+        rec.bytes = len(got.data)
+        rec.attempts, rec.resumes, rec.refetches = got.attempts, got.resumes, got.refetches
+        self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
+        self.progress.received(j, got.end)
+        self._recon_q.put((j, config, got.data))
 
     def _receive_done(self, fut: concurrent.futures.Future[None]) -> None:
         if fut.cancelled():

@@ -176,6 +176,7 @@ class EditOptions:
     """Knobs of a streamed edit (defaults are the design's)."""
 
     max_ahead: int = 2          # shards held ahead of execution (receive + reconstructed)
+    max_inflight: int = 2       # pipelined requests (1: one request at a time)
     safety: float = 0.9         # fraction of rate x window the allocator may use
     rate_window: int = 5        # shards in the harmonic-mean rate estimate
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
@@ -197,6 +198,7 @@ class EdgeRuntime:
         self.profiles: dict[str, ExecProfile] = {}
         self.manifests: dict[tuple[str, str], CachedManifest] = {}
         self.last_rate_bps: float | None = None
+        self._saved: dict[str, str] = {}  # manifest file -> etag already on disk
         self._load_state()
 
     # ------------------------------------------------------------------ device state
@@ -227,9 +229,11 @@ class EdgeRuntime:
         names = []
         for (template, codec), cached in self.manifests.items():
             name = f"{template}.{codec}.json"
-            _atomic_text(folder / name, json.dumps(
-                {"template": template, "codec": codec, "etag": cached.etag,
-                 "size": cached.size, "manifest": cached.data}, separators=(",", ":")))
+            if self._saved.get(name) != cached.etag or not (folder / name).exists():
+                _atomic_text(folder / name, json.dumps(
+                    {"template": template, "codec": codec, "etag": cached.etag,
+                     "size": cached.size, "manifest": cached.data}, separators=(",", ":")))
+                self._saved[name] = cached.etag
             names.append(name)
         _atomic_text(self.state_dir / "state.json", json.dumps(
             {"profiles": {k: v.block_s for k, v in self.profiles.items()},
@@ -312,24 +316,27 @@ class EdgeRuntime:
             progress = ExecutionProgress(exec_s, origin)
             codec_impl = manifest.make_codec()
 
-            async def fetch(shard: int, config: int):
+            async def fetch(shard: int, config: int, progress):
                 return await client.fetch_config(template_id, codec, shard, config,
-                                                 manifest=manifest_dict)
+                                                 manifest=manifest_dict, progress=progress)
 
             def decode(shard: int, config: int, data: bytes) -> list[torch.Tensor]:
                 return decode_config(manifest, shard, config, data, codec_impl)
 
             def allocate(shard: int, window, rate: float) -> int:
-                # the request's latency (time to first byte) is not transfer time
-                return allocator.choose(shard, window.window_s - monitor.latency_s(), rate)
+                return allocator.choose(shard, window.window_s, rate)
 
             def describe(shard: int, config: int) -> dict[str, Any]:
                 return dict(manifest.shard(shard).config(config).params)
 
+            def config_bytes(shard: int, config: int) -> int:
+                return int(manifest.shard(shard).config(config).bytes)
+
             shard_blocks = [layout.blocks_of(i) for i in range(layout.num_shards)]
             pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,
                             monitor=monitor, progress=progress, origin=origin,
-                            max_ahead=opts.max_ahead, describe=describe)
+                            max_ahead=opts.max_ahead, describe=describe,
+                            config_bytes=config_bytes, max_inflight=opts.max_inflight)
             pipe.start(net)
             try:
                 image = cached_edit(self.model, template, geo, pipe.provider, req)
@@ -341,7 +348,7 @@ class EdgeRuntime:
             self.last_rate_bps = monitor.estimate_bps()
             self.save_state()
         finally:
-            net.run(client.close())
+            net.run(client.close(), timeout=10)
         timeline = [r.to_dict() for r in pipe.records]
         exec_total = sum((r["exec_end"] or 0) - (r["exec_start"] or 0) for r in timeline)
         return EditResult(

@@ -131,7 +131,7 @@ def test_policies_registry():
 
 
 def test_rate_estimate_is_harmonic_mean_of_recent_body_rates():
-    mon = BandwidthMonitor(k=3, min_sample_bytes=1)
+    mon = BandwidthMonitor(k=3, min_body_s=0.0)
     assert mon.estimate_bps() is None
     # body rates 8, 4, 8 Mbit/s (1 MB in 1, 2, 1 s)
     for i, body_s in enumerate([1.0, 2.0, 1.0]):
@@ -144,11 +144,11 @@ def test_rate_estimate_is_harmonic_mean_of_recent_body_rates():
 
 
 def test_small_bodies_do_not_drive_the_estimate():
-    mon = BandwidthMonitor(k=4, min_sample_bytes=4096)
+    mon = BandwidthMonitor(k=4, min_body_s=0.002)
     mon.record(None, 100_000, 0.0, 0.01, 0.11)       # manifest: 8 Mbit/s
-    mon.record(0, 500, 1.0, 1.001, 1.001)            # one read: meaningless rate
+    mon.record(0, 5000, 1.0, 1.001, 1.001)           # one read: meaningless rate
     assert mon.estimate_bps() == pytest.approx(8e6)
-    only_small = BandwidthMonitor(min_sample_bytes=4096, initial_bps=1e6)
+    only_small = BandwidthMonitor(min_body_s=0.002, initial_bps=1e6)
     only_small.record(0, 500, 0.0, 0.0, 0.001)
     assert only_small.estimate_bps() == pytest.approx(4e6)  # used while nothing better
 
@@ -203,7 +203,7 @@ def test_scripted_arrivals_drive_the_allocator():
     alloc = AdaptiveAllocator(tables, latency_s=0.0, safety=1.0)
     rates = [8e6] * 4 + [2e6] * 4            # the link slows down half way
     prog = ExecutionProgress(exec_s, origin=0.0)
-    mon = BandwidthMonitor(k=1, min_sample_bytes=1)
+    mon = BandwidthMonitor(k=1, min_body_s=0.0)
     mon.record(None, 10_000, 0.0, 0.0, 0.01)  # a manifest sample: 8 Mbit/s
     now = 0.0
     exec_free = 0.0

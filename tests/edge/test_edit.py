@@ -41,7 +41,9 @@ def check_timeline(result, max_ahead):
         assert r["bytes"] > 0 and r["config"] is not None
     for a, b in zip(tl, tl[1:]):
         assert a["exec_end"] <= b["exec_start"] + 1e-9
-        assert a["recv_end"] <= b["recv_start"] + 1e-9     # one transfer at a time
+        assert a["recv_start"] <= b["recv_start"]           # requests in shard order
+    for a, c in zip(tl, tl[2:]):
+        assert a["recv_end"] <= c["recv_start"] + 1e-9     # at most two on the wire
     for j in range(max_ahead, len(tl)):                     # bounded buffer
         assert tl[j]["recv_start"] >= tl[j - max_ahead]["exec_start"] - 1e-9
     assert result.bytes == sum(r["bytes"] for r in tl)
@@ -163,20 +165,23 @@ def test_a_corrupted_shard_response_is_refetched_in_an_edit(world):
 def test_a_trace_outage_delays_the_edit_and_is_reported_as_stalls(world):
     rt = world.runtime()
     req = rt.request(PROMPT, SEED)
-    outage = 0.8
+    outage = 1.2
     rate = 4e6  # fp16 (169 kB) alone takes ~0.34 s at 4 Mbit/s
     trace = Trace.from_edges([0.0, 0.15, 0.15 + outage, 600.0], [rate, 0.0, rate])
     with Server(create_app(LocalStorage(world.catalog_dir))) as server:
         with shaped(server.url, Trace.constant(rate)) as (url, _link):
-            calm = rt.edit(url, TEMPLATE_ID, world.template, req, "fp16")
+            calm = rt.edit(url, TEMPLATE_ID, world.template, req, "fp16")  # also warms up
         with shaped(server.url, trace, 0.0) as (url, link):
             link.restart(0.0)  # the outage starts 0.15 s into the edit
             res = rt.edit(url, TEMPLATE_ID, world.template, req, "fp16")
     assert torch.equal(res.image, calm.image)
-    assert res.latency_s > calm.latency_s + 0.5 * outage
+    # nothing arrives during the outage: the last shard lands after it
+    assert res.timeline[-1]["recv_end"] >= 0.15 + outage
+    assert res.latency_s >= 0.15 + outage
+    # execution (a few ms per shard) waits for it, at most two shards ahead
     assert res.stalls >= 1
-    assert res.stall_s >= 0.5 * outage
-    assert max(r["stall_s"] for r in res.timeline[1:]) >= 0.5 * outage
+    assert res.stall_s >= 0.25 * outage
+    assert max(r["stall_s"] for r in res.timeline[1:]) >= 0.25 * outage
 
 
 def test_allocator_adapts_to_the_link_rate(world):

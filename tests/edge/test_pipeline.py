@@ -17,16 +17,23 @@ from edge.pipeline import NetLoop, Pipeline
 SHARDS = [(0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [2, 3])]
 
 
-def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05):
+def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_s=0.0,
+         max_inflight=2):
     origin = time.monotonic()
     decisions = []
 
-    async def fetch(shard, config):
+    async def fetch(shard, config, progress):
+        """``latency_s`` to the first byte, then the body in five parts over fetch_s."""
         t0 = time.monotonic()
         if fail_at == shard:
             raise ServerUnreachable("scripted: the server went away")
-        await asyncio.sleep(fetch_s[shard])
-        return Fetched(bytes(1000 * (config + 1)), t0, t0 + 0.001, time.monotonic())
+        await asyncio.sleep(latency_s)
+        first = time.monotonic()
+        size = 1000 * (config + 1)
+        for part in range(1, 6):
+            await asyncio.sleep(fetch_s[shard] / 5)
+            progress(size * part // 5)
+        return Fetched(bytes(size), t0, first, time.monotonic())
 
     def decode(shard, config, data):
         time.sleep(decode_s)
@@ -39,7 +46,8 @@ def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05):
     pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=allocate,
                     monitor=BandwidthMonitor(initial_bps=8e6),
                     progress=ExecutionProgress([exec_s] * 4, origin), origin=origin,
-                    max_ahead=max_ahead, describe=lambda s, c: {"level": c})
+                    max_ahead=max_ahead, describe=lambda s, c: {"level": c},
+                    config_bytes=lambda s, c: 1000 * (c + 1), max_inflight=max_inflight)
     return pipe, decisions
 
 
@@ -104,6 +112,28 @@ def test_slow_reconstruction_is_part_of_the_stall():
     assert stats.stalls >= 2
     for r in pipe.records:
         assert r.recon_end - r.recon_start >= 0.11
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_requests_are_pipelined_behind_the_previous_body(max_inflight):
+    # 60 ms to the first byte, 40 ms bodies: one request at a time idles the link for a
+    # round trip per shard; pipelined, the next request goes out while a body arrives
+    with NetLoop() as net:
+        pipe, _ = make([0.04] * 4, latency_s=0.06, exec_s=0.0, max_inflight=max_inflight)
+        pipe.start(net)
+        execute(pipe, exec_s=0.0)
+        pipe.finish()
+    recs = pipe.records
+    overlaps = [recs[j + 1].recv_start < recs[j].recv_end for j in range(3)]
+    span = recs[-1].recv_end - recs[0].recv_start
+    if max_inflight == 1:
+        assert not any(overlaps)
+        assert span >= 4 * 0.1 - 0.01
+    else:
+        assert all(overlaps[1:])             # from shard 1 on (a latency sample exists)
+        assert span < 4 * 0.1 - 0.08
+        for j in range(2, 4):                # never more than two on the wire
+            assert recs[j].recv_start >= recs[j - 2].recv_end - 1e-9
 
 
 def test_a_receive_failure_reaches_the_executing_thread():
