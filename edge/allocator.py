@@ -174,7 +174,7 @@ class AdaptiveAllocator:
 
     tables: list[ShardOptions]
     latency_s: float = 0.0
-    safety: float = 0.9
+    safety: float = 0.8
     name: str = "adaptive"
 
     def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
@@ -198,7 +198,7 @@ class FixedAllocator:
 
 
 def fixed_config(tables: list[ShardOptions], exec_s: list[float], budget_rate_bps: float,
-                 safety: float = 0.9) -> FixedAllocator:
+                 safety: float = 0.8) -> FixedAllocator:
     """One parameter set (e.g. rank and bits) for every shard: the best quality whose mean
     bytes per shard fit the budget of the median rate over the mean shard execution time
     (the steady-state window); the smallest common one when none fits."""
@@ -239,7 +239,7 @@ class PolicyContext:
     exec_s: list[float]
     latency_s: float = 0.0
     budget_rate_bps: float | None = None  # the median rate (fixed-config ablation)
-    safety: float = 0.9
+    safety: float = 0.8
     options: Mapping[str, Any] = field(default_factory=dict)
 
 

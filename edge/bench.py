@@ -8,10 +8,10 @@ Every policy then runs the same edit through the same paced link (real HTTP, the
 restarted at the same start point for each), and is compared with ``exact``.
 
 Packs: ``--server URL`` uses a running server; ``--catalog DIR`` serves a published
-catalog; otherwise the bench builds one pack per codec for the template (template run,
-importance profiling, ``codec.pack.write_pack``, published with ``cloud.publish``) into a
-cache folder keyed by the weights and template, and reuses it next time. The server runs
-as a separate ``sakura serve`` process, as a real server would.
+catalog; otherwise the bench runs the provider's builder (``cloud.build``, what ``sakura
+build`` does) into ``<cache-dir>/packs``, which skips templates that are up to date (same
+spec, weights, codecs) and is forced when the cached packs no longer decode. The server
+runs as a separate ``sakura serve`` process, as a real server would.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import asyncio
 import hashlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -40,7 +39,6 @@ from edge.errors import EdgeError
 from edge.netem import shaped
 from edge.runtime import EdgeRuntime, EditOptions, EditResult
 
-CODECS = ("sakura", "fp16", "intq", "cachegen", "svd")
 DEFAULT_POLICIES = ("local", "fp16", "intq", "cachegen", "svd", "sakura",
                     "sakura-fixed-config", "sakura-fixed-bits")
 
@@ -114,27 +112,14 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build_catalog(out_dir: Path, template_id: str, template: Template, runtime: EdgeRuntime,
-                  profiling: list[EditRequest], codecs: tuple[str, ...] = CODECS,
-                  blocks_per_shard: int = 2, model_info: dict[str, Any] | None = None) -> Path:
-    """Template run, importance profiling, one pack per codec, published into ``out_dir``."""
-    from cloud.publish import CatalogTransaction
-    from codec.base import CODECS as REGISTERED
-    from codec.base import get_codec
-    from codec.pack import write_pack
-    from dit.editing import profile_importance, template_run
+def build_packs(out_dir: Path, template_id: str, weights: Path, catalog: str | None = None,
+                force: bool = False, log: Any = print) -> Path:
+    """Build and publish the template's packs with the provider's builder (``sakura
+    build``: every codec, importance profiling, template assets in the catalog entry)."""
+    from cloud.build import BuildConfig, build
 
-    get_codec("fp16")  # loads the built-in codecs
-    if ABLATION_PACK in REGISTERED and ABLATION_PACK not in codecs:
-        codecs = (*codecs, ABLATION_PACK)
-    run = template_run(runtime.model, template)
-    profile_importance(runtime.model, template, run, profiling)
-    work = out_dir / "_work"
-    with CatalogTransaction(out_dir) as txn:
-        for name in codecs:
-            m = write_pack(work / name, template_id, run.cache, get_codec(name),
-                           blocks_per_shard=blocks_per_shard, model=dict(model_info or {}))
-            txn.publish(template_id, name, m.to_dict(), work / name / m.pack_file)
+    build(BuildConfig(catalog=catalog, out_dir=str(out_dir), templates=(template_id,),
+                      weights=str(weights), force=force), log=log)
     return out_dir
 
 
@@ -267,7 +252,7 @@ def run_bench(spec: BenchSpec) -> dict[str, Any]:
     if tid not in catalog:
         raise EdgeError(f"template {tid!r} is not in the device catalog ({', '.join(catalog)})")
     tspec = catalog[tid]
-    runtime = EdgeRuntime(model)
+    runtime = EdgeRuntime(model, weights_sha256=file_sha256(weights))
     template = tspec.to_template(runtime.encoder)
     prompt = tspec.evaluation_prompts[0]
     req = runtime.request(prompt, seed=spec.seed)
@@ -279,19 +264,15 @@ def run_bench(spec: BenchSpec) -> dict[str, Any]:
         if spec.catalog:
             catalog_dir = Path(spec.catalog)
         else:
-            key = hashlib.sha256(f"{file_sha256(weights)}|{tid}|{template.steps}|"
-                                 f"{','.join(CODECS)}".encode()).hexdigest()[:16]
-            catalog_dir = spec.cache_dir / f"catalog-{tid}-{key}"
-            if (catalog_dir / "catalog.json").exists() and not catalog_usable(catalog_dir, tid):
-                log(f"packs in {catalog_dir} no longer decode (codec changed): rebuilding")
-                shutil.rmtree(catalog_dir)
-            if not (catalog_dir / "catalog.json").exists():
-                log(f"building packs for {tid} ({', '.join(CODECS)}) into {catalog_dir} ...")
-                t0 = time.monotonic()
-                profiling = tspec.requests(runtime.encoder, "profiling")[:2]
-                build_catalog(catalog_dir, tid, template, runtime, profiling,
-                              model_info={"weights_sha256": file_sha256(weights)})
-                log(f"  built in {time.monotonic() - t0:.1f} s")
+            catalog_dir = spec.cache_dir / "packs"
+            stale = ((catalog_dir / "catalog.json").exists()
+                     and not catalog_usable(catalog_dir, tid))
+            if stale:
+                log(f"packs of {tid} in {catalog_dir} no longer decode (codec changed)")
+            log(f"sakura build {tid} into {catalog_dir} (skipped when up to date) ...")
+            t0 = time.monotonic()
+            build_packs(catalog_dir, tid, weights, force=stale, log=log)
+            log(f"  packs ready in {time.monotonic() - t0:.1f} s")
         server_proc = ServerProcess(catalog_dir).start()
         server = server_proc.url
     try:
@@ -313,7 +294,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
     geo = Geometry.of(runtime.model, template)
     runtime.profile(tid, template, geo, req)  # calibration (and warm-up)
     exact, floor_s, fp16_manifest = exact_and_floor(runtime, server, tid, template, req,
-                                                    repeats=1 if spec.quick else 3)
+                                                    repeats=2 if spec.quick else 3)
     fp16_bytes = int(fp16_manifest["fp16_bytes"])
     trace_path = Path(spec.trace) if spec.trace else default_trace()
     raw = load_trace(trace_path)
@@ -417,6 +398,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
         "stall_s": {p: med([r.stall_s for r in rs]) for p, rs in results.items()},
         "startup_s": {p: med([r.startup_s for r in rs]) for p, rs in results.items()},
         "runs": {p: [r.summary() for r in rs] for p, rs in results.items()},
+        "timelines": {p: rs[0].timeline for p, rs in results.items()},
         "elapsed_s": time.monotonic() - t_begin,
     }
     lat = doc["latency_s"]

@@ -45,7 +45,9 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="edited image (PNG)")
     p.add_argument("--token", help="bearer token for the server")
     p.add_argument("--weights", help="model weights (default: the shipped model)")
-    p.add_argument("--catalog", help="device template catalog (default: the shipped one)")
+    p.add_argument("--catalog",
+                   help="take the template from this local catalog instead of the server's "
+                        "catalog entry")
     p.add_argument("--compare-exact", action="store_true",
                    help="also compute `exact` and print PSNR/SSIM against it")
     p.add_argument("--state-dir", default=str(default_state_dir()),
@@ -113,7 +115,7 @@ def save_image(img: Any, path: Path) -> None:
 
 def _edit(args: argparse.Namespace) -> int:
     from dit.templates import load_catalog
-    from dit.weights import load_model
+    from dit.weights import DEFAULT_WEIGHTS, load_model
     from edge.netem import shaped, trace_from_args
     from edge.runtime import EdgeRuntime, EditOptions
     from edge.timeline import plot_timeline, write_json
@@ -122,14 +124,21 @@ def _edit(args: argparse.Namespace) -> int:
     if out.suffix.lower() != ".png":
         raise EdgeError(f"--out must be a .png file, got {out}")
     trace = trace_from_args(args.trace, args.rate, args.scale)
-    model = load_model(args.weights)
-    catalog = load_catalog(args.catalog)
-    if args.template not in catalog:
-        raise EdgeError(f"template {args.template!r} is not in the device catalog "
-                        f"(known: {', '.join(catalog)})")
-    spec = catalog[args.template]
-    runtime = EdgeRuntime(model, state_dir=None if args.no_state else args.state_dir)
-    template = spec.to_template(runtime.encoder)
+    weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
+    model = load_model(weights)
+    runtime = EdgeRuntime(model, state_dir=None if args.no_state else args.state_dir,
+                          weights_sha256=_sha256(weights))
+    if args.catalog:
+        catalog = load_catalog(args.catalog)
+        if args.template not in catalog:
+            raise EdgeError(f"template {args.template!r} is not in {args.catalog} "
+                            f"(known: {', '.join(catalog)})")
+        template = catalog[args.template].to_template(runtime.encoder)
+    else:
+        shipped = _shipped_seed(args.template)
+        template = runtime.fetch_template(args.server, args.template, args.token)
+        if template.seed < 0 and shipped is not None:
+            template.seed = shipped
     reference = load_image(args.reference, template.size) if args.reference else None
     req = runtime.request(args.prompt, args.seed, reference)
     options = EditOptions(max_ahead=args.max_ahead, pack=args.pack)
@@ -160,8 +169,32 @@ def _edit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
+def _shipped_seed(template_id: str) -> int | None:
+    """The template seed from the shipped catalog (the local policy needs it)."""
+    from dit.templates import load_catalog
+    from sakura.errors import SakuraError
+
+    try:
+        spec = load_catalog().get(template_id)
+    except SakuraError:
+        return None
+    return None if spec is None else spec.seed
+
+
 def _print_summary(result: Any, out: Path, tl_json: Path, tl_png: Path | None) -> None:
     w = sys.stdout.write
+    for warning in result.warnings:
+        sys.stderr.write(f"sakura: warning: {warning}\n")
     w(f"policy      {result.policy} (pack: {result.codec or 'none'})\n")
     w(f"latency     {result.latency_s:.3f} s (startup {result.startup_s:.3f} s, "
       f"execution {result.exec_s:.3f} s)\n")

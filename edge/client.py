@@ -233,6 +233,14 @@ class PackClient:
         got = await self._get_json(self._url())
         return got.data
 
+    async def template_entry(self, template: str) -> dict[str, Any]:
+        """One template's catalog entry (``GET /v1/templates/{id}``): codecs, metadata and
+        the template assets the device needs (image, mask, steps, ...)."""
+        got = await self._get_json(self._url(template))
+        if not isinstance(got.data, dict):
+            raise EdgeError(f"{template}: the server's catalog entry is not a JSON object")
+        return got.data
+
     async def manifest(self, template: str, codec: str) -> dict[str, Any]:
         """The current manifest of a template's pack for ``codec``, checked for identity."""
         return (await self.manifest_fetch(template, codec)).data

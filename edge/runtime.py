@@ -138,6 +138,7 @@ class EditResult:
     requests: int = 0
     psnr_db: float | None = None
     ssim: float | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def compare(self, exact: torch.Tensor) -> EditResult:
         self.psnr_db = psnr(self.image, exact)
@@ -152,6 +153,7 @@ class EditResult:
             "exec_s": self.exec_s, "requests": self.requests,
             "configs": self.configs, "params": self.params,
             "psnr_db": _finite(self.psnr_db), "ssim": self.ssim,
+            "warnings": self.warnings,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -177,7 +179,7 @@ class EditOptions:
 
     max_ahead: int = 2          # shards held ahead of execution (receive + reconstructed)
     max_inflight: int = 2       # pipelined requests (1: one request at a time)
-    safety: float = 0.9         # fraction of rate x window the allocator may use
+    safety: float = 0.8         # fraction of rate x window the allocator may use
     rate_window: int = 5        # shards in the harmonic-mean rate estimate
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
     initial_rate_bps: float | None = None  # rate prior (None: the device's last estimate)
@@ -191,8 +193,10 @@ class EdgeRuntime:
     """The device: a model, a text encoder, and calibrated execution times."""
 
     def __init__(self, model: MMDiT, encoder: Any = None,
-                 state_dir: str | Path | None = None) -> None:
+                 state_dir: str | Path | None = None,
+                 weights_sha256: str | None = None) -> None:
         self.model = model
+        self.weights_sha256 = weights_sha256
         self._encoder = encoder
         self.state_dir = Path(state_dir) if state_dir else None
         self.profiles: dict[str, ExecProfile] = {}
@@ -256,6 +260,20 @@ class EdgeRuntime:
                                                else reference)
         return EditRequest(txt=txt, txt_uncond=unc, seed=int(seed), ref_images=refs)
 
+    # ------------------------------------------------------------------ templates
+    def fetch_template(self, server: str, template_id: str, token: str | None = None,
+                       retry: RetryPolicy | None = None) -> Template:
+        """The template as the server's catalog entry describes it (see edge.templates)."""
+        from edge.templates import template_from_entry
+
+        async def get() -> dict[str, Any]:
+            async with PackClient(server, token=token, retry=retry or RetryPolicy()) as c:
+                return await c.template_entry(template_id)
+
+        with NetLoop() as net:
+            entry = net.run(get())
+        return template_from_entry(template_id, entry, self.encoder)
+
     # ------------------------------------------------------------------ calibration
     def profile(self, key: str, template: Template, geo: Geometry, req: EditRequest
                 ) -> ExecProfile:
@@ -276,6 +294,9 @@ class EdgeRuntime:
         opts = options or EditOptions()
         geo = Geometry.of(self.model, template)
         if pol.codec is None:
+            if template.seed < 0:
+                raise EdgeError("the local policy recomputes the template trajectory and "
+                                "needs the template's seed, which its catalog entry lacks")
             t0 = time.monotonic()
             image = full_edit(self.model, template, req)
             dt = time.monotonic() - t0
@@ -301,6 +322,7 @@ class EdgeRuntime:
             got = net.run(client.manifest_fetch(template_id, codec))
             manifest_dict, raw_len = got.data, got.size
             manifest = self._check_manifest(manifest_dict, template, geo)
+            warning = self.model_warning(manifest_dict)
             layout = manifest.layout()
             exec_s = profile.shard_times(layout)
             prior = (opts.initial_rate_bps if opts.initial_rate_bps is not None
@@ -356,7 +378,8 @@ class EdgeRuntime:
             manifest_bytes=raw_len, stalls=stats.stalls, stall_s=stats.stall_s,
             startup_s=stats.startup_s, configs=stats.configs,
             params=[r["params"] for r in timeline], timeline=timeline,
-            predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log))
+            predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),
+            warnings=[warning] if warning else [])
 
     def _check_manifest(self, d: dict[str, Any], template: Template, geo: Geometry) -> Manifest:
         try:
@@ -373,3 +396,12 @@ class EdgeRuntime:
             raise EdgeError(f"pack {manifest.template_id}/{manifest.codec} does not fit this "
                             f"model and template: {detail}")
         return manifest
+
+    def model_warning(self, manifest: dict[str, Any]) -> str | None:
+        """A warning when the pack was built with other weights than the device's."""
+        built = (manifest.get("model") or {}).get("weights_sha256")
+        if built and self.weights_sha256 and built != self.weights_sha256:
+            return (f"the {manifest.get('codec')} pack was built with weights "
+                    f"{built[:12]}, this device runs {self.weights_sha256[:12]}: the cache "
+                    "does not match the model (rebuild the packs with `sakura build`)")
+        return None

@@ -70,11 +70,10 @@ def test_trace_arguments(tmp_path):
 def text_world(tmp_path_factory, text_encoder):
     """A small model with the real text encoder's width, a 32-pixel catalog template built
     from a shipped one, and its packs: what `sakura edit` needs."""
+    from cloud.build import BuildConfig, build
     from dit.model import MMDiT, MMDiTConfig
-    from dit.templates import DEFAULT_CATALOG, load_catalog
+    from dit.templates import DEFAULT_CATALOG
     from dit.weights import save_model
-    from edge.bench import build_catalog
-    from edge.runtime import EdgeRuntime
 
     root = tmp_path_factory.mktemp("text-world")
     torch.manual_seed(0)
@@ -86,12 +85,11 @@ def text_world(tmp_path_factory, text_encoder):
     entry = {**entry, "image": str(DEFAULT_CATALOG.parent / entry["image"]),
              "mask": str(DEFAULT_CATALOG.parent / entry["mask"]), "steps": 3,
              "resolution": 32}
+    entry["profiling_prompts"] = entry["profiling_prompts"][:1]
     (root / "catalog.json").write_text(json.dumps({"version": 1, "templates": {tid: entry}}))
-    spec = load_catalog(root / "catalog.json")[tid]
-    rt = EdgeRuntime(model, encoder=text_encoder)
-    template = spec.to_template(rt.encoder)
-    build_catalog(root / "packs", tid, template, rt, spec.requests(rt.encoder, "profiling")[:1],
-                  codecs=("sakura", "fp16"))
+    build(BuildConfig(catalog=str(root / "catalog.json"), out_dir=str(root / "packs"),
+                      codecs=("sakura", "fp16"), weights=str(root / "model.safetensors")),
+          log=lambda m: None)
     return root, tid
 
 
@@ -106,8 +104,8 @@ def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys
         code = main(["edit", "--server", server.url, "--template", tid, "--prompt",
                      "a tiny pirate hat", "--reference", str(ref), "--seed", "3",
                      "--rate", "20", "--out", str(out), "--weights",
-                     str(root / "model.safetensors"), "--catalog", str(root / "catalog.json"),
-                     "--compare-exact", "--state-dir", str(tmp_path / "state")])
+                     str(root / "model.safetensors"), "--compare-exact",
+                     "--state-dir", str(tmp_path / "state")])
     assert code == 0
     printed = capsys.readouterr().out
     for word in ("latency", "bytes", "stalls", "configs", "PSNR", "SSIM"):
@@ -120,9 +118,24 @@ def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys
     assert len(doc["timeline"]) == doc["requests"] - 1 == 3 * 1  # 3 steps x 1 shard
     assert doc["psnr_db"] is not None and doc["ssim"] is not None
     assert (tmp_path / "edit.timeline.png").stat().st_size > 1000
+    assert doc["warnings"] == []  # the packs were built with these very weights
     state = json.loads((tmp_path / "state" / "state.json").read_text())
     assert state["last_rate_bps"] > 0 and len(state["profiles"]) == 1
     assert sorted(state["manifests"]) == [f"{tid}.fp16.json", f"{tid}.sakura.json"]
+
+
+def test_sakura_edit_local_policy_with_a_local_catalog(text_world, tmp_path, capsys):
+    root, tid = text_world
+    out = tmp_path / "local.png"
+    with Server(create_app(LocalStorage(root / "packs"))) as server:
+        code = main(["edit", "--server", server.url, "--template", tid, "--prompt", "hat",
+                     "--policy", "local", "--out", str(out), "--weights",
+                     str(root / "model.safetensors"), "--catalog", str(root / "catalog.json"),
+                     "--no-state"])
+    assert code == 0
+    doc = json.loads((tmp_path / "local.timeline.json").read_text())
+    assert doc["policy"] == "local" and doc["bytes"] == 0 and doc["timeline"] == []
+    assert not (tmp_path / "local.timeline.png").exists()
 
 
 def test_sakura_edit_reports_an_unreachable_server(text_world, tmp_path, capsys):
@@ -131,8 +144,7 @@ def test_sakura_edit_reports_an_unreachable_server(text_world, tmp_path, capsys)
     root, tid = text_world
     code = main(["edit", "--server", f"http://127.0.0.1:{free_port()}", "--template", tid,
                  "--prompt", "x", "--out", str(tmp_path / "x.png"), "--weights",
-                 str(root / "model.safetensors"), "--catalog", str(root / "catalog.json"),
-                 "--no-state"])
+                 str(root / "model.safetensors"), "--no-state"])
     assert code == 1
     err = capsys.readouterr().err
     assert "sakura: error: cannot reach the SAKURA server" in err
