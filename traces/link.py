@@ -5,8 +5,10 @@ connection to ``upstream``. The downstream direction (upstream server -> client)
 connections shares one bottleneck whose capacity follows the trace; the upstream direction
 is not shaped. Pacing is a virtual-clock token bucket: a chunk of ``n`` bytes may leave when
 the trace's integral since the link's virtual clock reaches ``n`` bytes, where the virtual
-clock never lags real time by more than ``burst_s`` (default 20 ms: the only capacity a
-quiet link may save up, and the slack to catch up after the event loop was held up). Chunks are ``quantum_s`` worth of the current rate (at least one 1500-byte MTU),
+clock never lags real time by more than ``burst_s`` (default 20 ms, the only capacity a
+quiet link may save up) or, while the link stays busy, ``catchup_s`` (default 0.25 s: a
+busy link whose event loop was held up by a loaded CPU catches up instead of losing the
+capacity). Chunks are ``quantum_s`` worth of the current rate (at least one 1500-byte MTU),
 so pacing is fine grained; outages (rate 0) deliver nothing until they end.
 
 ``PacedLinkThread`` runs a ``PacedLink`` on its own event loop in a thread for synchronous
@@ -87,10 +89,16 @@ def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
 class _Pacer:
     """One shared bottleneck: grants chunks in FIFO order at the schedule's capacity."""
 
-    def __init__(self, schedule: LinkSchedule, burst_s: float) -> None:
+    #: A request this soon after the previous grant (or queued behind another) means the
+    #: link never went idle: lateness of the event loop may then be caught up.
+    CONTINUOUS_S = 0.002
+
+    def __init__(self, schedule: LinkSchedule, burst_s: float, catchup_s: float) -> None:
         self.schedule = schedule
         self.burst_s = burst_s
+        self.catchup_s = max(catchup_s, burst_s)
         self._virtual = -math.inf
+        self._last_grant = -math.inf
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Future[bool] | None = None
 
@@ -99,10 +107,15 @@ class _Pacer:
         loop = asyncio.get_running_loop()
         if self._lock is None:
             self._lock = asyncio.Lock()
+        called = time.monotonic()
+        continuous = self._lock.locked() or called - self._last_grant < self.CONTINUOUS_S
+        # An idle link may save up only burst_s of capacity; a busy one whose event loop
+        # ran late (a loaded CPU) may catch up to catchup_s behind real time.
+        slack = self.catchup_s if continuous else self.burst_s
         async with self._lock:
             while True:
                 now = time.monotonic()
-                start = max(self._virtual, now - self.burst_s)
+                start = max(self._virtual, now - slack)
                 if self.schedule.rate_at(now) <= 0:
                     # In an outage nothing leaves, not even capacity saved up before it
                     # (or a grant the event loop reached late): wait for the outage's end.
@@ -110,6 +123,7 @@ class _Pacer:
                 finish = self.schedule.finish_time(start, nbytes)
                 if finish <= now:
                     self._virtual = finish
+                    self._last_grant = now
                     return now
                 fut: asyncio.Future[bool] = loop.create_future()
                 self._wake = fut
@@ -127,6 +141,7 @@ class _Pacer:
                     if now > finish and self.schedule.rate_at(now) <= 0:
                         continue  # woke up late, inside an outage: wait it out
                     self._virtual = finish
+                    self._last_grant = now
                     return now
                 # The schedule changed: recompute from the new segment.
 
@@ -154,6 +169,7 @@ class PacedLink(LinkEmulator):
         port: int = 0,
         quantum_s: float = 0.002,
         burst_s: float = 0.02,
+        catchup_s: float = 0.25,
         max_chunk: int = 65536,
         connect_timeout_s: float = 5.0,
         upstream_rcvbuf: int = 256 * 1024,
@@ -170,7 +186,7 @@ class PacedLink(LinkEmulator):
         self.connect_timeout_s = float(connect_timeout_s)
         self.upstream_rcvbuf = int(upstream_rcvbuf)
         self.schedule = LinkSchedule(trace, start_s, origin)
-        self._pacer = _Pacer(self.schedule, burst_s)
+        self._pacer = _Pacer(self.schedule, burst_s, catchup_s)
         self.counters = LinkCounters()
         self.delivery = DeliveryLog()
         self._server: asyncio.Server | None = None
@@ -184,7 +200,7 @@ class PacedLink(LinkEmulator):
         if self._origin is None:
             self.schedule.restart(self._start_s)
         # Asyncio primitives bind to one loop: a fresh pacer for every start.
-        self._pacer = _Pacer(self.schedule, self._pacer.burst_s)
+        self._pacer = _Pacer(self.schedule, self._pacer.burst_s, self._pacer.catchup_s)
         try:
             self._server = await asyncio.start_server(
                 self._handle, self.host, self._requested_port, backlog=512

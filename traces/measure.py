@@ -14,11 +14,17 @@ from __future__ import annotations
 import bisect
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from traces.errors import LinkError
+from traces.link import PacedLinkThread
 from traces.model import Trace
+from traces.netns import KernelShapedLink
 
 #: Windows expecting fewer bytes than this are outage windows (nothing may arrive).
 OUTAGE_BYTES = 1.0
@@ -175,7 +181,7 @@ class ReceiveLog:
 
 def windows_from_log(
     log: ReceiveLog,
-    expected: callable,  # type: ignore[valid-type]
+    expected: Callable[[float, float], float],
     origin: float,
     settle_s: float,
     window_s: float,
@@ -297,9 +303,6 @@ def measure_paced(
 
     With ``connections > 1`` several sinks share the link; their bytes are summed.
     """
-    from traces.errors import LinkError
-    from traces.link import PacedLinkThread
-
     seconds = settle_s + window_s * n_windows + 0.1
     with BlastServer() as source, PacedLinkThread(trace, source.address, start_s=start_s) as link:
         socks = [socket.create_connection(link.address, timeout=5) for _ in range(connections)]
@@ -328,7 +331,7 @@ def measure_paced(
 
 def _sum_windows(
     logs: list[ReceiveLog],
-    expected: callable,  # type: ignore[valid-type]
+    expected: Callable[[float, float], float],
     origin: float,
     settle_s: float,
     window_s: float,
@@ -360,12 +363,6 @@ def measure_kernel(
     not the sender's model of it is measured; ``""`` keeps the system default, which may be
     BBR, whose pacing does not track a fast-changing link).
     """
-    import subprocess
-    import sys
-
-    from traces.errors import LinkError
-    from traces.netns import KernelShapedLink
-
     seconds = settle_s + window_s * n_windows + 0.1
     with KernelShapedLink(trace, start_s=start_s) as link:
         src = link.popen_in(

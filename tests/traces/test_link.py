@@ -14,7 +14,7 @@ import pytest
 from traces import Trace, load_trace
 from traces.bench import choose_piece
 from traces.link import PacedLink, PacedLinkThread
-from traces.measure import BlastServer, measure_paced, receive_for
+from traces.measure import BlastServer, measure_paced, read_until, receive_for
 
 MB = 1e6
 
@@ -195,3 +195,24 @@ def test_async_request_response_timing_and_unshaped_upstream() -> None:
     t_up, measured, expected = asyncio.run(main())
     assert t_up < 1.0  # 4 MB upstream at loopback speed, not at 4-16 Mbit/s
     assert measured == pytest.approx(expected, rel=0.05, abs=0.03)
+
+
+def test_busy_link_catches_up_after_event_loop_stall_but_idle_link_saves_little() -> None:
+    rate = 20 * MB
+    with BlastServer() as src, PacedLinkThread(Trace.constant(rate), src.address) as link:
+        # Idle for 0.5 s, then a flow starts: it may use at most burst_s of saved capacity.
+        time.sleep(0.5)
+        sock = socket.create_connection(link.address, timeout=5)
+        t0 = time.monotonic()
+        out = {}
+        reader = threading.Thread(target=lambda: out.setdefault("log", read_until(sock, t0 + 2.0)))
+        reader.start()
+        time.sleep(0.8)
+        # Hold the link's event loop for 150 ms (as a busy CPU would).
+        link._loop.call_soon_threadsafe(time.sleep, 0.15)
+        reader.join(10)
+        lg = out["log"]
+        first = lg.cum_at(t0 + 0.1)
+        assert first <= rate / 8 * (0.1 + 0.02) + 65536 + 1500
+        window = lg.cum_at(t0 + 1.9) - lg.cum_at(t0 + 0.3)
+        assert window == pytest.approx(link.expected_bytes(t0 + 0.3, t0 + 1.9), rel=0.05)
