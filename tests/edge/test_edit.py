@@ -147,7 +147,8 @@ def test_a_server_restart_mid_edit_is_survived(world):
         server.stop()
     assert restarted.is_set()
     assert torch.equal(res.image, exact)
-    assert sum(r["attempts"] for r in res.timeline) > len(res.timeline)
+    # requests had to be repeated (by the client, or by aiohttp on a pooled connection)
+    assert res.requests > 1 + len(res.timeline)
 
 
 def test_a_corrupted_shard_response_is_refetched_in_an_edit(world):
