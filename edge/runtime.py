@@ -405,3 +405,42 @@ class EdgeRuntime:
                     f"{built[:12]}, this device runs {self.weights_sha256[:12]}: the cache "
                     "does not match the model (rebuild the packs with `sakura build`)")
         return None
+
+
+def run_edit(server: str, template_id: str, prompt: str, policy: str = "sakura",
+             seed: int = 0, reference: torch.Tensor | None = None, *,
+             trace: Any = None, start_s: float = 0.0, rate_mbps: float | None = None,
+             weights: str | Path | None = None, token: str | None = None,
+             runtime: EdgeRuntime | None = None, options: EditOptions | None = None,
+             compare_exact: bool = False) -> EditResult:
+    """One edit with everything resolved: the model (shipped weights unless given), the
+    template from the server's catalog entry, and optionally an emulated link (a
+    ``traces.Trace`` from ``start_s``, or a constant ``rate_mbps``) in front of the
+    server. ``reference``: a private reference image ``[3, h, w]`` in [-1, 1].
+    ``compare_exact`` also computes ``exact`` (FP16 cache, direct) and fills PSNR/SSIM."""
+    from edge.netem import shaped
+
+    if runtime is None:
+        from dit.weights import DEFAULT_WEIGHTS, load_model
+
+        path = Path(weights) if weights else DEFAULT_WEIGHTS
+        with open(path, "rb") as f:
+            sha = hashlib.file_digest(f, "sha256").hexdigest()
+        runtime = EdgeRuntime(load_model(path), weights_sha256=sha)
+    template = runtime.fetch_template(server, template_id, token)
+    req = runtime.request(prompt, seed, reference)
+    if rate_mbps is not None:
+        from traces import Trace
+
+        trace = Trace.constant(rate_mbps * 1e6)
+    if trace is not None:
+        with shaped(server, trace, start_s) as (url, _link):
+            result = runtime.edit(url, template_id, template, req, policy, token=token,
+                                  options=options)
+    else:
+        result = runtime.edit(server, template_id, template, req, policy, token=token,
+                              options=options)
+    if compare_exact:
+        exact = runtime.edit(server, template_id, template, req, "fp16", token=token)
+        result.compare(exact.image)
+    return result

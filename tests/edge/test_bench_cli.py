@@ -148,3 +148,14 @@ def test_sakura_edit_reports_an_unreachable_server(text_world, tmp_path, capsys)
     assert code == 1
     err = capsys.readouterr().err
     assert "sakura: error: cannot reach the SAKURA server" in err
+
+
+def test_run_edit_resolves_model_template_and_link(text_world):
+    from edge.runtime import run_edit
+
+    root, tid = text_world
+    with Server(create_app(LocalStorage(root / "packs"))) as server:
+        res = run_edit(server.url, tid, "a tiny pirate hat", "sakura", seed=3, rate_mbps=20,
+                       weights=root / "model.safetensors", compare_exact=True)
+    assert res.policy == "sakura" and len(res.timeline) == 3
+    assert res.psnr_db is not None and res.ssim is not None and res.warnings == []
