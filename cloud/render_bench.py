@@ -134,6 +134,11 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
         out["serving"] = s
         out["throughput_ratio_vs_full"] = s["throughput_ratio_vs_full"]
         out["p90_latency_ratio_vs_full"] = s["p90_latency_ratio_vs_full"]
+        if not quick:  # the other priority policy, same trace shape
+            out["serving_fifo"] = serving_bench(
+                weights, enc, [p for _, p, _ in prompts], workers=workers,
+                requests=requests or 16, steps=steps, size=size, cfg=cfg, rounds=2,
+                priority="fifo")
     return out
 
 

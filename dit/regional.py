@@ -16,12 +16,13 @@ The algorithm (``dit/REGIONAL.md`` has the full description and the reasons):
    search (:func:`choose_partition`): unexplained saliency variance plus the per-patch
    overhead (each patch task recomputes the text tokens).
 3. **Gate.** Before every later step each patch gets a score
-   ``importance x change``: importance = lift of its within-patch self-attention (mass
-   its queries put on its own tokens over what uniform attention would put there),
-   change = relative drift of its velocity between its last two executions, per step,
-   times the steps since its last execution. Scores are normalised by their mean; a patch
-   below ``eps`` is skipped and reuses its last velocity; a patch skipped ``max_skips``
-   times in a row is forced to run (:class:`PatchGate`).
+   ``importance ** p x change``: importance = lift of its within-patch self-attention
+   (mass its queries put on its own tokens over what uniform attention would put there),
+   change = drift of its velocity between its last two executions, per step, times the
+   steps since its last execution. Scores are normalised by the mean score (over the
+   run so far by default, or over this step's patches); a patch below ``eps`` is skipped
+   and reuses its last velocity; a patch skipped ``max_skips`` times in a row is forced
+   to run (:class:`PatchGate`).
 4. **Patch execution.** An active patch runs its own tokens (and the text tokens) fresh;
    the rest of the region is visible through the K/V each token had at its last
    execution (``context="stale"``), the template cache stays visible in edits. All
@@ -389,7 +390,7 @@ class RegionalBackend(Protocol):
         ``context`` of the tokens that do not run)."""
         ...
 
-    def cost(self, queries: int, keys: int, calls: int = 1) -> float:
+    def cost(self, queries: int, keys: int) -> float:
         """Multiply-accumulates of one call with ``queries`` fresh rows and ``keys`` keys."""
         ...
 
@@ -585,9 +586,6 @@ class RegionalState:
         d = self.gate.decide(imp, change)
         self.decisions[step] = d
         return d
-
-    def patch_inputs(self, patch: int) -> torch.Tensor:
-        return self.partition.patches[patch]
 
     def apply_patches(self, step: int, results: dict[int, PatchResult]) -> None:
         if step != self.step:

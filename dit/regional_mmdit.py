@@ -128,7 +128,7 @@ class MMDiTRegional:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def cost(self, queries: int, keys: int, calls: int = 1) -> float:
+    def cost(self, queries: int, keys: int) -> float:
         return self.branches * mmdit_macs(self.model.cfg, queries, keys)
 
     # -- one packed call -------------------------------------------------------------

@@ -219,7 +219,7 @@ class ScriptedBackend:
                             torch.zeros(1, 1, 1, len(p), 1), len(p) / self.n, self.n)
                 for p in patches]
 
-    def cost(self, queries, keys, calls=1):
+    def cost(self, queries, keys):
         return float(queries * 100 + queries * keys)
 
 
