@@ -13,14 +13,9 @@ guidance and resolution (``template`` key). The device needs nothing else from t
 
 from __future__ import annotations
 
-import base64
-import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from cloud.publish import (
     CatalogTransaction,
@@ -55,40 +50,6 @@ class BuildReport:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _png_b64(arr: np.ndarray) -> str:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def template_assets(spec, template) -> dict[str, Any]:
-    """The provider-owned template data the device needs (no user data here)."""
-    img = ((template.image.permute(1, 2, 0).numpy() + 1) * 127.5).round().clip(0, 255)
-    mask = template.mask.numpy().astype(np.uint8) * 255
-    return {
-        "prompt": spec.prompt,
-        "steps": template.steps,
-        "guidance": template.guidance,
-        "resolution": template.size,
-        "image_png_b64": _png_b64(img.astype(np.uint8)),
-        "mask_png_b64": _png_b64(mask),
-    }
-
-
-def decode_assets(entry: dict[str, Any]):
-    """Catalog entry -> (image ``[3, H, W]`` in [-1, 1], mask ``[H, W]`` bool) tensors."""
-    import torch
-    from skimage.io import imread
-
-    t = entry["template"]
-    img = imread(io.BytesIO(base64.b64decode(t["image_png_b64"]))).astype(np.float32)
-    mask = imread(io.BytesIO(base64.b64decode(t["mask_png_b64"])))
-    image = torch.from_numpy(img[..., :3] / 127.5 - 1).permute(2, 0, 1).contiguous()
-    return image, torch.from_numpy(mask > 127)
-
-
 def shard_compute_cost(model, blocks: list[int]) -> float:
     """Relative compute of a shard: double-stream blocks run two weight sets."""
     return float(sum(2.0 if b < model.cfg.double_blocks else 1.0 for b in blocks))
@@ -103,7 +64,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
     from codec.lowrank import rope_option
     from codec.pack import write_pack
     from dit.editing import profile_importance, template_run
-    from dit.templates import load_catalog, with_resolution
+    from dit.templates import load_catalog, template_assets, with_resolution
     from dit.text import TextEncoder
     from dit.weights import DEFAULT_WEIGHTS, load_model
 

@@ -330,6 +330,7 @@ def write_pack(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     units: list[list[Any]] = []  # offsets relative to the data section for now
+    decode_times: dict[str, float] = {}
     shards: list[ShardEntry] = []
     data_pos = 0
     spool = tempfile.TemporaryFile(dir=out_dir)
@@ -351,7 +352,12 @@ def write_pack(
             mark_pareto(configs)
             for j, c in enumerate(configs):
                 if c.pareto:
-                    c.decode_ms = decode_ms(codec, sd, enc, j)
+                    # decode cost depends on the parameters and the (shared) geometry, not on
+                    # the values: time each distinct configuration once per pack
+                    key = json.dumps(c.params, sort_keys=True)
+                    if key not in decode_times:
+                        decode_times[key] = decode_ms(codec, sd, enc, j)
+                    c.decode_ms = decode_times[key]
             shards.append(ShardEntry(
                 index=i, step=sd.spec.step, blocks=list(sd.spec.blocks),
                 compute_cost=float(compute_cost[i]) if compute_cost else 1.0, configs=configs))

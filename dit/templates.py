@@ -15,6 +15,8 @@ Template ids match ``^[a-z0-9][a-z0-9_-]{0,63}$``.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 from dataclasses import dataclass, field
@@ -130,3 +132,52 @@ def with_resolution(spec: TemplateSpec, resolution: int) -> TemplateSpec:
     from dataclasses import replace
 
     return replace(spec, id=f"{spec.id}-{resolution}", resolution=resolution)
+
+
+# ---------------------------------------------------------------- published assets
+
+
+def _png_b64(arr: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def template_assets(spec: TemplateSpec, template: Template) -> dict:
+    """The provider-owned template data the device needs (no user data here): the
+    ``template`` key of a published catalog entry."""
+    img = ((template.image.permute(1, 2, 0).numpy() + 1) * 127.5).round().clip(0, 255)
+    mask = template.mask.numpy().astype(np.uint8) * 255
+    return {
+        "prompt": spec.prompt,
+        "steps": template.steps,
+        "guidance": template.guidance,
+        "resolution": template.size,
+        "image_png_b64": _png_b64(img.astype(np.uint8)),
+        "mask_png_b64": _png_b64(mask),
+    }
+
+
+def decode_assets(entry: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Published catalog entry -> (image ``[3, H, W]`` in [-1, 1], mask ``[H, W]`` bool)."""
+    from skimage.io import imread
+
+    t = entry["template"]
+    img = imread(io.BytesIO(base64.b64decode(t["image_png_b64"]))).astype(np.float32)
+    mask = imread(io.BytesIO(base64.b64decode(t["mask_png_b64"])))
+    image = torch.from_numpy(img[..., :3] / 127.5 - 1).permute(2, 0, 1).contiguous()
+    return image, torch.from_numpy(mask > 127)
+
+
+def device_template(entry: dict) -> Template:
+    """The template as the device sees it, from a published catalog entry.
+
+    The device needs the image (outside the mask the output *is* the template), the mask,
+    steps and guidance; never the template's noise or prompt embeddings (``txt`` is empty).
+    """
+    image, mask = decode_assets(entry)
+    t = entry["template"]
+    return Template(image=image, mask=mask, txt=torch.zeros(1, 0, 384), seed=0,
+                    steps=int(t["steps"]), guidance=float(t["guidance"]))

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud.build import BuildConfig, build, decode_assets
+from cloud.build import BuildConfig, build
 from cloud.errors import PublishError
 from codec.pack import Manifest
 from dit.model import MMDiT, MMDiTConfig
-from dit.templates import DEFAULT_CATALOG
+from dit.templates import DEFAULT_CATALOG, decode_assets
 from dit.weights import save_model
 
 
