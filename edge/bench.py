@@ -353,6 +353,9 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
                     plot_timeline(res.timeline, spec.plots / f"{policy}-{start:g}.png",
                                   f"{policy} on {tid}, {trace_path.name} @ {start:g} s")
 
+    # the machine's load may have changed during the runs: measure the floor again
+    _, floor_after, _ = exact_and_floor(runtime, server, tid, template, req, repeats=1)
+
     def med(values: list[float]) -> float:
         return float(torch.tensor(values, dtype=torch.float64).median())
 
@@ -384,6 +387,8 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
             "fp16_at_median_s": fp16_bytes * 8.0 / scaled_median,
         },
         "compute_bound_s": floor_s,
+        "compute_bound_after_s": floor_after,
+        "exec_s": {p: med([r.exec_s for r in rs]) for p, rs in results.items()},
         "device_state": {"manifests": "cached before the runs, revalidated per edit (304)",
                          "manifest_bytes": manifest_bytes,
                          "rate_prior_mbps": None if prior is None else prior / 1e6},
