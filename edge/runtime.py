@@ -272,7 +272,7 @@ class EdgeRuntime:
 
         with NetLoop() as net:
             entry = net.run(get())
-        return template_from_entry(template_id, entry, self.encoder)
+        return template_from_entry(template_id, entry)
 
     # ------------------------------------------------------------------ calibration
     def profile(self, key: str, template: Template, geo: Geometry, req: EditRequest
