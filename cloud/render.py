@@ -291,6 +291,8 @@ class RenderEngine:
 
     def submit(self, req: RenderRequest) -> Future:
         """Queue a request; the future resolves to a :class:`RenderResult`."""
+        if self._thread is None or self._stop.is_set():
+            raise RenderError("the render engine is not running (start() it first)")
         req = self.prepare(req)
         fut: Future = Future()
         rid = next(self._rid)
@@ -462,7 +464,12 @@ class RenderEngine:
             return
         if kind == "done":
             w.done_groups += 1
-            self._on_done(w, msg[2])
+            try:
+                self._on_done(w, msg[2])
+            except (ValueError, RuntimeError) as exc:  # a bad output fails its request only
+                r = self._reqs.get(msg[2]["rid"])
+                if r is not None:
+                    self._fail(r, f"step {msg[2]['step']} could not be applied: {exc}")
             return
         if kind == "resync":
             _, _, rid, step, keys = msg
@@ -580,7 +587,10 @@ class RenderEngine:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         break
-                    self._admit(*item)
+                    try:
+                        self._admit(*item)
+                    except (ValueError, RuntimeError) as exc:  # this request only
+                        item[2].set_exception(RenderError(f"request rejected: {exc}"))
                 for g in self.sched.place():
                     self._send(g)
                 self._poll(0.05)
