@@ -15,7 +15,7 @@ import sys
 from sakura.errors import SakuraError
 
 COMMAND_MODULES = (
-    "dit.cli", "dit.cli_regional", "dit.adapters.cli", "codec.cli", "traces.cli", "cloud.cli",
+    "dit.cli", "dit.adapters.cli", "codec.cli", "traces.cli", "cloud.cli", "cloud.render_cli",
     "edge.cli", "sakura.demo",
 )
 

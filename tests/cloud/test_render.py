@@ -326,16 +326,14 @@ def test_cli_registers_bench_flashdiff_and_render():
     import argparse
 
     from cloud import render_cli
-    from dit import cli_regional
 
     parser = argparse.ArgumentParser()
     commands = parser.add_subparsers(dest="command")
     bench = commands.add_parser("bench").add_subparsers(dest="bench")
-    cli_regional.register(commands, bench)
     render_cli.register(commands, bench)
     a = parser.parse_args(["bench", "flashdiff", "--json", "x.json", "--quick", "--workers", "3"])
     assert (a.json, a.quick, a.workers, a.no_serve) == ("x.json", True, 3, False)
-    assert a.func.__module__ == "dit.cli_regional"
+    assert a.func.__module__ == "cloud.render_cli"
     r = parser.parse_args(["render", "replay", "--requests", "4", "--mode", "full", "--eps", "1.2"])
     assert (r.requests, r.mode, r.eps, r.priority) == (4, "full", 1.2, "warmup_first")
     s = parser.parse_args(["render", "serve", "--port", "0", "--priority", "fifo"])
