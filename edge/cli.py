@@ -54,8 +54,8 @@ def register(commands: Any, bench: Any) -> None:
                    help="device state kept between edits: manifests (revalidated by ETag), "
                         "execution calibration, last rate estimate (default %(default)s)")
     p.add_argument("--no-state", action="store_true", help="keep no state between edits")
-    p.add_argument("--max-ahead", type=int, default=2,
-                   help="shards buffered ahead of execution (default 2)")
+    p.add_argument("--max-ahead", type=int, default=4,
+                   help="shards fetched ahead of execution (default 4)")
     p.set_defaults(func=_edit)
 
     b = bench.add_parser(

@@ -3,15 +3,17 @@
 Three stages run concurrently:
 
 * **receive** (a coroutine on the network loop, :class:`NetLoop`): for shard ``j`` it waits
-  for a buffer slot (back-pressure: at most ``max_ahead`` shards received, reconstructing
-  or reconstructed but not yet executing), asks the allocator for a configuration given
+  for a buffer slot (back-pressure: at most ``max_ahead`` shards in flight, received,
+  reconstructing or reconstructed but not yet executing), asks the allocator for a configuration given
   the window and rate estimate at that moment, fetches and verifies the bytes. Requests
   are pipelined: the request for ``j`` goes out while ``j - 1`` is still arriving, once
   what is left of it will arrive within one request latency (at most ``max_inflight``
   transfers), so small shards do not leave the link idle for a round trip each. The
   allocator gets the window minus the *lead*: the longer of the time the link still owes
   earlier shards and the request latency (time to first byte);
-* **reconstruct** (a thread): decodes the bytes into the shard's K/V tensors;
+* **reconstruct** (a thread): decodes the bytes into the shard's K/V tensors, lowest shard
+  first, holding at most ``max_ready`` reconstructed shards ahead of execution (the
+  device memory bound: the next shard's cache is ready while the current one executes);
 * **execute** (the caller's thread): the DiT asks :class:`ShardProvider` ``get(step,
   block)`` in execution order; the first block of a shard blocks until that shard is
   reconstructed. Waiting there is a *stall* (shard 0's wait is the startup latency, not a
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -158,17 +159,19 @@ class Pipeline:
 
     def __init__(self, shard_blocks: list[tuple[int, list[int]]], *, fetch: Fetch,
                  decode: Decode, allocate: Allocate, monitor: BandwidthMonitor,
-                 progress: ExecutionProgress, origin: float, max_ahead: int = 2,
+                 progress: ExecutionProgress, origin: float, max_ahead: int = 4,
+                 max_ready: int = 2,
                  describe: Callable[[int, int], dict[str, Any]] | None = None,
                  config_bytes: Callable[[int, int], int] | None = None,
                  max_inflight: int = 2,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if max_ahead < 1:
-            raise ValueError("max_ahead must be >= 1")
+        if max_ahead < 1 or max_ready < 1:
+            raise ValueError("max_ahead and max_ready must be >= 1")
         self.shard_blocks = shard_blocks
         self.fetch, self.decode, self.allocate = fetch, decode, allocate
         self.monitor, self.progress = monitor, progress
         self.origin, self.clock, self.max_ahead = origin, clock, max_ahead
+        self.max_ready = min(max_ready, max_ahead)
         self.describe = describe
         self.config_bytes = config_bytes
         self.max_inflight = max(1, max_inflight)
@@ -180,7 +183,8 @@ class Pipeline:
         self._ready: dict[int, list[torch.Tensor]] = {}
         self._executing = -1
         self._error: BaseException | None = None
-        self._recon_q: queue.Queue[tuple[int, int, bytes] | None] = queue.Queue()
+        self._pending: dict[int, tuple[int, bytes]] = {}  # received, not reconstructed
+        self._closing = False
         self._recon_thread: threading.Thread | None = None
         self._net: NetLoop | None = None
         self._recv_future: concurrent.futures.Future[None] | None = None
@@ -213,8 +217,10 @@ class Pipeline:
         fut = self._recv_future
         if fut is not None and not fut.done() and self._net is not None:
             fut.cancel()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
         if self._recon_thread is not None:
-            self._recon_q.put(None)
             self._recon_thread.join(30)
             self._recon_thread = None
         with self._cond:
@@ -333,7 +339,9 @@ class Pipeline:
         rec.attempts, rec.resumes, rec.refetches = got.attempts, got.resumes, got.refetches
         self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
         self.progress.received(j, got.end)
-        self._recon_q.put((j, config, got.data))
+        with self._cond:
+            self._pending[j] = (config, got.data)
+            self._cond.notify_all()
 
     def _receive_done(self, fut: concurrent.futures.Future[None]) -> None:
         if fut.cancelled():
@@ -343,9 +351,23 @@ class Pipeline:
             self.fail(exc)
 
     # ------------------------------------------------------------------ reconstruct
+    def _next_to_reconstruct(self) -> tuple[int, int, bytes] | None:
+        """The lowest received shard, once fewer than ``max_ready`` shards are reconstructed
+        ahead of execution (None: closing)."""
+        with self._cond:
+            while True:
+                if self._closing or self._error is not None:
+                    return None
+                if self._pending:
+                    j = min(self._pending)
+                    if j - self._executing <= self.max_ready:
+                        config, data = self._pending.pop(j)
+                        return j, config, data
+                self._cond.wait(0.5)
+
     def _reconstruct_loop(self) -> None:
         while True:
-            item = self._recon_q.get()
+            item = self._next_to_reconstruct()
             if item is None:
                 return
             j, config, data = item

@@ -177,8 +177,9 @@ def _finite(x: float | None) -> float | str | None:
 class EditOptions:
     """Knobs of a streamed edit (defaults are the design's)."""
 
-    max_ahead: int = 2          # shards held ahead of execution (receive + reconstructed)
-    max_inflight: int = 2       # pipelined requests (1: one request at a time)
+    max_ahead: int = 4          # shards fetched ahead of execution (in flight ... ready)
+    max_ready: int = 2          # reconstructed shards held ahead of execution (memory)
+    max_inflight: int = 3       # pipelined requests (1: one request at a time)
     safety: float = 0.8         # fraction of rate x window the allocator may use
     rate_window: int = 5        # shards in the harmonic-mean rate estimate
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
@@ -357,7 +358,8 @@ class EdgeRuntime:
             shard_blocks = [layout.blocks_of(i) for i in range(layout.num_shards)]
             pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,
                             monitor=monitor, progress=progress, origin=origin,
-                            max_ahead=opts.max_ahead, describe=describe,
+                            max_ahead=opts.max_ahead, max_ready=opts.max_ready,
+                            describe=describe,
                             config_bytes=config_bytes, max_inflight=opts.max_inflight)
             pipe.start(net)
             try:

@@ -18,7 +18,7 @@ SHARDS = [(0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [2, 3])]
 
 
 def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_s=0.0,
-         max_inflight=2):
+         max_inflight=2, max_ready=2):
     origin = time.monotonic()
     decisions = []
 
@@ -46,7 +46,8 @@ def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_
     pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=allocate,
                     monitor=BandwidthMonitor(initial_bps=8e6),
                     progress=ExecutionProgress([exec_s] * 4, origin), origin=origin,
-                    max_ahead=max_ahead, describe=lambda s, c: {"level": c},
+                    max_ahead=max_ahead, max_ready=max_ready,
+                    describe=lambda s, c: {"level": c},
                     config_bytes=lambda s, c: 1000 * (c + 1), max_inflight=max_inflight)
     return pipe, decisions
 
@@ -101,6 +102,18 @@ def test_back_pressure_bounds_the_shards_held_ahead():
     for j in range(1, 4):
         # with one slot, shard j is fetched only once shard j - 1 started executing
         assert recs[j].recv_start >= recs[j - 1].exec_start - 1e-9
+
+
+def test_reconstructed_shards_ahead_are_bounded():
+    with NetLoop() as net:
+        pipe, _ = make([0.0] * 4, max_ahead=4, max_ready=1)
+        pipe.start(net)
+        execute(pipe, exec_s=0.08)
+        pipe.finish()
+    recs = pipe.records
+    assert recs[3].recv_end < recs[1].exec_start      # all received early...
+    for j in range(1, 4):                             # ...but decoded one ahead at most
+        assert recs[j].recon_start >= recs[j - 1].exec_start - 1e-9
 
 
 def test_slow_reconstruction_is_part_of_the_stall():
