@@ -294,7 +294,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
     geo = Geometry.of(runtime.model, template)
     runtime.profile(tid, template, geo, req)  # calibration (and warm-up)
     exact, floor_s, fp16_manifest = exact_and_floor(runtime, server, tid, template, req,
-                                                    repeats=2 if spec.quick else 3)
+                                                    repeats=3)
     fp16_bytes = int(fp16_manifest["fp16_bytes"])
     trace_path = Path(spec.trace) if spec.trace else default_trace()
     raw = load_trace(trace_path)
@@ -355,6 +355,10 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
 
     # the machine's load may have changed during the runs: measure the floor again
     _, floor_after, _ = exact_and_floor(runtime, server, tid, template, req, repeats=1)
+    drift = floor_after / floor_s
+    if not 0.67 <= drift <= 1.5:
+        log(f"WARNING: the compute floor moved from {floor_s:.2f} s to {floor_after:.2f} s "
+            "during the runs (machine load): the regime factor and the ratios are unreliable")
 
     def med(values: list[float]) -> float:
         return float(torch.tensor(values, dtype=torch.float64).median())
@@ -388,6 +392,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
         },
         "compute_bound_s": floor_s,
         "compute_bound_after_s": floor_after,
+        "load_drift": drift,
         "exec_s": {p: med([r.exec_s for r in rs]) for p, rs in results.items()},
         "device_state": {"manifests": "cached before the runs, revalidated per edit (304)",
                          "manifest_bytes": manifest_bytes,
