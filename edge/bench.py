@@ -228,6 +228,7 @@ class BenchSpec:
     seed: int = 100
     runs: int | None = None
     plots: Path | None = None
+    threads: int | None = None  # torch threads the command set (recorded)
     log: Any = field(default=print)
 
 
@@ -376,6 +377,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
         "seed": spec.seed,
         "steps": template.steps,
         "server": server,
+        "torch_threads": torch.get_num_threads(),
         "trace": {"path": str(trace_path), "name": raw.name, "starts_s": starts,
                   "raw": raw.stats(), "scaled_median_mbps": scaled_median / 1e6},
         "regime": {

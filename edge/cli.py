@@ -54,6 +54,9 @@ def register(commands: Any, bench: Any) -> None:
                    help="device state kept between edits: manifests (revalidated by ETag), "
                         "execution calibration, last rate estimate (default %(default)s)")
     p.add_argument("--no-state", action="store_true", help="keep no state between edits")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for execution and reconstruction (default 1; more "
+                        "threads than free cores slow execution down many times)")
     p.add_argument("--max-ahead", type=int, default=4,
                    help="shards fetched ahead of execution (default 4)")
     p.set_defaults(func=_edit)
@@ -77,6 +80,8 @@ def register(commands: Any, bench: Any) -> None:
                    help="where built packs are kept (default runs/edge-bench)")
     b.add_argument("--weights", help="model weights (default: the shipped model)")
     b.add_argument("--plots", metavar="DIR", help="write a timeline plot per run here")
+    b.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the device (default 1), the same for every system")
     b.set_defaults(func=_bench)
 
 
@@ -120,6 +125,7 @@ def _edit(args: argparse.Namespace) -> int:
     from edge.runtime import EdgeRuntime, EditOptions
     from edge.timeline import plot_timeline, write_json
 
+    _set_threads(args.threads)
     out = Path(args.out)
     if out.suffix.lower() != ".png":
         raise EdgeError(f"--out must be a .png file, got {out}")
@@ -167,6 +173,14 @@ def _edit(args: argparse.Namespace) -> int:
                            f"{args.policy} on {args.template}") if result.timeline else None
     _print_summary(result, out, tl_json, tl_png)
     return 0
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    if n < 1:
+        raise EdgeError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
 
 
 def _sha256(path: Path) -> str | None:
@@ -220,11 +234,12 @@ def _short(params: dict[str, Any]) -> str:
 def _bench(args: argparse.Namespace) -> int:
     from edge.bench import DEFAULT_POLICIES, BenchSpec, run_bench, write
 
+    _set_threads(args.threads)
     spec = BenchSpec(
         json_path=Path(args.json), quick=args.quick, template=args.template, trace=args.trace,
         start_s=args.start, policies=tuple(args.policies or DEFAULT_POLICIES),
         server=args.server, catalog=args.catalog_dir, cache_dir=Path(args.cache_dir),
-        weights=args.weights, runs=args.runs,
+        weights=args.weights, runs=args.runs, threads=args.threads,
         plots=Path(args.plots) if args.plots else None,
         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     doc = run_bench(spec)
