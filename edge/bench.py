@@ -378,6 +378,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
         "steps": template.steps,
         "server": server,
         "torch_threads": torch.get_num_threads(),
+        "gil_switch_interval_s": sys.getswitchinterval(),
         "trace": {"path": str(trace_path), "name": raw.name, "starts_s": starts,
                   "raw": raw.stats(), "scaled_median_mbps": scaled_median / 1e6},
         "regime": {

@@ -19,6 +19,8 @@ from typing import Any
 from edge.allocator import POLICIES
 from edge.errors import EdgeError
 
+SWITCH_INTERVAL_S = 0.0005  # measured: 5 ms (default) -> 0.5 ms cut a paced edit 1.45 -> 0.9 s
+
 
 def register(commands: Any, bench: Any) -> None:
     p = commands.add_parser(
@@ -176,11 +178,15 @@ def _edit(args: argparse.Namespace) -> int:
 
 
 def _set_threads(n: int) -> None:
+    """Process settings of the device runtime: torch threads, and a short GIL switch
+    interval so that the receive/reconstruct threads (and an in-process emulated link) do
+    not hold the executing thread up for CPython's default 5 ms at a time."""
     import torch
 
     if n < 1:
         raise EdgeError(f"--threads must be >= 1, got {n}")
     torch.set_num_threads(n)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def _sha256(path: Path) -> str | None:
