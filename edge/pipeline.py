@@ -421,6 +421,7 @@ class Pipeline:
                 raise EdgeError(f"shard {j} could not be delivered: {err!r}") from err
             tensors = self._ready[j]
             self._executing = j
+            self._cond.notify_all()  # the reconstructor may decode one more shard now
         start = self.clock()
         rec = self.records[j]
         rec.stall_s = start - now

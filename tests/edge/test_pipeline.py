@@ -171,3 +171,17 @@ def test_a_decode_failure_reaches_the_executing_thread():
         with pytest.raises(EdgeError, match="could not be delivered.*scripted decode"):
             execute(pipe)
         pipe.close()
+
+
+def test_reconstruction_resumes_as_soon_as_execution_moves_on():
+    """A shard received while the reconstructed buffer is full is decoded right when
+    execution frees a slot (not after a polling timeout)."""
+    with NetLoop() as net:
+        pipe, _ = make([0.0] * 4, max_ahead=4, max_ready=1)
+        pipe.start(net)
+        execute(pipe, exec_s=0.02)
+        pipe.finish()
+    for j in range(1, 4):
+        r, prev = pipe.records[j], pipe.records[j - 1]
+        assert r.recon_start - prev.exec_start < 0.05, (j, r.recon_start, prev.exec_start)
+    assert pipe.stats().stall_s < 0.05
