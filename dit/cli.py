@@ -19,8 +19,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench_kv(args: argparse.Namespace) -> int:
+    import torch
+
     from dit.bench_kv import main
 
+    torch.set_num_threads(args.threads)
     return main(args.json, args.quick, args.template)
 
 
@@ -42,6 +45,9 @@ def register(commands, bench) -> None:
     b.add_argument("--json", metavar="PATH", help="write the result JSON here")
     b.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 60 s)")
     b.add_argument("--template", default="face-technologist")
+    b.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1, as the edge runtime; more threads than "
+                        "free cores slow execution down many times)")
     b.set_defaults(func=_bench_kv)
 
     p = commands.add_parser("train", help="train the default MMDiT on the emoji data (resumable)")

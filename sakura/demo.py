@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from edge.timeline import plot_timeline
     from sakura.errors import SakuraError
 
+    # the device runtime's process settings (edge/README.md): one torch thread, and a short
+    # GIL switch interval so the receive/reconstruct threads never hold execution up long
+    torch.set_num_threads(1)
+    sys.setswitchinterval(5e-4)
     t_start = time.monotonic()
     out, packs = Path(args.out), Path(args.packs)
     out.mkdir(parents=True, exist_ok=True)
