@@ -4,8 +4,10 @@
 body byte, end) and estimates throughput as the harmonic mean of the last ``k`` body rates,
 as adaptive video streaming does (robust to short bursts that overstate the rate), plus the
 per-request latency (median of recent times to first byte). A body that arrived in less
-than ``min_body_s`` (one read, or a burst the link had saved up) says little about the
-rate: such samples are used only while there is no longer one.
+than ``min_body_s`` (one read, or a burst the link had saved up) gives no rate, only a
+lower bound (``8 n / min_body_s``): such bodies newer than the last informative sample
+can only raise the estimate, so after a slow spell the estimate climbs back as the
+configurations grow instead of staying stuck at the smallest one.
 
 :class:`ExecutionProgress` knows the measured execution time of every shard (a calibration,
 corrected online by the ratio of measured to predicted times), when each shard arrived,
@@ -72,17 +74,37 @@ class BandwidthMonitor:
             self.samples.append(sample)
         return sample
 
-    def _recent(self) -> list[TransferSample]:
-        with self._lock:
-            usable = [s for s in self.samples if s.end - s.first_byte >= self.min_body_s]
-            return (usable or self.samples)[-self.k:]
+    def _informative(self, s: TransferSample) -> bool:
+        return s.end - s.first_byte >= self.min_body_s
 
     def estimate_bps(self) -> float | None:
-        """Harmonic mean of the last ``k`` body rates (None before any sample and no prior)."""
-        recent = self._recent()
-        if not recent:
-            return self.initial_bps
-        return len(recent) / sum(1.0 / s.rate_bps for s in recent)
+        """Harmonic mean of the last ``k`` informative body rates, raised to what fast
+        bodies since the newest informative one prove (see :meth:`_lower_bound`); the
+        prior (``initial_bps``, may be None) before any informative sample."""
+        with self._lock:
+            samples = list(self.samples)
+        informative = [s for s in samples if self._informative(s)][-self.k:]
+        if informative:
+            estimate: float | None = len(informative) / sum(1.0 / s.rate_bps
+                                                            for s in informative)
+            newer = [s for s in samples if s.end > informative[-1].end
+                     and not self._informative(s)]
+        else:
+            estimate = self.initial_bps
+            newer = samples
+        bound = self._lower_bound(newer[-self.k:])
+        if bound is not None and (estimate is None or bound > estimate):
+            return bound
+        return estimate
+
+    def _lower_bound(self, fast: list[TransferSample]) -> float | None:
+        """A body of ``n`` bytes that arrived in less than ``min_body_s`` proves a rate of
+        at least ``8 n / min_body_s``: after a slow spell, when only the smallest
+        configurations fit, their fast arrivals lift the estimate step by step (each
+        choice a little larger), like a slow start, instead of leaving it stuck."""
+        if not fast:
+            return None
+        return max(8.0 * s.nbytes / self.min_body_s for s in fast)
 
     def latency_s(self) -> float:
         """Median time to first byte of the last ``k`` transfers (0 before any)."""

@@ -420,13 +420,14 @@ class Pipeline:
                     raise err
                 raise EdgeError(f"shard {j} could not be delivered: {err!r}") from err
             tensors = self._ready[j]
+            # the start is stamped before the other stages can see the slot it frees
+            start = self.clock()
+            rec = self.records[j]
+            rec.stall_s = start - now
+            rec.exec_start = self._rel(start)
+            self.progress.exec_started(j, start)
             self._executing = j
             self._cond.notify_all()  # the reconstructor may decode one more shard now
-        start = self.clock()
-        rec = self.records[j]
-        rec.stall_s = start - now
-        rec.exec_start = self._rel(start)
-        self.progress.exec_started(j, start)
         self._wake_receiver()
         return tensors
 

@@ -32,9 +32,10 @@ CODECS = ("sakura", "fp16", "intq", "svd", "cachegen")
 TEMPLATE_ID = "tiny-face"
 
 
-def tiny_model(seed: int = 0) -> MMDiT:
+def tiny_model(seed: int = 0, double_blocks: int = 2, single_blocks: int = 2) -> MMDiT:
     torch.manual_seed(seed)
-    cfg = MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=2, single_blocks=2,
+    cfg = MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=double_blocks,
+                      single_blocks=single_blocks,
                       mlp_ratio=2.0, text_dim=32, text_tokens=5, rope_axes=(4, 6, 6))
     model = MMDiT(cfg)
     with torch.no_grad():
@@ -81,8 +82,8 @@ class World:
 
 
 def build_world(root: Path, codecs: tuple[str, ...] = CODECS, steps: int = 4,
-                blocks_per_shard: int = 2) -> World:
-    model = tiny_model()
+                blocks_per_shard: int = 2, model: MMDiT | None = None) -> World:
+    model = model or tiny_model()
     template = tiny_template(model, steps=steps)
     run = template_run(model, template)
     enc = FakeEncoder()

@@ -146,11 +146,32 @@ def test_rate_estimate_is_harmonic_mean_of_recent_body_rates():
 def test_small_bodies_do_not_drive_the_estimate():
     mon = BandwidthMonitor(k=4, min_body_s=0.002)
     mon.record(None, 100_000, 0.0, 0.01, 0.11)       # manifest: 8 Mbit/s
-    mon.record(0, 5000, 1.0, 1.001, 1.001)           # one read: meaningless rate
-    assert mon.estimate_bps() == pytest.approx(8e6)
+    mon.record(0, 500, 1.0, 1.001, 1.001)            # one read: at least 2 Mbit/s
+    assert mon.estimate_bps() == pytest.approx(8e6)  # a lower bound below: no change
     only_small = BandwidthMonitor(min_body_s=0.002, initial_bps=1e6)
     only_small.record(0, 500, 0.0, 0.0, 0.001)
-    assert only_small.estimate_bps() == pytest.approx(4e6)  # used while nothing better
+    assert only_small.estimate_bps() == pytest.approx(2e6)  # 500 B in < 2 ms
+
+
+def test_fast_small_bodies_lift_a_stale_low_estimate():
+    """After a slow spell only the smallest configurations fit; when the link recovers
+    their quick arrivals raise the estimate, which lets larger ones through."""
+    mon = BandwidthMonitor(k=3, min_body_s=0.002)
+    mon.record(0, 20_000, 0.0, 0.01, 0.41)           # slow: 0.4 Mbit/s
+    assert mon.estimate_bps() == pytest.approx(0.4e6)
+    t = 1.0
+    sizes = []
+    size = 500
+    for j in range(1, 6):                            # the link is fast again
+        mon.record(j, size, t, t + 0.001, t + 0.0012)
+        t += 0.01
+        budget = mon.estimate_bps() / 8 * 0.01       # what a 10 ms window would allow
+        size = max(size, int(min(budget, 200_000)))
+        sizes.append(size)
+    assert mon.estimate_bps() > 10e6
+    assert sizes == sorted(sizes) and sizes[-1] > 20 * sizes[0] / 2
+    mon.record(9, 50_000, t, t + 0.001, t + 0.101)    # an informative slow sample again
+    assert mon.estimate_bps() == pytest.approx(2 / (1 / 0.4e6 + 1 / 4e6))
 
 
 def test_deadlines_follow_execution_progress():

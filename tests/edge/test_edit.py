@@ -42,8 +42,9 @@ def check_timeline(result, max_ahead=4, max_ready=2, max_inflight=3):
     for a, b in zip(tl, tl[1:]):
         assert a["exec_end"] <= b["exec_start"] + 1e-9
         assert a["recv_start"] <= b["recv_start"]           # requests in shard order
-    for j in range(max_inflight, len(tl)):                  # bounded requests on the wire
-        assert tl[j]["recv_start"] >= tl[j - max_inflight]["recv_end"] - 1e-9
+    for r in tl:                                            # bounded requests on the wire
+        on_wire = [o for o in tl if o["recv_start"] <= r["recv_start"] < o["recv_end"]]
+        assert len(on_wire) <= max_inflight
     for j in range(max_ahead, len(tl)):                     # bounded lookahead
         assert tl[j]["recv_start"] >= tl[j - max_ahead]["exec_start"] - 1e-9
     for j in range(max_ready, len(tl)):                     # bounded reconstructed memory
@@ -187,17 +188,24 @@ def test_a_trace_outage_delays_the_edit_and_is_reported_as_stalls(world):
     assert max(r["stall_s"] for r in res.timeline[1:]) >= 0.25 * outage
 
 
-def test_allocator_adapts_to_the_link_rate(world):
-    rt = world.runtime()
+def test_allocator_adapts_to_the_link_rate(tmp_path):
+    # 16 blocks in shards of 8: a shard executes for several ms, longer than a request's
+    # latency on the loopback link, so the link rate decides what fits
+    from tests.edge.helpers import build_world, tiny_model
+
+    deep = build_world(tmp_path, codecs=("sakura",), steps=3, blocks_per_shard=8,
+                       model=tiny_model(double_blocks=4, single_blocks=12))
+    rt = deep.runtime()
     req = rt.request(PROMPT, SEED)
-    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
-        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")  # caches the manifest
-        with shaped(server.url, Trace.constant(0.3e6)) as (url, _):
-            slow = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura")
-        with shaped(server.url, Trace.constant(200e6)) as (url, _):
-            fast = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura")
+    opts = EditOptions(max_ahead=6)
+    with Server(create_app(LocalStorage(deep.catalog_dir))) as server:
+        rt.edit(server.url, TEMPLATE_ID, deep.template, req, "sakura")  # caches the manifest
+        with shaped(server.url, Trace.constant(0.2e6)) as (url, _):
+            slow = rt.edit(url, TEMPLATE_ID, deep.template, req, "sakura", options=opts)
+        with shaped(server.url, Trace.constant(400e6)) as (url, _):
+            fast = rt.edit(url, TEMPLATE_ID, deep.template, req, "sakura", options=opts)
     assert slow.bytes < fast.bytes
-    exact = exact_image(world, req)
+    exact = exact_image(deep, req)
     assert fast.compare(exact).psnr_db >= slow.compare(exact).psnr_db
 
 
