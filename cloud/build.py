@@ -25,9 +25,9 @@ from cloud.publish import (
     update_catalog,
 )
 
-BUILDER_VERSION = "sakura-build-1"
-DEFAULT_CODECS = ("sakura", "svd", "fp16", "intq", "cachegen")
-LOWRANK_CODECS = ("sakura", "svd")
+BUILDER_VERSION = "sakura-build-2"
+DEFAULT_CODECS = ("sakura", "svd", "fp16", "intq", "cachegen", "sakura-all")
+LOWRANK_CODECS = ("sakura", "svd", "sakura-all")
 
 
 @dataclass

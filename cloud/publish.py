@@ -86,7 +86,8 @@ def template_content_hash(
 
 
 def _dump(value: Any) -> bytes:
-    return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode()
+    # compact: manifests hold thousands of unit entries and travel to every device
+    return (json.dumps(value, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
 def read_catalog(out_dir: str | os.PathLike[str]) -> dict[str, Any]:

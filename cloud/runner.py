@@ -57,7 +57,9 @@ def run(
 @contextlib.contextmanager
 def serve_in_thread(app: Any, host: str = "127.0.0.1", *, timeout_s: float = 20.0) -> Iterator[str]:
     """Run ``app`` under uvicorn in a daemon thread on an ephemeral port; yield the base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose protocol says
+    # TCP, and without it every small response waits ~40 ms for delayed ACKs
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]

@@ -471,6 +471,13 @@ def make_sakura(**options: Any) -> LowRankCodec:
     return LowRankCodec("sakura", **options)
 
 
+@register("sakura-all")
+def make_sakura_all(**options: Any) -> LowRankCodec:
+    """SAKURA keeping every uniform (rank, bits) configuration, not only the thinned Pareto
+    front: the pack the fixed-config / fixed-bits ablations choose from."""
+    return LowRankCodec("sakura-all", **{**options, "keep": "all"})
+
+
 @register("svd")
 def make_svd(**options: Any) -> LowRankCodec:
     if options.get("q", 0.0) != 0.0:

@@ -152,6 +152,7 @@ def template_assets(spec: TemplateSpec, template: Template) -> dict:
     mask = template.mask.numpy().astype(np.uint8) * 255
     return {
         "prompt": spec.prompt,
+        "seed": template.seed,  # the template's own noise (provider data; `local` needs it)
         "steps": template.steps,
         "guidance": template.guidance,
         "resolution": template.size,
@@ -175,9 +176,10 @@ def device_template(entry: dict) -> Template:
     """The template as the device sees it, from a published catalog entry.
 
     The device needs the image (outside the mask the output *is* the template), the mask,
-    steps and guidance; never the template's noise or prompt embeddings (``txt`` is empty).
+    steps and guidance, and for ``local`` the template's noise seed; never the template's
+    prompt embeddings (``txt`` is empty).
     """
     image, mask = decode_assets(entry)
     t = entry["template"]
-    return Template(image=image, mask=mask, txt=torch.zeros(1, 0, 384), seed=0,
+    return Template(image=image, mask=mask, txt=torch.zeros(1, 0, 384), seed=int(t.get("seed", 0)),
                     steps=int(t["steps"]), guidance=float(t["guidance"]))
