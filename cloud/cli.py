@@ -29,7 +29,7 @@ def register(commands: Any, bench: Any) -> None:
     build.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated")
     build.add_argument("--templates", default="", help="comma-separated ids (default: all)")
     build.add_argument("--weights", help="model weights (default: the shipped model)")
-    build.add_argument("--blocks-per-shard", type=int, default=2)
+    build.add_argument("--blocks-per-shard", type=int, default=4)
     build.add_argument("--resolution", type=int, help="build at this resolution (ids get -RES)")
     build.add_argument("--force", action="store_true", help="rebuild unchanged templates too")
     build.set_defaults(func=_build)
