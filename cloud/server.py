@@ -18,6 +18,7 @@ fails or the client disconnects.
 from __future__ import annotations
 
 import collections
+import gzip
 import hashlib
 import json
 import logging
@@ -426,6 +427,14 @@ def _gone(template_id: str, codec: str, pack_file: str) -> str:
     )
 
 
+def _accepts_gzip(accept_encoding: str) -> bool:
+    for item in accept_encoding.split(","):
+        name, _, params = item.strip().partition(";")
+        if name.strip().lower() in ("gzip", "*"):
+            return params.replace(" ", "").lower() not in ("q=0", "q=0.0", "q=0.00", "q=0.000")
+    return False
+
+
 def _cache_control(state: ServerState, immutable: bool) -> str:
     scope = "private" if state.tokens is not None else "public"
     if immutable:
@@ -711,9 +720,16 @@ def create_app(
             "X-Sakura-Pack-File": resolved.index.pack_file,
         }
         early = _preconditions(request, resolved.etag, headers)
-        return early or Response(
-            resolved.manifest_raw, media_type="application/json", headers=headers
-        )
+        if early:
+            return early
+        headers["Vary"] = "Accept-Encoding"
+        body = resolved.manifest_raw
+        if _accepts_gzip(request.headers.get("accept-encoding", "")):
+            # manifests are mostly hex checksums and unit lists: gzip shrinks them several
+            # times, which is start-up latency on a slow link (packs are never compressed)
+            body = gzip.compress(body, compresslevel=6, mtime=0)
+            headers["Content-Encoding"] = "gzip"
+        return Response(body, media_type="application/json", headers=headers)
 
     def get_pack(
         request: Request,

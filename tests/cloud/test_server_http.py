@@ -370,3 +370,17 @@ def test_metrics_count_requests_bytes_and_latency(client, published):
 def test_duplicate_range_headers_are_ignored(client, published):
     r = client.get(PACK, headers=[("Range", "bytes=0-0"), ("Range", "bytes=1-1")])
     assert r.status_code == 200 and r.content == published.pack("face-a")
+
+
+
+def test_manifest_is_gzipped_when_accepted_and_identical_after_decoding(client):
+    plain = client.get(MANIFEST, headers={"Accept-Encoding": "identity"})
+    zipped = client.get(MANIFEST, headers={"Accept-Encoding": "gzip"})
+    assert plain.status_code == zipped.status_code == 200
+    assert "content-encoding" not in plain.headers
+    assert zipped.headers["content-encoding"] == "gzip"
+    assert zipped.headers["vary"] == "Accept-Encoding"
+    assert zipped.headers["etag"] == plain.headers["etag"]
+    assert zipped.content == plain.content  # decoded transparently, byte-identical
+    refused = client.get(MANIFEST, headers={"Accept-Encoding": "gzip;q=0"})
+    assert "content-encoding" not in refused.headers
