@@ -1,0 +1,42 @@
+"""Developer tool: before/after grid of every shipped template, edited with the exact cache.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/catalog_grid.py
+
+Writes docs/model/edits.png: per template (columns) the template, then its first evaluation
+prompt edited with the uncompressed cache (``exact``), then full local execution (``full``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from dit.editing import cached_edit, full_edit, template_run
+from dit.templates import load_catalog
+from dit.text import TextEncoder
+from dit.weights import load_model
+
+OUT = Path(__file__).resolve().parents[1] / "docs" / "model" / "edits.png"
+
+
+def main() -> None:
+    model, enc = load_model(), TextEncoder()
+    cols = []
+    for spec in load_catalog().values():
+        tpl = spec.to_template(enc)
+        req = spec.requests(enc, "evaluation")[0]
+        run = template_run(model, tpl)
+        exact = cached_edit(model, tpl, run.geometry, run.cache.to_fp16_exact(), req)
+        full = full_edit(model, tpl, req)
+        cols.append(torch.cat([tpl.image, exact, full], dim=1))
+    grid = torch.cat(cols, dim=2)
+    arr = ((grid.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).byte().numpy()
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).resize((arr.shape[1] * 2, arr.shape[0] * 2), Image.NEAREST).save(OUT)
+    print(OUT)
+
+
+if __name__ == "__main__":
+    main()
