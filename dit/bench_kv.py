@@ -30,7 +30,7 @@ from dit.text import TextEncoder
 from dit.weights import load_model
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -73,9 +73,9 @@ def run_bench(quick: bool = False, template_id: str = "face-technologist",
     for ratio in (0.10, 0.40):
         t = replace(tpl, mask=box_mask(tpl.size, model.cfg.patch_size, ratio))
         r = template_run(model, t)
-        masked = _median_time(
+        masked = median_time(
             lambda t=t, r=r: cached_edit(model, t, r.geometry, r.cache, req), repeats)
-        full = _median_time(lambda t=t: full_edit(model, t, req), repeats)
+        full = median_time(lambda t=t: full_edit(model, t, req), repeats)
         key = f"{int(ratio * 100)}pct"
         out[f"masked_time_s_{key}"] = masked
         out[f"full_time_s_{key}"] = full
@@ -90,9 +90,9 @@ def run_bench(quick: bool = False, template_id: str = "face-technologist",
     geo = Geometry.of(model, gen)
     for n in (1, 3):
         rq = replace(req, ref_images=refs[:n])
-        cached = _median_time(
+        cached = median_time(
             lambda rq=rq: cached_edit(model, gen, geo, empty, rq, cache_refs=True), repeats)
-        uncached = _median_time(
+        uncached = median_time(
             lambda rq=rq: cached_edit(model, gen, geo, empty, rq, cache_refs=False), repeats)
         out[f"ref_cache_time_s_{n}ref"] = cached
         out[f"ref_nocache_time_s_{n}ref"] = uncached
@@ -102,9 +102,9 @@ def run_bench(quick: bool = False, template_id: str = "face-technologist",
     # 4) text-KV reuse (approximation) on the masked edit
     exact = cached_edit(model, tpl, run.geometry, run.cache, req)
     approx = cached_edit(model, tpl, run.geometry, run.cache, req, reuse_text_kv=True)
-    t_on = _median_time(lambda: cached_edit(model, tpl, run.geometry, run.cache, req,
+    t_on = median_time(lambda: cached_edit(model, tpl, run.geometry, run.cache, req,
                                             reuse_text_kv=True), repeats)
-    t_off = _median_time(lambda: cached_edit(model, tpl, run.geometry, run.cache, req), repeats)
+    t_off = median_time(lambda: cached_edit(model, tpl, run.geometry, run.cache, req), repeats)
     mse = float(((exact - approx) / 2).pow(2).mean())
     out["text_kv_reuse_speedup"] = t_off / t_on
     out["text_kv_reuse_psnr_db"] = float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(1 / mse)).item()
@@ -112,14 +112,14 @@ def run_bench(quick: bool = False, template_id: str = "face-technologist",
 
     # 5) layer-wise offload with / without prefetch vs everything resident
     resident16 = run.cache.to_fp16_exact()
-    t_res = _median_time(lambda: cached_edit(model, tpl, run.geometry, resident16, req), repeats)
+    t_res = median_time(lambda: cached_edit(model, tpl, run.geometry, resident16, req), repeats)
     res = {}
     for prefetch in (False, True):
         with OffloadedCache(run.cache, prefetch=prefetch) as off:
             def once(off=off):
                 off.drop_page_cache()
                 return cached_edit(model, tpl, run.geometry, off, req)
-            res[prefetch] = _median_time(once, repeats)
+            res[prefetch] = median_time(once, repeats)
             assert torch.equal(once(), cached_edit(model, tpl, run.geometry, resident16, req))
     out["resident_time_s"] = t_res
     out["offload_no_prefetch_overhead"] = res[False] / t_res

@@ -21,8 +21,6 @@ compares with the paper's 1.46 GiB.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,16 +38,7 @@ from dit.adapters.tiny import (
     tiny_spec,
     tiny_template,
 )
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from dit.bench_kv import median_time
 
 
 def _reference_kv(adapter, spec, repeats: int) -> dict[str, float]:
@@ -67,10 +56,10 @@ def _reference_kv(adapter, spec, repeats: int) -> dict[str, float]:
                               AdapterHook(heads=adapter.heads, extra=br.extra))
     stock, _ = native_velocity(adapter, x, spec.grid, t, cond, refs)
     plain = Branch(cond, extra=br.extra)
-    t_cached = _median_time(lambda: adapter.velocity(
+    t_cached = median_time(lambda: adapter.velocity(
         x, torch.arange(n), spec.grid, t, plain, AdapterHook(heads=adapter.heads, extra=br.extra)),
         repeats)
-    t_stock = _median_time(lambda: native_velocity(adapter, x, spec.grid, t, cond, refs), repeats)
+    t_stock = median_time(lambda: native_velocity(adapter, x, spec.grid, t, cond, refs), repeats)
     return {"ref_cache_max_abs_err": float((cached - stock).abs().max()),
             "ref_cache_step_speedup_1ref": t_stock / t_cached, "ref_tokens": n}
 
@@ -89,10 +78,10 @@ def _prefix_kv(adapter, spec, repeats: int) -> dict[str, float]:
     hook = AdapterHook(heads=adapter.heads, extra=br.extra)
     cached = adapter.velocity(x, torch.arange(n), spec.grid, t, br, hook)
     stock = native_velocity(adapter, x, spec.grid, t, cond)
-    t_cached = _median_time(lambda: adapter.velocity(
+    t_cached = median_time(lambda: adapter.velocity(
         x, torch.arange(n), spec.grid, t, br, AdapterHook(heads=adapter.heads, extra=br.extra)),
         repeats)
-    t_stock = _median_time(lambda: native_velocity(adapter, x, spec.grid, t, cond), repeats)
+    t_stock = median_time(lambda: native_velocity(adapter, x, spec.grid, t, cond), repeats)
     return {"prefix_cache_max_abs_err": float((cached - stock).abs().max()),
             "prefix_cache_step_speedup": t_stock / t_cached,
             "prefix_tokens": int(cond.embeds.shape[1] - cond.image_slots.sum() + 256)}
@@ -119,8 +108,8 @@ def bench_model(kind: str, size: str, steps: int, repeats: int) -> dict[str, Any
 
     t10 = replace(tpl, mask=box_mask(spec.grid, 0.10))
     r10 = adapter.template_run(t10)
-    masked = _median_time(lambda: adapter.cached_edit(t10, r10.geometry, r10.cache, req), repeats)
-    full = _median_time(lambda: adapter.full_edit(t10, req), repeats)
+    masked = median_time(lambda: adapter.cached_edit(t10, r10.geometry, r10.cache, req), repeats)
+    full = median_time(lambda: adapter.full_edit(t10, req), repeats)
     out.update({
         "token_ratio_10pct": len(r10.geometry.masked) / r10.geometry.tokens,
         "masked_time_s_10pct": masked, "full_time_s_10pct": full,

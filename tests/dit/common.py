@@ -8,11 +8,12 @@ from dit.editing import EditRequest, Template
 from dit.model import MMDiT, MMDiTConfig
 
 
-def tiny_model(mode: str = "joint", seed: int = 0) -> MMDiT:
+def tiny_model(mode: str = "joint", seed: int = 0, double_blocks: int = 2,
+               single_blocks: int = 2) -> MMDiT:
     torch.manual_seed(seed)
-    cfg = MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=2, single_blocks=2,
-                      mlp_ratio=2.0, text_dim=32, text_tokens=5, rope_axes=(4, 6, 6),
-                      attention_mode=mode)
+    cfg = MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=double_blocks,
+                      single_blocks=single_blocks, mlp_ratio=2.0, text_dim=32, text_tokens=5,
+                      rope_axes=(4, 6, 6), attention_mode=mode)
     model = MMDiT(cfg)
     with torch.no_grad():
         for p in model.parameters():

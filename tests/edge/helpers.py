@@ -25,33 +25,17 @@ from cloud.storage import LocalStorage
 from codec.base import get_codec
 from codec.pack import write_pack
 from dit.editing import Template, profile_importance, template_run
-from dit.model import MMDiT, MMDiTConfig
+from dit.model import MMDiT
 from edge.runtime import EdgeRuntime
+from tests.dit.common import tiny_model as _tiny_model
+from tests.dit.common import tiny_template  # noqa: F401 (re-exported for the edge tests)
 
 CODECS = ("sakura", "fp16", "intq", "svd", "cachegen")
 TEMPLATE_ID = "tiny-face"
 
 
 def tiny_model(seed: int = 0, double_blocks: int = 2, single_blocks: int = 2) -> MMDiT:
-    torch.manual_seed(seed)
-    cfg = MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=double_blocks,
-                      single_blocks=single_blocks,
-                      mlp_ratio=2.0, text_dim=32, text_tokens=5, rope_axes=(4, 6, 6))
-    model = MMDiT(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.08)
-    return model.eval()
-
-
-def tiny_template(model: MMDiT, size: int = 32, seed: int = 1, steps: int = 4) -> Template:
-    g = torch.Generator().manual_seed(seed)
-    image = torch.rand(3, size, size, generator=g) * 2 - 1
-    mask = torch.zeros(size, size, dtype=torch.bool)
-    mask[8:20, 4:16] = True
-    txt = torch.randn(1, model.cfg.text_tokens, model.cfg.text_dim, generator=g)
-    return Template(image=image, mask=mask, txt=txt, seed=seed, steps=steps, guidance=2.0)
+    return _tiny_model(seed=seed, double_blocks=double_blocks, single_blocks=single_blocks)
 
 
 class FakeEncoder:
