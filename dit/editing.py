@@ -85,7 +85,7 @@ def edit_noise(model: MMDiT, template: Template, seed: int) -> torch.Tensor:
     return noise_like((1, g * g, model.cfg.patch_dim), seed + 1_000_003)
 
 
-def _heads_to_channels(x: torch.Tensor) -> torch.Tensor:
+def heads_to_channels(x: torch.Tensor) -> torch.Tensor:
     """``[H, N, D]`` -> ``[N, H*D]``."""
     h, n, d = x.shape
     return x.transpose(0, 1).reshape(n, h * d)
@@ -113,8 +113,8 @@ class CaptureHook(AttentionHook):
 
     def on_kv(self, block: int, k, v, layout: Layout) -> None:
         idx = layout.txt + self.unmasked
-        self.keys[block] = _heads_to_channels(k[0, :, idx])
-        self.values[block] = _heads_to_channels(v[0, :, idx])
+        self.keys[block] = heads_to_channels(k[0, :, idx])
+        self.values[block] = heads_to_channels(v[0, :, idx])
 
     def before_block(self, block: int, seg):
         if self.keep_hidden:

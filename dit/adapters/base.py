@@ -40,6 +40,7 @@ from torch import nn
 from dit.adapters.errors import AdapterError, InputError, UnsupportedError
 from dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
 from dit.cache import KVProvider, TemplateCache
+from dit.editing import channels_to_heads, heads_to_channels
 from dit.sampler import noise_like
 
 EDIT_SEED_OFFSET = 1_000_003  # same convention as dit.editing.edit_noise
@@ -188,18 +189,6 @@ class Channel:
 # ----------------------------------------------------------------------------- hooks
 
 
-def heads_to_channels(x: torch.Tensor) -> torch.Tensor:
-    """``[H, N, D]`` -> ``[N, H*D]``."""
-    h, n, d = x.shape
-    return x.transpose(0, 1).reshape(n, h * d)
-
-
-def channels_to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[N, C]`` -> ``[1, H, N, C/H]``."""
-    n, c = x.shape
-    return x.reshape(n, heads, c // heads).transpose(0, 1)[None]
-
-
 class AdapterHook(AttentionHook):
     """The one hook the adapter algorithms use (joint visibility rules of ``dit.attention``).
 
@@ -338,18 +327,19 @@ class ModelAdapter(ABC):
     def block_names(self) -> list[str]:
         """One name per attention call of a forward (= one cache block), in order."""
 
+    # every supported diffusers transformer names these config fields alike
     @property
-    @abstractmethod
-    def heads(self) -> int: ...
+    def heads(self) -> int:
+        return int(self.model.config.num_attention_heads)
 
     @property
-    @abstractmethod
-    def head_dim(self) -> int: ...
+    def head_dim(self) -> int:
+        return int(self.model.config.attention_head_dim)
 
     @property
-    @abstractmethod
     def latent_channels(self) -> int:
         """Channels of one latent token (the transformer's input)."""
+        return int(self.model.config.in_channels)
 
     @abstractmethod
     def default_scheduler_config(self) -> dict[str, Any]:

@@ -166,18 +166,6 @@ class Flux2Adapter(ModelAdapter):
         return ([f"double.{i}" for i in range(len(m.transformer_blocks))]
                 + [f"single.{j}" for j in range(len(m.single_transformer_blocks))])
 
-    @property
-    def heads(self) -> int:
-        return int(self.model.config.num_attention_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.model.config.attention_head_dim)
-
-    @property
-    def latent_channels(self) -> int:
-        return int(self.model.config.in_channels)
-
     def default_scheduler_config(self) -> dict[str, Any]:
         return {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True,
                 "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,

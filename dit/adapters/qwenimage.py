@@ -101,18 +101,6 @@ class QwenImageAdapter(ModelAdapter):
     def block_names(self) -> list[str]:
         return [f"layer.{i}" for i in range(len(self.model.transformer_blocks))]
 
-    @property
-    def heads(self) -> int:
-        return int(self.model.config.num_attention_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.model.config.attention_head_dim)
-
-    @property
-    def latent_channels(self) -> int:
-        return int(self.model.config.in_channels)
-
     def default_scheduler_config(self) -> dict[str, Any]:
         import math
 

@@ -130,14 +130,6 @@ class QwenImage21Adapter(ModelAdapter):
         return [f"layer.{i}" for i in range(len(self.model.transformer_blocks))]
 
     @property
-    def heads(self) -> int:
-        return int(self.model.config.num_attention_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.model.config.attention_head_dim)
-
-    @property
     def latent_channels(self) -> int:
         cfg = self.model.config
         return int(cfg.in_channels) * int(cfg.patch_size) ** 2

@@ -113,14 +113,6 @@ class SD3Adapter(ModelAdapter):
         return out
 
     @property
-    def heads(self) -> int:
-        return int(self.model.config.num_attention_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.model.config.attention_head_dim)
-
-    @property
     def patch(self) -> int:
         return int(self.model.config.patch_size)
 
