@@ -172,6 +172,18 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     json_cache: JsonCache | None = None
     hashes: HashCache | None = None
+    # gzipped manifests by ETag (a manifest version never changes), so each is compressed
+    # once rather than on every request
+    gzipped: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+
+    def gzip_manifest(self, etag: str, raw: bytes) -> bytes:
+        body = self.gzipped.get(etag)
+        if body is None:
+            body = gzip.compress(raw, compresslevel=6, mtime=0)
+            self.gzipped[etag] = body
+            while len(self.gzipped) > self.settings.cache_entries:
+                self.gzipped.popitem(last=False)
+        return body
 
     def __post_init__(self) -> None:
         if self.json_cache is None:
@@ -727,7 +739,7 @@ def create_app(
         if _accepts_gzip(request.headers.get("accept-encoding", "")):
             # manifests are mostly hex checksums and unit lists: gzip shrinks them several
             # times, which is start-up latency on a slow link (packs are never compressed)
-            body = gzip.compress(body, compresslevel=6, mtime=0)
+            body = state.gzip_manifest(resolved.etag, body)
             headers["Content-Encoding"] = "gzip"
         return Response(body, media_type="application/json", headers=headers)
 
