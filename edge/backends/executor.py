@@ -1,0 +1,106 @@
+"""A masked edit executed through shard graphs on one backend.
+
+:class:`ShardExecutor` mirrors ``dit.editing.cached_edit`` for the plain case (text +
+masked image tokens, template cache; no references, no text-KV reuse): per step the host
+embeds the fresh tokens (``MMDiT.embed``: three small linear layers) and computes the
+modulation vector, every shard graph runs its blocks with the shard's K/V from the
+provider, and the host applies the final layer, guidance and the Euler update. Compiled
+shards are kept per (geometry, block group) and reused for every step and edit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dit.cache import KVProvider
+from dit.editing import EditRequest, Geometry, Template, _cfg_batch, _guided, compose, edit_noise
+from dit.model import MMDiT
+from dit.sampler import schedule
+from edge.backends.base import CompiledShard, ExecutionBackend, weights_sha256
+from edge.backends.errors import BackendError
+from edge.backends.shard import ShardGeometry
+
+
+def step_groups(blocks: int, blocks_per_shard: int) -> list[tuple[int, ...]]:
+    """The block groups of one step (``codec.shards.ShardLayout`` order)."""
+    if not 1 <= blocks_per_shard <= blocks:
+        raise BackendError(f"blocks_per_shard must be in 1..{blocks}, got {blocks_per_shard}")
+    return [tuple(range(i, min(i + blocks_per_shard, blocks)))
+            for i in range(0, blocks, blocks_per_shard)]
+
+
+def edit_geometry(model: MMDiT, template: Template, geo: Geometry, req: EditRequest
+                  ) -> ShardGeometry:
+    """The shard-graph shapes of an edit of ``template``."""
+    if req.ref_images is not None and len(req.ref_images) > 0:
+        raise BackendError("reference images need the torch backend (shard graphs take "
+                           "text and masked image tokens only)")
+    batch = 2 if req.txt_uncond is not None and template.guidance != 1.0 else 1
+    return ShardGeometry(batch=batch, txt=int(req.txt.shape[1]), img=len(geo.masked),
+                         cached=len(geo.unmasked))
+
+
+class ShardExecutor:
+    """Runs masked edits of ``model`` on ``backend``, one compiled graph per block group."""
+
+    def __init__(self, model: MMDiT, backend: ExecutionBackend,
+                 weights: str | None = None) -> None:
+        self.model = model
+        self.backend = backend
+        self._weights = weights
+        self._shards: dict[tuple[ShardGeometry, tuple[int, ...]], CompiledShard] = {}
+
+    @property
+    def weights(self) -> str:
+        if self._weights is None:
+            self._weights = weights_sha256(self.model)
+        return self._weights
+
+    def shard(self, geometry: ShardGeometry, blocks: tuple[int, ...]) -> CompiledShard:
+        key = (geometry, tuple(blocks))
+        if key not in self._shards:
+            self._shards[key] = self.backend.prepare(self.model, tuple(blocks), geometry,
+                                                     self.weights)
+        return self._shards[key]
+
+    def prepare(self, geometry: ShardGeometry, groups: Sequence[tuple[int, ...]]) -> None:
+        """Compile or load every group's graph before the edit starts."""
+        for blocks in groups:
+            self.shard(geometry, blocks)
+
+    def edit(self, template: Template, geo: Geometry, provider: KVProvider, req: EditRequest,
+             groups: Sequence[tuple[int, ...]],
+             on_step: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The edited image ``[3, H, W]`` (``cached_edit`` semantics, see module docstring)."""
+        model = self.model
+        covered = [b for g in groups for b in g]
+        if covered != list(range(model.cfg.num_blocks)):
+            raise BackendError(f"block groups {list(groups)} do not cover the model's "
+                               f"{model.cfg.num_blocks} blocks in order")
+        geometry = edit_geometry(model, template, geo, req)
+        self.prepare(geometry, groups)
+        with torch.inference_mode():
+            x = edit_noise(model, template, req.seed)[:, geo.masked]
+            pos = geo.pos[geo.masked]
+            angles = torch.cat([model.angles(model.text_positions(geometry.txt)),
+                                model.angles(pos)])
+            cos, sin = angles.cos(), angles.sin()
+            ts = schedule(template.steps)
+            for s in range(template.steps):
+                batch = _cfg_batch(x, pos, req, ts[s], template.guidance)
+                seg = model.embed(batch)
+                txt, img = seg.txt, seg.img
+                for blocks in groups:
+                    kv: list[torch.Tensor] = []
+                    for b in blocks:
+                        kv.extend(provider.get(s, b))
+                    txt, img = self.shard(geometry, blocks).run(
+                        txt, img, seg.vec_txt, seg.vec_img, cos, sin, *kv)
+                seg.txt, seg.img = txt, img
+                v = _guided(model.head(seg), template.guidance)
+                x = x + (ts[s + 1] - ts[s]) * v
+                if on_step is not None:
+                    on_step(s)
+            return compose(model, template, geo, x)

@@ -1,0 +1,74 @@
+"""The ExecuTorch backend: ``torch.export`` -> XNNPACK-lowered ``.pte`` -> ``executorch.runtime``.
+
+Each shard graph is exported with static shapes, lowered with
+``to_edge_transform_and_lower(..., partitioner=[XnnpackPartitioner()])`` (every op of the
+shard is delegated to XNNPACK; fp32) and serialized to ``shard.pte``. The same file runs on
+an Android phone with the ExecuTorch runtime and its XNNPACK delegate (arm64 CPU); for the
+Hexagon NPU the same exported program is lowered with ExecuTorch's QNN partitioner instead
+(needs the QAIRT SDK, not available here; see ``edge/backends/README.md``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from edge.backends.base import CompiledShard, ExecutionBackend
+from edge.backends.errors import BackendError, BackendUnavailable
+from edge.backends.shard import ShardModule
+
+PTE_NAME = "shard.pte"
+
+
+class _PteShard(CompiledShard):
+    def __init__(self, module: ShardModule, method) -> None:
+        super().__init__(module.blocks, module.input_shapes)
+        self._method = method
+
+    def _run(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._method.execute(inputs)
+        if len(out) != 2:
+            raise BackendError(f"executorch shard {self.blocks}: {len(out)} outputs, want 2")
+        return out[0], out[1]
+
+
+class ExecuTorchBackend(ExecutionBackend):
+    """ExecuTorch with the XNNPACK delegate (fp32)."""
+
+    name = "executorch"
+
+    def check_available(self) -> None:
+        try:
+            import executorch.runtime  # noqa: F401
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import (  # noqa: F401
+                XnnpackPartitioner,
+            )
+        except ImportError as exc:
+            raise BackendUnavailable(
+                f"--backend executorch needs the executorch package ({exc}); install it "
+                "with `pip install executorch==1.4.1`") from exc
+
+    def version(self) -> str:
+        from importlib.metadata import version
+
+        return f"executorch-{version('executorch')}-xnnpack-fp32-torch-{torch.__version__}"
+
+    def _compile(self, module: ShardModule, example: tuple[torch.Tensor, ...],
+                 folder: Path) -> None:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+            XnnpackPartitioner,
+        )
+        from executorch.exir import to_edge_transform_and_lower
+
+        with torch.no_grad():
+            exported = torch.export.export(module, example, strict=False)
+        program = to_edge_transform_and_lower(
+            exported, partitioner=[XnnpackPartitioner()]).to_executorch()
+        (folder / PTE_NAME).write_bytes(program.buffer)
+
+    def _load(self, folder: Path, module: ShardModule) -> CompiledShard:
+        from executorch.runtime import Runtime
+
+        program = Runtime.get().load_program(str(folder / PTE_NAME))
+        return _PteShard(module, program.load_method("forward"))

@@ -1,0 +1,200 @@
+"""The pure-tensor shard function: a group of consecutive transformer blocks of one step.
+
+A shard graph takes only tensors, so it can be exported (``torch.export`` -> ExecuTorch,
+``torch.onnx.export`` -> QNN) and run by any backend:
+
+* ``txt [B, T, D]``, ``img [B, M, D]``: hidden states of the fresh tokens (text and masked
+  image tokens) entering the shard's first block;
+* ``vec_txt``, ``vec_img [B, 1, D]``: the step's modulation vectors (``MMDiT.vec(t)``); the
+  shared modulation projections are part of the graph;
+* ``cos``, ``sin [T + M, head_dim / 2]``: the RoPE angles of the fresh tokens, as cosine and
+  sine (precomputed on the host: cos/sin of angles up to ~16 rad lose too much in fp16);
+* ``k_<b>``, ``v_<b> [U, C]`` for every block ``b`` of the shard: the cached K/V of the
+  unmasked template tokens, heads folded into channels, exactly as the pack delivers them.
+
+Outputs: ``txt``, ``img`` after the shard's last block. The code mirrors
+``dit.model.DoubleStreamBlock`` / ``SingleStreamBlock`` with the ``CachedHook`` of
+``dit.editing`` (attention over ``[fresh] + [cache]``); ``tests/edge/test_backends.py``
+checks that an edit through shard graphs equals ``dit.editing.cached_edit``. References and
+the text-KV approximation are not part of a shard graph (they need the torch path).
+
+One graph serves every step: the step enters only through ``vec_*`` and the cache, so a
+graph is compiled once per (template geometry, block group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dit.attention import CACHE, Layout, build_mask
+from dit.model import MMDiT, modulate
+
+# Bump when the graph's computation or its input/output contract changes: it is part of
+# the compiled-artifact cache key.
+SHARD_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    """The static shapes a shard graph is compiled for."""
+
+    batch: int   # 2 with classifier-free guidance, else 1
+    txt: int     # fresh text tokens
+    img: int     # fresh (masked) image tokens
+    cached: int  # cached (unmasked) template tokens
+
+    def describe(self) -> str:
+        return f"b{self.batch}-t{self.txt}-m{self.img}-u{self.cached}"
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def input_names(blocks: tuple[int, ...]) -> list[str]:
+    names = ["txt", "img", "vec_txt", "vec_img", "cos", "sin"]
+    for b in blocks:
+        names += [f"k_{b}", f"v_{b}"]
+    return names
+
+
+OUTPUT_NAMES = ["txt_out", "img_out"]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``dit.model.apply_rope`` with precomputed cos/sin (same arithmetic)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.flatten(-2)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, t, c = x.shape
+    return x.reshape(b, t, heads, c // heads).transpose(1, 2)
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)
+
+
+def _layer_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],))
+
+
+class ShardModule(nn.Module):
+    """Blocks ``blocks`` of ``model`` as a function of tensors only (see module docstring)."""
+
+    def __init__(self, model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry):
+        super().__init__()
+        cfg = model.cfg
+        if not blocks or list(blocks) != list(range(blocks[0], blocks[0] + len(blocks))):
+            raise ValueError(f"a shard is a run of consecutive blocks, got {blocks}")
+        if blocks[-1] >= cfg.num_blocks:
+            raise ValueError(f"block {blocks[-1]} outside the model's {cfg.num_blocks}")
+        self.blocks = tuple(blocks)
+        self.geometry = geometry
+        self.input_shapes = expected_shapes(model, self.blocks, geometry)
+        self.heads = cfg.num_heads
+        self.num_double = cfg.double_blocks
+        self.double_mod_img = model.double_mod_img
+        self.double_mod_txt = model.double_mod_txt
+        self.single_mod = model.single_mod
+        self.layers = nn.ModuleList(
+            model.double_stream[b] if b < cfg.double_blocks
+            else model.single_stream[b - cfg.double_blocks] for b in blocks)
+        layout = Layout(txt=geometry.txt, img=geometry.img)
+        q_segs = layout.query_segments()
+        mask = build_mask(cfg.attention_mode, q_segs, q_segs + [(CACHE, geometry.cached)])
+        self.has_mask = mask is not None
+        if mask is not None:
+            self.register_buffer("mask", mask, persistent=False)
+
+    def _attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        b = q.shape[0]
+        kc = _heads(k_cache[None], self.heads).expand(b, -1, -1, -1)
+        vc = _heads(v_cache[None], self.heads).expand(b, -1, -1, -1)
+        k = torch.cat([k, kc], dim=2)
+        v = torch.cat([v, vc], dim=2)
+        mask = self.mask if self.has_mask else None
+        return _merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+    def _double(self, blk, txt, img, mods, cos, sin, k_cache, v_cache):
+        t = txt.shape[1]
+        qs, ks, vs = [], [], []
+        for name, x in (("txt", txt), ("img", img)):
+            mod = mods[name]
+            h = modulate(_layer_norm(x), mod[0], mod[1])
+            q, k, v = getattr(blk, f"{name}_qkv")(h).chunk(3, dim=-1)
+            sl = slice(0, t) if name == "txt" else slice(t, None)
+            q = _rope(getattr(blk, f"{name}_qnorm")(_heads(q, self.heads)), cos[sl], sin[sl])
+            k = _rope(getattr(blk, f"{name}_knorm")(_heads(k, self.heads)), cos[sl], sin[sl])
+            qs.append(q)
+            ks.append(k)
+            vs.append(_heads(v, self.heads))
+        out = self._attend(torch.cat(qs, 2), torch.cat(ks, 2), torch.cat(vs, 2),
+                           k_cache, v_cache)
+        new = []
+        for name, x, attn in (("txt", txt, out[:, :t]), ("img", img, out[:, t:])):
+            mod = mods[name]
+            x = x + mod[2] * getattr(blk, f"{name}_proj")(attn)
+            h = modulate(_layer_norm(x), mod[3], mod[4])
+            new.append(x + mod[5] * getattr(blk, f"{name}_mlp")(h))
+        return new[0], new[1]
+
+    def _single(self, blk, txt, img, mods, cos, sin, k_cache, v_cache):
+        t = txt.shape[1]
+        h = torch.cat([modulate(_layer_norm(txt), mods["txt"][0], mods["txt"][1]),
+                       modulate(_layer_norm(img), mods["img"][0], mods["img"][1])], dim=1)
+        d = h.shape[-1]
+        qkv, mlp_in = blk.linear1(h).split([3 * d, blk.mlp_hidden], dim=-1)
+        q, k, v = qkv.chunk(3, dim=-1)
+        q = _rope(blk.qnorm(_heads(q, self.heads)), cos, sin)
+        k = _rope(blk.knorm(_heads(k, self.heads)), cos, sin)
+        attn = self._attend(q, k, _heads(v, self.heads), k_cache, v_cache)
+        out = blk.linear2(torch.cat([attn, F.gelu(mlp_in, approximate="tanh")], dim=-1))
+        return txt + mods["txt"][2] * out[:, :t], img + mods["img"][2] * out[:, t:]
+
+    def forward(self, txt: torch.Tensor, img: torch.Tensor, vec_txt: torch.Tensor,
+                vec_img: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                *kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dmods = smods = None
+        for i, (b, blk) in enumerate(zip(self.blocks, self.layers)):
+            k_cache, v_cache = kv[2 * i], kv[2 * i + 1]
+            if b < self.num_double:
+                if dmods is None:
+                    dmods = {"txt": self.double_mod_txt(vec_txt).chunk(6, dim=-1),
+                             "img": self.double_mod_img(vec_img).chunk(6, dim=-1)}
+                txt, img = self._double(blk, txt, img, dmods, cos, sin, k_cache, v_cache)
+            else:
+                if smods is None:
+                    smods = {"txt": self.single_mod(vec_txt).chunk(3, dim=-1),
+                             "img": self.single_mod(vec_img).chunk(3, dim=-1)}
+                txt, img = self._single(blk, txt, img, smods, cos, sin, k_cache, v_cache)
+        return txt, img
+
+
+def example_inputs(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry,
+                   seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Seeded random inputs of the graph's shapes (for export, checks and the bench)."""
+    g = torch.Generator().manual_seed(seed)
+    d, hd = model.cfg.hidden_size, model.cfg.head_dim
+    b, t, m, u = geometry.batch, geometry.txt, geometry.img, geometry.cached
+    ang = torch.rand(t + m, hd // 2, generator=g) * 6.0
+    args = [torch.randn(b, t, d, generator=g), torch.randn(b, m, d, generator=g),
+            torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g),
+            ang.cos(), ang.sin()]
+    for _ in blocks:
+        args += [torch.randn(u, d, generator=g), torch.randn(u, d, generator=g)]
+    return tuple(args)
+
+
+def expected_shapes(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry
+                    ) -> list[tuple[int, ...]]:
+    d, hd = model.cfg.hidden_size, model.cfg.head_dim
+    b, t, m, u = geometry.batch, geometry.txt, geometry.img, geometry.cached
+    shapes = [(b, t, d), (b, m, d), (b, 1, d), (b, 1, d), (t + m, hd // 2), (t + m, hd // 2)]
+    return shapes + [(u, d)] * (2 * len(blocks))
