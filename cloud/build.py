@@ -17,10 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from cloud.publish import (
     CatalogTransaction,
     is_up_to_date,
-    sha256_file,
     template_content_hash,
     update_catalog,
 )
@@ -37,6 +38,8 @@ class BuildConfig:
     codecs: tuple[str, ...] = DEFAULT_CODECS
     templates: tuple[str, ...] = ()  # empty = all
     weights: str | None = None  # default: shipped model
+    model: str | None = None  # a diffusers model name (dit.adapters.registry.MODELS) ...
+    model_path: str | None = None  # ... and its local checkpoint folder
     # 4 of the 8 blocks: ~10-25 ms of masked compute per shard here, so per-request costs
     # (headers, server time) stay small next to the smallest configurations
     blocks_per_shard: int = 4
@@ -52,23 +55,17 @@ class BuildReport:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def shard_compute_cost(model, blocks: list[int]) -> float:
-    """Relative compute of a shard: double-stream blocks run two weight sets."""
-    return float(sum(2.0 if b < model.cfg.double_blocks else 1.0 for b in blocks))
-
-
 def build(cfg: BuildConfig, log=print) -> BuildReport:
     import tempfile
 
     from tqdm import tqdm
 
     from codec import ShardLayout, get_codec
-    from codec.lowrank import rope_option
     from codec.pack import write_pack
-    from dit.editing import profile_importance, template_run
+    from dit.adapters.engine import load_engine
+    from dit.editing import Template
     from dit.templates import load_catalog, template_assets, with_resolution
-    from dit.text import TextEncoder
-    from dit.weights import DEFAULT_WEIGHTS, load_model
+    from dit.weights import DEFAULT_WEIGHTS
 
     specs = load_catalog(cfg.catalog)
     if cfg.templates:
@@ -80,14 +77,18 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         specs = {k: specs[k] for k in cfg.templates}
     if cfg.resolution:
         specs = {s.id: s for s in (with_resolution(v, cfg.resolution) for v in specs.values())}
+    if cfg.model is not None and cfg.weights:
+        from cloud.errors import PublishError
+
+        raise PublishError("--weights is the default model's; a --model checkpoint is given "
+                           "by --model-path")
     weights = Path(cfg.weights) if cfg.weights else DEFAULT_WEIGHTS
-    model = load_model(weights)
-    encoder = TextEncoder()
+    engine = load_engine(cfg.model, cfg.model_path, weights=weights)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "catalog.json").exists():
         update_catalog(out, {})
-    weights_sha = sha256_file(weights)[0]
+    model_files = [weights] if cfg.model is None else []
     report = BuildReport()
     for tid, spec in tqdm(specs.items(), desc="build", unit="template"):
         content = template_content_hash(
@@ -97,34 +98,41 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                 "codecs": list(cfg.codecs),
                 "codec_options": cfg.codec_options,
                 "blocks_per_shard": cfg.blocks_per_shard,
+                **({} if cfg.model is None else {"model": cfg.model,
+                                                 "weights": engine.weights_id}),
             },
-            [spec.image_path, spec.mask_path, weights],
+            [spec.image_path, spec.mask_path, *model_files],
             salt=BUILDER_VERSION,
         )
         if not cfg.force and is_up_to_date(out, tid, content, codecs=cfg.codecs):
             report.skipped.append(tid)
             continue
         t0 = time.perf_counter()
-        template = spec.to_template(encoder)
-        run = template_run(model, template)
-        profile_importance(model, template, run, spec.requests(encoder, "profiling"))
+        prep = engine.prepare(spec.load_image(), spec.load_mask(), spec.prompt, spec.seed,
+                              spec.steps, spec.guidance)
+        run = engine.template_run(prep)
+        base = 600  # the profiling requests' seeds (dit.templates.TemplateSpec.requests)
+        engine.profile_importance(prep, run, [engine.request(p, base + i) for i, p in
+                                              enumerate(spec.profiling_prompts)])
         bps = min(cfg.blocks_per_shard, run.cache.blocks)
         layout = ShardLayout(run.cache.steps, run.cache.blocks, bps)
-        cost = [shard_compute_cost(model, layout.blocks_of(i)[1]) for i in range(layout.num_shards)]
-        model_info = {
-            "name": "sakura-mmdit",
-            "weights_sha256": weights_sha,
-            "config": model.cfg.to_dict(),
-        }
+        block_cost = engine.block_costs()
+        cost = [float(sum(block_cost[b] for b in layout.blocks_of(i)[1]))
+                for i in range(layout.num_shards)]
+        model_info = engine.model_info()
+        # the device's template: pixels, mask, seed, steps and guidance (prompt: public)
+        pixels = Template(image=spec.load_image(), mask=spec.load_mask(),
+                          txt=torch.zeros(1, 0, 1), seed=spec.seed,
+                          steps=run.cache.steps, guidance=float(prep.template.guidance),
+                          prompt=spec.prompt)
         with (
             tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp,
             CatalogTransaction(out) as txn,
         ):
-            rope = rope_option(run.geometry.pos[run.geometry.unmasked], model.cfg.rope_axes,
-                               model.cfg.rope_theta, model.cfg.num_heads)
+            rope = engine.rope_option(prep)
             for name in cfg.codecs:
                 options = dict(cfg.codec_options.get(name, {}))
-                if name in LOWRANK_CODECS:
+                if name in LOWRANK_CODECS and rope is not None:
                     # keys are factorised in the pre-RoPE frame (codec/README.md)
                     options.setdefault("rope", rope)
                 codec = get_codec(name, **options)
@@ -144,10 +152,10 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                 workload=spec.workload,
                 resolution=spec.resolution,
                 mask_ratio=spec.meta.get("mask_ratio"),
-                token_mask_ratio=float(len(run.geometry.masked)) / (len(run.geometry.pos)),
+                token_mask_ratio=prep.token_mask_ratio,
                 content_hash=content,
                 fp16_bytes=run.cache.fp16_bytes(),
-                template=template_assets(spec, template),
+                template=template_assets(spec, pixels),
             )
         report.built.append(tid)
         report.seconds[tid] = time.perf_counter() - t0

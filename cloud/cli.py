@@ -29,6 +29,9 @@ def register(commands: Any, bench: Any) -> None:
     build.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated")
     build.add_argument("--templates", default="", help="comma-separated ids (default: all)")
     build.add_argument("--weights", help="model weights (default: the shipped model)")
+    build.add_argument("--model", help="a diffusers model instead of the shipped one, e.g. "
+                       "flux2-klein-4b, sd3.5-medium, qwenimage, qwenimage-2.1 (with --model-path)")
+    build.add_argument("--model-path", help="the --model's local checkpoint (pipeline folder)")
     build.add_argument("--blocks-per-shard", type=int, default=4)
     build.add_argument("--resolution", type=int, help="build at this resolution (ids get -RES)")
     build.add_argument("--force", action="store_true", help="rebuild unchanged templates too")
@@ -78,6 +81,8 @@ def _build(args: argparse.Namespace) -> int:
         codecs=tuple(c for c in args.codecs.split(",") if c),
         templates=tuple(t for t in args.templates.split(",") if t),
         weights=args.weights,
+        model=args.model,
+        model_path=args.model_path,
         blocks_per_shard=args.blocks_per_shard,
         resolution=args.resolution,
         force=args.force,

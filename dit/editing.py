@@ -33,6 +33,9 @@ class Template:
     seed: int
     steps: int = 20
     guidance: float = 3.0
+    # the template prompt's text: public provider data, needed on the device only by
+    # models whose cached edit depends on it (QwenImage 2.1's RoPE frame)
+    prompt: str = ""
 
     @property
     def size(self) -> int:

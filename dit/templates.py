@@ -74,7 +74,14 @@ class TemplateSpec:
     def to_template(self, encoder) -> Template:
         return Template(image=self.load_image(), mask=self.load_mask(),
                         txt=encoder.encode([self.prompt]), seed=self.seed, steps=self.steps,
-                        guidance=self.guidance)
+                        guidance=self.guidance, prompt=self.prompt)
+
+    def to_device_template(self) -> Template:
+        """What the device knows of the template (as ``device_template`` of its published
+        entry): pixels, mask, seed, steps, guidance and prompt text, no embeddings."""
+        return Template(image=self.load_image(), mask=self.load_mask(),
+                        txt=torch.zeros(1, 0, 384), seed=self.seed, steps=self.steps,
+                        guidance=self.guidance, prompt=self.prompt)
 
     def requests(self, encoder, which: str = "evaluation", seed0: int = 100) -> list[EditRequest]:
         prompts = self.evaluation_prompts if which == "evaluation" else self.profiling_prompts
@@ -182,4 +189,5 @@ def device_template(entry: dict) -> Template:
     image, mask = decode_assets(entry)
     t = entry["template"]
     return Template(image=image, mask=mask, txt=torch.zeros(1, 0, 384), seed=int(t.get("seed", 0)),
-                    steps=int(t["steps"]), guidance=float(t["guidance"]))
+                    steps=int(t["steps"]), guidance=float(t["guidance"]),
+                    prompt=str(t.get("prompt", "")))

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from codec.pack import Manifest, decode_config
-from dit.editing import EditRequest, Geometry, Template, cached_edit
+from dit.editing import EditRequest, Template
 from edge.allocator import ABLATION_PACK, ABLATIONS, POLICIES
 from edge.client import PackClient
 from edge.errors import EdgeError
@@ -196,15 +196,28 @@ def exact_and_floor(runtime: EdgeRuntime, server: str, template_id: str, templat
     shards = [decode_config(manifest, i, int(manifest_d["shards"][i]["configs"][0]["id"]), b,
                             codec) for i, b in enumerate(bodies)]
     provider = _Resident(manifest, shards)
-    geo = Geometry.of(runtime.model, template)
+    prep = runtime.prepared(template_id, template)
     best = float("inf")
     image = None
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
-        image = cached_edit(runtime.model, template, geo, provider, req)
+        image = runtime.engine.edit(prep, provider, req)
         best = min(best, time.perf_counter() - t0)
     assert image is not None
     return image, best, manifest_d
+
+
+def regime_factor(fp16_bytes: int, masked_exec_s: float, median_bps: float,
+                  regime_x: float = 10.0) -> float:
+    """The one trace scale factor of regime-matched replay: the FP16 cache at the scaled
+    median rate takes ``regime_x`` times the masked execution time."""
+    return fp16_bytes * 8.0 / (regime_x * masked_exec_s) / median_bps
+
+
+# shared with `sakura replay` (edge/replay)
+ResidentCache = _Resident
+catalog_codecs = _catalog_codecs
+prefetch_manifests = _prefetch_manifests
 
 
 # ----------------------------------------------------------------------------- bench
@@ -292,8 +305,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
 
     t_begin = time.monotonic() if t_begin is None else t_begin
     log = spec.log
-    geo = Geometry.of(runtime.model, template)
-    runtime.profile(tid, template, geo, req)  # calibration (and warm-up)
+    runtime.profile(tid, runtime.prepared(tid, template), req)  # calibration (and warm-up)
     exact, floor_s, fp16_manifest = exact_and_floor(runtime, server, tid, template, req,
                                                     repeats=3)
     fp16_bytes = int(fp16_manifest["fp16_bytes"])
@@ -302,7 +314,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
     median_bps = float(raw.stats()["median_mbps"]) * 1e6
     if not median_bps > 0:
         raise EdgeError(f"trace {trace_path} has a median rate of 0: cannot match the regime")
-    factor = fp16_bytes * 8.0 / (spec.regime_x * floor_s) / median_bps
+    factor = regime_factor(fp16_bytes, floor_s, median_bps, spec.regime_x)
     trace = raw.scaled(factor)
     scaled_median = median_bps * factor
     runs = spec.runs or (1 if spec.quick else 3)

@@ -47,6 +47,10 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="edited image (PNG)")
     p.add_argument("--token", help="bearer token for the server")
     p.add_argument("--weights", help="model weights (default: the shipped model)")
+    p.add_argument("--model", help="run a diffusers model instead of the shipped one, e.g. "
+                   "flux2-klein-4b, sd3.5-medium, qwenimage, qwenimage-2.1 (with --model-path; "
+                   "the server's packs must have been built with the same checkpoint)")
+    p.add_argument("--model-path", help="the --model's local checkpoint (pipeline folder)")
     p.add_argument("--catalog",
                    help="take the template from this local catalog instead of the server's "
                         "catalog entry")
@@ -121,8 +125,9 @@ def save_image(img: Any, path: Path) -> None:
 
 
 def _edit(args: argparse.Namespace) -> int:
+    from dit.adapters.engine import load_engine
     from dit.templates import load_catalog
-    from dit.weights import DEFAULT_WEIGHTS, load_model
+    from dit.weights import DEFAULT_WEIGHTS
     from edge.netem import shaped, trace_from_args
     from edge.runtime import EdgeRuntime, EditOptions
     from edge.timeline import plot_timeline, write_json
@@ -132,16 +137,18 @@ def _edit(args: argparse.Namespace) -> int:
     if out.suffix.lower() != ".png":
         raise EdgeError(f"--out must be a .png file, got {out}")
     trace = trace_from_args(args.trace, args.rate, args.scale)
+    if args.model and args.weights:
+        raise EdgeError("--weights is the shipped model's; a --model checkpoint is given by "
+                        "--model-path")
     weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
-    model = load_model(weights)
-    runtime = EdgeRuntime(model, state_dir=None if args.no_state else args.state_dir,
-                          weights_sha256=_sha256(weights))
+    engine = load_engine(args.model, args.model_path, weights=weights)
+    runtime = EdgeRuntime(engine, state_dir=None if args.no_state else args.state_dir)
     if args.catalog:
         catalog = load_catalog(args.catalog)
         if args.template not in catalog:
             raise EdgeError(f"template {args.template!r} is not in {args.catalog} "
                             f"(known: {', '.join(catalog)})")
-        template = catalog[args.template].to_template(runtime.encoder)
+        template = catalog[args.template].to_device_template()
     else:
         shipped = _shipped_seed(args.template)
         template = runtime.fetch_template(args.server, args.template, args.token)
@@ -187,16 +194,6 @@ def _set_threads(n: int) -> None:
         raise EdgeError(f"--threads must be >= 1, got {n}")
     torch.set_num_threads(n)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-
-
-def _sha256(path: Path) -> str | None:
-    import hashlib
-
-    try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError:
-        return None
 
 
 def _shipped_seed(template_id: str) -> int | None:

@@ -39,7 +39,8 @@ import torch
 
 from codec.pack import Manifest, decode_config
 from codec.shards import ShardLayout
-from dit.editing import EditRequest, Geometry, Template, cached_edit, full_edit
+from dit.adapters.engine import DefaultEngine, EditEngine, Prepared
+from dit.editing import EditRequest, Template
 from dit.model import MMDiT
 from edge.allocator import PolicyContext, get_policy, options_from_manifest
 from edge.client import CachedManifest, PackClient, RequestRecord, RetryPolicy
@@ -87,25 +88,20 @@ class _TimingProvider:
         return self.k, self.k
 
 
-def calibrate(model: MMDiT, template: Template, geo: Geometry, req: EditRequest
-              ) -> ExecProfile:
+def calibrate(engine: EditEngine, prep: Prepared, req: Any) -> ExecProfile:
     """Time every block of the masked computation (second step, zero cache)."""
-    blocks = model.cfg.num_blocks
-    probe = EditRequest(torch.zeros_like(req.txt),
-                        None if req.txt_uncond is None else torch.zeros_like(req.txt_uncond),
-                        seed=0, ref_images=None if req.ref_images is None
-                        else torch.zeros_like(req.ref_images))
-    steps = template.steps
+    geo = engine.cache_geometry(prep)
+    blocks, steps = geo["blocks"], geo["steps"]
     measure = 1 if steps >= 2 else 0
     stop = measure + 1
-    prov = _TimingProvider(len(geo.unmasked), model.cfg.hidden_size, stop)
+    prov = _TimingProvider(geo["tokens"], geo["channels"], stop)
     end: dict[str, float] = {}
 
     def on_step(s: int) -> None:
         end[str(s)] = time.perf_counter()
 
     try:
-        cached_edit(model, template, geo, prov, probe, on_step=on_step)
+        engine.edit(prep, prov, _probe(req), on_step=on_step)
     except _StopCalibration:
         pass
     t = prov.times
@@ -115,6 +111,16 @@ def calibrate(model: MMDiT, template: Template, geo: Geometry, req: EditRequest
                                                                    end.get(str(measure)))
         out.append(max(0.0, (nxt or t[(measure, b)]) - t[(measure, b)]))
     return ExecProfile(out)
+
+
+def _probe(req: Any) -> Any:
+    """A request of the same shape with zero content (the default model's); others as is."""
+    if not isinstance(req, EditRequest):
+        return req
+    return EditRequest(torch.zeros_like(req.txt),
+                       None if req.txt_uncond is None else torch.zeros_like(req.txt_uncond),
+                       seed=0, ref_images=None if req.ref_images is None
+                       else torch.zeros_like(req.ref_images))
 
 
 @dataclass
@@ -191,12 +197,19 @@ class EditOptions:
 
 
 class EdgeRuntime:
-    """The device: a model, a text encoder, and calibrated execution times."""
+    """The device: a model (the shipped MMDiT or any ``dit.adapters`` engine), a text
+    encoder, and calibrated execution times."""
 
-    def __init__(self, model: MMDiT, encoder: Any = None,
+    def __init__(self, model: MMDiT | EditEngine, encoder: Any = None,
                  state_dir: str | Path | None = None,
                  weights_sha256: str | None = None) -> None:
-        self.model = model
+        if isinstance(model, EditEngine):
+            self.engine = model
+            self.model = getattr(model, "model", None)
+            weights_sha256 = weights_sha256 or model.weights_id
+        else:
+            self.model = model
+            self.engine = DefaultEngine(model, encoder, weights_sha256)
         self.weights_sha256 = weights_sha256
         self._encoder = encoder
         self.state_dir = Path(state_dir) if state_dir else None
@@ -204,7 +217,12 @@ class EdgeRuntime:
         self.manifests: dict[tuple[str, str], CachedManifest] = {}
         self.last_rate_bps: float | None = None
         self._saved: dict[str, str] = {}  # manifest file -> etag already on disk
+        self._prepared: dict[str, tuple[Template, Prepared]] = {}
         self._load_state()
+
+    @property
+    def default_model(self) -> bool:
+        return isinstance(self.engine, DefaultEngine)
 
     # ------------------------------------------------------------------ device state
     def _load_state(self) -> None:
@@ -246,15 +264,18 @@ class EdgeRuntime:
 
     @property
     def encoder(self) -> Any:
-        if self._encoder is None:
-            from dit.text import TextEncoder
-
-            self._encoder = TextEncoder(self.model.cfg.text_tokens)
-        return self._encoder
+        if not self.default_model:
+            raise EdgeError(f"{self.engine.name} encodes prompts with its own text encoders "
+                            "(use EdgeRuntime.request)")
+        return self.engine.encoder
 
     def request(self, prompt: str, seed: int, reference: torch.Tensor | None = None,
-                guidance: bool = True) -> EditRequest:
+                guidance: bool = True) -> Any:
         """The private request: prompt embeddings (and the empty prompt's), seed, refs."""
+        if not self.default_model:
+            refs = None if reference is None else (reference[None] if reference.dim() == 3
+                                                   else reference)
+            return self.engine.request(prompt, int(seed), references=refs)
         txt = self.encoder.encode([prompt])
         unc = self.encoder.encode([""]) if guidance else None
         refs = None if reference is None else (reference[None] if reference.dim() == 3
@@ -276,13 +297,26 @@ class EdgeRuntime:
         return template_from_entry(template_id, entry)
 
     # ------------------------------------------------------------------ calibration
-    def profile(self, key: str, template: Template, geo: Geometry, req: EditRequest
-                ) -> ExecProfile:
-        refs = 0 if req.ref_images is None else int(req.ref_images.shape[0])
-        arch = hashlib.sha256(json.dumps(self.model.cfg.to_dict(), sort_keys=True).encode())
-        full_key = f"{key}|model={arch.hexdigest()[:12]}|steps={template.steps}|cfg={req.txt_uncond is not None}|refs={refs}"
+    def prepared(self, template_id: str, template: Template) -> Prepared:
+        """The engine's view of ``template`` (latents and token masks of diffusers models are
+        computed once per template object)."""
+        hit = self._prepared.get(template_id)
+        if hit is not None and hit[0] is template:
+            return hit[1]
+        prep = self.engine.device_prepare(template)
+        self._prepared[template_id] = (template, prep)
+        return prep
+
+    def profile(self, key: str, prep: Prepared, req: Any) -> ExecProfile:
+        refs = _reference_count(req)
+        info = {k: v for k, v in self.engine.model_info().items()
+                if k not in ("weights_sha256", "weights_fingerprint")}
+        arch = hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode())
+        uncond = getattr(req, "txt_uncond", getattr(req, "uncond", None)) is not None
+        steps = self.engine.cache_geometry(prep)["steps"]
+        full_key = f"{key}|model={arch.hexdigest()[:12]}|steps={steps}|cfg={uncond}|refs={refs}"
         if full_key not in self.profiles:
-            self.profiles[full_key] = calibrate(self.model, template, geo, req)
+            self.profiles[full_key] = calibrate(self.engine, prep, req)
         return self.profiles[full_key]
 
     # ------------------------------------------------------------------ edits
@@ -293,25 +327,25 @@ class EdgeRuntime:
         """Run one edit of ``template`` (served as ``template_id`` at ``server``)."""
         pol = get_policy(policy)
         opts = options or EditOptions()
-        geo = Geometry.of(self.model, template)
+        prep = self.prepared(template_id, template)
         if pol.codec is None:
             if template.seed < 0:
                 raise EdgeError("the local policy recomputes the template trajectory and "
                                 "needs the template's seed, which its catalog entry lacks")
             t0 = time.monotonic()
-            image = full_edit(self.model, template, req)
+            image = self.engine.local_edit(prep, req)
             dt = time.monotonic() - t0
             return EditResult(image=image, policy=policy, codec=None, latency_s=dt, exec_s=dt)
-        profile = self.profile(template_id, template, geo, req)
+        profile = self.profile(template_id, prep, req)
         net = NetLoop()
         try:
-            return self._streamed(net, server, template_id, template, geo, req, pol.name,
+            return self._streamed(net, server, template_id, prep, req, pol.name,
                                   opts.pack or pol.codec, profile, token, request_log, opts)
         finally:
             net.close()
 
-    def _streamed(self, net: NetLoop, server: str, template_id: str, template: Template,
-                  geo: Geometry, req: EditRequest, policy: str, codec: str,
+    def _streamed(self, net: NetLoop, server: str, template_id: str, prep: Prepared,
+                  req: Any, policy: str, codec: str,
                   profile: ExecProfile, token: str | None,
                   request_log: list[RequestRecord] | None, opts: EditOptions) -> EditResult:
         origin = time.monotonic()
@@ -322,7 +356,7 @@ class EdgeRuntime:
         try:
             got = net.run(client.manifest_fetch(template_id, codec))
             manifest_dict, raw_len = got.data, got.size
-            manifest = self._check_manifest(manifest_dict, template, geo)
+            manifest = self._check_manifest(manifest_dict, prep)
             warning = self.model_warning(manifest_dict)
             layout = manifest.layout()
             exec_s = profile.shard_times(layout)
@@ -363,7 +397,7 @@ class EdgeRuntime:
                             config_bytes=config_bytes, max_inflight=opts.max_inflight)
             pipe.start(net)
             try:
-                image = cached_edit(self.model, template, geo, pipe.provider, req)
+                image = self.engine.edit(prep, pipe.provider, req)
             except BaseException:
                 pipe.close()
                 raise
@@ -383,15 +417,13 @@ class EdgeRuntime:
             predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),
             warnings=[warning] if warning else [])
 
-    def _check_manifest(self, d: dict[str, Any], template: Template, geo: Geometry) -> Manifest:
+    def _check_manifest(self, d: dict[str, Any], prep: Prepared) -> Manifest:
         try:
             manifest = Manifest.from_dict(d)
         except SakuraError as exc:
             raise EdgeError(f"the server's manifest is not usable: {exc}") from exc
         g = manifest.geometry
-        cfg = self.model.cfg
-        want = {"steps": template.steps, "blocks": cfg.num_blocks, "tokens": len(geo.unmasked),
-                "channels": cfg.hidden_size, "heads": cfg.num_heads}
+        want = self.engine.cache_geometry(prep)
         bad = {k: (g.get(k), v) for k, v in want.items() if int(g.get(k, -1)) != v}
         if bad:
             detail = ", ".join(f"{k} {a} (pack) vs {b} (device)" for k, (a, b) in bad.items())
@@ -401,7 +433,8 @@ class EdgeRuntime:
 
     def model_warning(self, manifest: dict[str, Any]) -> str | None:
         """A warning when the pack was built with other weights than the device's."""
-        built = (manifest.get("model") or {}).get("weights_sha256")
+        info = manifest.get("model") or {}
+        built = info.get("weights_sha256") or info.get("weights_fingerprint")
         if built and self.weights_sha256 and built != self.weights_sha256:
             return (f"the {manifest.get('codec')} pack was built with weights "
                     f"{built[:12]}, this device runs {self.weights_sha256[:12]}: the cache "
@@ -409,13 +442,22 @@ class EdgeRuntime:
         return None
 
 
+def _reference_count(req: Any) -> int:
+    refs = getattr(req, "ref_images", None)
+    if refs is None:
+        refs = getattr(req, "references", None) or None
+    return 0 if refs is None else len(refs)
+
+
 def run_edit(server: str, template_id: str, prompt: str, policy: str = "sakura",
              seed: int = 0, reference: torch.Tensor | None = None, *,
              trace: Any = None, start_s: float = 0.0, rate_mbps: float | None = None,
-             weights: str | Path | None = None, token: str | None = None,
+             weights: str | Path | None = None, model: str | None = None,
+             model_path: str | Path | None = None, token: str | None = None,
              runtime: EdgeRuntime | None = None, options: EditOptions | None = None,
              compare_exact: bool = False) -> EditResult:
-    """One edit with everything resolved: the model (shipped weights unless given), the
+    """One edit with everything resolved: the model (shipped weights unless given, or the
+    diffusers ``model`` at ``model_path``), the
     template from the server's catalog entry, and optionally an emulated link (a
     ``traces.Trace`` from ``start_s``, or a constant ``rate_mbps``) in front of the
     server. ``reference``: a private reference image ``[3, h, w]`` in [-1, 1].
@@ -423,12 +465,9 @@ def run_edit(server: str, template_id: str, prompt: str, policy: str = "sakura",
     from edge.netem import shaped
 
     if runtime is None:
-        from dit.weights import DEFAULT_WEIGHTS, load_model
+        from dit.adapters.engine import load_engine
 
-        path = Path(weights) if weights else DEFAULT_WEIGHTS
-        with open(path, "rb") as f:
-            sha = hashlib.file_digest(f, "sha256").hexdigest()
-        runtime = EdgeRuntime(load_model(path), weights_sha256=sha)
+        runtime = EdgeRuntime(load_engine(model, model_path, weights=weights))
     template = runtime.fetch_template(server, template_id, token)
     req = runtime.request(prompt, seed, reference)
     if rate_mbps is not None:

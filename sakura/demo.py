@@ -68,7 +68,6 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from cloud.build import BuildConfig, build
-    from dit.editing import Geometry
     from dit.templates import device_template, load_catalog
     from dit.weights import DEFAULT_WEIGHTS, load_model
     from edge.bench import ServerProcess, catalog_usable, exact_and_floor, file_sha256
@@ -111,8 +110,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         template = device_template(asyncio.run(entry()))
         req = runtime.request(prompt, seed=args.seed)
-        geo = Geometry.of(model, template)
-        runtime.profile(args.template, template, geo, req)
+        runtime.profile(args.template, runtime.prepared(args.template, template), req)
         exact, floor_s, fp16_manifest = exact_and_floor(runtime, server.url, args.template,
                                                         template, req, repeats=2)
         fp16_bytes = int(fp16_manifest["fp16_bytes"])

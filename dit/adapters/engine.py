@@ -59,6 +59,18 @@ class EditEngine(ABC):
     def prepare(self, image: torch.Tensor, mask: torch.Tensor, prompt: str, seed: int,
                 steps: int | None = None, guidance: float | None = None) -> Prepared: ...
 
+    def device_prepare(self, template: Any) -> Prepared:
+        """The device's view of a published template (a ``dit.editing.Template`` built from
+        the catalog entry's pixels, mask, seed, steps, guidance and prompt)."""
+        return self.prepare(template.image, template.mask, template.prompt, template.seed,
+                            template.steps, template.guidance)
+
+    @property
+    def weights_id(self) -> str | None:
+        """What identifies the weights (a manifest's ``model.weights_sha256`` or
+        ``model.weights_fingerprint``): a pack built with other weights does not fit."""
+        return None
+
     @abstractmethod
     def request(self, prompt: str, seed: int, negative: str = "",
                 references: torch.Tensor | None = None) -> Any: ...
@@ -98,8 +110,27 @@ class DefaultEngine(EditEngine):
 
     name = "sakura-mmdit"
 
-    def __init__(self, model, encoder):
-        self.model, self.encoder = model, encoder
+    def __init__(self, model, encoder=None, weights_sha256: str | None = None):
+        self.model, self._encoder = model, encoder
+        self.weights_sha256 = weights_sha256
+
+    @property
+    def encoder(self):
+        if self._encoder is None:  # MiniLM loads in seconds: only when a prompt is encoded
+            from dit.text import TextEncoder
+
+            self._encoder = TextEncoder(self.model.cfg.text_tokens)
+        return self._encoder
+
+    @property
+    def weights_id(self):
+        return self.weights_sha256
+
+    def device_prepare(self, template) -> Prepared:
+        # the device's template has no prompt embeddings: the cached edit never needs them
+        from dit.editing import Geometry
+
+        return Prepared(template, Geometry.of(self.model, template), template.prompt)
 
     def prepare(self, image, mask, prompt, seed, steps=None, guidance=None) -> Prepared:
         from dit.editing import Geometry, Template
@@ -138,7 +169,10 @@ class DefaultEngine(EditEngine):
         return full_edit(self.model, prep.template, req)
 
     def model_info(self):
-        return {"name": self.name, "config": self.model.cfg.to_dict()}
+        info = {"name": self.name, "config": self.model.cfg.to_dict()}
+        if self.weights_sha256:
+            info["weights_sha256"] = self.weights_sha256
+        return info
 
     def block_costs(self):
         return [2.0 if b < self.model.cfg.double_blocks else 1.0
@@ -162,11 +196,16 @@ class DiffusersEngine(EditEngine):
 
     def __init__(self, adapter: ModelAdapter, latents: ImageLatents,
                  encode: Callable[[str], Any], default_steps: int = 28,
-                 default_guidance: float = 1.0):
+                 default_guidance: float = 1.0, fingerprint: str | None = None):
         self.adapter, self.latents = adapter, latents
         self.encode = lru_cache(maxsize=256)(encode)
         self.name = adapter.name
         self.default_steps, self.default_guidance = default_steps, default_guidance
+        self.fingerprint = fingerprint
+
+    @property
+    def weights_id(self):
+        return self.fingerprint
 
     def prepare(self, image, mask, prompt, seed, steps=None, guidance=None) -> Prepared:
         lat = self.latents.encode(image)
@@ -202,7 +241,10 @@ class DiffusersEngine(EditEngine):
         return self._image(prep, self.adapter.full_edit(prep.template, req))
 
     def model_info(self):
-        return self.adapter.model_info()
+        info = self.adapter.model_info()
+        if self.fingerprint:
+            info["weights_fingerprint"] = self.fingerprint
+        return info
 
     def block_costs(self):
         return self.adapter.block_costs()
@@ -227,10 +269,16 @@ def load_engine(model: str | None = None, model_path: str | Path | None = None, 
     """``model=None``: the shipped SAKURA model (``weights`` or the default); else the diffusers
     checkpoint folder ``model_path`` (transformer, VAE and text encoders) as ``model``."""
     if model is None:
-        from dit.text import TextEncoder
-        from dit.weights import load_model
+        if model_path is not None:
+            from dit.adapters.errors import ModelPathError
 
-        return DefaultEngine(load_model(weights), TextEncoder())
+            raise ModelPathError("--model-path needs --model (the checkpoint's model name)")
+        from dit.text import TextEncoder
+        from dit.weights import DEFAULT_WEIGHTS, load_model
+
+        path = Path(weights) if weights else DEFAULT_WEIGHTS
+        net = load_model(path)
+        return DefaultEngine(net, TextEncoder(net.cfg.text_tokens), _sha256(path))
     from functools import partial
 
     from dit.adapters.errors import ModelPathError
@@ -249,7 +297,50 @@ def load_engine(model: str | None = None, model_path: str | Path | None = None, 
     pipe = load_pipeline(adapter, model_path, dtype=dtype)
     spec = MODELS[model]
     return DiffusersEngine(adapter, latents, partial(encode_prompt, pipe, family_of(adapter)),
-                           spec.default_steps, spec.default_guidance)
+                           spec.default_steps, spec.default_guidance,
+                           checkpoint_fingerprint(model_path))
 
 
-__all__ = ["DefaultEngine", "DiffusersEngine", "EditEngine", "Prepared", "load_engine"]
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """A cheap identity of a diffusers checkpoint folder: sha256 over every config file and,
+    for each weight file, its name, size, safetensors header (tensor names, shapes, dtypes,
+    offsets) and first and last MiB. Hashing all of a multi-GB checkpoint at every
+    ``sakura edit`` would take tens of seconds; this catches another checkpoint, another
+    variant or a re-saved file, not a deliberate in-place edit of weights in the middle."""
+    import hashlib
+
+    root = Path(path).expanduser()
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = f.relative_to(root).as_posix()
+        if rel.startswith(".") or "/." in rel:
+            continue
+        size = f.stat().st_size
+        h.update(f"{rel}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            if f.suffix in (".json", ".txt", ".jinja", ".model") or size <= 2 << 20:
+                h.update(fh.read())
+                continue
+            h.update(fh.read(1 << 20))
+            fh.seek(size - (1 << 20))
+            h.update(fh.read(1 << 20))
+        if f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if 0 < n < (100 << 20):
+                    h.update(fh.read(n))
+    return h.hexdigest()
+
+
+__all__ = ["DefaultEngine", "DiffusersEngine", "EditEngine", "Prepared", "checkpoint_fingerprint",
+           "load_engine"]
