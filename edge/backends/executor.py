@@ -18,7 +18,7 @@ from dit.cache import KVProvider
 from dit.editing import EditRequest, Geometry, Template, _cfg_batch, _guided, compose, edit_noise
 from dit.model import MMDiT
 from dit.sampler import schedule
-from edge.backends.base import CompiledShard, ExecutionBackend, weights_sha256
+from edge.backends.base import BackendConfig, CompiledShard, ExecutionBackend, weights_sha256
 from edge.backends.errors import BackendError
 from edge.backends.shard import ShardGeometry
 
@@ -104,3 +104,51 @@ class ShardExecutor:
                 if on_step is not None:
                     on_step(s)
             return compose(model, template, geo, x)
+
+
+class DeviceBackend:
+    """The backend an :class:`edge.runtime.EdgeRuntime` executes with.
+
+    ``torch`` (default) leaves execution to the model's own cached edit (every feature:
+    references, text-KV reuse, diffusers engines). Any other backend runs the shipped
+    MMDiT's edits through compiled shard graphs (:class:`ShardExecutor`), created lazily
+    and kept for the runtime's lifetime.
+    """
+
+    def __init__(self, name: str = "torch", config: BackendConfig | None = None) -> None:
+        from edge.backends import create_backend
+
+        self.name = name
+        self._backend = None if name == "torch" else create_backend(name, config)
+        self._executor: ShardExecutor | None = None
+
+    @property
+    def is_torch(self) -> bool:
+        return self._backend is None
+
+    @property
+    def backend(self) -> ExecutionBackend | None:
+        return self._backend
+
+    def executor(self, model: MMDiT | None) -> ShardExecutor:
+        if self._backend is None:
+            raise BackendError("the torch backend runs the model directly")
+        if not isinstance(model, MMDiT):
+            raise BackendError(f"--backend {self.name} runs the shipped SAKURA MMDiT only "
+                               "(diffusers models run on the torch backend)")
+        if self._executor is None or self._executor.model is not model:
+            self._executor = ShardExecutor(model, self._backend)
+        return self._executor
+
+    def prepare(self, model: MMDiT | None, template: Template, geo: Geometry,
+                req: EditRequest, blocks_per_shard: int) -> None:
+        """Compile or load the shard graphs of this edit (before its transfer starts)."""
+        ex = self.executor(model)
+        ex.prepare(edit_geometry(ex.model, template, geo, req),
+                   step_groups(ex.model.cfg.num_blocks, blocks_per_shard))
+
+    def edit(self, model: MMDiT | None, template: Template, geo: Geometry,
+             provider: KVProvider, req: EditRequest, blocks_per_shard: int) -> torch.Tensor:
+        ex = self.executor(model)
+        return ex.edit(template, geo, provider, req,
+                       step_groups(ex.model.cfg.num_blocks, blocks_per_shard))
