@@ -1,0 +1,74 @@
+"""``sakura replay CONFIG --out DIR`` and ``sakura report DIR [--json PATH]``.
+
+Imports are lazy: registering the commands costs nothing at ``sakura --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(commands: Any, bench: Any) -> None:
+    r = commands.add_parser(
+        "replay", help="every system over real traces and many start points (resumable)",
+        description="Replay real 5G / LTE / mixed / Wi-Fi traces against every policy: real "
+                    "compute, real HTTP over an emulated link, regime-matched (or the phone "
+                    "profile). Results append to DIR/runs.jsonl; a rerun skips finished runs.")
+    r.add_argument("config", nargs="?", metavar="CONFIG",
+                   help="YAML config (default: the shipped edge/replay/configs/default.yaml)")
+    r.add_argument("--out", required=True, metavar="DIR", help="results folder")
+    r.add_argument("--quick", action="store_true",
+                   help="a small run: 1 template per workload, 2 networks, 3 start points")
+    r.add_argument("--starts", type=int, metavar="N", help="start points per network")
+    r.add_argument("--regime", choices=("matched", "profile"),
+                   help="regime-matched replay or the phone device profile")
+    r.add_argument("--link", choices=("paced", "kernel"), help="link emulation")
+    r.add_argument("--packs-dir", metavar="DIR", help="where packs are built and kept")
+    r.add_argument("--weights", help="model weights (default: the shipped model)")
+    r.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the device (default 1)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--report", action="store_true", help="write the report when done")
+    r.set_defaults(func=_replay)
+
+    p = commands.add_parser(
+        "report", help="Markdown report with figures (and headline JSON) of a replay",
+        description="Write DIR/report.md and DIR/figures/*.png from DIR/runs.jsonl; "
+                    "--json PATH also writes the headline ratios and their targets.")
+    p.add_argument("dir", metavar="DIR", help="a `sakura replay` results folder")
+    p.add_argument("--json", metavar="PATH", help="write the headline ratios here")
+    p.add_argument("--out", metavar="DIR", help="write the report here (default: DIR)")
+    p.set_defaults(func=_report)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from edge.cli import _set_threads
+    from edge.replay.config import load_config
+    from edge.replay.runner import run_replay
+
+    _set_threads(args.threads)
+    cfg = load_config(args.config, quick=args.quick, starts=args.starts, regime=args.regime,
+                      link=args.link, packs_dir=args.packs_dir, weights=args.weights)
+    summary = run_replay(cfg, args.out, log=_log, progress=not args.no_progress)
+    print(f"replay: {summary['ran']} runs done, {summary['skipped']} skipped (already in "
+          f"{args.out}/runs.jsonl)")
+    if args.report:
+        from edge.replay.report import write_report
+
+        path = write_report(args.out, json_path=None)
+        print(f"wrote {path}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from edge.replay.report import write_report
+
+    path = write_report(args.dir, json_path=args.json, out_dir=args.out)
+    print(f"wrote {path}" + (f" and {args.json}" if args.json else ""))
+    return 0

@@ -1,0 +1,292 @@
+"""The replay configuration: a dataclass loaded from YAML over documented defaults.
+
+The defaults live in ``configs/default.yaml`` (shipped with the package); a user's file
+only names what it changes (nested ``ablation`` and ``profile`` keys merge one level
+deep). Unknown keys, wrong types, unknown workloads, templates, networks or policies are a
+:class:`ReplayConfigError` naming the key, never a traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from sakura.errors import SakuraError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+REGIMES = ("matched", "profile")
+LINKS = ("paced", "kernel")
+
+
+class ReplayConfigError(SakuraError):
+    """A replay configuration file or value is not usable."""
+
+
+@dataclass(frozen=True)
+class Ablation:
+    networks: tuple[str, ...] = ("5g",)
+    q: tuple[float, ...] = (0.25, 1.0)
+    resolutions: tuple[int, ...] = (32,)
+    resolution_templates: tuple[str, ...] = ("face-technologist",)
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """The phone the ``profile`` regime stands for (see ``edge/replay/profile.py``)."""
+
+    name: str = "flux2-klein-4b-sd8-elite-gen5"
+    local_s: float = 13.0
+    masked_s: float = 2.3
+    masked_ratio: float = 0.10
+    fp16_gib: float = 1.46
+    request_latency_s: float = 0.02
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    workloads: dict[str, tuple[str, ...]]
+    networks: tuple[str, ...]
+    policies: tuple[str, ...]
+    starts: int = 100
+    seed: int = 0
+    span_s: float = 60.0
+    prompt: int = 0
+    edit_seed: int = 100
+    regime: str = "matched"
+    regime_x: float = 10.0
+    regime_network: str = "5g"
+    link: str = "paced"
+    headline_networks: tuple[str, ...] = ("5g",)
+    ablation: Ablation = field(default_factory=Ablation)
+    packs_dir: str | None = None
+    weights: str | None = None
+    trace_dir: str | None = None
+    build_workers: int = 1
+    timelines: str = "all"
+    profile: ProfileSpec = field(default_factory=ProfileSpec)
+    quick: bool = False
+    source: str = str(DEFAULT_CONFIG)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def templates(self) -> list[str]:
+        """The main templates, workload by workload."""
+        return [t for ts in self.workloads.values() for t in ts]
+
+    def quick_version(self) -> ReplayConfig:
+        """``--quick``: one template per workload, the first two networks, 3 start points,
+        one q value, the resolution ablation on one template."""
+        return replace(
+            self, quick=True,
+            workloads={w: ts[:1] for w, ts in self.workloads.items()},
+            networks=self.networks[:2], starts=min(self.starts, 3),
+            ablation=replace(self.ablation, networks=self.ablation.networks[:1],
+                             resolution_templates=self.ablation.resolution_templates[:1]))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["workloads"] = {w: list(ts) for w, ts in self.workloads.items()}
+        return d
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, catalog: dict[str, Any] | None = None) -> ReplayConfig:
+        from edge.allocator import POLICIES
+        from edge.replay.networks import NETWORKS
+
+        def bad(msg: str) -> ReplayConfigError:
+            return ReplayConfigError(f"{self.source}: {msg}")
+
+        from dit.templates import WORKLOADS
+
+        if not self.workloads:
+            raise bad("workloads is empty")
+        for w, ts in self.workloads.items():
+            if w not in WORKLOADS:
+                raise bad(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
+            if not ts:
+                raise bad(f"workload {w!r} has no templates")
+        if catalog is not None:
+            for t in list(self.templates) + list(self.ablation.resolution_templates):
+                if t not in catalog:
+                    raise bad(f"unknown template {t!r}; the catalog has {', '.join(catalog)}")
+            for w, ts in self.workloads.items():
+                for t in ts:
+                    if catalog[t].workload != w:
+                        raise bad(f"template {t!r} is a {catalog[t].workload} template, "
+                                  f"listed under {w!r}")
+        nets = list(self.networks) + list(self.ablation.networks) + [self.regime_network]
+        for n in nets + list(self.headline_networks):
+            if n not in NETWORKS:
+                raise bad(f"unknown network {n!r}; known: {', '.join(NETWORKS)}")
+        if not self.networks:
+            raise bad("networks is empty")
+        for p in self.policies:
+            if p not in POLICIES:
+                raise bad(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+        if not self.policies:
+            raise bad("policies is empty")
+        if self.starts < 1:
+            raise bad(f"starts must be >= 1, got {self.starts}")
+        if self.regime not in REGIMES:
+            raise bad(f"regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
+        if self.link not in LINKS:
+            raise bad(f"link must be one of {', '.join(LINKS)}, got {self.link!r}")
+        if not self.regime_x > 0 or not self.span_s > 0:
+            raise bad("regime_x and span_s must be > 0")
+        if not 0 <= self.prompt < 3:
+            raise bad(f"prompt must be 0, 1 or 2 (an evaluation prompt), got {self.prompt}")
+        for q in self.ablation.q:
+            if not 0.0 <= q <= 4.0:
+                raise bad(f"ablation.q values must be in [0, 4], got {q}")
+        for r in self.ablation.resolutions:
+            if r not in (32, 48, 64):
+                raise bad(f"ablation.resolutions must be 32, 48 or 64 (the model's), got {r}")
+        if self.timelines not in ("all", "first"):
+            raise bad(f"timelines must be 'all' or 'first', got {self.timelines!r}")
+        if self.build_workers < 1:
+            raise bad("build_workers must be >= 1")
+        p = self.profile
+        if min(p.local_s, p.masked_s, p.masked_ratio, p.fp16_gib) <= 0 or p.request_latency_s < 0:
+            raise bad("profile times, masked_ratio and fp16_gib must be > 0")
+        return self
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    if not path.exists():
+        raise ReplayConfigError(f"replay config {path} does not exist")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ReplayConfigError(f"replay config {path} is not valid YAML: {exc}") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ReplayConfigError(f"replay config {path} must be a mapping of keys to values")
+    return doc
+
+
+def _tuple(value: Any, kind: type, key: str, source: str) -> tuple:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list):
+        raise ReplayConfigError(f"{source}: {key} must be a list, got {value!r}")
+    try:
+        return tuple(kind(v) for v in value)
+    except (TypeError, ValueError):
+        raise ReplayConfigError(f"{source}: {key} must be a list of {kind.__name__}, "
+                                f"got {value!r}") from None
+
+
+def _scalar(value: Any, kind: type, key: str, source: str) -> Any:
+    if value is None:
+        return None
+    if kind is str and not isinstance(value, str) or isinstance(value, (list, dict)):
+        raise ReplayConfigError(f"{source}: {key} must be a {kind.__name__}, got {value!r}")
+    if isinstance(value, bool) and kind is not bool:
+        raise ReplayConfigError(f"{source}: {key} must be a {kind.__name__}, got {value!r}")
+    try:
+        out = kind(value)
+    except (TypeError, ValueError):
+        raise ReplayConfigError(f"{source}: {key} must be a {kind.__name__}, "
+                                f"got {value!r}") from None
+    if kind is int and float(value) != out:
+        raise ReplayConfigError(f"{source}: {key} must be an integer, got {value!r}")
+    return out
+
+
+_SCALARS: dict[str, type] = {
+    "starts": int, "seed": int, "span_s": float, "prompt": int, "edit_seed": int,
+    "regime": str, "regime_x": float, "regime_network": str, "link": str,
+    "packs_dir": str, "weights": str, "trace_dir": str, "build_workers": int,
+    "timelines": str,
+}
+
+
+def _nested(cls: type, value: Any, key: str, source: str, base: Any) -> Any:
+    if value is None:
+        return base
+    if not isinstance(value, dict):
+        raise ReplayConfigError(f"{source}: {key} must be a mapping, got {value!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ReplayConfigError(f"{source}: unknown key(s) {key}.{', '.join(unknown)}; "
+                                f"known: {', '.join(known)}")
+    out = {}
+    for k, v in value.items():
+        default = getattr(base, k)
+        if isinstance(default, tuple):
+            kind = type(default[0]) if default else str
+            out[k] = _tuple(v, kind, f"{key}.{k}", source)
+        else:
+            out[k] = _scalar(v, type(default), f"{key}.{k}", source)
+    return replace(base, **out)
+
+
+def _from_dict(doc: dict[str, Any], source: str, base: ReplayConfig | None) -> ReplayConfig:
+    known = {f.name for f in fields(ReplayConfig)} - {"quick", "source"}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise ReplayConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; "
+                                f"known: {', '.join(sorted(known))}")
+    kw: dict[str, Any] = {}
+    if "workloads" in doc:
+        w = doc["workloads"]
+        if not isinstance(w, dict):
+            raise ReplayConfigError(f"{source}: workloads must map a workload to template ids")
+        kw["workloads"] = {str(k): _tuple(v, str, f"workloads.{k}", source)
+                           for k, v in w.items()}
+    for key in ("networks", "policies", "headline_networks"):
+        if key in doc:
+            kw[key] = _tuple(doc[key], str, key, source)
+    for key, kind in _SCALARS.items():
+        if key in doc:
+            kw[key] = _scalar(doc[key], kind, key, source)
+    if base is None:
+        missing = {"workloads", "networks", "policies"} - set(kw)
+        if missing:
+            raise ReplayConfigError(f"{source}: missing {', '.join(sorted(missing))}")
+        cfg = ReplayConfig(**{k: kw[k] for k in ("workloads", "networks", "policies")},
+                           source=source)
+        kw = {k: v for k, v in kw.items() if k not in ("workloads", "networks", "policies")}
+    else:
+        cfg = replace(base, source=source)
+    cfg = replace(cfg, **kw)
+    if "ablation" in doc:
+        cfg = replace(cfg, ablation=_nested(Ablation, doc["ablation"], "ablation", source,
+                                            cfg.ablation))
+    if "profile" in doc:
+        cfg = replace(cfg, profile=_nested(ProfileSpec, doc["profile"], "profile", source,
+                                           cfg.profile))
+    return cfg
+
+
+def default_config() -> ReplayConfig:
+    """The shipped defaults (``configs/default.yaml``)."""
+    return _from_dict(_read_yaml(DEFAULT_CONFIG), str(DEFAULT_CONFIG), None)
+
+
+def load_config(path: str | Path | None = None, *, quick: bool = False,
+                **overrides: Any) -> ReplayConfig:
+    """``path`` over the defaults (None: the defaults), then ``overrides`` (non-None
+    values: e.g. from the command line), then ``--quick``; validated (not against the
+    template catalog, see :meth:`ReplayConfig.validate`)."""
+    cfg = default_config()
+    if path is not None:
+        p = Path(path)
+        if p.is_dir():
+            raise ReplayConfigError(f"replay config {p} is a folder, not a YAML file")
+        cfg = _from_dict(_read_yaml(p), str(p), cfg)
+    extra = {k: v for k, v in overrides.items() if v is not None}
+    if extra:
+        cfg = _from_dict(extra, cfg.source, cfg)
+    if quick:
+        cfg = cfg.quick_version()
+    return cfg.validate()

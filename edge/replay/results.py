@@ -1,0 +1,123 @@
+"""Append-only results of a replay: one JSON line per finished run, keyed for resume.
+
+``<out>/runs.jsonl`` holds one record per timed run (``kind: "run"``) and one per
+template setup (``kind: "template"``: the measured floor ``T``, the regime factor, the
+storage per codec), each written with one ``write`` + flush + fsync after the run
+finished. A run killed half-way therefore loses only itself; a torn last line (killed
+during the write) is ignored on reading and overwritten by the next append. The run key
+names everything that decides a run: regime mode, template, network, trace, start point,
+policy (with its pack variant); a resumed replay skips every key already present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS_FILE = "runs.jsonl"
+META_FILE = "replay.json"
+
+
+@dataclass(frozen=True)
+class RunKey:
+    mode: str          # matched | profile
+    template: str
+    network: str
+    trace: str
+    start_s: float
+    start_index: int
+    policy: str        # a policy name, or sakura-q<q> for the q ablation
+
+    def __str__(self) -> str:
+        return (f"{self.mode}|{self.template}|{self.network}|{self.trace}@{self.start_s:.3f}"
+                f"#{self.start_index}|{self.policy}")
+
+
+def template_key(mode: str, template: str) -> str:
+    return f"{mode}|{template}|template"
+
+
+def finite(x: float | None) -> float | str | None:
+    """JSON-safe number (``inf`` -> ``"inf"``)."""
+    if x is None:
+        return None
+    return "inf" if math.isinf(x) else float(x)
+
+
+def number(x: Any) -> float | None:
+    """Back from :func:`finite`."""
+    if x is None:
+        return None
+    return math.inf if x == "inf" else float(x)
+
+
+class ResultsFile:
+    """The append-only JSONL file of one replay directory."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.dir = Path(out_dir)
+        self.path = self.dir / RESULTS_FILE
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every complete record, in file order (a torn or foreign line is skipped)."""
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    return  # torn tail of a killed write
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "key" in rec:
+                    yield rec
+
+    def done(self) -> set[str]:
+        return {str(r["key"]) for r in self.records()}
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write one record durably; a torn tail left by a killed writer is cut first."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        line = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        with open(self.path, "ab+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    f.seek(0)
+                    data = f.read()
+                    f.truncate(data.rfind(b"\n") + 1)
+            f.seek(0, os.SEEK_END)
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def runs(self) -> list[dict[str, Any]]:
+        return [r for r in self.records() if r.get("kind") == "run"]
+
+    def templates(self) -> dict[str, dict[str, Any]]:
+        return {str(r["key"]): r for r in self.records() if r.get("kind") == "template"}
+
+
+def compact_timeline(timeline: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-shard stage times rounded to 0.1 ms (columns + rows, small in JSONL)."""
+    cols = ["shard", "bytes", "recv_start", "recv_end", "recon_start", "recon_end",
+            "exec_start", "exec_end", "stall_s"]
+    rows = []
+    for r in timeline:
+        rows.append([r.get(c) if c in ("shard", "bytes") or r.get(c) is None
+                     else round(float(r[c]), 4) for c in cols])
+    return {"columns": cols, "rows": rows}
+
+
+def expand_timeline(compact: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not compact:
+        return []
+    cols = compact["columns"]
+    return [dict(zip(cols, row)) for row in compact["rows"]]

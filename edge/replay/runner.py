@@ -1,0 +1,540 @@
+"""``sakura replay``: every policy over real traces and many start points, resumable.
+
+For each template (one setup, then its runs):
+
+1. packs: the provider's builder (``cloud.build``) into ``<packs>/main`` (every codec,
+   the second-resolution variants too) and ``<packs>/q<q>`` (sakura packs at other q);
+   up-to-date templates are skipped, so a rerun builds nothing;
+2. one ``sakura serve`` child process per packs folder, a paced link in front of each;
+3. setup (recorded once; a resumed replay reuses it): the masked execution time ``T``
+   with the whole FP16 cache resident (``edge.bench.exact_and_floor``, which also gives
+   ``exact``), ``full`` (the whole model, no cache), the regime factor, storage per codec;
+4. runs, strictly one at a time (concurrent timed edits on this 2-core host would distort
+   each other's timings): for each network, start point and policy, the link is set to
+   the start point's trace (scaled by the factor) and the real edit runs through it.
+
+Regime ``matched``: one factor per template scales every network's traces so that the
+FP16 cache at the pooled median of ``regime_network`` (Lumos5G) takes ``regime_x`` x T;
+the other networks keep their rates relative to it (LTE stays ~14x slower than 5G).
+Regime ``profile``: see :mod:`edge.replay.profile`.
+
+The device state is a phone's that has used the template: manifests cached (revalidated
+per edit), and a rate prior = the median rate of the 30 s before the start point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from edge.errors import EdgeError
+from edge.replay.config import ReplayConfig, ReplayConfigError
+from edge.replay.networks import (
+    StartPoint,
+    load_start_trace,
+    network_type,
+    past_median_bps,
+    pooled_median_bps,
+    start_points,
+)
+from edge.replay.results import (
+    META_FILE,
+    ResultsFile,
+    RunKey,
+    compact_timeline,
+    finite,
+    template_key,
+)
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    key: RunKey
+    template: str      # served template id (a resolution variant carries -<res>)
+    base: str          # catalog template it comes from
+    variant: str       # packs folder: main | q<q>
+    policy: str        # runtime policy
+    start: StartPoint
+
+
+def q_variant(q: float) -> str:
+    return f"q{q:g}"
+
+
+def plan(cfg: ReplayConfig, root: str | None = None) -> list[PlannedRun]:
+    """Every run of the replay in execution order (template, network, start, policy)."""
+    mode = cfg.regime
+    starts = {n: start_points(n, cfg.starts, cfg.seed, cfg.span_s, root)
+              for n in dict.fromkeys(list(cfg.networks) + list(cfg.ablation.networks))}
+    out: list[PlannedRun] = []
+
+    def add(tid: str, base: str, networks: tuple[str, ...], policies: list[tuple[str, str, str]]
+            ) -> None:
+        for net in networks:
+            for sp in starts[net]:
+                for name, variant, policy in policies:
+                    key = RunKey(mode, tid, net, sp.trace, sp.start_s, sp.index, name)
+                    out.append(PlannedRun(key, tid, base, variant, policy, sp))
+
+    main = [(p, "main", p) for p in cfg.policies]
+    qs = [(f"sakura-q{q:g}", q_variant(q), "sakura") for q in cfg.ablation.q
+          if q not in (0.0, 0.5)] if "sakura" in cfg.policies else []
+    for tid in cfg.templates:
+        add(tid, tid, cfg.networks, main)
+        if qs:
+            add(tid, tid, cfg.ablation.networks, qs)
+    for base in cfg.ablation.resolution_templates:
+        for res in cfg.ablation.resolutions:
+            add(f"{base}-{res}", base, cfg.ablation.networks, main)
+    return out
+
+
+# ---------------------------------------------------------------------------- packs
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    out_dir: str
+    templates: tuple[str, ...]
+    weights: str
+    resolution: int | None = None
+    codecs: tuple[str, ...] | None = None
+    q: float | None = None
+
+
+def _run_build(job: BuildJob) -> str:
+    import torch
+
+    from cloud.build import BuildConfig, build
+
+    torch.set_num_threads(1)
+    kw: dict[str, Any] = {}
+    if job.codecs is not None:
+        kw["codecs"] = job.codecs
+    if job.q is not None:
+        kw["codec_options"] = {"sakura": {"q": job.q}}
+    build(BuildConfig(out_dir=job.out_dir, templates=job.templates, weights=job.weights,
+                      resolution=job.resolution, **kw), log=lambda m: None)
+    return job.out_dir
+
+
+def build_jobs(cfg: ReplayConfig, packs: Path, weights: Path, runs: list[PlannedRun]
+               ) -> list[BuildJob]:
+    need: dict[tuple[str, int | None], set[str]] = {}
+    for r in runs:
+        res = None if r.template == r.base else int(r.template.rsplit("-", 1)[1])
+        need.setdefault((r.variant, res), set()).add(r.base)
+    jobs = []
+    for (variant, res), bases in sorted(need.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        tids = tuple(sorted(bases))
+        if variant == "main":
+            jobs.append(BuildJob(str(packs / "main"), tids, str(weights), res))
+        else:
+            q = float(variant[1:])
+            jobs.append(BuildJob(str(packs / variant), tids, str(weights), res,
+                                 codecs=("sakura",), q=q))
+    return jobs
+
+
+def build_all(jobs: list[BuildJob], workers: int, log: Log) -> None:
+    """Build (or find up to date) every packs folder; ``workers`` > 1: in parallel
+    processes (builds are not timed, so parallelism cannot distort results)."""
+    from sakura.errors import SakuraError
+
+    log(f"packs: {len(jobs)} build job(s) (up-to-date templates are skipped) ...")
+    t0 = time.monotonic()
+    if workers > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(workers, len(jobs)),
+                                 mp_context=mp.get_context("spawn")) as pool:
+            list(pool.map(_run_build, jobs))
+    else:
+        for job in jobs:
+            try:
+                _run_build(job)
+            except SakuraError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a build failure is the user's to see
+                raise EdgeError(f"building packs into {job.out_dir} failed: {exc}") from exc
+    log(f"packs ready in {time.monotonic() - t0:.1f} s")
+
+
+# ---------------------------------------------------------------------------- links
+
+
+class Links:
+    """One server process and one emulated link per packs folder."""
+
+    def __init__(self, cfg: ReplayConfig, packs: Path, variants: list[str], log: Log) -> None:
+        self.cfg, self.packs, self.variants, self.log = cfg, packs, variants, log
+        self.kind = cfg.link
+        self.servers: dict[str, Any] = {}
+        self.links: dict[str, Any] = {}
+        self.urls: dict[str, str] = {}
+        self.note = ""
+
+    def __enter__(self) -> Links:
+        from edge.bench import ServerProcess
+        from traces import Trace
+        from traces.link import PacedLinkThread
+        from traces.netns import kernel_shaping_unavailable_reason
+
+        if self.kind == "kernel":
+            reason = kernel_shaping_unavailable_reason()
+            self.note = ("kernel shaping is not wired into the replay runtime yet" if reason is None
+                         else f"kernel shaping unavailable: {reason}")
+            self.log(f"WARNING: --link kernel: {self.note}; falling back to the paced link")
+            self.kind = "paced"
+        try:
+            for v in self.variants:
+                server = ServerProcess(self.packs / v).start()
+                self.servers[v] = server
+                host, port = "127.0.0.1", server.port
+                link = PacedLinkThread(Trace.constant(1e9, 1.0), upstream=(host, port))
+                link.start()
+                self.links[v] = link
+                self.urls[v] = f"http://127.0.0.1:{link.port}"
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for link in self.links.values():
+            link.stop()
+        for server in self.servers.values():
+            server.stop()
+        self.links.clear()
+        self.servers.clear()
+
+    def direct(self, variant: str) -> str:
+        return self.servers[variant].url
+
+    def shaped(self, variant: str, trace: Any, start_s: float) -> str:
+        """Point the variant's link at ``trace`` from ``start_s`` now; its URL."""
+        link = self.links[variant]
+        link.set_trace(trace, start_s)
+        link.restart(start_s)
+        return self.urls[variant]
+
+
+# ---------------------------------------------------------------------------- setup
+
+
+@dataclass
+class TemplateState:
+    """What one template's runs share (images live only in memory)."""
+
+    tid: str
+    record: dict[str, Any]
+    template: Any
+    req: Any
+    exact: Any
+    full: Any
+    runtimes: dict[str, Any]
+    packs: dict[str, str]
+
+
+def _storage(packs: Path, variant: str, tid: str) -> dict[str, int]:
+    doc = json.loads((packs / variant / "catalog.json").read_text())
+    entry = doc["templates"][tid]
+    return {c: int(e.get("stored_bytes") or e["pack_bytes"]) for c, e in entry["codecs"].items()}
+
+
+def _resident_edit(runtime: Any, tid: str, template: Any, provider: Any, req: Any) -> Any:
+    """An edit whose cache is fully in memory (``provider``), untimed."""
+    if hasattr(runtime, "prepared"):
+        return runtime.engine.edit(runtime.prepared(tid, template), provider, req)
+    from dit.editing import Geometry, cached_edit
+
+    return cached_edit(runtime.model, template, Geometry.of(runtime.model, template),
+                       provider, req)
+
+
+def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
+                   links: Links, model: Any, weights_sha: str, catalog: dict[str, Any],
+                   results: ResultsFile, packs: Path, regime_median_bps: float, log: Log
+                   ) -> TemplateState:
+    from edge.allocator import ABLATION_PACK, ABLATIONS, POLICIES
+    from edge.bench import catalog_codecs, exact_and_floor, prefetch_manifests, regime_factor
+    from edge.runtime import EdgeRuntime
+
+    runtimes = {}
+    main = EdgeRuntime(model, weights_sha256=weights_sha)
+    for v in variants:
+        rt = main if v == "main" else EdgeRuntime(model, encoder=main.encoder,
+                                                  weights_sha256=weights_sha)
+        rt.profiles = main.profiles  # one calibration per template (same model)
+        runtimes[v] = rt
+    direct = links.direct("main")
+    template = main.fetch_template(direct, tid)
+    spec = catalog[base]
+    prompt = spec.evaluation_prompts[cfg.prompt]
+    req = main.request(prompt, seed=cfg.edit_seed)
+    offered = asyncio.run(catalog_codecs(direct, tid))
+    ablation = ABLATION_PACK if ABLATION_PACK in offered else None
+    packs_of = {p: (ablation if p in ABLATIONS and ablation else POLICIES[p].codec)
+                for p in cfg.policies}
+    missing = sorted({c for c in packs_of.values() if c and c not in offered})
+    if missing:
+        raise EdgeError(f"the packs of {tid} lack {', '.join(missing)}")
+    # device state: manifests cached, calibrated (a direct, untimed edit calibrates too)
+    for v, rt in runtimes.items():
+        codecs = sorted({c for c in packs_of.values() if c}) if v == "main" else ["sakura"]
+        asyncio.run(prefetch_manifests(links.direct(v), tid, codecs, rt))
+    calib = main.edit(direct, tid, template, req, "sakura")
+    exact, floor_s, fp16_manifest = exact_and_floor(main, direct, tid, template, req,
+                                                    repeats=3)
+    full_res = main.edit(direct, tid, template, req, "local")
+    key = template_key(cfg.regime, tid)
+    stored = results.templates().get(key)
+    if stored is None:
+        fp16_bytes = int(fp16_manifest["fp16_bytes"])
+        storage = _storage(packs, "main", tid)
+        for v in variants:
+            if v != "main":
+                storage[f"sakura-{v}"] = _storage(packs, v, tid)["sakura"]
+        entry = json.loads((packs / "main" / "catalog.json").read_text())["templates"][tid]
+        factor = (regime_factor(fp16_bytes, floor_s, regime_median_bps, cfg.regime_x)
+                  if cfg.regime == "matched" else 1.0)
+        stored = {
+            "kind": "template", "key": key, "mode": cfg.regime, "template": tid,
+            "base_template": base, "workload": spec.workload,
+            "resolution": int(entry.get("resolution", spec.resolution)),
+            "token_mask_ratio": float(entry.get("token_mask_ratio", 0.0)),
+            "mask_ratio": entry.get("mask_ratio"), "prompt": prompt, "seed": cfg.edit_seed,
+            "steps": template.steps, "masked_exec_s": floor_s, "local_s": full_res.latency_s,
+            "fp16_bytes": fp16_bytes, "factor": factor, "regime_x": cfg.regime_x,
+            "regime_network": cfg.regime_network,
+            "regime_median_mbps": regime_median_bps / 1e6,
+            "scaled_median_mbps": regime_median_bps * factor / 1e6,
+            "storage_bytes": storage, "shard_exec_s": list(calib.predicted_exec_s),
+            "packs": packs_of, "load1": os.getloadavg()[0], "time": time.time(),
+        }
+        results.append(stored)
+        if cfg.regime == "matched":
+            log(f"{tid}: T = {floor_s:.3f} s masked, local {full_res.latency_s:.3f} s, FP16 "
+                f"{fp16_bytes / 1e6:.2f} MB; {cfg.regime_network} pooled median "
+                f"{regime_median_bps / 1e6:.1f} Mbit/s x {factor:.4g} (FP16 at the median = "
+                f"{cfg.regime_x:g} x T)")
+    return TemplateState(tid, stored, template, req, exact, full_res.image, runtimes, packs_of)
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+def _quality(image: Any, st: TemplateState) -> dict[str, Any]:
+    from edge.quality import psnr, ssim
+
+    return {"psnr_exact": finite(psnr(image, st.exact)), "ssim_exact": ssim(image, st.exact),
+            "psnr_full": finite(psnr(image, st.full)), "ssim_full": ssim(image, st.full)}
+
+
+def _base_record(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links
+                 ) -> dict[str, Any]:
+    t = st.record
+    q = {"sakura": 0.5, "svd": 0.0}.get(r.policy) if r.variant == "main" else float(r.variant[1:])
+    return {
+        "kind": "run", "key": str(r.key), "mode": cfg.regime, "template": r.template,
+        "base_template": r.base, "workload": t["workload"], "resolution": t["resolution"],
+        "token_mask_ratio": t["token_mask_ratio"], "network": r.key.network,
+        "network_type": network_type(r.key.network), "trace": r.start.trace,
+        "start_index": r.start.index, "start_s": r.start.start_s, "policy": r.key.policy,
+        "runtime_policy": r.policy, "variant": r.variant, "q": q,
+        "pack": None if r.policy == "local" else (
+            "sakura" if r.variant != "main" else st.packs[r.policy]),
+        "factor": t["factor"], "link": links.kind,
+    }
+
+
+def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links,
+                root: str | None) -> dict[str, Any]:
+    from edge.runtime import EditOptions
+
+    rec = _base_record(r, st, cfg, links)
+    rt = st.runtimes[r.variant]
+    if r.policy == "local":
+        res = rt.edit(links.direct("main"), r.template, st.template, st.req, "local")
+        prior = None
+    else:
+        trace = load_start_trace(r.start, root).scaled(float(st.record["factor"]))
+        prior = past_median_bps(trace, r.start.start_s)
+        options = EditOptions(budget_rate_bps=prior, initial_rate_bps=prior,
+                              pack=rec["pack"])
+        url = links.shaped(r.variant, trace, r.start.start_s)
+        res = rt.edit(url, r.template, st.template, st.req, r.policy, options=options)
+    rec.update({
+        "latency_s": res.latency_s, "bytes": res.bytes, "manifest_bytes": res.manifest_bytes,
+        "stalls": res.stalls, "stall_s": res.stall_s, "startup_s": res.startup_s,
+        "exec_s": res.exec_s, "requests": res.requests, "configs": res.configs,
+        "prior_mbps": None if prior is None else prior / 1e6,
+        "warnings": res.warnings, **_quality(res.image, st),
+        "load1": os.getloadavg()[0], "time": time.time(),
+    })
+    if cfg.timelines == "all" or r.start.index == 0:
+        rec["timeline"] = compact_timeline(res.timeline)
+    return rec
+
+
+def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links,
+                root: str | None) -> dict[str, Any]:
+    from edge.allocator import options_from_manifest
+    from edge.replay.profile import DeviceProfile, simulate
+
+    prof = DeviceProfile(**{k: v for k, v in vars(cfg.profile).items()})
+    rec = _base_record(r, st, cfg, links)
+    rec["profile"] = prof.name
+    if r.policy == "local":
+        rec.update({"latency_s": prof.local_s, "bytes": 0, "real_bytes": 0, "stalls": 0,
+                    "stall_s": 0.0, "startup_s": 0.0, "exec_s": prof.local_s,
+                    "configs": [], **_quality(st.full, st), "time": time.time()})
+        return rec
+    rt = st.runtimes[r.variant]
+    pack = rec["pack"]
+    manifest = rt.manifests[(r.template, pack)].data
+    tables = options_from_manifest(manifest)  # what the runtime's allocator sees
+    trace = load_start_trace(r.start, root)
+    prior = past_median_bps(trace, r.start.start_s)
+    exec_s = prof.shard_exec_s(st.record["shard_exec_s"], st.record["token_mask_ratio"])
+    k = prof.byte_scale(int(st.record["fp16_bytes"]))
+    sim = simulate(r.policy, tables, exec_s, trace, r.start.start_s, prior, prof, k)
+    image = _configured_edit(rt, links.direct(r.variant), r.template, pack, manifest,
+                             sim.configs, st)
+    rec.update({
+        "latency_s": sim.latency_s, "bytes": sim.bytes, "real_bytes": sim.real_bytes,
+        "stalls": sim.stalls, "stall_s": sim.stall_s, "startup_s": sim.startup_s,
+        "exec_s": sim.exec_s, "configs": sim.configs, "prior_mbps": prior / 1e6,
+        "byte_scale": k, **_quality(image, st), "time": time.time(),
+    })
+    if cfg.timelines == "all" or r.start.index == 0:
+        rec["timeline"] = compact_timeline(sim.timeline)
+    return rec
+
+
+def _configured_edit(rt: Any, server: str, tid: str, pack: str, manifest_d: dict[str, Any],
+                     configs: list[int], st: TemplateState) -> Any:
+    """The real edit with exactly these configurations (fetched, decoded, resident)."""
+    from codec.pack import Manifest, decode_config
+    from edge.bench import ResidentCache
+    from edge.client import PackClient
+
+    async def fetch() -> list[bytes]:
+        async with PackClient(server) as client:
+            return [(await client.fetch_config(tid, pack, j, c, manifest=manifest_d)).data
+                    for j, c in enumerate(configs)]
+
+    bodies = asyncio.run(fetch())
+    manifest = Manifest.from_dict(manifest_d)
+    codec = manifest.make_codec()
+    shards = [decode_config(manifest, j, c, b, codec)
+              for j, (c, b) in enumerate(zip(configs, bodies))]
+    return _resident_edit(rt, tid, st.template, ResidentCache(manifest, shards), st.req)
+
+
+# ---------------------------------------------------------------------------- replay
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Any]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="replay", unit="run", disable=not enabled, file=sys.stderr,
+               dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _check_meta(out: Path, cfg: ReplayConfig, weights_sha: str) -> None:
+    meta_path = out / META_FILE
+    meta = {"config": cfg.to_dict(), "weights_sha256": weights_sha,
+            "host": {"cpus": os.cpu_count(), "load1_at_start": os.getloadavg()[0]},
+            "timed_runs": "sequential, one at a time", "started": time.time()}
+    if meta_path.exists():
+        try:
+            old = json.loads(meta_path.read_text())
+        except ValueError:
+            old = {}
+        if old.get("weights_sha256") not in (None, weights_sha):
+            raise ReplayConfigError(
+                f"{out} holds results made with other model weights "
+                f"({str(old.get('weights_sha256'))[:12]}); use another --out")
+        old_cfg = old.get("config", {})
+        for k in ("regime_x", "regime_network", "edit_seed", "prompt", "seed", "span_s"):
+            if k in old_cfg and old_cfg[k] != meta["config"][k]:
+                raise ReplayConfigError(
+                    f"{out} holds results made with {k} = {old_cfg[k]!r}, this config has "
+                    f"{meta['config'][k]!r}: resuming would mix them; use another --out")
+        meta["resumed"] = old.get("resumed", 0) + 1
+        meta["started_first"] = old.get("started_first", old.get("started"))
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = meta_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, meta_path)
+
+
+def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
+               progress: bool = True, model: Any = None) -> dict[str, Any]:
+    """Run (or resume) the replay into ``out``; returns a summary."""
+    from dit.templates import load_catalog
+    from dit.weights import DEFAULT_WEIGHTS, load_model
+    from edge.bench import file_sha256
+    from traces import require_trace_dir
+
+    out = Path(out)
+    root = cfg.trace_dir or str(require_trace_dir())
+    if not Path(root).is_dir():
+        raise ReplayConfigError(f"trace_dir {root} is not a folder")
+    catalog = load_catalog()
+    cfg.validate(catalog)
+    weights = Path(cfg.weights) if cfg.weights else DEFAULT_WEIGHTS
+    if not weights.exists():
+        raise ReplayConfigError(f"model weights {weights} do not exist")
+    weights_sha = file_sha256(weights)
+    _check_meta(out, cfg, weights_sha)
+    runs = plan(cfg, root)
+    results = ResultsFile(out)
+    done = results.done()
+    todo = [r for r in runs if str(r.key) not in done]
+    log(f"replay: {len(runs)} runs planned, {len(runs) - len(todo)} already done, "
+        f"{len(todo)} to run ({cfg.regime} regime, {cfg.link} link, timed runs sequential)")
+    summary = {"planned": len(runs), "skipped": len(runs) - len(todo), "ran": 0}
+    if not todo:
+        return summary
+    packs = Path(cfg.packs_dir) if cfg.packs_dir else out / "packs"
+    build_all(build_jobs(cfg, packs, weights, runs), cfg.build_workers, log)
+    variants = sorted({r.variant for r in runs}, key=lambda v: (v != "main", v))
+    median = pooled_median_bps(cfg.regime_network, root)
+    if model is None:
+        model = load_model(weights)
+    runner = run_matched if cfg.regime == "matched" else run_profile
+    with Links(cfg, packs, variants, log) as links, _progress(len(todo), progress) as bar:
+        state: TemplateState | None = None
+        for r in todo:
+            if state is None or state.tid != r.template:
+                state = None  # free the previous template's images first
+                needed = sorted({x.variant for x in runs if x.template == r.template},
+                                key=lambda v: (v != "main", v))
+                state = setup_template(cfg, r.template, r.base, needed, links, model,
+                                       weights_sha, catalog, results, packs, median, log)
+            rec = runner(r, state, cfg, links, root)
+            results.append(rec)
+            summary["ran"] += 1
+            bar.set_postfix_str(f"{r.template} {r.key.network} {r.key.policy} "
+                                f"{rec['latency_s']:.2f}s", refresh=False)
+            bar.update(1)
+    return summary
+
