@@ -65,6 +65,12 @@ def register(commands: Any, bench: Any) -> None:
                         "threads than free cores slow execution down many times)")
     p.add_argument("--max-ahead", type=int, default=4,
                    help="shards fetched ahead of execution (default 4)")
+    p.add_argument("--backend", default="torch", choices=("torch", "executorch", "qnn"),
+                   help="execution backend (default torch; executorch: XNNPACK .pte shard "
+                        "graphs; qnn: QNN HTP context binaries, x86 simulator here)")
+    p.add_argument("--compiled-dir", metavar="DIR",
+                   help="compiled shard graphs are cached here (default "
+                        "$XDG_CACHE_HOME/sakura/compiled)")
     p.set_defaults(func=_edit)
 
     b = bench.add_parser(
@@ -142,7 +148,8 @@ def _edit(args: argparse.Namespace) -> int:
                         "--model-path")
     weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
     engine = load_engine(args.model, args.model_path, weights=weights)
-    runtime = EdgeRuntime(engine, state_dir=None if args.no_state else args.state_dir)
+    runtime = EdgeRuntime(engine, state_dir=None if args.no_state else args.state_dir,
+                          backend=args.backend, backend_config=_backend_config(args))
     if args.catalog:
         catalog = load_catalog(args.catalog)
         if args.template not in catalog:
@@ -182,6 +189,12 @@ def _edit(args: argparse.Namespace) -> int:
                            f"{args.policy} on {args.template}") if result.timeline else None
     _print_summary(result, out, tl_json, tl_png)
     return 0
+
+
+def _backend_config(args: argparse.Namespace) -> Any:
+    from edge.backends.base import BackendConfig
+
+    return BackendConfig(cache_dir=Path(args.compiled_dir)) if args.compiled_dir else None
 
 
 def _set_threads(n: int) -> None:

@@ -43,6 +43,8 @@ from dit.adapters.engine import DefaultEngine, EditEngine, Prepared
 from dit.editing import EditRequest, Template
 from dit.model import MMDiT
 from edge.allocator import PolicyContext, get_policy, options_from_manifest
+from edge.backends.base import BackendConfig
+from edge.backends.executor import DeviceBackend
 from edge.client import CachedManifest, PackClient, RequestRecord, RetryPolicy
 from edge.errors import EdgeError
 from edge.monitor import BandwidthMonitor, ExecutionProgress
@@ -202,7 +204,10 @@ class EdgeRuntime:
 
     def __init__(self, model: MMDiT | EditEngine, encoder: Any = None,
                  state_dir: str | Path | None = None,
-                 weights_sha256: str | None = None) -> None:
+                 weights_sha256: str | None = None, backend: str = "torch",
+                 backend_config: BackendConfig | None = None) -> None:
+        # non-torch backends run the edit through compiled shard graphs (edge/backends)
+        self.backend = DeviceBackend(backend, backend_config)
         if isinstance(model, EditEngine):
             self.engine = model
             self.model = getattr(model, "model", None)
@@ -329,6 +334,9 @@ class EdgeRuntime:
         opts = options or EditOptions()
         prep = self.prepared(template_id, template)
         if pol.codec is None:
+            if not self.backend.is_torch:
+                raise EdgeError(f"the local policy runs the whole model without a cache; it "
+                                f"runs on the torch backend, not {self.backend.name}")
             if template.seed < 0:
                 raise EdgeError("the local policy recomputes the template trajectory and "
                                 "needs the template's seed, which its catalog entry lacks")
@@ -395,9 +403,14 @@ class EdgeRuntime:
                             max_ahead=opts.max_ahead, max_ready=opts.max_ready,
                             describe=describe,
                             config_bytes=config_bytes, max_inflight=opts.max_inflight)
+            if not self.backend.is_torch:
+                self.backend.prepare(self.model, prep.template, prep.geometry, req,
+                                     layout.blocks_per_shard)
             pipe.start(net)
             try:
-                image = self.engine.edit(prep, pipe.provider, req)
+                image = (self.engine.edit(prep, pipe.provider, req) if self.backend.is_torch
+                         else self.backend.edit(self.model, prep.template, prep.geometry,
+                                                pipe.provider, req, layout.blocks_per_shard))
             except BaseException:
                 pipe.close()
                 raise

@@ -1,0 +1,64 @@
+"""``sakura bench backends --json PATH``: torch vs ExecuTorch vs QNN HTP on shard graphs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from edge.backends.errors import BackendError
+
+NAMES = ("torch", "executorch", "qnn")
+
+
+def register(commands: Any, bench: Any) -> None:
+    b = bench.add_parser(
+        "backends", help="shard latency, error vs torch, compile vs cached load per backend",
+        description="Compile the shard graphs of one catalog template for every backend, "
+                    "time them, compare their outputs and a whole edit with torch.")
+    b.add_argument("--json", required=True, metavar="PATH", help="write the results here")
+    b.add_argument("--template", metavar="ID", help="catalog template (default: the first)")
+    b.add_argument("--backends", nargs="+", choices=NAMES, default=list(NAMES),
+                   metavar="B", help=f"backends (default all: {', '.join(NAMES)})")
+    b.add_argument("--weights", help="model weights (default: the shipped model)")
+    b.add_argument("--blocks-per-shard", type=int, default=4,
+                   help="blocks per shard graph (default 4, as sakura build)")
+    b.add_argument("--repeats", type=int, default=5, help="timed runs per shard (median)")
+    b.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    b.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from dit.templates import load_catalog
+    from dit.text import TextEncoder
+    from dit.weights import DEFAULT_WEIGHTS, load_model
+    from edge.backends.bench import BackendBenchSpec, bench_backends, write
+
+    if args.threads < 1 or args.repeats < 1:
+        raise BackendError("--threads and --repeats must be >= 1")
+    torch.set_num_threads(args.threads)
+    model = load_model(Path(args.weights) if args.weights else DEFAULT_WEIGHTS)
+    catalog = load_catalog()
+    tid = args.template or next(iter(catalog))
+    if tid not in catalog:
+        raise BackendError(f"template {tid!r} is not in the catalog "
+                           f"(known: {', '.join(catalog)})")
+    spec_t = catalog[tid]
+    encoder = TextEncoder(model.cfg.text_tokens)
+    template = spec_t.to_template(encoder)
+    req = spec_t.requests(encoder)[0]
+    spec = BackendBenchSpec(backends=tuple(args.backends),
+                            blocks_per_shard=args.blocks_per_shard, repeats=args.repeats,
+                            log=lambda m: print(m, file=sys.stderr, flush=True))
+    doc = bench_backends(model, template, req, spec, template_id=tid)
+    doc["weights"] = str(args.weights or DEFAULT_WEIGHTS)
+    write(doc, Path(args.json))
+    for name, r in doc["backends"].items():
+        print(f"{name:11s} step {r['step_latency_s'] * 1e3:8.2f} ms  shard err "
+              f"{r['max_abs_err']:.2e}  edit PSNR {r['edit_psnr_db']}  compile "
+              f"{r['compile_total_s']:.2f} s  cached load {r['cached_load_total_s']:.3f} s")
+    print(f"wrote {args.json}")
+    return 0
