@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from codec import native as codec_native
 from codec.base import Codec, EncodedConfig, EncodedShard, register
 from codec.errors import CodecError, PackError
 from codec.metrics import DEFAULT_FLOOR, normalized_importance
@@ -416,6 +417,11 @@ class LowRankCodec(Codec):
         need = hsize + levels * 5 + sum(k * g.chunk_bytes(lv) for lv, k in enumerate(counts))
         if len(data) != need:
             raise PackError(f"shard {spec.index}: {len(data)} bytes, config {params} needs {need}")
+        native = codec_native.module()
+        if native is not None:
+            phasors = self._phasors(spec, torch.float32) if self.opts.rope is not None else None
+            table = None if phasors is None else torch.view_as_real(phasors)
+            return codec_native.decode_lowrank(data, ranks, table, mod=native)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         off = hsize + levels * 5
         quant = self._quantizer(g)
@@ -445,14 +451,18 @@ class LowRankCodec(Codec):
         """Keys (even matrices) to (``inverse``) or from the pre-RoPE frame; values as is."""
         if self.opts.rope is None:
             return mats
-        dtype = mats[0].dtype
+        phasors = self._phasors(spec, mats[0].dtype)
+        return [rope_apply(x, phasors, inverse) if i % 2 == 0 else x for i, x in enumerate(mats)]
+
+    def _phasors(self, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+        """The keys' RoPE phasors ``[N, C/2]`` (complex), built once per geometry."""
+        assert self.opts.rope is not None
         key = ("rope", spec.tokens, spec.channels, dtype)
         cache = self.__dict__.setdefault("_quantizers", {})
         if key not in cache:
             angles = rope_angles(self.opts.rope, spec.tokens, spec.channels)
             cache[key] = rope_phasors(angles, int(self.opts.rope["heads"]), dtype)
-        phasors = cache[key]
-        return [rope_apply(x, phasors, inverse) if i % 2 == 0 else x for i, x in enumerate(mats)]
+        return cache[key]
 
     def _quantizer(self, g: _Geometry) -> ProgressiveQuantizer:
         """Decoder quantizers (and their constant tables), built once per geometry."""

@@ -11,6 +11,7 @@ is always within half a step of zero for values inside the range.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,7 +231,15 @@ class ProgressiveQuantizer:
 
     def decode(self, steps: torch.Tensor, codes: list[torch.Tensor]) -> torch.Tensor:
         """``steps [k0, G]`` fp16 and per-level codes (``[k_l, L]``, k_l non-increasing) ->
-        values ``[k0, L]`` float32 in the original domain."""
+        values ``[k0, L]`` float32 in the original domain.
+
+        The order of operations makes the result independent of how a matmul sums: the
+        level sums are dyadic with at most ``bits[-1] + 1`` significant bits, so the
+        unnormalised (+-1) Hadamard sums are exact in float32 whenever
+        ``bits[-1] + 1 + log2(piece) <= 24`` (the defaults: 15); then one rounding for the
+        step (constant within a piece) and one for ``sign / sqrt(piece)``. The native
+        decoder (``sakura_native``) does the same operations and is bit-equal here.
+        """
         t = self._tables()
         acc = codes[0].float().sub_(((1 << self.level_bits[0]) - 1) / 2)
         scale = 1.0
@@ -239,23 +248,27 @@ class ProgressiveQuantizer:
             scale /= 1 << bits
             q = codes[lv]
             acc[: q.shape[0]].add_(q.float().sub_(((1 << bits) - 1) / 2).mul_(scale))
-        acc.mul_(steps.float()[:, t.gidx])
         k = acc.shape[0]
         for start, size, count, h in t.runs:
             end = start + size * count
             acc[:, start:end] = (acc[:, start:end].view(k, count, size) @ h).view(k, -1)
+        acc.mul_(steps.float()[:, t.gidx])
         return acc.mul_(t.signs)
 
     def _tables(self) -> _Tables:
         tables = self.__dict__.get("_cached_tables")
         if tables is None:
             runs = tuple(
-                (start, size, count, hadamard(size, torch.float32))
+                (start, size, count, torch.sign(hadamard(size)).float())  # +-1 entries
                 for start, size, count in self.plan.pieces()
                 if size > 1
             )
-            tables = _Tables(self.plan.group_index(), sign_pattern(self.plan.length, torch.float32),
-                             runs)
+            # sign / sqrt(piece size) per position, the double rounded once to float32
+            norm = torch.ones(self.plan.length, dtype=torch.float64)
+            for start, size, count in self.plan.pieces():
+                norm[start : start + size * count] = 1.0 / math.sqrt(size)
+            signs = (sign_pattern(self.plan.length, torch.float64) * norm).float()
+            tables = _Tables(self.plan.group_index(), signs, runs)
             object.__setattr__(self, "_cached_tables", tables)
         return tables
 
@@ -265,5 +278,5 @@ class _Tables:
     """Constant tensors of a plan used by the decoder (built once per quantizer)."""
 
     gidx: torch.Tensor
-    signs: torch.Tensor
+    signs: torch.Tensor  # sign / sqrt(piece size) per position
     runs: tuple[tuple[int, int, int, torch.Tensor], ...]
