@@ -62,6 +62,7 @@ class ReplayConfig:
     ablation: Ablation = field(default_factory=Ablation)
     packs_dir: str | None = None
     weights: str | None = None
+    catalog: str | None = None
     trace_dir: str | None = None
     build_workers: int = 1
     timelines: str = "all"
@@ -204,7 +205,7 @@ def _scalar(value: Any, kind: type, key: str, source: str) -> Any:
 _SCALARS: dict[str, type] = {
     "starts": int, "seed": int, "span_s": float, "prompt": int, "edit_seed": int,
     "regime": str, "regime_x": float, "regime_network": str, "link": str,
-    "packs_dir": str, "weights": str, "trace_dir": str, "build_workers": int,
+    "packs_dir": str, "weights": str, "catalog": str, "trace_dir": str, "build_workers": int,
     "timelines": str,
 }
 

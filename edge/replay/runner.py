@@ -107,6 +107,7 @@ class BuildJob:
     out_dir: str
     templates: tuple[str, ...]
     weights: str
+    catalog: str | None = None
     resolution: int | None = None
     codecs: tuple[str, ...] | None = None
     q: float | None = None
@@ -123,7 +124,8 @@ def _run_build(job: BuildJob) -> str:
         kw["codecs"] = job.codecs
     if job.q is not None:
         kw["codec_options"] = {"sakura": {"q": job.q}}
-    build(BuildConfig(out_dir=job.out_dir, templates=job.templates, weights=job.weights,
+    build(BuildConfig(catalog=job.catalog, out_dir=job.out_dir, templates=job.templates,
+                      weights=job.weights,
                       resolution=job.resolution, **kw), log=lambda m: None)
     return job.out_dir
 
@@ -138,10 +140,10 @@ def build_jobs(cfg: ReplayConfig, packs: Path, weights: Path, runs: list[Planned
     for (variant, res), bases in sorted(need.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         tids = tuple(sorted(bases))
         if variant == "main":
-            jobs.append(BuildJob(str(packs / "main"), tids, str(weights), res))
+            jobs.append(BuildJob(str(packs / "main"), tids, str(weights), cfg.catalog, res))
         else:
             q = float(variant[1:])
-            jobs.append(BuildJob(str(packs / variant), tids, str(weights), res,
+            jobs.append(BuildJob(str(packs / variant), tids, str(weights), cfg.catalog, res,
                                  codecs=("sakura",), q=q))
     return jobs
 
@@ -498,7 +500,7 @@ def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
     root = cfg.trace_dir or str(require_trace_dir())
     if not Path(root).is_dir():
         raise ReplayConfigError(f"trace_dir {root} is not a folder")
-    catalog = load_catalog()
+    catalog = load_catalog(cfg.catalog)
     cfg.validate(catalog)
     weights = Path(cfg.weights) if cfg.weights else DEFAULT_WEIGHTS
     if not weights.exists():

@@ -1,0 +1,279 @@
+"""``sakura replay`` / ``sakura report``: config, resume, an end-to-end replay over real
+HTTP with real traces, and the headline numbers from a hand-made results file."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge.replay.config import ReplayConfigError, default_config, load_config
+from edge.replay.report import headline, write_report
+from edge.replay.results import ResultsFile
+from sakura.cli import main
+
+# ---------------------------------------------------------------------------- config
+
+
+def test_default_and_quick_config():
+    cfg = default_config()
+    assert set(cfg.workloads) == {"face-swap", "try-on", "instruction"}
+    assert cfg.starts == 100 and cfg.regime == "matched" and cfg.regime_x == 10.0
+    assert len(cfg.policies) == 8 and cfg.profile.local_s == 13.0
+    q = load_config(quick=True)
+    assert q.quick and q.starts == 3 and len(q.networks) == 2
+    assert all(len(ts) == 1 for ts in q.workloads.values())
+
+
+def test_config_file_overrides_and_merges(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("starts: 7\nnetworks: [lte]\nablation: {q: [1.0]}\nprofile: {local_s: 9}\n")
+    cfg = load_config(p, regime="profile")
+    assert cfg.starts == 7 and cfg.networks == ("lte",) and cfg.regime == "profile"
+    assert cfg.ablation.q == (1.0,) and cfg.ablation.resolutions == (32,)  # merged
+    assert cfg.profile.local_s == 9.0 and cfg.profile.masked_s == 2.3
+
+
+@pytest.mark.parametrize("text, message", [
+    ("startz: 3\n", "unknown key"),
+    ("networks: [6g]\n", "unknown network '6g'"),
+    ("policies: [sakura, magic]\n", "unknown policy 'magic'"),
+    ("workloads: {dance: [face-cook]}\n", "unknown workload 'dance'"),
+    ("starts: 0\n", "starts must be >= 1"),
+    ("starts: many\n", "starts must be a int"),
+    ("regime: fast\n", "regime must be one of"),
+    ("ablation: {q: [9]}\n", "ablation.q values must be in"),
+    ("ablation: {colour: red}\n", "unknown key"),
+    ("networks: {a: 1}\n", "networks must be a list"),
+    ("- just\n- a list\n", "must be a mapping"),
+    ("starts: [\n", "not valid YAML"),
+])
+def test_bad_configs_are_clear_errors(tmp_path, text, message):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ReplayConfigError, match=message):
+        load_config(p)
+
+
+def test_bad_config_on_the_command_line_is_one_error_line(tmp_path, capsys):
+    assert main(["replay", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sakura: error: replay config") and "does not exist" in err
+    p = tmp_path / "c.yaml"
+    p.write_text("workloads: {face-swap: [no-such-template]}\nnetworks: [5g]\n")
+    assert main(["replay", str(p), "--out", str(tmp_path / "o")]) == 1
+    assert "unknown template 'no-such-template'" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "nothing")]) == 1
+    assert "not a replay results folder" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def test_results_file_is_append_only_and_survives_a_torn_write(tmp_path):
+    rf = ResultsFile(tmp_path)
+    rf.append({"kind": "run", "key": "a", "latency_s": 1.0})
+    rf.append({"kind": "run", "key": "b", "latency_s": 2.0})
+    with open(rf.path, "ab") as f:  # a writer killed half-way through a line
+        f.write(b'{"kind": "run", "key": "c", "lat')
+    assert rf.done() == {"a", "b"}
+    rf.append({"kind": "run", "key": "d", "latency_s": 4.0})
+    assert [r["key"] for r in rf.runs()] == ["a", "b", "d"]
+    assert rf.path.read_bytes().count(b"\n") == 3
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _run(workload, tid, policy, lat, psnr, network="5g", variant="main", template=None):
+    return {"kind": "run", "key": f"{tid}|{policy}|{network}|{lat}|{variant}", "mode": "matched",
+            "template": template or tid, "base_template": tid, "workload": workload,
+            "resolution": 64, "token_mask_ratio": 0.2, "network": network,
+            "network_type": "5G" if network == "5g" else "LTE", "trace": "t.txt",
+            "start_index": 0, "start_s": 1.0, "policy": policy, "runtime_policy": policy,
+            "variant": variant, "q": 0.5, "pack": policy, "factor": 0.1, "link": "paced",
+            "latency_s": lat, "bytes": 1_000_000, "stalls": 1, "stall_s": 0.1,
+            "startup_s": 0.01, "exec_s": 0.5, "configs": [], "psnr_exact": psnr,
+            "ssim_exact": 0.9, "psnr_full": 30.0, "ssim_full": 0.8,
+            "timeline": {"columns": ["shard", "bytes", "recv_start", "recv_end", "recon_start",
+                                     "recon_end", "exec_start", "exec_end", "stall_s"],
+                         "rows": [[0, 10, 0.0, 0.1, 0.1, 0.11, 0.11, 0.2, 0.0]]}}
+
+
+def _template(tid, workload, fp16, sakura):
+    return {"kind": "template", "key": f"matched|{tid}|template", "mode": "matched",
+            "template": tid, "base_template": tid, "workload": workload, "resolution": 64,
+            "token_mask_ratio": 0.2, "masked_exec_s": 0.5, "local_s": 2.0, "fp16_bytes": fp16,
+            "factor": 0.1, "scaled_median_mbps": 40.0,
+            "storage_bytes": {"fp16": fp16, "sakura": sakura, "intq": fp16, "cachegen": fp16}}
+
+
+@pytest.fixture
+def handmade(tmp_path):
+    """Two workloads on 5G with known numbers, plus runs that must not count."""
+    rf = ResultsFile(tmp_path / "r")
+    rf.append(_template("fa", "face-swap", 30_000_000, 10_000_000))
+    rf.append(_template("tb", "try-on", 40_000_000, 10_000_000))
+    lat = {"fa": {"sakura": [1, 2, 3, 4, 5], "cachegen": [2, 4, 6, 8, 10],
+                  "intq": [1.5, 3, 4.5, 6, 7.5], "local": [10] * 5, "fp16": [50] * 5},
+           "tb": {"sakura": [2] * 5, "cachegen": [3] * 5, "intq": [5] * 5, "local": [8] * 5,
+                  "fp16": [40] * 5}}
+    psnr = {"fa": {"sakura": 40.0, "cachegen": 38.0, "intq": 35.0, "local": 30.0, "fp16": "inf"},
+            "tb": {"sakura": 30.0, "cachegen": 20.0, "intq": 31.0, "local": 25.0, "fp16": "inf"}}
+    wl = {"fa": "face-swap", "tb": "try-on"}
+    for tid, pols in lat.items():
+        for p, values in pols.items():
+            for v in values:
+                rf.append(_run(wl[tid], tid, p, float(v), psnr[tid][p]))
+    # not headline: another network, the q ablation, a second resolution
+    rf.append(_run("face-swap", "fa", "sakura", 99.0, 1.0, network="lte"))
+    rf.append(_run("face-swap", "fa", "sakura-q1", 99.0, 1.0, variant="q1"))
+    rf.append(_run("face-swap", "fa", "sakura", 99.0, 1.0, template="fa-32"))
+    (tmp_path / "r" / "replay.json").write_text(json.dumps(
+        {"config": {"headline_networks": ["5g"], "regime_x": 10, "starts": 5}}))
+    return tmp_path / "r"
+
+
+def test_headline_numbers_from_a_handmade_results_file(handmade):
+    rf = ResultsFile(handmade)
+    h = headline(rf.runs(), rf.templates(), ["5g"])
+    fa, tb = h["per_workload"]["face-swap"], h["per_workload"]["try-on"]
+    # numpy linear percentiles: p90 of 1..5 = 4.6, of 2..10 = 9.2, of 1.5..7.5 = 6.9
+    assert fa["p90_speedup_vs_cachegen"] == pytest.approx(2.0)
+    assert fa["p90_speedup_vs_intq"] == pytest.approx(1.5)
+    assert fa["p50_speedup_vs_local"] == pytest.approx(10 / 3)
+    assert fa["storage_ratio_vs_fp16"] == pytest.approx(3.0)
+    assert fa["psnr_gain_db_vs_intq"] == pytest.approx(5.0)
+    assert tb["p90_speedup_vs_cachegen"] == pytest.approx(1.5)
+    assert tb["psnr_gain_db_vs_intq"] == pytest.approx(-1.0)
+    # median over the two workloads (= their mean)
+    assert h["p90_speedup_vs_cachegen"] == pytest.approx(1.75)
+    assert h["p90_speedup_vs_intq"] == pytest.approx(2.0)
+    assert h["p50_speedup_vs_local"] == pytest.approx((10 / 3 + 4.0) / 2)
+    assert h["storage_ratio_vs_fp16"] == pytest.approx(3.5)
+    assert h["psnr_gain_db_vs_intq"] == pytest.approx(2.0)
+    assert h["psnr_gain_db_vs_cachegen"] == pytest.approx(6.0)
+    t = h["targets"]
+    assert t["p90_speedup_vs_cachegen"]["pass"] is False
+    assert all(t[k]["pass"] for k in t if k != "p90_speedup_vs_cachegen")
+
+
+def test_report_command_writes_report_figures_and_headline_json(handmade, tmp_path):
+    assert main(["report", str(handmade), "--json", str(tmp_path / "h.json")]) == 0
+    doc = json.loads((tmp_path / "h.json").read_text())
+    for key in ("p90_speedup_vs_cachegen", "p90_speedup_vs_intq", "p50_speedup_vs_local",
+                "storage_ratio_vs_fp16", "psnr_gain_db_vs_intq", "psnr_gain_db_vs_cachegen"):
+        assert key in doc and key in doc["targets"]
+    assert doc["storage_ratio_vs_fp16"] == pytest.approx(3.5) and doc["mode"] == "matched"
+    md = (handmade / "report.md").read_text()
+    assert "Why `p90_speedup_vs_cachegen` is missed" in md
+    assert "timeline-p90_speedup_vs_cachegen-try-on.png" in md
+    pngs = {p.name for p in (handmade / "figures").glob("*.png")}
+    assert "matched-latency-face-swap-5g.png" in pngs and "matched-rate-quality.png" in pngs
+    for name in pngs:
+        assert f"figures/{name}" in md  # every figure is linked from the report
+    assert "**Resolution**" in md and "**Importance exponent q**" in md
+
+
+# ---------------------------------------------------------------------------- replay
+
+
+@pytest.fixture(scope="module")
+def tiny_catalog(tmp_path_factory, text_encoder):
+    """A small model with the real text encoder's width and one 32-pixel, 3-step catalog
+    template made from a shipped one."""
+    from dit.model import MMDiT, MMDiTConfig
+    from dit.templates import DEFAULT_CATALOG
+    from dit.weights import save_model
+
+    root = tmp_path_factory.mktemp("replay-world")
+    torch.manual_seed(0)
+    model = MMDiT(MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=1, single_blocks=1,
+                              mlp_ratio=2.0, rope_axes=(4, 6, 6))).eval()
+    save_model(model, root / "model.safetensors")
+    entries = json.loads(DEFAULT_CATALOG.read_text())["templates"]
+    tid = "face-technologist"
+    entry = {**entries[tid], "image": str(DEFAULT_CATALOG.parent / entries[tid]["image"]),
+             "mask": str(DEFAULT_CATALOG.parent / entries[tid]["mask"]), "steps": 3,
+             "resolution": 32}
+    entry["profiling_prompts"] = entry["profiling_prompts"][:1]
+    (root / "catalog.json").write_text(json.dumps({"version": 1, "templates": {tid: entry}}))
+    return root, tid
+
+
+def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
+    from edge.replay.runner import run_replay
+
+    root, tid = tiny_catalog
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(
+        f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\n"
+        "policies: [local, fp16, sakura]\nstarts: 2\n"
+        "ablation: {q: [1.0], resolutions: [], resolution_templates: []}\n"
+        f"weights: {root / 'model.safetensors'}\ncatalog: {root / 'catalog.json'}\n"
+        f"packs_dir: {root / 'packs'}\n")
+    cfg = load_config(cfg_path)
+    out = tmp_path / "out"
+    logs: list[str] = []
+    s = run_replay(cfg, out, log=logs.append, progress=False)
+    assert s == {"planned": 8, "skipped": 0, "ran": 8}  # 2 starts x (3 policies + q = 1)
+    rf = ResultsFile(out)
+    runs = rf.runs()
+    assert {r["policy"] for r in runs} == {"local", "fp16", "sakura", "sakura-q1"}
+    t = next(iter(rf.templates().values()))
+    assert t["factor"] > 0 and t["masked_exec_s"] > 0 and t["storage_bytes"]["fp16"] > 0
+    # regime: FP16 at the scaled pooled 5G median takes regime_x x T
+    fp16_s = t["fp16_bytes"] * 8 / (t["scaled_median_mbps"] * 1e6)
+    assert fp16_s == pytest.approx(10 * t["masked_exec_s"])
+    by = {(r["policy"], r["start_index"]): r for r in runs}
+    assert by[("fp16", 0)]["psnr_exact"] == "inf" and by[("fp16", 0)]["bytes"] == t["fp16_bytes"]
+    assert by[("local", 0)]["psnr_full"] == "inf" and by[("local", 0)]["bytes"] == 0
+    assert 0 < by[("sakura", 0)]["bytes"] < t["fp16_bytes"]
+    assert by[("sakura-q1", 1)]["q"] == 1.0 and by[("sakura", 1)]["q"] == 0.5
+    assert by[("sakura", 0)]["timeline"]["rows"]
+    assert {r["trace"] for r in runs} <= {p.name for p in Path(
+        __import__("traces").require_trace_dir()).glob("lumos5g/5g/*.txt")}
+    # resume: nothing left to do; a lost last run is redone, nothing else
+    assert run_replay(cfg, out, log=logs.append, progress=False)["ran"] == 0
+    lines = rf.path.read_bytes().splitlines(keepends=True)
+    rf.path.write_bytes(b"".join(lines[:-1]) + lines[-1][:20])  # killed mid-write
+    again = run_replay(cfg, out, log=logs.append, progress=False)
+    assert again == {"planned": 8, "skipped": 7, "ran": 1}
+    assert len(rf.runs()) == 8
+    assert write_report(out, json_path=out / "h.json").exists()
+    assert json.loads((out / "h.json").read_text())["storage_ratio_vs_fp16"] > 1
+    assert not math.isnan(json.loads((out / "h.json").read_text())["p50_speedup_vs_local"])
+
+
+def test_profile_regime_simulates_time_and_measures_quality(tiny_catalog, tmp_path):
+    from edge.replay.runner import run_replay
+
+    root, tid = tiny_catalog
+    cfg_path = tmp_path / "p.yaml"
+    cfg_path.write_text(
+        f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\nregime: profile\n"
+        "policies: [local, fp16, sakura]\nstarts: 1\n"
+        "ablation: {q: [], resolutions: [], resolution_templates: []}\n"
+        f"weights: {root / 'model.safetensors'}\ncatalog: {root / 'catalog.json'}\n"
+        f"packs_dir: {root / 'packs'}\n")
+    out = tmp_path / "out"
+    assert run_replay(load_config(cfg_path), out, log=lambda m: None, progress=False)["ran"] == 3
+    rf = ResultsFile(out)
+    t = next(iter(rf.templates().values()))
+    assert t["mode"] == "profile" and t["factor"] == 1.0
+    by = {r["policy"]: r for r in rf.runs()}
+    assert by["local"]["latency_s"] == 13.0 and by["local"]["profile"]
+    gib = 1.46 * (1 << 30)
+    assert by["fp16"]["bytes"] == pytest.approx(gib, rel=1e-3)  # scaled to the phone's cache
+    assert by["fp16"]["real_bytes"] == t["fp16_bytes"] and by["fp16"]["psnr_exact"] == "inf"
+    # execution alone: 2.3 s x (token mask / 10%); the transfer only adds to it
+    masked = 2.3 * t["token_mask_ratio"] / 0.10
+    assert by["sakura"]["exec_s"] == pytest.approx(masked)
+    assert by["sakura"]["latency_s"] >= masked and by["sakura"]["bytes"] < by["fp16"]["bytes"]
+    assert by["sakura"]["psnr_exact"] is not None and by["sakura"]["ssim_full"] is not None
+    assert "device profile" in json.dumps(
+        __import__("edge.replay.report", fromlist=["x"]).headlines(
+            rf.runs(), rf.templates(), {})["regime"])
