@@ -157,6 +157,10 @@ class LowRankCodec(Codec):
             raise CodecError(f"bad options for codec {name!r}: {exc}") from None
         self.opts.validate()
         self.name = name  # type: ignore[misc]
+        self.use_native = True
+        """Decode with ``sakura_native`` when it imports (``codec.native``); False: Python."""
+        self.native_threads = 1
+        """Threads of the native decoder (the matrices of a shard are split among them)."""
 
     @property
     def options(self) -> dict[str, Any]:
@@ -417,11 +421,11 @@ class LowRankCodec(Codec):
         need = hsize + levels * 5 + sum(k * g.chunk_bytes(lv) for lv, k in enumerate(counts))
         if len(data) != need:
             raise PackError(f"shard {spec.index}: {len(data)} bytes, config {params} needs {need}")
-        native = codec_native.module()
+        native = codec_native.module() if self.use_native else None
         if native is not None:
             phasors = self._phasors(spec, torch.float32) if self.opts.rope is not None else None
             table = None if phasors is None else torch.view_as_real(phasors)
-            return codec_native.decode_lowrank(data, ranks, table, mod=native)
+            return codec_native.decode_lowrank(data, ranks, table, self.native_threads, mod=native)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         off = hsize + levels * 5
         quant = self._quantizer(g)

@@ -9,6 +9,7 @@ by float32 summation order in the low-rank product (see ``native/README.md``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -35,6 +36,12 @@ def module() -> ModuleType | None:
     """The ``sakura_native`` module, or None when it is not built (or disabled)."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
+    return _import()
+
+
+@functools.cache
+def _import() -> ModuleType | None:
+    # memoised: a failed import searches sys.path again on every call (every shard)
     try:
         return importlib.import_module("sakura_native")
     except ImportError:

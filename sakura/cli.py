@@ -16,7 +16,7 @@ from sakura.errors import SakuraError
 
 COMMAND_MODULES = (
     "dit.cli", "dit.adapters.cli", "codec.cli", "traces.cli", "cloud.cli", "cloud.render_cli",
-    "edge.cli", "edge.replay.cli", "edge.backends.cli", "sakura.demo",
+    "edge.cli", "edge.replay.cli", "edge.backends.cli", "edge.native_cli", "sakura.demo",
 )
 
 

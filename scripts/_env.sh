@@ -1,5 +1,6 @@
 # Shared set-up for scripts/test and scripts/demo: create .venv at the repo root and
-# install the project into it (once per change of pyproject.toml).
+# install the project and the native runtime (native/, C++ via scikit-build-core) into it,
+# again whenever pyproject.toml or the native sources change.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -10,12 +11,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=".venv/.sakura-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(find pyproject.toml native/pyproject.toml native/CMakeLists.txt native/src -type f \
+  | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[sakura] installing the project into .venv (first run takes a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
-  # torch==2.13.0 is pinned in pyproject.toml, so it is resolved in this same pip call.
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  # torch==2.13.0 is pinned in pyproject.toml, so it is resolved in this same pip call;
+  # ./native builds the sakura_native extension (g++ >= 9, CMake >= 3.18).
+  .venv/bin/python -m pip install -q -e ".[dev]" ./native
   echo "$want" > "$stamp"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
