@@ -30,10 +30,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from edge.errors import EdgeError
 from edge.replay.config import ReplayConfig, ReplayConfigError
@@ -176,8 +176,63 @@ def build_all(jobs: list[BuildJob], workers: int, log: Log) -> None:
 # ---------------------------------------------------------------------------- links
 
 
+@contextlib.contextmanager
+def in_netns(name: str) -> Iterator[None]:
+    """Run the body with this thread in network namespace ``name`` (threads it starts,
+    such as the runtime's network loop, are created there too); then switch back."""
+    import ctypes
+
+    from traces.errors import LinkError
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(f"/run/netns/{name}", os.O_RDONLY)
+        try:
+            if libc.setns(target, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise LinkError(f"cannot enter network namespace {name}: {os.strerror(err)}")
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            if libc.setns(own, _CLONE_NEWNET) != 0:  # pragma: no cover - kernel refused
+                raise LinkError("cannot return to the original network namespace")
+    finally:
+        os.close(own)
+
+
+_CLONE_NEWNET = 0x40000000
+KERNEL_PORT = 8000
+
+
+def _healthy_in(ns: str, host: str, port: int) -> bool:
+    """GET /healthz from inside namespace ``ns``."""
+    import socket
+
+    from traces.netns import socket_in_namespace
+
+    try:
+        sock = socket_in_namespace(ns, socket.AF_INET, socket.SOCK_STREAM)
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+    try:
+        sock.settimeout(1.0)
+        sock.connect((host, port))
+        sock.sendall(b"GET /healthz HTTP/1.0\r\nHost: x\r\n\r\n")
+        return b" 200 " in sock.recv(64)
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
 class Links:
-    """One server process and one emulated link per packs folder."""
+    """Per packs folder: a ``sakura serve`` process on 127.0.0.1 (direct, untimed use) and
+    an emulated link for the timed runs: the paced proxy in front of it, or (``kernel``)
+    a second server inside the server namespace of a :class:`KernelShapedLink`, reached
+    from its client namespace."""
 
     def __init__(self, cfg: ReplayConfig, packs: Path, variants: list[str], log: Log) -> None:
         self.cfg, self.packs, self.variants, self.log = cfg, packs, variants, log
@@ -189,29 +244,54 @@ class Links:
 
     def __enter__(self) -> Links:
         from edge.bench import ServerProcess
-        from traces import Trace
-        from traces.link import PacedLinkThread
         from traces.netns import kernel_shaping_unavailable_reason
 
         if self.kind == "kernel":
             reason = kernel_shaping_unavailable_reason()
-            self.note = ("kernel shaping is not wired into the replay runtime yet" if reason is None
-                         else f"kernel shaping unavailable: {reason}")
-            self.log(f"WARNING: --link kernel: {self.note}; falling back to the paced link")
-            self.kind = "paced"
+            if reason is not None:
+                self.note = f"kernel shaping unavailable: {reason}"
+                self.log(f"WARNING: --link kernel: {self.note}; falling back to the paced link")
+                self.kind = "paced"
         try:
             for v in self.variants:
-                server = ServerProcess(self.packs / v).start()
-                self.servers[v] = server
-                host, port = "127.0.0.1", server.port
-                link = PacedLinkThread(Trace.constant(1e9, 1.0), upstream=(host, port))
-                link.start()
-                self.links[v] = link
-                self.urls[v] = f"http://127.0.0.1:{link.port}"
+                self.servers[v] = ServerProcess(self.packs / v).start()
+                if self.kind == "kernel":
+                    self._kernel(v)
+                else:
+                    self._paced(v)
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def _paced(self, v: str) -> None:
+        from traces import Trace
+        from traces.link import PacedLinkThread
+
+        link = PacedLinkThread(Trace.constant(1e9, 1.0), upstream=("127.0.0.1",
+                                                                   self.servers[v].port))
+        link.start()
+        self.links[v] = link
+        self.urls[v] = f"http://127.0.0.1:{link.port}"
+
+    def _kernel(self, v: str) -> None:
+        import subprocess
+
+        from traces import Trace
+        from traces.netns import KernelShapedLink
+
+        link = KernelShapedLink(Trace.constant(1e9, 1.0)).start()
+        self.links[v] = link
+        proc = link.popen_in("server", [
+            sys.executable, "-m", "sakura.cli", "serve", str(self.packs / v), "--host",
+            link.server_addr, "--port", str(KERNEL_PORT), "--log-level", "warning",
+            "--no-access-log"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not _healthy_in(link.client_ns, link.server_addr, KERNEL_PORT):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise EdgeError("sakura serve did not come up inside the server namespace")
+            time.sleep(0.2)
+        self.urls[v] = f"http://{link.server_addr}:{KERNEL_PORT}"
 
     def __exit__(self, *exc: object) -> None:
         for link in self.links.values():
@@ -230,6 +310,12 @@ class Links:
         link.set_trace(trace, start_s)
         link.restart(start_s)
         return self.urls[variant]
+
+    def client(self, variant: str) -> contextlib.AbstractContextManager[None]:
+        """Where the device's sockets must be created for the shaped URL."""
+        if self.kind == "kernel":
+            return in_netns(self.links[variant].client_ns)
+        return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------- setup
@@ -375,8 +461,9 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
         prior = past_median_bps(trace, r.start.start_s)
         options = EditOptions(budget_rate_bps=prior, initial_rate_bps=prior,
                               pack=rec["pack"])
-        url = links.shaped(r.variant, trace, r.start.start_s)
-        res = rt.edit(url, r.template, st.template, st.req, r.policy, options=options)
+        with links.client(r.variant):
+            url = links.shaped(r.variant, trace, r.start.start_s)
+            res = rt.edit(url, r.template, st.template, st.req, r.policy, options=options)
     rec.update({
         "latency_s": res.latency_s, "bytes": res.bytes, "manifest_bytes": res.manifest_bytes,
         "stalls": res.stalls, "stall_s": res.stall_s, "startup_s": res.startup_s,

@@ -277,3 +277,31 @@ def test_profile_regime_simulates_time_and_measures_quality(tiny_catalog, tmp_pa
     assert "device profile" in json.dumps(
         __import__("edge.replay.report", fromlist=["x"]).headlines(
             rf.runs(), rf.templates(), {})["regime"])
+
+
+def test_kernel_link_replay_or_clear_fallback(tiny_catalog, tmp_path):
+    """``link: kernel``: the timed edits go through a tbf-shaped veth between two network
+    namespaces (root); without kernel shaping the replay says why and uses the paced link."""
+    from edge.replay.runner import run_replay
+    from traces.netns import kernel_shaping_unavailable_reason
+
+    root, tid = tiny_catalog
+    cfg_path = tmp_path / "k.yaml"
+    cfg_path.write_text(
+        f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\nlink: kernel\n"
+        "policies: [sakura, fp16]\nstarts: 1\n"
+        "ablation: {q: [], resolutions: [], resolution_templates: []}\n"
+        f"weights: {root / 'model.safetensors'}\ncatalog: {root / 'catalog.json'}\n"
+        f"packs_dir: {root / 'packs'}\n")
+    logs: list[str] = []
+    out = tmp_path / "out"
+    assert run_replay(load_config(cfg_path), out, log=logs.append, progress=False)["ran"] == 2
+    runs = ResultsFile(out).runs()
+    reason = kernel_shaping_unavailable_reason()
+    if reason is None:
+        assert {r["link"] for r in runs} == {"kernel"}
+    else:
+        assert {r["link"] for r in runs} == {"paced"}
+        assert any("falling back to the paced link" in m for m in logs)
+    fp16 = next(r for r in runs if r["policy"] == "fp16")
+    assert fp16["psnr_exact"] == "inf" and fp16["bytes"] > 0
