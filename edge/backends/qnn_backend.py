@@ -91,6 +91,7 @@ class QnnBackend(ExecutionBackend):
     """onnxruntime-qnn HTP backend (x86 simulator here, Hexagon NPU on a Snapdragon)."""
 
     name = "qnn"
+    explicit_rms = True
 
     def __init__(self, config: BackendConfig | None = None) -> None:
         super().__init__(config)
@@ -114,7 +115,7 @@ class QnnBackend(ExecutionBackend):
         o = self.options
         qnn = getattr(oq.build_and_package_info, "qnn_version", "?")
         return (f"ort-{ort.__version__}-ortqnn-{oq.__version__}-qnn-{qnn}-htp-soc{o.soc_model}-"
-                f"{'fp16' if o.fp16 else 'fp32'}-opset{o.opset}-torch-{torch.__version__}")
+                f"{'fp16' if o.fp16 else 'fp32'}-opset{o.opset}-rms-explicit-torch-{torch.__version__}")
 
     def provider_options(self) -> dict[str, str]:
         o = self.options

@@ -85,11 +85,24 @@ def _layer_norm(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],))
 
 
+def _explicit_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``RMSNorm`` written as ``x * rsqrt(mean(x * x) + eps) * w``.
+
+    The ONNX export of ``F.rms_norm`` squares with ``Pow``; on the QNN HTP (fp16, x86
+    simulator, onnxruntime-qnn 2.7.0 / QAIRT 2.51) that graph returned zeros for half of
+    the text-token rows of the shipped model (16 text tokens); ``x * x`` does not.
+    """
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + norm.eps) * norm.weight
+
+
 class ShardModule(nn.Module):
     """Blocks ``blocks`` of ``model`` as a function of tensors only (see module docstring)."""
 
-    def __init__(self, model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry):
+    def __init__(self, model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry,
+                 explicit_rms: bool = False):
         super().__init__()
+        # False: the model's own RMSNorm (bit-exact with dit); True: see _explicit_rms_norm
+        self.explicit_rms = explicit_rms
         cfg = model.cfg
         if not blocks or list(blocks) != list(range(blocks[0], blocks[0] + len(blocks))):
             raise ValueError(f"a shard is a run of consecutive blocks, got {blocks}")
@@ -113,6 +126,9 @@ class ShardModule(nn.Module):
         if mask is not None:
             self.register_buffer("mask", mask, persistent=False)
 
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _explicit_rms_norm(norm, x) if self.explicit_rms else norm(x)
+
     def _attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         b = q.shape[0]
         kc = _heads(k_cache[None], self.heads).expand(b, -1, -1, -1)
@@ -130,8 +146,10 @@ class ShardModule(nn.Module):
             h = modulate(_layer_norm(x), mod[0], mod[1])
             q, k, v = getattr(blk, f"{name}_qkv")(h).chunk(3, dim=-1)
             sl = slice(0, t) if name == "txt" else slice(t, None)
-            q = _rope(getattr(blk, f"{name}_qnorm")(_heads(q, self.heads)), cos[sl], sin[sl])
-            k = _rope(getattr(blk, f"{name}_knorm")(_heads(k, self.heads)), cos[sl], sin[sl])
+            q = _rope(self._norm(getattr(blk, f"{name}_qnorm"), _heads(q, self.heads)),
+                      cos[sl], sin[sl])
+            k = _rope(self._norm(getattr(blk, f"{name}_knorm"), _heads(k, self.heads)),
+                      cos[sl], sin[sl])
             qs.append(q)
             ks.append(k)
             vs.append(_heads(v, self.heads))
@@ -152,8 +170,8 @@ class ShardModule(nn.Module):
         d = h.shape[-1]
         qkv, mlp_in = blk.linear1(h).split([3 * d, blk.mlp_hidden], dim=-1)
         q, k, v = qkv.chunk(3, dim=-1)
-        q = _rope(blk.qnorm(_heads(q, self.heads)), cos, sin)
-        k = _rope(blk.knorm(_heads(k, self.heads)), cos, sin)
+        q = _rope(self._norm(blk.qnorm, _heads(q, self.heads)), cos, sin)
+        k = _rope(self._norm(blk.knorm, _heads(k, self.heads)), cos, sin)
         attn = self._attend(q, k, _heads(v, self.heads), k_cache, v_cache)
         out = blk.linear2(torch.cat([attn, F.gelu(mlp_in, approximate="tanh")], dim=-1))
         return txt + mods["txt"][2] * out[:, :t], img + mods["img"][2] * out[:, t:]
