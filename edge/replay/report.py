@@ -244,9 +244,14 @@ def fig_bars(rows: dict[str, dict[str, float]], ylabel: str, title: str, path: P
 def _f(x: Any, digits: int = 2) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
+    return f"{x:.{digits}f}"
+
+
+def _fp(x: Any) -> str:
+    """A PSNR cell: ``exact`` for identical images."""
     if isinstance(x, float) and x >= PSNR_CAP:
         return "exact"
-    return f"{x:.{digits}f}"
+    return _f(x, 1)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -260,9 +265,9 @@ def _policy_table(runs: list[dict[str, Any]]) -> str:
     for p in _order({r["policy"] for r in runs}):
         s = summarize([r for r in runs if r["policy"] == p])
         rows.append([p, str(s["n"]), _f(s["p50"]), _f(s["p90"]), _f(s["p99"]), _f(s["mb"]),
-                     _f(s["stalls"], 1), _f(s["psnr_exact"], 1), _f(s["psnr_exact_p10"], 1),
-                     _f(s["ssim_exact"], 3), _f(s["ssim_exact_p10"], 3), _f(s["psnr_full"], 1),
-                     _f(s["psnr_full_p10"], 1), _f(s["ssim_full"], 3)])
+                     _f(s["stalls"], 1), _fp(s["psnr_exact"]), _fp(s["psnr_exact_p10"]),
+                     _f(s["ssim_exact"], 3), _f(s["ssim_exact_p10"], 3), _fp(s["psnr_full"]),
+                     _fp(s["psnr_full_p10"]), _f(s["ssim_full"], 3)])
     return _table(["policy", "runs", "p50 s", "p90 s", "p99 s", "MB moved", "stalls",
                    "PSNR exact", "p10", "SSIM exact", "p10", "PSNR full", "p10",
                    "SSIM full"], rows)
@@ -303,8 +308,8 @@ def _why(key: str, w: str, runs: list[dict[str, Any]], tmpl: list[dict[str, Any]
                 "small model.")
     other = key.rsplit("_", 1)[1]
     o = by.get(other, {})
-    return (f"mean PSNR vs exact: sakura {_f(s.get('psnr_exact'))} dB, {other} "
-            f"{_f(o.get('psnr_exact'))} dB, moving {_f(s.get('mb'))} vs {_f(o.get('mb'))} MB "
+    return (f"mean PSNR vs exact: sakura {_fp(s.get('psnr_exact'))} dB, {other} "
+            f"{_fp(o.get('psnr_exact'))} dB, moving {_f(s.get('mb'))} vs {_f(o.get('mb'))} MB "
             f"(p90 {_f(s.get('p90'))} vs {_f(o.get('p90'))} s). The allocator spends the "
             "window on time, not on quality: where the other system streams larger "
             "configurations and stalls for them, it buys PSNR with latency (see the "
@@ -352,7 +357,8 @@ def _mode_section(mode: str, runs: list[dict[str, Any]], tmpl: dict[str, dict[st
                   "template (every configuration's real size x the same factor), traces at "
                   "their real rates (factor 1). Latency is simulated with the runtime's "
                   "allocator; quality is measured on the real edit with the chosen "
-                  "configurations (see `edge/replay/profile.py`).\n")
+                  "configurations (see `edge/replay/profile.py`). MB moved are the modelled "
+                  "(scaled) bytes.\n")
     # headline
     md.append("### Headline (" + ", ".join(head["networks"]) + "; median over workloads)\n")
     rows = []
@@ -424,7 +430,7 @@ def _sensitivity(mode: str, runs: list[dict[str, Any]], main: list[dict[str, Any
                              key=lambda kv: t_of.get(kv[0][0], {}).get("token_mask_ratio", 0)):
         m = t_of[tid]["token_mask_ratio"] if tid in t_of else rs[0]["token_mask_ratio"]
         by = {p: summarize([r for r in rs if r["policy"] == p]) for p in pols}
-        rows.append([f"{100 * m:.1f}% ({tid})"] + [f"{_f(by[p]['p50'])} / {_f(by[p]['psnr_exact'], 1)}"
+        rows.append([f"{100 * m:.1f}% ({tid})"] + [f"{_f(by[p]['p50'])} / {_fp(by[p]['psnr_exact'])}"
                                                   if by[p]["n"] else "–" for p in pols])
         bars[f"{100 * m:.0f}%"] = {p: by[p]["p50"] for p in pols if by[p]["n"]}
     if rows:
@@ -459,7 +465,7 @@ def _sensitivity(mode: str, runs: list[dict[str, Any]], main: list[dict[str, Any
             res = rs[0]["resolution"]
             by = {p: summarize([r for r in rs if r["policy"] == p]) for p in pols}
             rows.append([f"{tid} ({res} px)"] + [f"{_f(by[p]['p50'])} / "
-                                                 f"{_f(by[p]['psnr_exact'], 1)}"
+                                                 f"{_fp(by[p]['psnr_exact'])}"
                                                  if by[p]["n"] else "–" for p in pols])
         md.append(_table(["template"] + pols, rows) + "\n")
     return md
@@ -478,7 +484,7 @@ def _ablations(mode: str, runs: list[dict[str, Any]], main: list[dict[str, Any]]
         for (p,), rs in sorted(group(pool, "policy").items(), key=lambda kv: kv[1][0]["q"]):
             s = summarize(rs)
             rows.append([f"{rs[0]['q']:g}", p, str(s["n"]), _f(s["p50"]), _f(s["p90"]),
-                         _f(s["mb"]), _f(s["psnr_exact"], 1), _f(s["psnr_exact_p10"], 1),
+                         _f(s["mb"]), _fp(s["psnr_exact"]), _fp(s["psnr_exact_p10"]),
                          _f(s["ssim_exact"], 3)])
         md.append(f"**Importance exponent q** ({', '.join(sorted(nets))}; q = 0 is `svd`, "
                   "0.5 the default `sakura`):\n")
