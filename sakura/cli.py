@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from sakura.errors import SakuraError
@@ -18,6 +19,11 @@ COMMAND_MODULES = (
     "dit.cli", "dit.adapters.cli", "codec.cli", "traces.cli", "cloud.cli", "cloud.render_cli",
     "edge.cli", "edge.replay.cli", "edge.backends.cli", "edge.native_cli", "sakura.demo",
 )
+
+# executorch depends on torchao, which transformers imports whenever it is installed; on
+# this CPU build torchao logs that its CUDA kernels do not load and torch logs a deprecated
+# enum registration: warnings of no use to a user, printed on every command otherwise.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +59,8 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
