@@ -58,12 +58,16 @@ def _replay(args: argparse.Namespace) -> int:
     summary = run_replay(cfg, args.out, log=_log, progress=not args.no_progress)
     print(f"replay: {summary['ran']} runs done, {summary['skipped']} skipped (already in "
           f"{args.out}/runs.jsonl)")
+    failed = summary.get("failed", [])
+    if failed:
+        print(f"sakura: error: {len(failed)} run(s) failed and were not recorded; rerun the "
+              "same command to retry them", file=sys.stderr)
     if args.report:
         from edge.replay.report import write_report
 
         path = write_report(args.out, json_path=None)
         print(f"wrote {path}")
-    return 0
+    return 1 if failed else 0
 
 
 def _report(args: argparse.Namespace) -> int:

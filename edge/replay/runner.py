@@ -53,8 +53,10 @@ from edge.replay.results import (
     finite,
     template_key,
 )
+from sakura.errors import SakuraError
 
 Log = Callable[[str], None]
+MAX_FAILURES = 5  # consecutive failed runs that end a replay (something systematic)
 
 
 @dataclass(frozen=True)
@@ -600,7 +602,10 @@ def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
     todo = [r for r in runs if str(r.key) not in done]
     log(f"replay: {len(runs)} runs planned, {len(runs) - len(todo)} already done, "
         f"{len(todo)} to run ({cfg.regime} regime, {cfg.link} link, timed runs sequential)")
-    summary = {"planned": len(runs), "skipped": len(runs) - len(todo), "ran": 0}
+    summary: dict[str, Any] = {"planned": len(runs), "skipped": len(runs) - len(todo),
+                               "ran": 0}
+    failed: list[str] = []
+    in_a_row = 0
     if not todo:
         return summary
     packs = Path(cfg.packs_dir) if cfg.packs_dir else out / "packs"
@@ -619,11 +624,25 @@ def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
                                 key=lambda v: (v != "main", v))
                 state = setup_template(cfg, r.template, r.base, needed, links, model,
                                        weights_sha, catalog, results, packs, median, log)
-            rec = runner(r, state, cfg, links, root)
+            try:
+                rec = runner(r, state, cfg, links, root)
+            except SakuraError as exc:
+                # one bad run (e.g. a transfer that exhausted its retries) must not end a
+                # long unattended replay; it is not recorded, so a rerun retries it
+                failed.append(str(r.key))
+                in_a_row += 1
+                log(f"run {r.key} failed: {exc} (not recorded; rerun to retry)")
+                if in_a_row >= MAX_FAILURES:
+                    raise EdgeError(f"{in_a_row} runs failed in a row, the last: {exc}") from exc
+                bar.update(1)
+                continue
+            in_a_row = 0
             results.append(rec)
             summary["ran"] += 1
             bar.set_postfix_str(f"{r.template} {r.key.network} {r.key.policy} "
                                 f"{rec['latency_s']:.2f}s", refresh=False)
             bar.update(1)
+    if failed:
+        summary["failed"] = failed
     return summary
 

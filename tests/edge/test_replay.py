@@ -305,3 +305,22 @@ def test_kernel_link_replay_or_clear_fallback(tiny_catalog, tmp_path):
         assert any("falling back to the paced link" in m for m in logs)
     fp16 = next(r for r in runs if r["policy"] == "fp16")
     assert fp16["psnr_exact"] == "inf" and fp16["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_parallel_pack_builds(tiny_catalog, tmp_path):
+    """``build_workers: 2``: the main and q packs built in two processes (untimed)."""
+    from edge.replay.runner import BuildJob, build_all
+
+    root, tid = tiny_catalog
+    jobs = [BuildJob(str(tmp_path / "main"), (tid,), str(root / "model.safetensors"),
+                     str(root / "catalog.json"), codecs=("sakura", "fp16")),
+            BuildJob(str(tmp_path / "q1"), (tid,), str(root / "model.safetensors"),
+                     str(root / "catalog.json"), codecs=("sakura",), q=1.0)]
+    build_all(jobs, workers=2, log=lambda m: None)
+    for name, codecs in (("main", {"sakura", "fp16"}), ("q1", {"sakura"})):
+        doc = json.loads((tmp_path / name / "catalog.json").read_text())
+        assert set(doc["templates"][tid]["codecs"]) == codecs
+    q1 = json.loads(next((tmp_path / "q1" / "templates" / tid / "sakura").glob(
+        "*.manifest.json")).read_text())
+    assert q1["codec_options"]["q"] == 1.0
