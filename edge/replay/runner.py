@@ -595,8 +595,8 @@ def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
     if not weights.exists():
         raise ReplayConfigError(f"model weights {weights} do not exist")
     weights_sha = file_sha256(weights)
+    runs = plan(cfg, root)  # bad or missing traces fail here, before anything is written
     _check_meta(out, cfg, weights_sha)
-    runs = plan(cfg, root)
     results = ResultsFile(out)
     done = results.done()
     todo = [r for r in runs if str(r.key) not in done]

@@ -68,6 +68,13 @@ def test_bad_config_on_the_command_line_is_one_error_line(tmp_path, capsys):
     assert "unknown template 'no-such-template'" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "nothing")]) == 1
     assert "not a replay results folder" in capsys.readouterr().err
+    p.write_text(f"trace_dir: {tmp_path / 'no-traces'}\n")
+    assert main(["replay", str(p), "--out", str(tmp_path / "o")]) == 1
+    assert "trace_dir" in capsys.readouterr().err
+    (tmp_path / "empty-traces").mkdir()
+    p.write_text(f"trace_dir: {tmp_path / 'empty-traces'}\n")
+    assert main(["replay", str(p), "--out", str(tmp_path / "o")]) == 1
+    assert "trace set '5g' is empty" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- results
