@@ -152,6 +152,7 @@ class ExecutionBackend(ABC):
     name: ClassVar[str]
     compiles: ClassVar[bool] = True  # False: nothing is written to the artifact cache
     explicit_rms: ClassVar[bool] = False  # see edge.backends.shard._explicit_rms_norm
+    sigmoid_gelu: ClassVar[bool] = False  # see edge.backends.shard._sigmoid_gelu
 
     def __init__(self, config: BackendConfig | None = None) -> None:
         self.config = config or BackendConfig()
@@ -189,7 +190,8 @@ class ExecutionBackend(ABC):
         from edge.backends.shard import example_inputs
 
         self.check_available()
-        module = ShardModule(model, tuple(blocks), geometry, self.explicit_rms).eval()
+        module = ShardModule(model, tuple(blocks), geometry, self.explicit_rms,
+                             self.sigmoid_gelu).eval()
         if not self.compiles:
             return self._load(Path(), module)
         key = self.key(model, weights or weights_sha256(model), tuple(blocks), geometry)

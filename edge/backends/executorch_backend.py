@@ -37,6 +37,7 @@ class ExecuTorchBackend(ExecutionBackend):
     """ExecuTorch with the XNNPACK delegate (fp32)."""
 
     name = "executorch"
+    sigmoid_gelu = True
 
     def check_available(self) -> None:
         try:
@@ -52,7 +53,8 @@ class ExecuTorchBackend(ExecutionBackend):
     def version(self) -> str:
         from importlib.metadata import version
 
-        return f"executorch-{version('executorch')}-xnnpack-fp32-torch-{torch.__version__}"
+        return (f"executorch-{version('executorch')}-xnnpack-fp32-sigmoid-gelu-"
+                f"torch-{torch.__version__}")
 
     def _compile(self, module: ShardModule, example: tuple[torch.Tensor, ...],
                  folder: Path) -> None:
