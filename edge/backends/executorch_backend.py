@@ -10,6 +10,7 @@ Hexagon NPU the same exported program is lowered with ExecuTorch's QNN partition
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -63,10 +64,12 @@ class ExecuTorchBackend(ExecutionBackend):
         )
         from executorch.exir import to_edge_transform_and_lower
 
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # the exporter's own deprecation notices (pytree LeafSpec), not ours to act on
+            warnings.simplefilter("ignore", FutureWarning)
             exported = torch.export.export(module, example, strict=False)
-        program = to_edge_transform_and_lower(
-            exported, partitioner=[XnnpackPartitioner()]).to_executorch()
+            program = to_edge_transform_and_lower(
+                exported, partitioner=[XnnpackPartitioner()]).to_executorch()
         (folder / PTE_NAME).write_bytes(program.buffer)
 
     def _load(self, folder: Path, module: ShardModule) -> CompiledShard:

@@ -18,6 +18,7 @@ backend uses (``executorch/backends/qualcomm/serialization/qc_schema.py``,
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,7 +147,8 @@ class QnnBackend(ExecutionBackend):
         onnx_dir = folder / "onnx"
         onnx_dir.mkdir()
         onnx_path = onnx_dir / ONNX_NAME
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the exporter's pytree notices
             torch.onnx.export(module, example, str(onnx_path),
                               input_names=input_names(module.blocks),
                               output_names=OUTPUT_NAMES, opset_version=self.options.opset,
