@@ -27,6 +27,25 @@ class KVProvider(Protocol):
         ...
 
 
+class StepMemo:
+    """A ``KVProvider`` that asks ``inner`` for each (step, block) once and keeps the current
+    step's K/V, for models that run the guidance branches one after the other (every branch
+    reads the same template cache): a streaming provider sees the execution order it
+    expects, each block once per step, and the device holds one step of cache at most."""
+
+    def __init__(self, inner: KVProvider) -> None:
+        self.inner = inner
+        self.step = -1
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step != self.step:
+            self.step, self.kv = step, {}
+        if block not in self.kv:
+            self.kv[block] = self.inner.get(step, block)
+        return self.kv[block]
+
+
 @dataclass
 class TemplateCache:
     """K/V of unmasked image tokens for every (step, block) of a template run.

@@ -39,7 +39,7 @@ from torch import nn
 
 from dit.adapters.errors import AdapterError, InputError, UnsupportedError
 from dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
-from dit.cache import KVProvider, TemplateCache
+from dit.cache import KVProvider, StepMemo, TemplateCache
 from dit.editing import channels_to_heads, heads_to_channels
 from dit.sampler import noise_like
 
@@ -570,6 +570,8 @@ class ModelAdapter(ABC):
         (importance profiling, regional execution).
         """
         branches = self._branches(template, req, cache_refs)
+        if len(branches) > 1:  # the branches run one after the other: one fetch per block
+            provider = StepMemo(provider)
         sched = self.make_scheduler(template.steps, template.tokens)
         x = self.edit_noise(template, req.seed)[:, geo.masked]
         for s in range(template.steps):

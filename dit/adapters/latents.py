@@ -189,8 +189,16 @@ def load_pipeline(adapter, path: str | Path, dtype: torch.dtype | None = None):
     if not (root / "model_index.json").is_file():
         raise ModelPathError(f"{root} has no model_index.json: prompts need the full pipeline")
     try:
+        index = json.loads((root / "model_index.json").read_text())
+    except ValueError as exc:
+        raise ModelPathError(f"{root / 'model_index.json'} is not valid JSON: {exc}") from None
+    # components saved as [null, null] (e.g. SD3.5 without its T5 encoder) load as None
+    absent = {k: None for k, v in index.items()
+              if not k.startswith("_") and isinstance(v, list) and v == [None, None]}
+    try:
         return DiffusionPipeline.from_pretrained(root, transformer=adapter.model,
-                                                 torch_dtype=dtype, local_files_only=True)
+                                                 torch_dtype=dtype, local_files_only=True,
+                                                 **absent)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelPathError(f"cannot load the pipeline from {root}: {exc}") from None
 

@@ -145,3 +145,121 @@ def tiny_request(adapter: ModelAdapter, spec: TinySpec, seed: int = 7, refs: int
     references = [LatentImage(torch.randn(h * w, adapter.latent_channels, generator=gen), (h, w))
                   for h, w in [(3, 3), (2, 4), (4, 4)][:refs]]
     return LatentRequest(cond, uncond, seed, references)
+
+
+# -- whole tiny pipelines on disk (a local "checkpoint" for build -> serve -> edit tests) ----
+
+PIPELINE_KINDS = ("flux2", "sd3.5")
+
+
+def tiny_vae(family: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny seeded VAE of ``family`` (``flux2``, ``sd3``, ``qwenimage``): 8x downsampling,
+    4 latent channels."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    blocks = dict(down_block_types=("DownEncoderBlock2D",) * 4,
+                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
+                  layers_per_block=1, latent_channels=4, norm_num_groups=4)
+    if family == "sd3":
+        return diffusers.AutoencoderKL(**blocks, shift_factor=0.06, scaling_factor=1.5)
+    if family == "flux2":
+        vae = diffusers.AutoencoderKLFlux2(**blocks)
+        vae.bn.running_mean.normal_(0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+        return vae
+    return diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2],
+                                            num_res_blocks=1, latents_mean=[0.1, -0.2, 0.3, 0.0],
+                                            latents_std=[1.5, 0.5, 2.0, 1.0])
+
+
+def _bpe_tokenizer(special: list[str]):
+    """A tiny byte-level BPE trained on a few sentences (the real tokenizers' vocabularies
+    cannot be downloaded here; the pipelines only need the tokenizer's interface)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["a photo of a person with a red hat and a blue shirt",
+                             "user assistant system template prompt edit"], trainer)
+    return tok
+
+
+def _flux2_pipeline(seed: int):
+    import diffusers
+    from transformers import Qwen2TokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tok = Qwen2TokenizerFast(tokenizer_object=_bpe_tokenizer(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]), eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", bos_token=None, unk_token=None)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+                         "assistant\n{% endif %}")
+    torch.manual_seed(seed)
+    # FLUX.2-klein stacks the text encoder's hidden states 9, 18 and 27: 28 narrow layers
+    text = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=28,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024))
+    _, cfg = _configs("flux2", "test")
+    transformer = diffusers.Flux2Transformer2DModel(**{**cfg, "joint_attention_dim": 48})
+    _seeded(transformer, seed)
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    return diffusers.Flux2KleinPipeline(scheduler=sched, vae=tiny_vae("flux2", seed),
+                                        text_encoder=text, tokenizer=tok,
+                                        transformer=transformer, is_distilled=False)
+
+
+def _sd3_pipeline(seed: int):
+    import diffusers
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizerFast
+
+    def clip(hidden: int):
+        tok = CLIPTokenizerFast(tokenizer_object=_bpe_tokenizer(
+            ["<|startoftext|>", "<|endoftext|>"]), bos_token="<|startoftext|>",
+            eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+            model_max_length=77)
+        enc = CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=2, num_attention_heads=2, projection_dim=hidden,
+            max_position_embeddings=77, eos_token_id=tok.eos_token_id,
+            bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id))
+        return tok, enc
+
+    torch.manual_seed(seed)
+    tok1, enc1 = clip(8)
+    tok2, enc2 = clip(16)
+    _, cfg = _configs("sd3.5", "test")
+    # prompt embeddings: the two CLIPs' hidden states side by side, zero-padded to T5's width
+    # (no T5 here: the pipeline pads with zeros), pooled: both projections
+    transformer = diffusers.SD3Transformer2DModel(**{**cfg, "joint_attention_dim": 32,
+                                                     "pooled_projection_dim": 24})
+    _seeded(transformer, seed)
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    return diffusers.StableDiffusion3Pipeline(
+        scheduler=sched, vae=tiny_vae("sd3", seed), text_encoder=enc1, tokenizer=tok1,
+        text_encoder_2=enc2, tokenizer_2=tok2, text_encoder_3=None, tokenizer_3=None,
+        transformer=transformer)
+
+
+def _seeded(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(p.shape[1])))
+    model.eval()
+
+
+def save_tiny_pipeline(kind: str, path, seed: int = 0):
+    """Write a whole tiny seeded diffusers pipeline of ``kind`` (``flux2``: FLUX.2-klein with
+    a Qwen3 text encoder; ``sd3.5``: SD3.5 with two CLIP encoders) to ``path`` with
+    ``save_pretrained``: a local checkpoint folder that ``--model flux2`` / ``--model sd3``
+    load like a real one (tests only). Returns ``path``."""
+    makers = {"flux2": _flux2_pipeline, "sd3.5": _sd3_pipeline}
+    if kind not in makers:
+        raise ValueError(f"no tiny pipeline of kind {kind!r}; choose one of {PIPELINE_KINDS}")
+    makers[kind](seed).save_pretrained(path)
+    return path

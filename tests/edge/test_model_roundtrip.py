@@ -1,0 +1,131 @@
+"""`--model/--model-path`: a diffusers checkpoint folder through the whole product path.
+
+`sakura build --model M --model-path DIR` -> `sakura serve` (a real HTTP server process) ->
+`sakura edit --model M --model-path DIR`, on tiny seeded pipelines written with
+`save_pretrained` (FLUX.2-klein with its Qwen3 text encoder, SD3.5 with two CLIP encoders),
+loaded exactly as a real checkpoint would be.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cloud.build import BuildConfig, build
+from dit.adapters.engine import checkpoint_fingerprint, load_engine
+from dit.adapters.tiny import save_tiny_pipeline
+from edge.bench import ServerProcess
+from edge.runtime import EdgeRuntime, run_edit
+from sakura.cli import main
+
+TEMPLATE = "edit-apple-leaf"
+RES = 128  # 8x VAE + 2x2 packing: an 8x8 token grid
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {kind: save_tiny_pipeline(kind, root / kind) for kind in ("flux2", "sd3.5")}
+
+
+@pytest.fixture(scope="module")
+def catalog(tmp_path_factory):
+    """The shipped catalog's apple template with 4 steps and 2 profiling prompts (tiny models
+    carry 512 text tokens per branch; the shipped 20 steps would only make the test slow)."""
+    from dit.templates import DEFAULT_CATALOG
+
+    doc = json.loads(DEFAULT_CATALOG.read_text())
+    entry = dict(doc["templates"][TEMPLATE])
+    for key in ("image", "mask"):
+        entry[key] = str((DEFAULT_CATALOG.parent / entry[key]).resolve())
+    entry.update(steps=4, profiling_prompts=entry["profiling_prompts"][:2])
+    path = tmp_path_factory.mktemp("catalog") / "catalog.json"
+    path.write_text(json.dumps({**doc, "templates": {TEMPLATE: entry}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind,model", [("flux2", "flux2"), ("sd3.5", "sd3")])
+def test_build_serve_edit_round_trip(tmp_path, checkpoints, catalog, kind, model, capsys):
+    ck = checkpoints[kind]
+    packs = tmp_path / "packs"
+    assert main(["build", catalog, "--model", model, "--model-path", str(ck), "--templates", TEMPLATE,
+                 "--codecs", "sakura,fp16", "--out", str(packs), "--resolution", str(RES),
+                 "--blocks-per-shard", "2"]) == 0
+    tid = f"{TEMPLATE}-{RES}"
+    entry = json.loads((packs / "catalog.json").read_text())["templates"][tid]
+    assert entry["template"]["resolution"] == RES
+    manifest = json.loads((packs / "templates" / tid / "fp16" / "manifest.json").read_text())
+    assert manifest["model"]["name"] == model
+    assert manifest["model"]["weights_fingerprint"] == checkpoint_fingerprint(ck)
+    # unchanged template, same checkpoint: skipped
+    report = build(BuildConfig(catalog=catalog, out_dir=str(packs), templates=(TEMPLATE,),
+                               resolution=RES,
+                               codecs=("sakura", "fp16"), blocks_per_shard=2, model=model,
+                               model_path=str(ck)))
+    assert report.skipped == [tid]
+
+    with ServerProcess(packs) as server:
+        out = tmp_path / "edit.png"
+        capsys.readouterr()
+        for policy in ("fp16", "sakura", "local"):
+            assert main(["edit", "--server", server.url, "--template", tid, "--prompt",
+                         "a green leaf", "--seed", "5", "--policy", policy, "--model", model,
+                         "--model-path", str(ck), "--no-state", "--out", str(out),
+                         "--compare-exact"]) == 0
+            doc = json.loads(out.with_name("edit.timeline.json").read_text())
+            assert doc["policy"] == policy and not doc["warnings"]
+            if policy == "fp16":  # the FP16 cache is `exact`
+                assert doc["psnr_db"] == "inf"
+            elif policy == "sakura":
+                assert doc["bytes"] > 0 and doc["psnr_db"] > 25
+            else:  # local recomputes the template: not exact, same image size
+                assert doc["bytes"] == 0 and doc["psnr_db"] is not None
+
+        # the same edit through the Python API equals the CLI's `exact` image bit for bit
+        rt = EdgeRuntime(load_engine(model, ck))
+        a = run_edit(server.url, tid, "a green leaf", "fp16", seed=5, runtime=rt)
+        b = run_edit(server.url, tid, "a green leaf", "fp16", seed=5, runtime=rt)
+        assert a.image.shape == (3, RES, RES) and torch.equal(a.image, b.image)
+
+
+def test_other_checkpoint_warns_and_other_geometry_fails(tmp_path, checkpoints, catalog):
+    ck = checkpoints["flux2"]
+    packs = tmp_path / "packs"
+    build(BuildConfig(catalog=catalog, out_dir=str(packs), templates=(TEMPLATE,), resolution=RES,
+                      codecs=("fp16",), blocks_per_shard=2, model="flux2", model_path=str(ck)))
+    tid = f"{TEMPLATE}-{RES}"
+    other = save_tiny_pipeline("flux2", tmp_path / "other", seed=1)
+    with ServerProcess(packs) as server:
+        res = run_edit(server.url, tid, "a leaf", "fp16", model="flux2", model_path=other)
+        assert res.warnings and "does not match the model" in res.warnings[0]
+        # an SD3.5 device cannot use FLUX.2 packs: a clear error, nothing sent but ids
+        with pytest.raises(Exception, match="does not fit this model and template"):
+            run_edit(server.url, tid, "a leaf", "fp16", model="sd3",
+                     model_path=checkpoints["sd3.5"])
+
+
+def test_bad_model_arguments_are_clear_errors(tmp_path, checkpoints, capsys):
+    packs = str(tmp_path / "packs")
+    cases = [
+        (["build", "--model", "flux2", "--model-path", str(tmp_path / "nowhere"), "--out", packs],
+         "nowhere"),
+        (["build", "--model", "flux2-klein-4b", "--model-path", str(checkpoints["flux2"]),
+          "--out", packs, "--templates", TEMPLATE], "is not FLUX.2 [klein] 4B"),
+        (["build", "--model", "no-such-model", "--model-path", str(checkpoints["flux2"]),
+          "--out", packs], "unknown model"),
+        (["build", "--model-path", str(checkpoints["flux2"]), "--out", packs], "needs --model"),
+        (["build", "--model", "flux2", "--out", packs], "needs --model-path"),
+        (["edit", "--server", "http://127.0.0.1:9", "--template", "x", "--prompt", "p",
+          "--model", "sd3", "--model-path", str(checkpoints["flux2"]), "--out",
+          str(tmp_path / "o.png"), "--no-state"], "sd3"),
+    ]
+    for argv, needle in cases:
+        capsys.readouterr()
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("sakura: error:") and needle in err, (argv, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "packs" / "catalog.json").exists() or json.loads(
+        (tmp_path / "packs" / "catalog.json").read_text())["templates"] == {}
