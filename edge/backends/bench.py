@@ -66,8 +66,7 @@ def shard_inputs(model: MMDiT, template: Template, geo: Geometry, provider: KVPr
     counter = {"step": 0}
     geometry = edit_geometry(model, template, geo, req)
     for blocks in groups:
-        ex._shards[(geometry, blocks)] = _Recording(ex.shard(geometry, blocks), sink,
-                                                    counter, step)
+        ex.use(geometry, blocks, _Recording(ex.shard(geometry, blocks), sink, counter, step))
 
     def on_step(s: int) -> None:
         counter["step"] = s + 1
@@ -135,7 +134,8 @@ def bench_backends(model: MMDiT, template: Template, req: EditRequest,
                 per_shard.append({"blocks": list(blocks), "latency_s": lat,
                                   "max_abs_err": err, "ref_max_abs": scale})
             ex = ShardExecutor(model, first, weights)
-            ex._shards.update({(geometry, b): s for b, s in shards.items()})
+            for b, s in shards.items():
+                ex.use(geometry, b, s)
             t0 = time.perf_counter()
             image = ex.edit(template, geo, cache, req, groups)
             edit_s = time.perf_counter() - t0

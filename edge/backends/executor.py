@@ -65,6 +65,15 @@ class ShardExecutor:
                                                      self.weights)
         return self._shards[key]
 
+    def use(self, geometry: ShardGeometry, blocks: tuple[int, ...],
+            shard: CompiledShard) -> None:
+        """Run ``blocks`` of ``geometry`` with an already prepared (or wrapped) shard."""
+        self._shards[(geometry, tuple(blocks))] = shard
+
+    @property
+    def compiled(self) -> dict[tuple[ShardGeometry, tuple[int, ...]], CompiledShard]:
+        return dict(self._shards)
+
     def prepare(self, geometry: ShardGeometry, groups: Sequence[tuple[int, ...]]) -> None:
         """Compile or load every group's graph before the edit starts."""
         for blocks in groups:

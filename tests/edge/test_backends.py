@@ -55,7 +55,7 @@ def test_torch_shard_graphs_equal_cached_edit(world, setup):
     # one step-independent graph per block group, for every geometry
     one = ShardExecutor(world.model, create_backend("torch"))
     one.edit(world.template, geo, cache, req, step_groups(4, 4))
-    assert len(one._shards) == 1
+    assert len(one.compiled) == 1
 
 
 @pytest.mark.parametrize("name", ["executorch", "qnn"])
