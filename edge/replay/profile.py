@@ -4,10 +4,15 @@ The ``profile`` regime stands for the paper's phone (FLUX.2-klein-4B on a Snapdr
 Elite Gen 5: ~13 s fully local, ~2.3 s masked execution at 10% of the tokens, 1.46 GiB
 FP16 cache per 512x512 template) instead of this host. What is **modelled**:
 
-* execution: the masked execution of a template takes ``masked_s x m / masked_ratio``
-  (``m`` the template's token mask ratio; linear in the computed tokens, anchored at the
-  profile's 2.3 s at 10%), split over shards in proportion to the per-shard times measured
-  on this host (``EdgeRuntime.profile``); ``local`` takes ``local_s``;
+* execution: the masked execution of a template with token mask ratio ``m`` takes the
+  affine interpolation between the profile's two published points, ``masked_s`` (2.3 s) at
+  ``masked_ratio`` (10%) and ``local_s`` (13 s) at 100% (every token computed):
+  ``masked_s + (local_s - masked_s) (m - masked_ratio) / (1 - masked_ratio)``. Masked
+  execution has a fixed part (text tokens, attention over the cached keys) and a part
+  proportional to the computed tokens; a line through the origin instead would make a
+  100% mask take 23 s, more than local generation. Split over shards in proportion to the
+  per-shard times measured on this host (``EdgeRuntime.profile``); ``local`` takes
+  ``local_s``;
 * bytes: every configuration's real byte size times ``k = fp16_gib / (this template's FP16
   cache)``, so the FP16 pack is 1.46 GiB and every codec keeps its real compression ratio;
 * the link: the real trace at its real rates (no scaling: 1.46 GiB at the Lumos5G median
@@ -48,7 +53,8 @@ class DeviceProfile:
     request_latency_s: float = 0.02
 
     def masked_total_s(self, token_mask_ratio: float) -> float:
-        return self.masked_s * token_mask_ratio / self.masked_ratio
+        slope = (self.local_s - self.masked_s) / (1.0 - self.masked_ratio)
+        return max(0.0, self.masked_s + slope * (token_mask_ratio - self.masked_ratio))
 
     def shard_exec_s(self, measured: list[float], token_mask_ratio: float) -> list[float]:
         total = sum(measured) or 1.0
