@@ -1,6 +1,6 @@
 """Developer tool: before/after grid of every shipped template, edited with the exact cache.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/catalog_grid.py
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/catalog_grid.py [--weights FILE] [--out PNG]
 
 Writes docs/model/edits.png: per template (columns) the template, then its first evaluation
 prompt edited with the uncompressed cache (``exact``), then full local execution (``full``).
@@ -8,6 +8,7 @@ prompt edited with the uncompressed cache (``exact``), then full local execution
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -22,7 +23,12 @@ OUT = Path(__file__).resolve().parents[1] / "docs" / "model" / "edits.png"
 
 
 def main() -> None:
-    model, enc = load_model(), TextEncoder()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--weights", help="model weights (default: the shipped model)")
+    ap.add_argument("--out", default=str(OUT), help=f"output PNG (default {OUT})")
+    args = ap.parse_args()
+    out = Path(args.out)
+    model, enc = load_model(args.weights), TextEncoder()
     cols = []
     for spec in load_catalog().values():
         tpl = spec.to_template(enc)
@@ -33,9 +39,9 @@ def main() -> None:
         cols.append(torch.cat([tpl.image, exact, full], dim=1))
     grid = torch.cat(cols, dim=2)
     arr = ((grid.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).byte().numpy()
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(arr).resize((arr.shape[1] * 2, arr.shape[0] * 2), Image.NEAREST).save(OUT)
-    print(OUT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).resize((arr.shape[1] * 2, arr.shape[0] * 2), Image.NEAREST).save(out)
+    print(out)
 
 
 if __name__ == "__main__":
