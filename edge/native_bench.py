@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from codec import native as codec_native
 from codec.lowrank import LowRankCodec
 from codec.shards import ShardSpec
+from dit.bench_kv import median_time
 from edge.errors import EdgeError
 
 
@@ -111,16 +111,6 @@ def synthetic_cases(cfg: NativeBenchConfig) -> tuple[LowRankCodec, list[Case], d
                           "matrices_per_shard": 8, "rope": True}
 
 
-def _median_s(fn: Any, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run(cfg: NativeBenchConfig) -> dict[str, Any]:
     st = codec_native.status()
     if not st.enabled:
@@ -146,9 +136,9 @@ def run(cfg: NativeBenchConfig) -> dict[str, Any]:
         tensors += len(ref)
         equal += sum(bool(torch.equal(a, b)) for a, b in zip(ref, out))
         max_diff = max(max_diff, max(float((a - b).abs().max()) for a, b in zip(ref, out)))
-        tp = _median_s(lambda: decode(False), cfg.repeats)
-        tn = _median_s(lambda: decode(True), cfg.repeats)
-        tm = _median_s(lambda: decode(True, cfg.threads), cfg.repeats)
+        tp = median_time(lambda: decode(False), cfg.repeats)
+        tn = median_time(lambda: decode(True), cfg.repeats)
+        tm = median_time(lambda: decode(True, cfg.threads), cfg.repeats)
         codec.use_native, codec.native_threads = True, 1
         py_t, nat_t, mt_t = py_t + tp, nat_t + tn, mt_t + tm
         fp16_total += case.fp16_bytes

@@ -12,7 +12,6 @@ against the torch backend's edit (which equals ``dit.editing.cached_edit``).
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dit.bench_kv import median_time
 from dit.cache import KVProvider
 from dit.editing import EditRequest, Geometry, Template, cached_edit, template_run
 from dit.model import MMDiT
@@ -75,16 +75,6 @@ def shard_inputs(model: MMDiT, template: Template, geo: Geometry, provider: KVPr
     return sink
 
 
-def _median_s(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_backends(model: MMDiT, template: Template, req: EditRequest,
                    spec: BackendBenchSpec, template_id: str = "") -> dict[str, Any]:
     """Measure every backend of ``spec`` (see the module docstring); returns the JSON doc."""
@@ -130,7 +120,7 @@ def bench_backends(model: MMDiT, template: Template, req: EditRequest,
                 ref = ref_out[blocks]
                 err = max(float((o - r).abs().max()) for o, r in zip(out, ref))
                 scale = max(float(r.abs().max()) for r in ref)
-                lat = _median_s(lambda s=shards[blocks], x=xs: s.run(*x), spec.repeats)
+                lat = median_time(lambda s=shards[blocks], x=xs: s.run(*x), spec.repeats)
                 per_shard.append({"blocks": list(blocks), "latency_s": lat,
                                   "max_abs_err": err, "ref_max_abs": scale})
             ex = ShardExecutor(model, first, weights)

@@ -17,7 +17,14 @@ from dit.adapters.errors import (
     UnknownModelError,
 )
 from dit.adapters.registry import MODELS, load_adapter
-from dit.adapters.tiny import tiny_adapter, tiny_request, tiny_spec, tiny_template, tiny_transformer
+from dit.adapters.tiny import (
+    tiny_adapter,
+    tiny_request,
+    tiny_spec,
+    tiny_template,
+    tiny_transformer,
+    tiny_vae,
+)
 
 
 def _velocity(a, spec, tpl):
@@ -182,22 +189,7 @@ def test_bench_command_registers_and_runs(tmp_path):
 
 
 def _tiny_vae(family: str):
-    import diffusers
-
-    torch.manual_seed(0)
-    blocks = dict(down_block_types=("DownEncoderBlock2D",) * 4,
-                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
-                  layers_per_block=1, latent_channels=4, norm_num_groups=4)
-    if family == "sd3":
-        return diffusers.AutoencoderKL(**blocks, shift_factor=0.06, scaling_factor=1.5)
-    if family == "flux2":
-        vae = diffusers.AutoencoderKLFlux2(**blocks)
-        vae.bn.running_mean.normal_(0, 0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
-        return vae
-    return diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2],
-                                            num_res_blocks=1, latents_mean=[0.1, -0.2, 0.3, 0.0],
-                                            latents_std=[1.5, 0.5, 2.0, 1.0])
+    return tiny_vae(family)
 
 
 @pytest.mark.parametrize("kind,family", [("flux2", "flux2"), ("sd3.5", "sd3"),
