@@ -44,6 +44,9 @@ class BuildConfig:
     # (headers, server time) stay small next to the smallest configurations
     blocks_per_shard: int = 4
     resolution: int | None = None  # build at another resolution (ids get a suffix)
+    # output PSNR of every configuration on this many profiling requests (0: only the
+    # importance-weighted KV error; see cloud/psnr_profile.py for the cost)
+    profile_psnr: int = 0
     force: bool = False
     codec_options: dict[str, dict] = field(default_factory=dict)
 
@@ -77,6 +80,11 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         specs = {k: specs[k] for k in cfg.templates}
     if cfg.resolution:
         specs = {s.id: s for s in (with_resolution(v, cfg.resolution) for v in specs.values())}
+    if cfg.profile_psnr < 0:
+        from cloud.errors import PublishError
+
+        raise PublishError(f"--profile-psnr must be >= 0 (profiling requests), got "
+                           f"{cfg.profile_psnr}")
     if cfg.model is not None and cfg.weights:
         from cloud.errors import PublishError
 
@@ -98,6 +106,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                 "codecs": list(cfg.codecs),
                 "codec_options": cfg.codec_options,
                 "blocks_per_shard": cfg.blocks_per_shard,
+                **({"profile_psnr": cfg.profile_psnr} if cfg.profile_psnr else {}),
                 **({} if cfg.model is None else {"model": cfg.model,
                                                  "weights": engine.weights_id}),
             },
@@ -112,14 +121,19 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                               spec.steps, spec.guidance)
         run = engine.template_run(prep)
         base = 600  # the profiling requests' seeds (dit.templates.TemplateSpec.requests)
-        engine.profile_importance(prep, run, [engine.request(p, base + i) for i, p in
-                                              enumerate(spec.profiling_prompts)])
+        profiling = [engine.request(p, base + i) for i, p in enumerate(spec.profiling_prompts)]
+        engine.profile_importance(prep, run, profiling)
         bps = min(cfg.blocks_per_shard, run.cache.blocks)
         layout = ShardLayout(run.cache.steps, run.cache.blocks, bps)
         block_cost = engine.block_costs()
         cost = [float(sum(block_cost[b] for b in layout.blocks_of(i)[1]))
                 for i in range(layout.num_shards)]
         model_info = engine.model_info()
+        quality_fn = None
+        if cfg.profile_psnr:
+            from cloud.psnr_profile import OutputPSNR
+
+            quality_fn = OutputPSNR(engine, prep, run, profiling[: cfg.profile_psnr], layout)
         # the device's template: pixels, mask, seed, steps and guidance (prompt: public)
         pixels = Template(image=spec.load_image(), mask=spec.load_mask(),
                           txt=torch.zeros(1, 0, 1), seed=spec.seed,
@@ -145,6 +159,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                     blocks_per_shard=bps,
                     model=model_info,
                     compute_cost=cost,
+                    quality_fn=quality_fn,
                 )
                 txn.publish(tid, name, manifest.to_dict(), work / manifest.pack_file)
             txn.set_metadata(

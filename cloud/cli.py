@@ -35,6 +35,10 @@ def register(commands: Any, bench: Any) -> None:
     build.add_argument("--blocks-per-shard", type=int, default=4)
     build.add_argument("--resolution", type=int, help="build at this resolution (ids get -RES)")
     build.add_argument("--force", action="store_true", help="rebuild unchanged templates too")
+    build.add_argument("--profile-psnr", type=int, default=0, metavar="N",
+                       help="also profile every configuration's output PSNR against exact on "
+                            "N profiling requests (slow: one edit per configuration and "
+                            "request; default 0: importance-weighted KV error only)")
     build.set_defaults(func=_build)
 
     serve = commands.add_parser(
@@ -86,6 +90,7 @@ def _build(args: argparse.Namespace) -> int:
         blocks_per_shard=args.blocks_per_shard,
         resolution=args.resolution,
         force=args.force,
+        profile_psnr=args.profile_psnr,
     )
     report = build(cfg)
     print(

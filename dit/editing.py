@@ -252,25 +252,32 @@ def compose(model: MMDiT, template: Template, geo: Geometry, x_masked: torch.Ten
 @torch.inference_mode()
 def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVProvider,
                 req: EditRequest, *, cache_refs: bool = True, reuse_text_kv: bool = False,
-                hook_factory=None, on_step=None) -> torch.Tensor:
+                hook_factory=None, on_step=None, start_step: int = 0,
+                x_start: torch.Tensor | None = None, on_latent=None) -> torch.Tensor:
     """The device path: only text + masked (+ reference) tokens are computed; the template
     cache of the unmasked tokens comes from ``provider``, step by step, block by block.
 
     ``cache_refs``: extract reference K/V once and reuse them (exact); False recomputes the
     reference tokens every step. ``reuse_text_kv``: compute text tokens only at step 0 and
-    reuse their K/V afterwards (an approximation in joint attention).
+    reuse their K/V afterwards (an approximation in joint attention). ``on_latent(s, x)``
+    sees the masked latent entering step ``s``; ``start_step`` with that ``x_start`` resumes
+    an edit there (output-PSNR profiling re-runs only the steps after a changed shard).
     """
     from dit.refcache import ReferenceKV, reference_tokens, text_kv_segments
 
     mode, heads = model.cfg.attention_mode, model.cfg.num_heads
-    x = edit_noise(model, template, req.seed)[:, geo.masked]
+    if start_step and (x_start is None or reuse_text_kv):
+        raise ValueError("start_step needs x_start and cannot reuse text K/V")
+    x = edit_noise(model, template, req.seed)[:, geo.masked] if x_start is None else x_start
     pos = geo.pos[geo.masked]
     ts = schedule(template.steps)
     has_refs = req.ref_images is not None and len(req.ref_images) > 0
     refs = ReferenceKV.extract(model, req, template.guidance) if has_refs and cache_refs else None
     ref_toks = reference_tokens(model, req.ref_images) if has_refs and not cache_refs else None
     text_kv = None
-    for s in range(template.steps):
+    for s in range(start_step, template.steps):
+        if on_latent is not None:
+            on_latent(s, x)
         extra: dict[int, list[KVSegment]] = {}
         for part in (refs.segments() if refs else {}, text_kv_segments(*text_kv) if text_kv else {}):
             for b, segs in part.items():

@@ -76,3 +76,67 @@ def test_unknown_template_is_a_clear_error(small_setup):
     with pytest.raises(PublishError, match="unknown template"):
         build(BuildConfig(catalog=str(root / "catalog.json"), out_dir=str(root / "o3"),
                           templates=("nope",), weights=str(weights)), log=lambda *_: None)
+
+
+def test_profile_psnr_measures_each_configuration_against_exact(small_setup):
+    """``--profile-psnr 1``: every configuration's ``psnr_db`` is the output PSNR of the
+    profiling request with that one shard decoded (the resumed edit equals a whole edit),
+    FP16 is exact (200 dB, the cap) and the Pareto front is taken on it."""
+    from cloud.psnr_profile import OutputPSNR
+    from codec.metrics import psnr
+    from codec.pack import PackReader, decode_config
+    from dit.adapters.engine import load_engine
+    from dit.editing import cached_edit
+    from dit.templates import load_catalog, with_resolution
+
+    root, weights = small_setup
+    out = root / "psnr"
+    cfg = BuildConfig(catalog=str(root / "catalog.json"), out_dir=str(out),
+                      codecs=("fp16", "sakura"), weights=str(weights), resolution=32,
+                      profile_psnr=1)
+    assert build(cfg, log=lambda *_: None).built == ["car-32"]
+    def published(codec):
+        folder = out / "templates" / "car-32" / codec
+        manifest = Manifest.load(folder / "manifest.json")
+        return manifest, PackReader(folder / manifest.pack_file)
+
+    fp16, fp16_reader = published("fp16")
+    fp16_reader.close()
+    assert all(c.quality["psnr_db"] == 200.0 for s in fp16.shards for c in s.configs)
+    manifest, reader = published("sakura")
+    shard = manifest.shards[-1]
+    values = [c.quality["psnr_db"] for c in shard.configs]
+    assert all(v is not None and 0 < v <= 200 for v in values)
+    assert any(c.pareto for c in shard.configs)
+
+    # the same number, recomputed by hand with a whole (not resumed) edit
+    engine = load_engine(None, weights=weights)
+    spec = with_resolution(load_catalog(root / "catalog.json")["car"], 32)
+    prep = engine.prepare(spec.load_image(), spec.load_mask(), spec.prompt, spec.seed,
+                          spec.steps, spec.guidance)
+    run = engine.template_run(prep)
+    req = engine.request(spec.profiling_prompts[0], 600)
+    layout = manifest.layout()
+    fn = OutputPSNR(engine, prep, run, [req], layout)
+    small = min(shard.configs, key=lambda c: c.bytes)
+    with reader:
+        decoded = decode_config(manifest, shard.index, small.id,
+                                reader.read_config(shard.index, small.id), manifest.make_codec())
+    got = fn(shard.index, small.params, decoded)
+    step, blocks = layout.blocks_of(shard.index)
+    exact_cache = run.cache.to_fp16_exact()
+
+    class Changed:
+        def get(self, s, b):
+            if s == step and b in blocks:
+                k = blocks.index(b)
+                return decoded[2 * k].float(), decoded[2 * k + 1].float()
+            return exact_cache.get(s, b)
+
+    exact = cached_edit(engine.model, prep.template, prep.geometry, exact_cache, req)
+    whole = cached_edit(engine.model, prep.template, prep.geometry, Changed(), req)
+    assert got == pytest.approx(psnr((whole + 1) / 2, (exact + 1) / 2), abs=1e-6)
+    assert got == pytest.approx(small.quality["psnr_db"], abs=1e-2)
+    with pytest.raises(PublishError, match="profile-psnr"):
+        build(BuildConfig(catalog=str(root / "catalog.json"), out_dir=str(root / "neg"),
+                          weights=str(weights), profile_psnr=-1), log=lambda *_: None)
