@@ -303,7 +303,11 @@ class PackClient:
                         data = json.loads(raw)
                     except ValueError as exc:
                         raise EdgeError(f"{url}: the server sent invalid JSON ({exc})") from exc
-                    return _JsonGot(data, len(raw), start, first, end, resp.headers.get("ETag"))
+                    # the bytes on the wire (a gzip-encoded manifest is decoded by aiohttp):
+                    # the monitor's rate sample must not count the decompressed size
+                    wire = resp.headers.get("Content-Length")
+                    size = int(wire) if wire and wire.isdigit() else len(raw)
+                    return _JsonGot(data, size, start, first, end, resp.headers.get("ETag"))
             except (TimeoutError, _Retry, aiohttp.ClientError, OSError) as exc:
                 failures += 1
                 last = _describe(exc)

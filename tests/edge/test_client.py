@@ -4,6 +4,7 @@ corrupted bodies, resume of dropped ones, manifest revalidation, clear errors.""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -76,7 +77,10 @@ def test_manifest_is_revalidated_from_the_cache(world):
                 second = await c.manifest_fetch(TEMPLATE_ID, "fp16")
                 return first, second
         first, second = run(go())
-    assert not first.cached and first.size > 1000
+    assert not first.cached and first.size > 500
+    # the size is the bytes on the wire: the server gzips manifests, aiohttp decodes them
+    text = json.dumps(first.data, separators=(",", ":")).encode()
+    assert first.size < len(text)
     assert second.cached and second.size == 0 and second.data == first.data
     assert recorder.requests[1]["headers"]["if-none-match"] == first.etag
 
