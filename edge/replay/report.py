@@ -352,8 +352,9 @@ def _mode_section(mode: str, runs: list[dict[str, Any]], tmpl: dict[str, dict[st
         p = cfg.get("profile", {})
         md.append(f"**Device profile `{p.get('name')}` (modelled, not measured):** local "
                   f"{p.get('local_s')} s, masked execution {p.get('masked_s')} s at "
-                  f"{100 * float(p.get('masked_ratio', 0.1)):.0f}% of the tokens (linear in "
-                  f"the template's token mask ratio), FP16 cache {p.get('fp16_gib')} GiB per "
+                  f"{100 * float(p.get('masked_ratio', 0.1)):.0f}% of the tokens (on the line "
+                  f"from there to the local time at 100%, by the template's token mask "
+                  f"ratio), FP16 cache {p.get('fp16_gib')} GiB per "
                   "template (every configuration's real size x the same factor), traces at "
                   "their real rates (factor 1). Latency is simulated with the runtime's "
                   "allocator; quality is measured on the real edit with the chosen "
@@ -584,8 +585,12 @@ def _load_text(runs: list[dict[str, Any]]) -> str:
     loads = [r["load1"] for r in runs if r.get("load1") is not None]
     if not loads:
         return ""
+    cpus = os.cpu_count() or 1
+    busy = float(np.median(loads)) > 0.75 * cpus
     return (f", load average during the timed runs {np.median(loads):.1f} (median; "
-            f"{min(loads):.1f}-{max(loads):.1f}): absolute times are inflated on a loaded host")
+            f"{min(loads):.1f}-{max(loads):.1f})" + (
+                ": the host was busy, absolute times are inflated" if busy
+                else ": the host was otherwise idle"))
 
 
 def _clean(o: Any) -> Any:
