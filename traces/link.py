@@ -92,6 +92,12 @@ class _Pacer:
     #: A request this soon after the previous grant (or queued behind another) means the
     #: link never went idle: lateness of the event loop may then be caught up.
     CONTINUOUS_S = 0.002
+    #: While grants flow, a heartbeat ticks every TICK_S; a tick STALL_TICKS periods late
+    #: means the event loop itself was held (a busy CPU), not that the flow paused, so the
+    #: time lost may be caught up too. The heartbeat stops after IDLE_S without a grant.
+    TICK_S = 0.01
+    STALL_TICKS = 3
+    IDLE_S = 1.0
 
     def __init__(self, schedule: LinkSchedule, burst_s: float, catchup_s: float) -> None:
         self.schedule = schedule
@@ -101,6 +107,27 @@ class _Pacer:
         self._last_grant = -math.inf
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Future[bool] | None = None
+        self._tick = -math.inf
+        self._late_tick = -math.inf
+        self._beating = False
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now - self._tick > self.STALL_TICKS * self.TICK_S:
+            self._late_tick = now  # the loop was held since the previous tick
+        self._tick = now
+        if now - self._last_grant > self.IDLE_S:
+            self._beating = False
+            return
+        asyncio.get_running_loop().call_later(self.TICK_S, self._beat)
+
+    def _stalled(self, now: float) -> bool:
+        """The event loop was held since the last grant: the heartbeat (running while
+        grants flow) is late now, or came late after that grant."""
+        if not self._beating:
+            return False
+        return (now - self._tick > self.STALL_TICKS * self.TICK_S
+                or self._late_tick > self._last_grant)
 
     async def acquire(self, nbytes: int) -> float:
         """Wait until ``nbytes`` may leave; returns the (monotonic) grant time."""
@@ -108,7 +135,11 @@ class _Pacer:
         if self._lock is None:
             self._lock = asyncio.Lock()
         called = time.monotonic()
-        continuous = self._lock.locked() or called - self._last_grant < self.CONTINUOUS_S
+        continuous = (self._lock.locked() or called - self._last_grant < self.CONTINUOUS_S
+                      or self._stalled(called))
+        if not self._beating:
+            self._beating, self._tick = True, called
+            loop.call_later(self.TICK_S, self._beat)
         # An idle link may save up only burst_s of capacity; a busy one whose event loop
         # ran late (a loaded CPU) may catch up to catchup_s behind real time.
         slack = self.catchup_s if continuous else self.burst_s
