@@ -217,6 +217,19 @@ def regime_factor(fp16_bytes: int, masked_exec_s: float, median_bps: float,
 # shared with `sakura replay` (edge/replay)
 ResidentCache = _Resident
 catalog_codecs = _catalog_codecs
+
+
+def policy_packs(offered: set[str], policies, template_id: str) -> dict[str, str | None]:
+    """The pack (codec) each policy streams given the codecs the server ``offered``: the
+    ablations use ``sakura-all`` when there is one; ``local`` none. A missing pack is an
+    error naming it."""
+    ablation = ABLATION_PACK if ABLATION_PACK in offered else None
+    packs = {p: (ablation if p in ABLATIONS and ablation else POLICIES[p].codec)
+             for p in policies}
+    missing = sorted({c for c in packs.values() if c and c not in offered})
+    if missing:
+        raise EdgeError(f"the server has no {', '.join(missing)} pack for {template_id}")
+    return packs
 prefetch_manifests = _prefetch_manifests
 
 
@@ -331,13 +344,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
     # Device state as on a phone that has used the template before: manifests cached
     # (revalidated per edit), and a rate prior from a warm-up edit over the same link; every
     # policy starts from that same prior.
-    offered = asyncio.run(_catalog_codecs(server, tid))
-    ablation_pack = ABLATION_PACK if ABLATION_PACK in offered else None
-    packs = {p: (ablation_pack if p in ABLATIONS and ablation_pack else POLICIES[p].codec)
-             for p in spec.policies}
-    missing = sorted({c for c in packs.values() if c and c not in offered})
-    if missing:
-        raise EdgeError(f"the server has no {', '.join(missing)} pack for {tid}")
+    packs = policy_packs(asyncio.run(_catalog_codecs(server, tid)), spec.policies, tid)
     codecs = sorted({c for c in packs.values() if c})
     asyncio.run(_prefetch_manifests(server, tid, codecs, runtime))
     manifest_bytes = {c: runtime.manifests[(tid, c)].size for c in codecs}

@@ -357,8 +357,13 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
                    links: Links, model: Any, weights_sha: str, catalog: dict[str, Any],
                    results: ResultsFile, packs: Path, regime_median_bps: float, log: Log
                    ) -> TemplateState:
-    from edge.allocator import ABLATION_PACK, ABLATIONS, POLICIES
-    from edge.bench import catalog_codecs, exact_and_floor, prefetch_manifests, regime_factor
+    from edge.bench import (
+        catalog_codecs,
+        exact_and_floor,
+        policy_packs,
+        prefetch_manifests,
+        regime_factor,
+    )
     from edge.runtime import EdgeRuntime
 
     runtimes = {}
@@ -373,13 +378,7 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
     spec = catalog[base]
     prompt = spec.evaluation_prompts[cfg.prompt]
     req = main.request(prompt, seed=cfg.edit_seed)
-    offered = asyncio.run(catalog_codecs(direct, tid))
-    ablation = ABLATION_PACK if ABLATION_PACK in offered else None
-    packs_of = {p: (ablation if p in ABLATIONS and ablation else POLICIES[p].codec)
-                for p in cfg.policies}
-    missing = sorted({c for c in packs_of.values() if c and c not in offered})
-    if missing:
-        raise EdgeError(f"the packs of {tid} lack {', '.join(missing)}")
+    packs_of = policy_packs(asyncio.run(catalog_codecs(direct, tid)), cfg.policies, tid)
     # device state: manifests cached, calibrated (a direct, untimed edit calibrates too)
     for v, rt in runtimes.items():
         codecs = sorted({c for c in packs_of.values() if c}) if v == "main" else ["sakura"]
