@@ -14,10 +14,8 @@ guidance and resolution (``template`` key). The device needs nothing else from t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
 
 from cloud.publish import (
     CatalogTransaction,
@@ -66,7 +64,6 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
     from codec import ShardLayout, get_codec
     from codec.pack import write_pack
     from dit.adapters.engine import load_engine
-    from dit.editing import Template
     from dit.templates import load_catalog, template_assets, with_resolution
     from dit.weights import DEFAULT_WEIGHTS
 
@@ -117,8 +114,11 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
             report.skipped.append(tid)
             continue
         t0 = time.perf_counter()
-        prep = engine.prepare(spec.load_image(), spec.load_mask(), spec.prompt, spec.seed,
-                              spec.steps, spec.guidance)
+        # the device's view of the template (pixels, mask, seed, steps, guidance, prompt):
+        # what the engine prepares from and what the catalog entry publishes
+        device = spec.to_device_template()
+        prep = engine.prepare(device.image, device.mask, spec.prompt, spec.seed, spec.steps,
+                              spec.guidance)
         run = engine.template_run(prep)
         base = 600  # the profiling requests' seeds (dit.templates.TemplateSpec.requests)
         profiling = [engine.request(p, base + i) for i, p in enumerate(spec.profiling_prompts)]
@@ -134,11 +134,8 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
             from cloud.psnr_profile import OutputPSNR
 
             quality_fn = OutputPSNR(engine, prep, run, profiling[: cfg.profile_psnr], layout)
-        # the device's template: pixels, mask, seed, steps and guidance (prompt: public)
-        pixels = Template(image=spec.load_image(), mask=spec.load_mask(),
-                          txt=torch.zeros(1, 0, 1), seed=spec.seed,
-                          steps=run.cache.steps, guidance=float(prep.template.guidance),
-                          prompt=spec.prompt)
+        # an engine may fill in its default steps / guidance
+        device = replace(device, steps=run.cache.steps, guidance=float(prep.template.guidance))
         with (
             tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp,
             CatalogTransaction(out) as txn,
@@ -170,7 +167,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                 token_mask_ratio=prep.token_mask_ratio,
                 content_hash=content,
                 fp16_bytes=run.cache.fp16_bytes(),
-                template=template_assets(spec, pixels),
+                template=template_assets(spec, device),
             )
         report.built.append(tid)
         report.seconds[tid] = time.perf_counter() - t0

@@ -49,7 +49,6 @@ class OutputPSNR:
         self.engine, self.prep, self.requests, self.layout = engine, prep, requests, layout
         self.exact_cache = run.cache.to_fp16_exact()
         self.resumable = isinstance(engine, DefaultEngine)
-        self.calls = 0
         self.exact: list[torch.Tensor] = []
         self.latents: list[dict[int, torch.Tensor]] = []
         for req in requests:
@@ -75,7 +74,6 @@ class OutputPSNR:
         return self.engine.edit(self.prep, provider, req)
 
     def __call__(self, shard: int, params: dict[str, Any], decoded: list[torch.Tensor]) -> float:
-        self.calls += 1
         step, blocks = self.layout.blocks_of(shard)
         provider = _OneShardChanged(self.exact_cache, step, blocks,
                                     [t.float() for t in decoded])

@@ -124,12 +124,14 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
-def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, T, H*D] -> [B, H, T, D]`` (a view when ``x`` allows one)."""
     b, t, c = x.shape
-    return x.view(b, t, heads, c // heads).transpose(1, 2)
+    return x.reshape(b, t, heads, c // heads).transpose(1, 2)
 
 
-def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D] -> [B, T, H*D]``."""
     b, h, t, d = x.shape
     return x.transpose(1, 2).reshape(b, t, h * d)
 
@@ -172,9 +174,9 @@ class DoubleStreamBlock(nn.Module):
         shift, scale = mod[0], mod[1]
         h = modulate(F.layer_norm(x, (x.shape[-1],)), shift, scale)
         q, k, v = getattr(self, f"{stream}_qkv")(h).chunk(3, dim=-1)
-        q = getattr(self, f"{stream}_qnorm")(_split_heads(q, self.heads))
-        k = getattr(self, f"{stream}_knorm")(_split_heads(k, self.heads))
-        v = _split_heads(v, self.heads)
+        q = getattr(self, f"{stream}_qnorm")(split_heads(q, self.heads))
+        k = getattr(self, f"{stream}_knorm")(split_heads(k, self.heads))
+        v = split_heads(v, self.heads)
         return apply_rope(q, angles), apply_rope(k, angles), v
 
     def _post(self, stream: str, x, attn, mod):
@@ -189,7 +191,7 @@ class DoubleStreamBlock(nn.Module):
             x = getattr(seg, name)
             parts.append(self._qkv(stream, x, mods[name], angles[name]))
         q, k, v = (torch.cat([p[i] for p in parts], dim=2) for i in range(3))
-        out = _merge_heads(hook.attend(block, q, k, v, layout))
+        out = merge_heads(hook.attend(block, q, k, v, layout))
         t, n = layout.txt, layout.img
         outs = {"txt": out[:, :t], "img": out[:, t : t + n], "ref": out[:, t + n :]}
         new = {}
@@ -220,10 +222,10 @@ class SingleStreamBlock(nn.Module):
         qkv, mlp_in = self.linear1(h).split([3 * h.shape[-1], self.mlp_hidden], dim=-1)
         q, k, v = qkv.chunk(3, dim=-1)
         ang = torch.cat([angles[n] for n in names], dim=0)
-        q = apply_rope(self.qnorm(_split_heads(q, self.heads)), ang)
-        k = apply_rope(self.knorm(_split_heads(k, self.heads)), ang)
-        v = _split_heads(v, self.heads)
-        attn = _merge_heads(hook.attend(block, q, k, v, layout))
+        q = apply_rope(self.qnorm(split_heads(q, self.heads)), ang)
+        k = apply_rope(self.knorm(split_heads(k, self.heads)), ang)
+        v = split_heads(v, self.heads)
+        attn = merge_heads(hook.attend(block, q, k, v, layout))
         out = self.linear2(torch.cat([attn, F.gelu(mlp_in, approximate="tanh")], dim=-1))
         sizes = [x.shape[1] for x in xs]
         new = [x + mods[n][2] * o for x, n, o in zip(xs, names, out.split(sizes, dim=1))]

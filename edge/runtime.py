@@ -216,7 +216,6 @@ class EdgeRuntime:
             self.model = model
             self.engine = DefaultEngine(model, encoder, weights_sha256)
         self.weights_sha256 = weights_sha256
-        self._encoder = encoder
         self.state_dir = Path(state_dir) if state_dir else None
         self.profiles: dict[str, ExecProfile] = {}
         self.manifests: dict[tuple[str, str], CachedManifest] = {}

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dit.attention import CACHE, Layout, build_mask
-from dit.model import MMDiT, modulate
+from dit.model import MMDiT, merge_heads, modulate, split_heads
 
 # Bump when the graph's computation or its input/output contract changes: it is part of
 # the compiled-artifact cache key.
@@ -70,16 +70,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     x1, x2 = x[..., 0::2], x[..., 1::2]
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
     return out.flatten(-2)
-
-
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    b, t, c = x.shape
-    return x.reshape(b, t, heads, c // heads).transpose(1, 2)
-
-
-def _merge(x: torch.Tensor) -> torch.Tensor:
-    b, h, t, d = x.shape
-    return x.transpose(1, 2).reshape(b, t, h * d)
 
 
 def _layer_norm(x: torch.Tensor) -> torch.Tensor:
@@ -146,12 +136,12 @@ class ShardModule(nn.Module):
 
     def _attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         b = q.shape[0]
-        kc = _heads(k_cache[None], self.heads).expand(b, -1, -1, -1)
-        vc = _heads(v_cache[None], self.heads).expand(b, -1, -1, -1)
+        kc = split_heads(k_cache[None], self.heads).expand(b, -1, -1, -1)
+        vc = split_heads(v_cache[None], self.heads).expand(b, -1, -1, -1)
         k = torch.cat([k, kc], dim=2)
         v = torch.cat([v, vc], dim=2)
         mask = self.mask if self.has_mask else None
-        return _merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
     def _double(self, blk, txt, img, mods, cos, sin, k_cache, v_cache):
         t = txt.shape[1]
@@ -161,13 +151,13 @@ class ShardModule(nn.Module):
             h = modulate(_layer_norm(x), mod[0], mod[1])
             q, k, v = getattr(blk, f"{name}_qkv")(h).chunk(3, dim=-1)
             sl = slice(0, t) if name == "txt" else slice(t, None)
-            q = _rope(self._norm(getattr(blk, f"{name}_qnorm"), _heads(q, self.heads)),
+            q = _rope(self._norm(getattr(blk, f"{name}_qnorm"), split_heads(q, self.heads)),
                       cos[sl], sin[sl])
-            k = _rope(self._norm(getattr(blk, f"{name}_knorm"), _heads(k, self.heads)),
+            k = _rope(self._norm(getattr(blk, f"{name}_knorm"), split_heads(k, self.heads)),
                       cos[sl], sin[sl])
             qs.append(q)
             ks.append(k)
-            vs.append(_heads(v, self.heads))
+            vs.append(split_heads(v, self.heads))
         out = self._attend(torch.cat(qs, 2), torch.cat(ks, 2), torch.cat(vs, 2),
                            k_cache, v_cache)
         new = []
@@ -186,9 +176,9 @@ class ShardModule(nn.Module):
         d = h.shape[-1]
         qkv, mlp_in = blk.linear1(h).split([3 * d, blk.mlp_hidden], dim=-1)
         q, k, v = qkv.chunk(3, dim=-1)
-        q = _rope(self._norm(blk.qnorm, _heads(q, self.heads)), cos, sin)
-        k = _rope(self._norm(blk.knorm, _heads(k, self.heads)), cos, sin)
-        attn = self._attend(q, k, _heads(v, self.heads), k_cache, v_cache)
+        q = _rope(self._norm(blk.qnorm, split_heads(q, self.heads)), cos, sin)
+        k = _rope(self._norm(blk.knorm, split_heads(k, self.heads)), cos, sin)
+        attn = self._attend(q, k, split_heads(v, self.heads), k_cache, v_cache)
         out = blk.linear2(torch.cat([attn, self._gelu(mlp_in)], dim=-1))
         return txt + mods["txt"][2] * out[:, :t], img + mods["img"][2] * out[:, t:]
 
