@@ -13,7 +13,8 @@ def _train(args: argparse.Namespace) -> int:
     from dit.train import TrainConfig, train
 
     cfg = TrainConfig(steps=args.steps, out_dir=args.out_dir, weights_out=args.weights_out,
-                      threads=args.threads, batch_size=args.batch_size)
+                      threads=args.threads, batch_size=args.batch_size,
+                      t_uniform=args.t_uniform)
     train(cfg)
     return 0
 
@@ -56,4 +57,6 @@ def register(commands, bench) -> None:
     p.add_argument("--out-dir", default=DEFAULT_TRAIN_DIR, help="checkpoints and loss log")
     p.add_argument("--weights-out", default="dit/weights/sakura-mmdit.safetensors")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--t-uniform", type=float, default=0.5, metavar="FRACTION",
+                   help="fraction of samples with uniform t (rest logit-normal; default 0.5)")
     p.set_defaults(func=_train)

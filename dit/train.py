@@ -46,6 +46,15 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0
     bf16: bool = True  # autocast on CPU (AMX/AVX512-BF16: about 1.3x faster here)
+    # Fraction of each batch with t ~ U(0, 1) instead of logit-normal. Logit-normal alone
+    # almost never trains t < 0.05 (0.16% of samples) although the 20-step sampler's last
+    # step runs there: at step 6000 the denoiser at t = 0.02 was only 3 dB better than its
+    # input and samples kept a 4x4-patch grain. Steps 0-6200 of the shipped model used 0.
+    t_uniform: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.t_uniform <= 1.0:
+            raise ValueError(f"t_uniform must be in [0, 1], got {self.t_uniform}")
 
 
 class TextTable:
@@ -85,26 +94,31 @@ def make_batch(ds: EmojiDataset, text: TextTable, idx: list[int], size: int, rng
     return patchify(x0, patch), torch.stack(txt).float(), ref, ref_pos
 
 
-def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print) -> Path:
+def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
+          dataset: EmojiDataset | None = None) -> Path:
+    """Train (or resume) until ``cfg.steps``; return the exported EMA weights.
+
+    ``dataset`` defaults to the whole emoji set (fetched once with npm); tests pass a few
+    images."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "checkpoint.pt"
-    ds = EmojiDataset.load()
+    ds = dataset if dataset is not None else EmojiDataset.load()
     text = TextTable(TextEncoder(), ds)
     train_idx = ds.split(held_out=False)
     siblings = {i: s for i, s in ds.siblings().items() if i in set(train_idx)}
     sib_idx = list(siblings)
 
     model_cfg = model_cfg or MMDiTConfig()
+    torch.manual_seed(cfg.seed)  # before the model: its initialisation is part of the run
     model = MMDiT(model_cfg)
     ema = MMDiT(model_cfg).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
     step = 0
     rng = random.Random(cfg.seed)
-    torch.manual_seed(cfg.seed)
     if ckpt_path.exists():
         state = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(state["model"])
@@ -146,6 +160,7 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print) -> 
                                            siblings if use_ref else None)
         b = x0.shape[0]
         t = torch.sigmoid(torch.randn(b))  # logit-normal
+        t = torch.where(torch.rand(b) < cfg.t_uniform, torch.rand(b), t)
         e = torch.randn_like(x0)
         xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * e
         batch = TokenBatch(img=xt, img_pos=grid_positions(size // p, span), txt=txt, t=t,

@@ -1,0 +1,82 @@
+"""`dit.train`: a killed run resumes exactly where it stopped; bad settings are refused."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dit.data import EmojiDataset, EmojiItem, load_image
+from dit.model import MMDiTConfig
+from dit.train import TrainConfig, train
+from dit.weights import metadata
+
+CATALOG = Path(__file__).resolve().parents[2] / "dit" / "catalog"
+
+
+class Killed(Exception):
+    pass
+
+
+def _dataset() -> EmojiDataset:
+    """Eight catalog images; the two cooks and the two students are skin-tone 'siblings'."""
+    files = ["face-cook", "face-student", "tryon-tuxedo", "tryon-farmer", "edit-apple-leaf",
+             "edit-car-top", "face-technologist", "edit-house-roof"]
+    bases = ["cook", "person", "person", "cook", "apple", "car", "tech", "house"]
+    items = [EmojiItem(f"people & body: {f}", f, "People & Body", b, f + ".png")
+             for f, b in zip(files, bases)]
+    imgs = torch.stack([load_image(CATALOG / (f + ".png")) for f in files])
+    return EmojiDataset(items, imgs.half())
+
+
+def _cfg(tmp: Path, **kw) -> TrainConfig:
+    base = dict(out_dir=str(tmp), weights_out=str(tmp / "ema.safetensors"), steps=5,
+                batch_size=4, resolutions=(32,), resolution_probs=(1.0,), ref_prob=0.3,
+                checkpoint_every=1, export_every=5, threads=1, warmup=2)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+MODEL = MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=1, single_blocks=1,
+                    mlp_ratio=2.0, rope_axes=(4, 6, 6))
+
+
+def test_killed_run_resumes_bit_exactly(tmp_path):
+    ds = _dataset()
+    straight = train(_cfg(tmp_path / "a"), MODEL, log=lambda m: None, dataset=ds)
+
+    def die_at_export(msg: str) -> None:
+        if "step 3: exported" in msg:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(_cfg(tmp_path / "b", export_every=3), MODEL, log=die_at_export, dataset=ds)
+    logs: list[str] = []
+    resumed = train(_cfg(tmp_path / "b"), MODEL, log=logs.append, dataset=ds)
+
+    assert any("resumed" in m and "at step 3" in m for m in logs)
+    a, b = load_file(straight), load_file(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert metadata(resumed)["train_step"] == "5"
+    with (tmp_path / "b" / "loss.csv").open() as f:
+        steps = [int(r[0]) for r in csv.reader(f)]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def test_loss_falls_on_a_tiny_set(tmp_path):
+    train(_cfg(tmp_path, steps=150, lr=2e-3, ref_prob=0.0, checkpoint_every=150,
+               export_every=150), MODEL, log=lambda m: None, dataset=_dataset())
+    with (tmp_path / "loss.csv").open() as f:
+        losses = [float(r[3]) for r in csv.reader(f)]
+    assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:5]) / 5
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5])
+def test_t_uniform_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="t_uniform"):
+        TrainConfig(t_uniform=bad)
