@@ -24,6 +24,7 @@ from dit.data import CATEGORIES, EmojiDataset, category_prompt
 from dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, patchify
 from dit.text import TextEncoder
 from dit.weights import save_model
+from sakura.errors import SakuraError
 
 
 @dataclass
@@ -53,8 +54,23 @@ class TrainConfig:
     t_uniform: float = 0.5
 
     def __post_init__(self) -> None:
+        problems = []
+        if self.steps < 1 or self.batch_size < 1:
+            problems.append(f"steps and batch size must be >= 1 (got {self.steps}, "
+                            f"{self.batch_size})")
         if not 0.0 <= self.t_uniform <= 1.0:
-            raise ValueError(f"t_uniform must be in [0, 1], got {self.t_uniform}")
+            problems.append(f"t_uniform must be in [0, 1], got {self.t_uniform}")
+        if self.lr <= 0:
+            problems.append(f"lr must be > 0, got {self.lr}")
+        if len(self.resolutions) != len(self.resolution_probs) or sum(self.resolution_probs) <= 0:
+            problems.append("resolutions and resolution_probs need equal lengths and "
+                            "positive weights")
+        if problems:
+            raise TrainConfigError("; ".join(problems))
+
+
+class TrainConfigError(SakuraError):
+    """A training setting out of range."""
 
 
 class TextTable:
@@ -147,6 +163,8 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
 
     from tqdm import tqdm
 
+    if step >= cfg.steps:
+        log(f"already at step {step} >= {cfg.steps}: nothing to train (raise --steps)")
     bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
     t_last = time.time()
     while step < cfg.steps:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from dit.data import EmojiDataset, EmojiItem, load_image
 from dit.model import MMDiTConfig
-from dit.train import TrainConfig, train
+from dit.train import TrainConfig, TrainConfigError, train
 from dit.weights import metadata
 
 CATALOG = Path(__file__).resolve().parents[2] / "dit" / "catalog"
@@ -76,7 +76,19 @@ def test_loss_falls_on_a_tiny_set(tmp_path):
     assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:5]) / 5
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.5])
-def test_t_uniform_out_of_range_is_refused(bad):
-    with pytest.raises(ValueError, match="t_uniform"):
-        TrainConfig(t_uniform=bad)
+@pytest.mark.parametrize("bad, word", [(dict(t_uniform=-0.1), "t_uniform"),
+                                       (dict(t_uniform=1.5), "t_uniform"),
+                                       (dict(batch_size=0), "batch size"),
+                                       (dict(lr=0.0), "lr"),
+                                       (dict(resolution_probs=(1.0,)), "resolutions")])
+def test_bad_settings_are_refused(bad, word):
+    with pytest.raises(TrainConfigError, match=word):
+        TrainConfig(**bad)
+
+
+def test_cli_reports_bad_settings_without_traceback(capsys):
+    from sakura.cli import main
+
+    assert main(["train", "--t-uniform", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "t_uniform must be in [0, 1]" in err and "Traceback" not in err
