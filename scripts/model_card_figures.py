@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "model"
+# From this step half of each batch draws t uniformly (TrainConfig.t_uniform): more
+# low-noise samples, whose velocity loss is higher, so the curve steps up there.
+T_UNIFORM_FROM = 6400
 
 
 def loss_plot(csv: Path) -> None:
@@ -30,6 +33,10 @@ def loss_plot(csv: Path) -> None:
         k = 50
         sm = np.convolve(loss[sel], np.ones(k) / k, mode="valid")
         ax.plot(step[sel][k - 1 :], sm, label=f"{r}px")
+    if step[-1] > T_UNIFORM_FROM:
+        ax.axvline(T_UNIFORM_FROM, color="grey", ls=":", lw=1)
+        ax.annotate("t: logit-normal -> 50% uniform", (T_UNIFORM_FROM, ax.get_ylim()[1]),
+                    xytext=(4, -12), textcoords="offset points", fontsize=8, color="grey")
     ax.set_xlabel("training step (batch 32)")
     ax.set_ylabel("flow-matching loss (50-step mean)")
     ax.set_yscale("log")
