@@ -1,0 +1,34 @@
+"""`sakura bench model`'s masked self-edit check on the shipped model and catalog."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dit.bench_model import _masked_psnr, masked_self_edit
+from dit.text import TextEncoder
+from dit.weights import load_model
+
+
+def test_masked_psnr_counts_only_the_mask():
+    ref = torch.zeros(3, 8, 8)
+    img = ref.clone()
+    img[:, :, 4:] = 0.5            # error outside the mask only
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    mask[:, :4] = True
+    assert _masked_psnr(img, ref, mask) > 100
+    img[:, :, :4] = 0.2            # MSE 0.04 inside: 10 log10(4 / 0.04) = 20 dB
+    assert math.isclose(_masked_psnr(img, ref, mask), 20.0, abs_tol=1e-4)
+
+
+def test_shipped_model_inpaints_people_better_than_biharmonic():
+    res = masked_self_edit(load_model(), TextEncoder(), seeds=(0,))
+    per = res["templates"]
+    assert len(per) >= 6 and {v["workload"] for v in per.values()} == {
+        "face-swap", "try-on", "instruction"}
+    people = [v for v in per.values() if v["workload"] in ("face-swap", "try-on")]
+    model = sum(v["psnr_db"] for v in people) / len(people)
+    floor = sum(v["biharmonic_psnr_db"] for v in people) / len(people)
+    # measured 12.5 vs 9.7 dB (step 6000); a model that ignores its context falls below
+    assert model > floor + 1.0
