@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,7 +107,10 @@ def load_image(path: Path, size: int = 64) -> torch.Tensor:
     """RGBA PNG composited on white -> ``[3, size, size]`` in [-1, 1]."""
     from skimage.io import imread
 
-    arr = imread(path).astype(np.float32) / 255.0
+    with warnings.catch_warnings():
+        # a few Noto PNGs are palette images with byte transparency; PIL converts them fine
+        warnings.filterwarnings("ignore", "Palette images with Transparency", UserWarning)
+        arr = imread(path).astype(np.float32) / 255.0
     if arr.ndim == 2:
         arr = arr[..., None]
     if arr.shape[-1] in (1, 2):  # grey or grey + alpha
