@@ -18,7 +18,6 @@ only), or seeded synthetic caches (``--synthetic``, KV metrics only).
 from __future__ import annotations
 
 import json
-import math
 import re
 import tempfile
 import time
@@ -150,14 +149,6 @@ def model_templates(
 
 
 # ------------------------------------------------------------------------------ metrics
-def _psnr_region(a: torch.Tensor, b: torch.Tensor, region: torch.Tensor | None) -> float:
-    diff = (a.double() - b.double()) ** 2
-    if region is not None:
-        diff = diff[:, region]
-    mse = float(diff.mean())
-    return 100.0 if mse <= 1e-20 else min(100.0, 10 * math.log10(4.0 / mse))  # range [-1, 1]
-
-
 def _ssim(a: torch.Tensor, b: torch.Tensor) -> float:
     from pytorch_msssim import ssim
 
@@ -192,6 +183,8 @@ def run_codec_bench(
     blocks_per_shard: int = 2,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
+    from dit.editing import region_psnr  # only used when the templates carry a model
+
     torch.set_num_threads(1)
     codecs = codecs or {name: {} for name in CODEC_ORDER}
     per_template: dict[str, Any] = {}
@@ -244,7 +237,7 @@ def run_codec_bench(
                         a = acc[name][str(r)]
                         if exact is not None:
                             imgs = bt.edit(DecodedProvider(layout, shards))
-                            psnr = [_psnr_region(x, y, bt.region) for x, y in zip(imgs, exact)]
+                            psnr = [region_psnr(x, y, bt.region) for x, y in zip(imgs, exact)]
                             ssim = [_ssim(x, y) for x, y in zip(imgs, exact)]
                             entry["psnr_db"] = round(sum(psnr) / len(psnr), 3)
                             entry["ssim"] = round(sum(ssim) / len(ssim), 5)

@@ -111,6 +111,7 @@ def run_bench(per_category: int = 8, steps: int = 20, guidance: float = 3.0,
     out["ratio_to_chance"] = out["prompt_accuracy_generated"] / out["chance_level"]
     per_cat = (clf(imgs).argmax(-1) == labels).float().view(len(CATEGORIES), -1).mean(-1)
     out["per_category_generated_accuracy"] = {c: float(a) for c, a in zip(CATEGORIES, per_cat)}
+    out["denoise_x0_psnr_db_by_t"] = denoise_by_t(model, enc, ds)
     out["masked_self_edit"] = masked_self_edit(model, enc, seeds=(0,) if quick else (0, 1))
     if grid:
         out["grid"] = write_grid(model, enc, ds, grid, steps, guidance)
@@ -118,10 +119,30 @@ def run_bench(per_category: int = 8, steps: int = 20, guidance: float = 3.0,
     return out
 
 
-def _masked_psnr(img: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> float:
-    m = mask[None].expand_as(ref)
-    mse = float(((img.float() - ref.float())[m] ** 2).mean())
-    return 10 * math.log10(4.0 / max(mse, 1e-12))  # images in [-1, 1]: peak-to-peak 2
+@torch.inference_mode()
+def denoise_by_t(model=None, enc=None, ds: EmojiDataset | None = None,
+                 ts: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 0.95),
+                 images: int = 16) -> dict[str, float]:
+    """One-step denoising quality per noise level: PSNR of the predicted clean image
+    ``x_t - t v`` against the real one (64 px training images with their captions, fixed
+    noise). The noisy input itself scores about ``10 log10(4 / t^2)``."""
+    from dit.model import TokenBatch, grid_positions, patchify
+
+    model = model or load_model()
+    enc = enc or TextEncoder()
+    ds = ds or EmojiDataset.load()
+    idx = ds.split(held_out=False)[:: max(1, len(ds.split(held_out=False)) // images)][:images]
+    x0 = patchify(ds.images[idx].float(), model.cfg.patch_size)
+    txt = enc.encode([ds.items[i].caption for i in idx])
+    pos = grid_positions(64 // model.cfg.patch_size, model.cfg.pos_span)
+    e = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for t in ts:
+        xt = (1 - t) * x0 + t * e
+        v = model(TokenBatch(img=xt, img_pos=pos, txt=txt, t=torch.full((len(idx),), t)))
+        mse = float(((xt - t * v - x0) ** 2).mean())
+        out[f"{t:g}"] = 10 * math.log10(4.0 / mse)
+    return out
 
 
 def masked_self_edit(model, enc, seeds: tuple[int, ...] = (0, 1)) -> dict:
@@ -129,7 +150,7 @@ def masked_self_edit(model, enc, seeds: tuple[int, ...] = (0, 1)) -> dict:
     the template over its mask, next to biharmonic inpainting of the same region."""
     from skimage.restoration import inpaint_biharmonic
 
-    from dit.editing import cached_edit, template_run
+    from dit.editing import cached_edit, region_psnr, template_run
     from dit.templates import load_catalog
 
     per: dict[str, dict] = {}
@@ -138,12 +159,12 @@ def masked_self_edit(model, enc, seeds: tuple[int, ...] = (0, 1)) -> dict:
         run = template_run(model, tpl)
         cache = run.cache.to_fp16_exact()
         base = spec.requests(enc, "evaluation")[0]
-        edits = [_masked_psnr(cached_edit(model, tpl, run.geometry, cache,
+        edits = [region_psnr(cached_edit(model, tpl, run.geometry, cache,
                                           replace(base, txt=tpl.txt, seed=sd)),
                               tpl.image, tpl.mask) for sd in seeds]
         hole = tpl.image.permute(1, 2, 0).numpy().copy()
         filled = inpaint_biharmonic(hole, tpl.mask.numpy(), channel_axis=-1)
-        bih = _masked_psnr(torch.from_numpy(filled).permute(2, 0, 1), tpl.image, tpl.mask)
+        bih = region_psnr(torch.from_numpy(filled).permute(2, 0, 1), tpl.image, tpl.mask)
         per[tid] = {"workload": spec.workload, "psnr_db": sum(edits) / len(edits),
                     "biharmonic_psnr_db": bih}
     mean = sum(v["psnr_db"] for v in per.values()) / len(per)

@@ -11,6 +11,7 @@ template outside the mask and the edited content inside.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -247,6 +248,16 @@ def compose(model: MMDiT, template: Template, geo: Geometry, x_masked: torch.Ten
     tokens[:, geo.masked] = x_masked.to(tokens.dtype)
     img = unpatchify(tokens, model.cfg.patch_size, model.cfg.in_channels, template.size)
     return img[0].clamp(-1, 1)
+
+
+def region_psnr(a: torch.Tensor, b: torch.Tensor, region: torch.Tensor | None = None) -> float:
+    """PSNR (dB) of two images ``[3, H, W]`` in [-1, 1], over the pixels of ``region``
+    (``[H, W]`` bool) when given; identical images count as 100 dB."""
+    diff = (a.double() - b.double()) ** 2
+    if region is not None:
+        diff = diff[:, region]
+    mse = float(diff.mean())
+    return 100.0 if mse <= 1e-20 else min(100.0, 10 * math.log10(4.0 / mse))
 
 
 @torch.inference_mode()
