@@ -127,7 +127,7 @@ class _Pacer:
         if not self._beating:
             return False
         return (now - self._tick > self.STALL_TICKS * self.TICK_S
-                or self._late_tick > self._last_grant)
+                or self._late_tick >= self._last_grant)
 
     async def acquire(self, nbytes: int) -> float:
         """Wait until ``nbytes`` may leave; returns the (monotonic) grant time."""
@@ -173,6 +173,10 @@ class _Pacer:
                         continue  # woke up late, inside an outage: wait it out
                     self._virtual = finish
                     self._last_grant = now
+                    if now - finish > self.STALL_TICKS * self.TICK_S:
+                        # this grant itself came late (the loop was held while it waited),
+                        # even if the heartbeat noticed the stall just before it
+                        self._late_tick = now
                     return now
                 # The schedule changed: recompute from the new segment.
 
