@@ -131,10 +131,11 @@ def denoise_by_t(model=None, enc=None, ds: EmojiDataset | None = None,
     model = model or load_model()
     enc = enc or TextEncoder()
     ds = ds or EmojiDataset.load()
-    idx = ds.split(held_out=False)[:: max(1, len(ds.split(held_out=False)) // images)][:images]
+    train_idx = ds.split(held_out=False)
+    idx = train_idx[:: max(1, len(train_idx) // images)][:images]
     x0 = patchify(ds.images[idx].float(), model.cfg.patch_size)
     txt = enc.encode([ds.items[i].caption for i in idx])
-    pos = grid_positions(64 // model.cfg.patch_size, model.cfg.pos_span)
+    pos = grid_positions(ds.images.shape[-1] // model.cfg.patch_size, model.cfg.pos_span)
     e = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
     out = {}
     for t in ts:

@@ -49,8 +49,9 @@ class TrainConfig:
     bf16: bool = True  # autocast on CPU (AMX/AVX512-BF16: about 1.3x faster here)
     # Fraction of each batch with t ~ U(0, 1) instead of logit-normal. Logit-normal alone
     # almost never trains t < 0.05 (0.16% of samples) although the 20-step sampler's last
-    # step runs there: at step 6000 the denoiser at t = 0.02 was only 3 dB better than its
-    # input and samples kept a 4x4-patch grain. Steps 0-6200 of the shipped model used 0.
+    # step runs there: at step 6000 the denoiser at t = 0.02 was only 3.4 dB better than its
+    # input and samples kept a 4x4-patch grain (dit.bench_model.denoise_by_t). Steps 0-6400
+    # of the shipped model used 0.
     t_uniform: float = 0.5
 
     def __post_init__(self) -> None:
