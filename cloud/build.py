@@ -8,7 +8,8 @@ failure anywhere leaves the published catalog exactly as it was; an unchanged te
 
 The catalog entry also carries what the device needs to run an edit of the template and
 that is the provider's, not the user's: the template image and mask (PNG, base64), steps,
-guidance and resolution (``template`` key). The device needs nothing else from the cloud.
+guidance, strength and resolution (``template`` key). The device needs nothing else from
+the cloud.
 """
 
 from __future__ import annotations
@@ -117,8 +118,13 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         # the device's view of the template (pixels, mask, seed, steps, guidance, prompt):
         # what the engine prepares from and what the catalog entry publishes
         device = spec.to_device_template()
+        if cfg.model is not None and device.strength != 1.0:
+            # the diffusers adapters edit from pure noise only (dit.adapters.engine)
+            print(f"{tid}: strength {device.strength} is the sakura MMDiT's; {cfg.model} "
+                  "edits start from pure noise (strength 1)")
+            device = replace(device, strength=1.0)
         prep = engine.prepare(device.image, device.mask, spec.prompt, spec.seed, spec.steps,
-                              spec.guidance)
+                              spec.guidance, device.strength)
         run = engine.template_run(prep)
         base = 600  # the profiling requests' seeds (dit.templates.TemplateSpec.requests)
         profiling = [engine.request(p, base + i) for i, p in enumerate(spec.profiling_prompts)]

@@ -14,7 +14,7 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(steps=args.steps, out_dir=args.out_dir, weights_out=args.weights_out,
                       threads=args.threads, batch_size=args.batch_size,
-                      t_uniform=args.t_uniform)
+                      t_uniform=args.t_uniform, variant_power=args.variant_power)
     train(cfg)
     return 0
 
@@ -59,4 +59,7 @@ def register(commands, bench) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.add_argument("--t-uniform", type=float, default=0.5, metavar="FRACTION",
                    help="fraction of samples with uniform t (rest logit-normal; default 0.5)")
+    p.add_argument("--variant-power", type=float, default=0.5, metavar="P",
+                   help="draw each image with weight (its emoji's skin-tone variants) ** -P, so "
+                        "people stop crowding out objects (0 = uniform; default 0.5)")
     p.set_defaults(func=_train)

@@ -37,6 +37,16 @@ class Template:
     # the template prompt's text: public provider data, needed on the device only by
     # models whose cached edit depends on it (QwenImage 2.1's RoPE frame)
     prompt: str = ""
+    # Edit strength in (0, 1]: the edit's ``steps`` run from t = strength to 0 and the
+    # masked tokens start from the template forward-noised to that t with the edit's noise
+    # (SDEdit; diffusers' inpainting ``strength``). 1 starts from pure noise. Below 1 the
+    # edit keeps the region's layout (a roof stays a roof), which a small model cannot
+    # invent from the surrounding context alone.
+    strength: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.strength <= 1.0:
+            raise ValueError(f"template strength must be in (0, 1], got {self.strength}")
 
     @property
     def size(self) -> int:
@@ -87,6 +97,22 @@ def edit_noise(model: MMDiT, template: Template, seed: int) -> torch.Tensor:
     """Initial noise of an edit over the full grid (masked tokens are selected from it)."""
     g = template.size // model.cfg.patch_size
     return noise_like((1, g * g, model.cfg.patch_dim), seed + 1_000_003)
+
+
+def edit_schedule(template: Template) -> torch.Tensor:
+    """The edit's ``steps + 1`` timesteps, from ``template.strength`` to 0."""
+    ts = schedule(template.steps)
+    return ts if template.strength == 1.0 else ts * template.strength
+
+
+def edit_start(model: MMDiT, template: Template, seed: int) -> torch.Tensor:
+    """The edit's latent entering step 0 over the full grid ``[1, N, D]``: the edit noise,
+    or with ``strength < 1`` the template forward-noised to ``t = strength`` with it."""
+    e = edit_noise(model, template, seed)
+    if template.strength == 1.0:
+        return e
+    x0 = patchify(template.image[None].float(), model.cfg.patch_size)
+    return (1 - template.strength) * x0 + template.strength * e
 
 
 def heads_to_channels(x: torch.Tensor) -> torch.Tensor:
@@ -209,7 +235,7 @@ def template_run(model: MMDiT, template: Template, keep_hidden: bool = False) ->
     geo = Geometry.of(model, template)
     x0 = patchify(template.image[None].float(), model.cfg.patch_size)
     e = template_noise(model, template)
-    ts = schedule(template.steps)
+    ts = edit_schedule(template)
     keys, values, hidden = [], [], []
     for s in range(template.steps):
         t = ts[s]
@@ -279,9 +305,9 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     mode, heads = model.cfg.attention_mode, model.cfg.num_heads
     if start_step and (x_start is None or reuse_text_kv):
         raise ValueError("start_step needs x_start and cannot reuse text K/V")
-    x = edit_noise(model, template, req.seed)[:, geo.masked] if x_start is None else x_start
+    x = edit_start(model, template, req.seed)[:, geo.masked] if x_start is None else x_start
     pos = geo.pos[geo.masked]
-    ts = schedule(template.steps)
+    ts = edit_schedule(template)
     has_refs = req.ref_images is not None and len(req.ref_images) > 0
     refs = ReferenceKV.extract(model, req, template.guidance) if has_refs and cache_refs else None
     ref_toks = reference_tokens(model, req.ref_images) if has_refs and not cache_refs else None
@@ -322,8 +348,8 @@ def pinned_reference_edit(model: MMDiT, template: Template, run: TemplateRun,
     geo = run.geometry
     x0 = patchify(template.image[None].float(), model.cfg.patch_size)
     e = template_noise(model, template)
-    x = edit_noise(model, template, req.seed).clone()
-    ts = schedule(template.steps)
+    x = edit_start(model, template, req.seed).clone()
+    ts = edit_schedule(template)
     for s in range(template.steps):
         t = ts[s]
         x[:, geo.unmasked] = ((1 - t) * x0 + t * e)[:, geo.unmasked]
@@ -341,8 +367,8 @@ def full_edit(model: MMDiT, template: Template, req: EditRequest) -> torch.Tenso
     geo = Geometry.of(model, template)
     x0 = patchify(template.image[None].float(), model.cfg.patch_size)
     e = template_noise(model, template)
-    x = edit_noise(model, template, req.seed).clone()
-    ts = schedule(template.steps)
+    x = edit_start(model, template, req.seed).clone()
+    ts = edit_schedule(template)
     for s in range(template.steps):
         t = ts[s]
         x[:, geo.unmasked] = ((1 - t) * x0 + t * e)[:, geo.unmasked]

@@ -27,7 +27,15 @@ import torch.nn.functional as F
 
 from dit.attention import AttentionHook, Layout
 from dit.cache import KVProvider
-from dit.editing import EditRequest, Geometry, Template, channels_to_heads, compose, edit_noise
+from dit.editing import (
+    EditRequest,
+    Geometry,
+    Template,
+    channels_to_heads,
+    compose,
+    edit_schedule,
+    edit_start,
+)
 from dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, unpatchify
 from dit.regional import (
     FullResult,
@@ -327,8 +335,8 @@ def regional_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVP
         raise ValueError("regional_edit does not take reference images")
     cfg = cfg or RegionalConfig()
     backend = edit_backend(model, template, geo, provider, req, probe_blocks)
-    x = edit_noise(model, template, req.seed)[0, geo.masked]
-    state = RegionalState(cfg, backend.coords, schedule(template.steps), x, backend.text_tokens,
+    x = edit_start(model, template, req.seed)[0, geo.masked]
+    state = RegionalState(cfg, backend.coords, edit_schedule(template), x, backend.text_tokens,
                           salient, backend.cost)
     run_regional(backend, state)
     return compose(model, template, geo, state.x[None]), state

@@ -6,6 +6,7 @@ Schema of ``catalog.json`` (``dit/catalog/`` is the default catalog; see its REA
         "workload": "face-swap" | "try-on" | "instruction",
         "image": "<png, RGB>", "mask": "<png, white = editable>",
         "prompt": "<template prompt>", "seed": int, "steps": int, "guidance": float,
+        "strength": float in (0, 1] (optional, default 1: edits start from pure noise),
         "resolution": int (pixels; the image is resized to it),
         "mask_ratio": float, "token_mask_ratio": float,
         "profiling_prompts": [...], "evaluation_prompts": [...], "source": {...}}}}
@@ -54,6 +55,7 @@ class TemplateSpec:
     profiling_prompts: list[str]
     evaluation_prompts: list[str]
     meta: dict = field(default_factory=dict)
+    strength: float = 1.0
 
     def load_image(self) -> torch.Tensor:
         from skimage.io import imread
@@ -74,14 +76,14 @@ class TemplateSpec:
     def to_template(self, encoder) -> Template:
         return Template(image=self.load_image(), mask=self.load_mask(),
                         txt=encoder.encode([self.prompt]), seed=self.seed, steps=self.steps,
-                        guidance=self.guidance, prompt=self.prompt)
+                        guidance=self.guidance, prompt=self.prompt, strength=self.strength)
 
     def to_device_template(self) -> Template:
         """What the device knows of the template (as ``device_template`` of its published
         entry): pixels, mask, seed, steps, guidance and prompt text, no embeddings."""
         return Template(image=self.load_image(), mask=self.load_mask(),
                         txt=torch.zeros(1, 0, 384), seed=self.seed, steps=self.steps,
-                        guidance=self.guidance, prompt=self.prompt)
+                        guidance=self.guidance, prompt=self.prompt, strength=self.strength)
 
     def requests(self, encoder, which: str = "evaluation", seed0: int = 100) -> list[EditRequest]:
         prompts = self.evaluation_prompts if which == "evaluation" else self.profiling_prompts
@@ -119,12 +121,16 @@ def load_catalog(path: str | Path | None = None) -> dict[str, TemplateSpec]:
                 mask_path=path.parent / e["mask"], prompt=e["prompt"], seed=int(e["seed"]),
                 steps=int(e.get("steps", 20)), guidance=float(e.get("guidance", 3.0)),
                 resolution=int(e.get("resolution", 64)),
+                strength=float(e.get("strength", 1.0)),
                 profiling_prompts=list(e["profiling_prompts"]),
                 evaluation_prompts=list(e["evaluation_prompts"]),
                 meta={k: v for k, v in e.items() if k not in ("image", "mask")},
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CatalogError(f"{path}: template {tid!r} is missing or has a bad field: {exc}") from exc
+        if not 0.0 < spec.strength <= 1.0:
+            raise CatalogError(f"{path}: template {tid!r}: strength must be in (0, 1], "
+                               f"got {spec.strength}")
         if spec.workload not in WORKLOADS:
             raise CatalogError(f"{path}: template {tid!r}: workload must be one of {WORKLOADS}")
         for p in (spec.image_path, spec.mask_path):
@@ -162,6 +168,7 @@ def template_assets(spec: TemplateSpec, template: Template) -> dict:
         "seed": template.seed,  # the template's own noise (provider data; `local` needs it)
         "steps": template.steps,
         "guidance": template.guidance,
+        "strength": template.strength,
         "resolution": template.size,
         "image_png_b64": _png_b64(img.astype(np.uint8)),
         "mask_png_b64": _png_b64(mask),
@@ -190,4 +197,4 @@ def device_template(entry: dict) -> Template:
     t = entry["template"]
     return Template(image=image, mask=mask, txt=torch.zeros(1, 0, 384), seed=int(t.get("seed", 0)),
                     steps=int(t["steps"]), guidance=float(t["guidance"]),
-                    prompt=str(t.get("prompt", "")))
+                    prompt=str(t.get("prompt", "")), strength=float(t.get("strength", 1.0)))

@@ -19,6 +19,10 @@ from skimage.io import imsave
 from dit.data import fetch_emoji_package, list_items, load_image
 
 OUT = Path(__file__).resolve().parents[1] / "dit" / "catalog"
+# SDEdit strength per workload (dit.editing.Template.strength): a face swap changes the skin
+# tone and needs most freedom; a roof or a car top keeps its layout. Chosen by eye on the
+# step-11000 model (dit/catalog/README.md) from 1.0 / 0.9 / 0.8 / 0.7.
+STRENGTH = {"face-swap": 0.9, "try-on": 0.8, "instruction": 0.7}
 
 
 def dilate(m: np.ndarray, r: int) -> np.ndarray:
@@ -108,6 +112,7 @@ def main() -> None:
         entries[tid] = {
             "workload": workload, "image": f"{tid}.png", "mask": f"{tid}-mask.png",
             "prompt": f"{items[name].caption}", "seed": seed, "steps": 20, "guidance": 3.0,
+            "strength": STRENGTH[workload],
             "resolution": 64, "mask_ratio": round(float(mask.mean()), 4),
             "token_mask_ratio": round(float(token_ratio(mask)), 4),
             "profiling_prompts": prof, "evaluation_prompts": ev,

@@ -57,13 +57,14 @@ class EditEngine(ABC):
 
     @abstractmethod
     def prepare(self, image: torch.Tensor, mask: torch.Tensor, prompt: str, seed: int,
-                steps: int | None = None, guidance: float | None = None) -> Prepared: ...
+                steps: int | None = None, guidance: float | None = None,
+                strength: float = 1.0) -> Prepared: ...
 
     def device_prepare(self, template: Any) -> Prepared:
         """The device's view of a published template (a ``dit.editing.Template`` built from
-        the catalog entry's pixels, mask, seed, steps, guidance and prompt)."""
+        the catalog entry's pixels, mask, seed, steps, guidance, strength and prompt)."""
         return self.prepare(template.image, template.mask, template.prompt, template.seed,
-                            template.steps, template.guidance)
+                            template.steps, template.guidance, template.strength)
 
     @property
     def weights_id(self) -> str | None:
@@ -132,12 +133,14 @@ class DefaultEngine(EditEngine):
 
         return Prepared(template, Geometry.of(self.model, template), template.prompt)
 
-    def prepare(self, image, mask, prompt, seed, steps=None, guidance=None) -> Prepared:
+    def prepare(self, image, mask, prompt, seed, steps=None, guidance=None,
+                strength=1.0) -> Prepared:
         from dit.editing import Geometry, Template
 
         tpl = Template(image=image, mask=mask, txt=self.encoder.encode([prompt]), seed=seed,
                        steps=steps or self.default_steps,
-                       guidance=self.default_guidance if guidance is None else guidance)
+                       guidance=self.default_guidance if guidance is None else guidance,
+                       strength=strength)
         return Prepared(tpl, Geometry.of(self.model, tpl), prompt)
 
     def request(self, prompt, seed, negative="", references=None):
@@ -207,7 +210,12 @@ class DiffusersEngine(EditEngine):
     def weights_id(self):
         return self.fingerprint
 
-    def prepare(self, image, mask, prompt, seed, steps=None, guidance=None) -> Prepared:
+    def prepare(self, image, mask, prompt, seed, steps=None, guidance=None,
+                strength=1.0) -> Prepared:
+        if strength != 1.0:
+            raise InputError(f"strength {strength}: edits of {self.name} models start from "
+                             "pure noise (strength 1); strength < 1 is implemented for the "
+                             "sakura MMDiT")
         lat = self.latents.encode(image)
         tmask = self.adapter.token_mask(mask)
         if tmask.numel() != lat.grid[0] * lat.grid[1]:

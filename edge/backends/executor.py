@@ -15,9 +15,17 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dit.cache import KVProvider
-from dit.editing import EditRequest, Geometry, Template, _cfg_batch, _guided, compose, edit_noise
+from dit.editing import (
+    EditRequest,
+    Geometry,
+    Template,
+    _cfg_batch,
+    _guided,
+    compose,
+    edit_schedule,
+    edit_start,
+)
 from dit.model import MMDiT
-from dit.sampler import schedule
 from edge.backends.base import BackendConfig, CompiledShard, ExecutionBackend, weights_sha256
 from edge.backends.errors import BackendError
 from edge.backends.shard import ShardGeometry
@@ -91,12 +99,12 @@ class ShardExecutor:
         geometry = edit_geometry(model, template, geo, req)
         self.prepare(geometry, groups)
         with torch.inference_mode():
-            x = edit_noise(model, template, req.seed)[:, geo.masked]
+            x = edit_start(model, template, req.seed)[:, geo.masked]
             pos = geo.pos[geo.masked]
             angles = torch.cat([model.angles(model.text_positions(geometry.txt)),
                                 model.angles(pos)])
             cos, sin = angles.cos(), angles.sin()
-            ts = schedule(template.steps)
+            ts = edit_schedule(template)
             for s in range(template.steps):
                 batch = _cfg_batch(x, pos, req, ts[s], template.guidance)
                 seg = model.embed(batch)

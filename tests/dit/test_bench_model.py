@@ -29,7 +29,14 @@ def test_shipped_model_inpaints_people_better_than_biharmonic():
     assert len(per) >= 6 and {v["workload"] for v in per.values()} == {
         "face-swap", "try-on", "instruction"}
     people = [v for v in per.values() if v["workload"] in ("face-swap", "try-on")]
-    model = sum(v["psnr_db"] for v in people) / len(people)
+    model = sum(v["from_noise_psnr_db"] for v in people) / len(people)
     floor = sum(v["biharmonic_psnr_db"] for v in people) / len(people)
-    # measured 12.5 vs 9.7 dB (step 6000); a model that ignores its context falls below
+    # from pure noise (strength 1), measured 12.5 vs 9.7 dB at step 6000 and 13.4 vs 9.7 at
+    # step 11000; a model that ignores its context falls below
     assert model > floor + 1.0
+    for tid, v in per.items():
+        # at the catalog's strength every template beats the floor (step 11000: the worst,
+        # tryon-farmer, 13.9 vs 8.0 dB) and gains over the edit from noise
+        assert v["strength"] < 1.0, tid
+        assert v["psnr_db"] > v["biharmonic_psnr_db"] + 2.0, tid
+        assert v["psnr_db"] > v["from_noise_psnr_db"], tid

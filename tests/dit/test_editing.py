@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from dit.editing import (
     Geometry,
     cached_edit,
+    edit_noise,
+    edit_schedule,
+    edit_start,
     full_edit,
     pinned_reference_edit,
     profile_importance,
@@ -35,9 +41,10 @@ def test_capture_shapes_and_cache_geometry():
     assert c.fp16_bytes() == 2 * c.keys.numel() * 2
 
 
-def test_cached_edit_equals_pinned_reference():
+@pytest.mark.parametrize("strength", [1.0, 0.6])
+def test_cached_edit_equals_pinned_reference(strength):
     model = tiny_model()
-    tpl = tiny_template(model)
+    tpl = dataclasses.replace(tiny_template(model), strength=strength)
     run = template_run(model, tpl, keep_hidden=True)
     req = tiny_request(model)
     fast = cached_edit(model, tpl, run.geometry, run.cache, req)
@@ -80,3 +87,32 @@ def test_importance_is_attention_mass_on_cached_tokens():
     sums = imp.sum(-1)
     assert (sums <= bound + 1e-3).all() and (sums > 0.05 * bound).all()
     assert torch.equal(run.cache.importance, imp)
+
+
+def test_strength_starts_from_the_noised_template():
+    model = tiny_model()
+    tpl = tiny_template(model)
+    assert torch.equal(edit_start(model, tpl, 5), edit_noise(model, tpl, 5))
+    assert edit_schedule(tpl)[0] == 1.0 and len(edit_schedule(tpl)) == tpl.steps + 1
+    half = dataclasses.replace(tpl, strength=0.5)
+    ts = edit_schedule(half)
+    assert ts[0] == 0.5 and ts[-1] == 0.0 and len(ts) == tpl.steps + 1  # same step count
+    from dit.model import patchify
+
+    x0 = patchify(tpl.image[None].float(), model.cfg.patch_size)
+    want = 0.5 * x0 + 0.5 * edit_noise(model, tpl, 5)
+    assert torch.allclose(edit_start(model, half, 5), want)
+    # the cache follows the same schedule: its first step is the template noised to 0.5
+    assert template_run(model, half).cache.timesteps[0] == 0.5
+    # a lower strength keeps the region closer to the template
+    req = tiny_request(model)
+    far = [(cached_edit(model, t, Geometry.of(model, t), template_run(model, t).cache, req)
+            - tpl.image)[:, tpl.mask].abs().mean() for t in (tpl, dataclasses.replace(tpl, strength=0.2))]
+    assert far[1] < far[0]
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5])
+def test_strength_out_of_range_is_refused(bad):
+    model = tiny_model()
+    with pytest.raises(ValueError, match="strength"):
+        dataclasses.replace(tiny_template(model), strength=bad)

@@ -78,6 +78,7 @@ def test_loss_falls_on_a_tiny_set(tmp_path):
 
 @pytest.mark.parametrize("bad, word", [(dict(t_uniform=-0.1), "t_uniform"),
                                        (dict(t_uniform=1.5), "t_uniform"),
+                                       (dict(variant_power=-1.0), "variant_power"),
                                        (dict(batch_size=0), "batch size"),
                                        (dict(lr=0.0), "lr"),
                                        (dict(resolution_probs=(1.0,)), "resolutions")])
@@ -92,3 +93,13 @@ def test_cli_reports_bad_settings_without_traceback(capsys):
     assert main(["train", "--t-uniform", "2"]) == 1
     err = capsys.readouterr().err
     assert "t_uniform must be in [0, 1]" in err and "Traceback" not in err
+
+
+def test_variant_weights_share_one_emoji_between_its_skin_tones():
+    from dit.train import item_weights
+
+    siblings = {0: [1, 2, 3], 1: [0, 2, 3], 2: [0, 1, 3], 3: [0, 1, 2]}  # 4 tones; 4 is alone
+    assert item_weights([0, 1, 2, 3, 4], siblings, 0.0) == [1.0] * 5
+    w = item_weights([0, 1, 2, 3, 4], siblings, 0.5)
+    assert w == [0.5] * 4 + [1.0]  # the emoji with 4 tones: 2/3 of draws instead of 4/5
+    assert item_weights([0, 4], siblings, 1.0) == [0.25, 1.0]

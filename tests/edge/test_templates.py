@@ -25,6 +25,15 @@ def test_catalog_entry_round_trip():
     assert torch.equal(got.mask, tpl.mask)
     assert (got.image - tpl.image).abs().max() <= 1 / 127.5 + 1e-6  # 8-bit PNG
     assert (got.steps, got.guidance, got.seed) == (tpl.steps, tpl.guidance, tpl.seed)
+    assert got.strength == 1.0
+    tpl.strength = 0.7
+    entry = {"codecs": {}, "template": template_assets(_Spec(), tpl)}
+    assert template_from_entry("t", entry, FakeEncoder()).strength == 0.7
+    del entry["template"]["strength"]  # a catalog published before strength existed
+    assert template_from_entry("t", entry, FakeEncoder()).strength == 1.0
+    entry["template"]["strength"] = 1.5
+    with pytest.raises(EdgeError, match="strength must be in"):
+        template_from_entry("t", entry, FakeEncoder())
 
 
 def test_entry_without_assets_or_seed():

@@ -1,0 +1,30 @@
+"""The shipped template catalog and its validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dit.templates import DEFAULT_CATALOG, CatalogError, load_catalog
+
+
+def test_shipped_catalog_strengths_by_workload():
+    specs = load_catalog()
+    by_workload = {s.workload: s.strength for s in specs.values()}
+    # face swaps change the skin tone (most freedom), objects keep their layout
+    assert by_workload == {"face-swap": 0.9, "try-on": 0.8, "instruction": 0.7}
+    assert all(s.steps >= 20 for s in specs.values())
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.2, "strong"])
+def test_bad_strength_is_a_catalog_error(tmp_path, bad):
+    doc = json.loads(DEFAULT_CATALOG.read_text())
+    tid = next(iter(doc["templates"]))
+    entry = dict(doc["templates"][tid], strength=bad)
+    for key in ("image", "mask"):
+        entry[key] = str((DEFAULT_CATALOG.parent / entry[key]).resolve())
+    path = tmp_path / "catalog.json"
+    path.write_text(json.dumps({**doc, "templates": {tid: entry}}))
+    with pytest.raises(CatalogError, match=tid):
+        load_catalog(path)
