@@ -2,13 +2,16 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/catalog_grid.py [--weights FILE] [--out PNG]
 
-Writes docs/model/edits.png: per template (columns) the template, then its first evaluation
-prompt edited with the uncompressed cache (``exact``), then full local execution (``full``).
+Writes docs/model/edits.png: per template (columns), top to bottom: the template; its three
+evaluation prompts edited with the uncompressed cache (``exact``) at the catalog's strength;
+the first prompt by full local execution (``full``); the first prompt with the exact cache
+from pure noise (strength 1), to show what the strength buys.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,11 +35,15 @@ def main() -> None:
     cols = []
     for spec in load_catalog().values():
         tpl = spec.to_template(enc)
-        req = spec.requests(enc, "evaluation")[0]
+        reqs = spec.requests(enc, "evaluation")
         run = template_run(model, tpl)
-        exact = cached_edit(model, tpl, run.geometry, run.cache.to_fp16_exact(), req)
-        full = full_edit(model, tpl, req)
-        cols.append(torch.cat([tpl.image, exact, full], dim=1))
+        cache = run.cache.to_fp16_exact()
+        exact = [cached_edit(model, tpl, run.geometry, cache, r) for r in reqs]
+        full = full_edit(model, tpl, reqs[0])
+        noise = replace(tpl, strength=1.0)
+        run1 = template_run(model, noise)
+        from_noise = cached_edit(model, noise, run1.geometry, run1.cache.to_fp16_exact(), reqs[0])
+        cols.append(torch.cat([tpl.image, *exact, full, from_noise], dim=1))
     grid = torch.cat(cols, dim=2)
     arr = ((grid.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).byte().numpy()
     out.parent.mkdir(parents=True, exist_ok=True)
