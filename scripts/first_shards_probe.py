@@ -1,0 +1,60 @@
+"""Developer tool: how much do the first shards at the smallest configuration cost?
+
+Re-decodes the demo's sakura pack with the configurations the demo's allocator chose
+(``out/demo/summary.json``), then with the first three shards swapped for better ones, and
+prints the edit PSNR over the mask against the exact cache (mean of the template's three
+evaluation prompts). Run ``./scripts/demo`` first.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/first_shards_probe.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from codec.pack import Manifest, PackReader
+from codec.provider import PackProvider
+from dit.editing import cached_edit, region_psnr, template_run
+from dit.templates import load_catalog
+from dit.text import TextEncoder
+from dit.weights import load_model
+
+PACK = Path("packs/templates/face-technologist/sakura")
+SUMMARY = Path("out/demo/summary.json")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    manifest = Manifest.load(PACK / "manifest.json")
+    reader = PackReader(PACK / manifest.pack_file)
+    demo = json.loads(SUMMARY.read_text())["policies"]["sakura"]["configs"]
+    model, enc = load_model(), TextEncoder()
+    spec = load_catalog()["face-technologist"]
+    tpl = spec.to_template(enc)
+    run = template_run(model, tpl)
+    exact_cache = run.cache.to_fp16_exact()
+    reqs = spec.requests(enc, "evaluation")
+    best = [max(s.configs, key=lambda c: c.bytes).id for s in manifest.shards]
+
+    def psnr(choice: list[int]) -> float:
+        vals = []
+        for r in reqs:
+            exact = cached_edit(model, tpl, run.geometry, exact_cache, r)
+            got = cached_edit(model, tpl, run.geometry, PackProvider(manifest, reader, choice), r)
+            vals.append(region_psnr(got, exact, tpl.mask))
+        return sum(vals) / len(vals)
+
+    variants = {"demo's choice": demo,
+                "demo's, first 3 shards at the largest configuration": best[:3] + demo[3:],
+                "demo's, first 3 shards at configuration 10": [10, 10, 10] + demo[3:],
+                "demo's first 3, the rest at the largest": demo[:3] + best[3:],
+                "all at the largest": best}
+    for name, choice in variants.items():
+        print(f"{name}: {psnr(choice):.2f} dB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
