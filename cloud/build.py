@@ -120,8 +120,8 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         device = spec.to_device_template()
         if cfg.model is not None and device.strength != 1.0:
             # the diffusers adapters edit from pure noise only (dit.adapters.engine)
-            print(f"{tid}: strength {device.strength} is the sakura MMDiT's; {cfg.model} "
-                  "edits start from pure noise (strength 1)")
+            log(f"{tid}: strength {device.strength} is the sakura MMDiT's; {cfg.model} "
+                "edits start from pure noise (strength 1)")
             device = replace(device, strength=1.0)
         prep = engine.prepare(device.image, device.mask, spec.prompt, spec.seed, spec.steps,
                               spec.guidance, device.strength)

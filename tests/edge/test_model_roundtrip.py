@@ -56,6 +56,7 @@ def test_build_serve_edit_round_trip(tmp_path, checkpoints, catalog, kind, model
     tid = f"{TEMPLATE}-{RES}"
     entry = json.loads((packs / "catalog.json").read_text())["templates"][tid]
     assert entry["template"]["resolution"] == RES
+    assert entry["template"]["strength"] == 1.0  # adapters edit from pure noise (catalog: 0.7)
     manifest = json.loads((packs / "templates" / tid / "fp16" / "manifest.json").read_text())
     assert manifest["model"]["name"] == model
     assert manifest["model"]["weights_fingerprint"] == checkpoint_fingerprint(ck)
