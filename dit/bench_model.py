@@ -157,15 +157,12 @@ def masked_self_edit(model, enc, seeds: tuple[int, ...] = (0, 1)) -> dict:
     for biharmonic inpainting (which also sees only the context)."""
     from skimage.restoration import inpaint_biharmonic
 
-    from dit.editing import cached_edit, region_psnr, template_run
+    from dit.editing import exact_edits, region_psnr
     from dit.templates import load_catalog
 
     def self_psnr(tpl, base) -> float:
-        run = template_run(model, tpl)
-        cache = run.cache.to_fp16_exact()
-        return sum(region_psnr(cached_edit(model, tpl, run.geometry, cache,
-                                           replace(base, txt=tpl.txt, seed=sd)),
-                               tpl.image, tpl.mask) for sd in seeds) / len(seeds)
+        edits = exact_edits(model, tpl, [replace(base, txt=tpl.txt, seed=sd) for sd in seeds])
+        return sum(region_psnr(e, tpl.image, tpl.mask) for e in edits) / len(edits)
 
     per: dict[str, dict] = {}
     for tid, spec in load_catalog().items():

@@ -45,8 +45,7 @@ class Template:
     strength: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.strength <= 1.0:
-            raise ValueError(f"template strength must be in (0, 1], got {self.strength}")
+        check_strength(self.strength)
 
     @property
     def size(self) -> int:
@@ -62,6 +61,14 @@ class EditRequest:
     txt_uncond: torch.Tensor | None
     seed: int
     ref_images: torch.Tensor | None = None
+
+
+def check_strength(strength: float) -> float:
+    """``strength`` if it is in (0, 1], else ValueError (the catalog and the device's
+    published entry go through here too)."""
+    if not 0.0 < strength <= 1.0:
+        raise ValueError(f"template strength must be in (0, 1], got {strength}")
+    return strength
 
 
 def token_mask(mask: torch.Tensor, patch: int) -> torch.Tensor:
@@ -337,6 +344,14 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
         if on_step is not None:
             on_step(s)
     return compose(model, template, geo, x)
+
+
+def exact_edits(model: MMDiT, template: Template, requests: list[EditRequest]) -> list[torch.Tensor]:
+    """The template run once, then each request's cached edit on the uncompressed (fp16)
+    cache: what ``exact`` (= the ``fp16`` pack) gives on the device."""
+    run = template_run(model, template)
+    cache = run.cache.to_fp16_exact()
+    return [cached_edit(model, template, run.geometry, cache, r) for r in requests]
 
 
 @torch.inference_mode()

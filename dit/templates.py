@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dit.editing import EditRequest, Template
+from dit.editing import EditRequest, Template, check_strength
 from sakura.errors import SakuraError
 
 DEFAULT_CATALOG = Path(__file__).parent / "catalog" / "catalog.json"
@@ -121,16 +121,13 @@ def load_catalog(path: str | Path | None = None) -> dict[str, TemplateSpec]:
                 mask_path=path.parent / e["mask"], prompt=e["prompt"], seed=int(e["seed"]),
                 steps=int(e.get("steps", 20)), guidance=float(e.get("guidance", 3.0)),
                 resolution=int(e.get("resolution", 64)),
-                strength=float(e.get("strength", 1.0)),
+                strength=check_strength(float(e.get("strength", 1.0))),
                 profiling_prompts=list(e["profiling_prompts"]),
                 evaluation_prompts=list(e["evaluation_prompts"]),
                 meta={k: v for k, v in e.items() if k not in ("image", "mask")},
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CatalogError(f"{path}: template {tid!r} is missing or has a bad field: {exc}") from exc
-        if not 0.0 < spec.strength <= 1.0:
-            raise CatalogError(f"{path}: template {tid!r}: strength must be in (0, 1], "
-                               f"got {spec.strength}")
         if spec.workload not in WORKLOADS:
             raise CatalogError(f"{path}: template {tid!r}: workload must be one of {WORKLOADS}")
         for p in (spec.image_path, spec.mask_path):

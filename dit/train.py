@@ -187,7 +187,7 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
         size = rng.choices(cfg.resolutions, cfg.resolution_probs)[0]
         use_ref = rng.random() < cfg.ref_prob
         pool = sib_idx if use_ref else train_idx
-        if use_ref or cfg.variant_power == 0:
+        if use_ref or cfg.variant_power == 0:  # power 0: the draws of earlier runs, unchanged
             idx = [rng.choice(pool) for _ in range(cfg.batch_size)]
         else:
             idx = rng.choices(train_idx, cum_weights=train_cum, k=cfg.batch_size)

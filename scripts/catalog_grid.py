@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from dit.editing import cached_edit, full_edit, template_run
+from dit.editing import exact_edits, full_edit
 from dit.templates import load_catalog
 from dit.text import TextEncoder
 from dit.weights import load_model
@@ -36,13 +36,9 @@ def main() -> None:
     for spec in load_catalog().values():
         tpl = spec.to_template(enc)
         reqs = spec.requests(enc, "evaluation")
-        run = template_run(model, tpl)
-        cache = run.cache.to_fp16_exact()
-        exact = [cached_edit(model, tpl, run.geometry, cache, r) for r in reqs]
+        exact = exact_edits(model, tpl, reqs)
         full = full_edit(model, tpl, reqs[0])
-        noise = replace(tpl, strength=1.0)
-        run1 = template_run(model, noise)
-        from_noise = cached_edit(model, noise, run1.geometry, run1.cache.to_fp16_exact(), reqs[0])
+        from_noise = exact_edits(model, replace(tpl, strength=1.0), reqs[:1])[0]
         cols.append(torch.cat([tpl.image, *exact, full, from_noise], dim=1))
     grid = torch.cat(cols, dim=2)
     arr = ((grid.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).byte().numpy()

@@ -17,7 +17,7 @@ import torch
 
 from codec.pack import Manifest, PackReader
 from codec.provider import PackProvider
-from dit.editing import cached_edit, region_psnr, template_run
+from dit.editing import Geometry, cached_edit, exact_edits, region_psnr
 from dit.templates import load_catalog
 from dit.text import TextEncoder
 from dit.weights import load_model
@@ -34,17 +34,15 @@ def main() -> None:
     model, enc = load_model(), TextEncoder()
     spec = load_catalog()["face-technologist"]
     tpl = spec.to_template(enc)
-    run = template_run(model, tpl)
-    exact_cache = run.cache.to_fp16_exact()
     reqs = spec.requests(enc, "evaluation")
+    exact = exact_edits(model, tpl, reqs)  # once: every variant is compared with these
+    geometry = Geometry.of(model, tpl)
     best = [max(s.configs, key=lambda c: c.bytes).id for s in manifest.shards]
 
     def psnr(choice: list[int]) -> float:
-        vals = []
-        for r in reqs:
-            exact = cached_edit(model, tpl, run.geometry, exact_cache, r)
-            got = cached_edit(model, tpl, run.geometry, PackProvider(manifest, reader, choice), r)
-            vals.append(region_psnr(got, exact, tpl.mask))
+        vals = [region_psnr(cached_edit(model, tpl, geometry,
+                                        PackProvider(manifest, reader, choice), r), ref, tpl.mask)
+                for r, ref in zip(reqs, exact)]
         return sum(vals) / len(vals)
 
     variants = {"demo's choice": demo,
