@@ -1,8 +1,9 @@
 """Developer tool: derive the default template catalog (dit/catalog/) from the emoji data.
 
 Masks come from the data itself: a face mask is where skin-tone variants of the same emoji
-differ (the skin), restricted to the head; a clothing mask is the figure below the head; an
-object mask is the object's silhouette (or a part of it). Run once; the output is shipped.
+differ (the skin), restricted to the head; a clothing mask is the figure below the head minus
+the skin, in whole 4x4 tokens; an object mask is the object's silhouette (or a part of it).
+Run once; the output is shipped.
     .venv/bin/python scripts/make_catalog.py
 """
 
@@ -56,11 +57,16 @@ def main() -> None:
         m[int(64 * head_rows):] = False
         specs.append((tid, "face-swap", f"{base}: {tone}", m, prompts_prof, prompts_eval, seed))
 
-    def body(tid, name, top, prompts_prof, prompts_eval, seed=12):
-        x = img(name)
-        m = fg(x)
+    def body(tid, base, tone, top, prompts_prof, prompts_eval, seed=12):
+        # clothing = the figure below ``top`` minus the skin (dilated a pixel), kept per
+        # 4x4 token where at least half of it is clothing: a token mask that cuts through
+        # the chin or a hand made the model redraw half a face inside the outfit
+        name = f"{base}: {tone}"
+        m = fg(img(name)) & ~dilate(skin(base), 1)
         m[: int(64 * top)] = False
-        m = dilate(m, 1)
+        t = torch.from_numpy(m.astype(np.float32))[None, None]
+        tok = (F.avg_pool2d(t, 4)[0, 0] >= 0.5).numpy()
+        m = tok.repeat(4, axis=0).repeat(4, axis=1)
         specs.append((tid, "try-on", name, m, prompts_prof, prompts_eval, seed))
 
     def obj(tid, name, prompts_prof, prompts_eval, rows=None, seed=13):
@@ -83,12 +89,15 @@ def main() -> None:
          [f"people & body: man student: {t}" for t in tones[:2]] + ["people & body: woman student: light skin tone"],
          [f"people & body: man student: {t}" for t in tones[3:]] + ["people & body: woman student: dark skin tone"],
          head_rows=0.7)
-    body("tryon-tuxedo", "man in tuxedo: medium skin tone", 0.55,
-         ["people & body: man in tuxedo", "people & body: man mechanic: medium skin tone", "people & body: man cook: medium skin tone"],
-         ["people & body: man scientist: medium skin tone", "people & body: man farmer: medium skin tone", "people & body: man student: medium skin tone"])
-    body("tryon-farmer", "woman farmer: light skin tone", 0.62,
-         ["people & body: woman cook: light skin tone", "people & body: woman mechanic: light skin tone", "people & body: woman farmer"],
-         ["people & body: woman scientist: light skin tone", "people & body: woman student: light skin tone", "people & body: woman technologist: light skin tone"])
+    # outfits whose emoji are mostly clothing (no laptop, flask or frying pan in the region)
+    outfits_prof = ["mechanic", "student", "firefighter"]
+    outfits_eval = ["police officer", "construction worker", "guard"]
+    body("tryon-tuxedo", "man in tuxedo", "medium skin tone", 0.0,  # outfit and hair/headwear
+         [f"people & body: man {o}: medium skin tone" for o in outfits_prof],
+         [f"people & body: man {o}: medium skin tone" for o in outfits_eval])
+    body("tryon-farmer", "woman farmer", "light skin tone", 0.62,
+         [f"people & body: woman {o}: light skin tone" for o in outfits_prof],
+         [f"people & body: woman {o}: light skin tone" for o in outfits_eval])
     obj("edit-apple-leaf", "red apple",
         ["food & drink: green apple", "food & drink: peach", "food & drink: tomato"],
         ["food & drink: tangerine", "food & drink: lemon", "food & drink: pear"],
