@@ -17,17 +17,32 @@ expected reconstruction time: the nominal slot (the execution time of shard ``j 
 time it is received in while ``j - 1`` executes) plus the *carry-over*, the time by which
 earlier shards arrived ahead of their deadlines.
 
+Nothing executes before shard 0 is in, so before execution starts the prediction needs a
+start time: ``origin + startup_s`` at the earliest (default ``startup_s = exec_s[0]``).
+A *startup allowance* (:meth:`ExecutionProgress.with_allowance`) moves that start later on
+purpose: the device waits a little (a fraction of the edit's execution time) so that the
+first shards, which have no execution to hide behind, can be sent at better
+configurations. It applies to shard 0 and to every later shard's prediction while nothing
+has executed; once a shard has started executing, predictions follow the real progress
+and the allowance no longer matters.
+
 All times are seconds on one monotonic clock (the runtime uses ``time.monotonic()``).
 Both classes are thread-safe: the pipeline's stages report from different threads.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIN_BODY_S = 5e-4  # floor of a body duration when computing a rate
+# Startup allowance: the fraction of the edit's predicted execution time by which execution
+# may start later than the shards start streaming, so that the first shards go at better
+# configurations (0: none). Chosen on the demo: docs/RESULTS.md, "Startup allowance".
+DEFAULT_STARTUP_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -130,13 +145,38 @@ class ShardProgress:
 
 @dataclass(frozen=True)
 class Window:
-    """The allocator's input for one shard."""
+    """The allocator's input for one shard.
+
+    ``slot_s`` is the nominal part of the window: the predicted execution time of shard
+    ``j - 1``, for shard 0 ``startup_s`` (counted from the origin, so shard 0's carry is
+    negative by the time already spent, e.g. on the manifest). ``carry_s = window_s -
+    slot_s``: time carried over from earlier shards arriving early; for shards 1, 2, ...
+    while nothing executes yet it includes what is left of the startup allowance.
+    """
 
     shard: int
     window_s: float   # time left to receive the shard (deadline - now - reconstruction)
     slot_s: float     # the nominal part: execution time of the previous shard (or startup)
-    carry_s: float    # window_s - slot_s: early arrival carried over (>= 0 unless late)
+    carry_s: float    # window_s - slot_s: early arrival / allowance carried over
     deadline: float   # predicted execution start of the shard (absolute)
+
+
+def check_startup_fraction(fraction: float) -> float:
+    """``fraction`` as a float in [0, 1] (ValueError, with the reason, otherwise)."""
+    try:
+        f = float(fraction)
+    except (TypeError, ValueError):
+        raise ValueError(f"startup_fraction must be a number in [0, 1], got {fraction!r}"
+                         ) from None
+    if isinstance(fraction, bool) or not math.isfinite(f) or not 0.0 <= f <= 1.0:
+        raise ValueError(f"startup_fraction must be a number in [0, 1] (a fraction of the "
+                         f"edit's execution time), got {fraction!r}")
+    return f
+
+
+def startup_allowance_s(exec_s: Sequence[float], fraction: float) -> float:
+    """The startup allowance: ``fraction`` of the predicted execution time of the edit."""
+    return check_startup_fraction(fraction) * sum(max(0.0, float(x)) for x in exec_s)
 
 
 class ExecutionProgress:
@@ -144,7 +184,9 @@ class ExecutionProgress:
 
     ``exec_s[j]`` is the calibrated execution time of shard ``j``; measured execution times
     correct all later predictions by an exponentially averaged ratio measured / predicted.
-    ``startup_s`` is the window of shard 0 (nothing executes yet; default: ``exec_s[0]``).
+    ``startup_s``: before anything executes, execution is predicted to start at ``origin +
+    startup_s`` at the earliest (later if shard 0 is not ready by then); it is shard 0's
+    window and also shifts the predictions of shards 1, 2, ... (default: ``exec_s[0]``).
     """
 
     def __init__(self, exec_s: list[float], origin: float, startup_s: float | None = None,
@@ -154,11 +196,33 @@ class ExecutionProgress:
         self.exec_s = [max(0.0, float(x)) for x in exec_s]
         self.origin = float(origin)
         self.startup_s = float(exec_s[0] if startup_s is None else startup_s)
+        if not math.isfinite(self.startup_s) or self.startup_s < 0:
+            raise ValueError(f"startup_s must be a finite time >= 0, got {startup_s!r}")
         self.alpha = alpha
         self.scale = 1.0
         self.recon_est_s = 0.0
         self.shards = [ShardProgress() for _ in exec_s]
         self._lock = threading.Lock()
+
+    @classmethod
+    def with_allowance(cls, exec_s: list[float], origin: float, allowance_s: float,
+                       now: float, alpha: float = 0.5) -> ExecutionProgress:
+        """Execution predicted to start ``allowance_s`` after ``now`` (when the shards start
+        streaming, e.g. once the manifest is in) at the earliest, and never before the
+        default ``origin + exec_s[0]``: ``startup_s = max(exec_s[0], now - origin +
+        allowance_s)``. An allowance of 0 gives the default prediction exactly (``now``
+        is never earlier than the present)."""
+        if not math.isfinite(allowance_s) or allowance_s < 0:
+            raise ValueError(f"the startup allowance must be a finite time >= 0, got "
+                             f"{allowance_s!r}")
+        first = max(0.0, float(exec_s[0])) if exec_s else 0.0
+        return cls(exec_s, origin, startup_s=max(first, now - origin + allowance_s),
+                   alpha=alpha)
+
+    @property
+    def start_not_before(self) -> float:
+        """The earliest predicted start of execution (absolute): ``origin + startup_s``."""
+        return self.origin + self.startup_s
 
     @property
     def num_shards(self) -> int:
@@ -220,9 +284,11 @@ class ExecutionProgress:
                 t = max(now, p.exec_start + self.predicted_exec_s(c))
             first = c + 1
         else:
+            # nothing executes yet: execution starts once shard 0 is ready, and not before
+            # origin + startup_s (the startup allowance, for shard 0 and every later shard)
             if shard == 0:
-                return max(now, self.origin + self.startup_s)
-            t = self._ready(0, now)
+                return max(now, self.start_not_before)
+            t = max(self._ready(0, now), self.start_not_before)
             t += self.predicted_exec_s(0)
             first = 1
         for i in range(first, shard):

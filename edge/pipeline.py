@@ -17,7 +17,11 @@ Three stages run concurrently:
 * **execute** (the caller's thread): the DiT asks :class:`ShardProvider` ``get(step,
   block)`` in execution order; the first block of a shard blocks until that shard is
   reconstructed. Waiting there is a *stall* (shard 0's wait is the startup latency, not a
-  stall). Leaving a shard frees its tensors and its slot.
+  stall). Leaving a shard frees its tensors and its slot. Execution starts as soon as
+  shard 0 is reconstructed, also when it arrives before the startup allowance
+  (:class:`~edge.monitor.ExecutionProgress`) is used up: shards 1, 2, ... were then
+  allotted windows that assumed a later start and may stall, but each still starts no
+  later than predicted, so starting early never ends the edit later than waiting would.
 
 Every shard gets a :class:`ShardRecord` (stage start/end times relative to the edit start,
 bytes, configuration, window, carry-over and rate estimate the allocator saw). A failure

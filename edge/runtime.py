@@ -18,6 +18,18 @@ The prompt, reference images and seed stay in this process; the server only ever
 template id, codec, shard index, configuration id and pack version (see
 :mod:`edge.client`).
 
+Startup allowance (``EditOptions.startup_fraction``): nothing executes before shard 0 is
+in, so the first shards have no execution to hide their transfer behind. The device lets
+execution start up to ``startup_fraction`` x the edit's predicted execution time after the
+manifest is in (see :meth:`edge.monitor.ExecutionProgress.with_allowance`), and the
+allocator spends that time on better configurations of the first shards. Execution still
+starts as soon as shard 0 is reconstructed. The allowance is sized into bytes at the rate
+estimate of the first shards, so it is used only when that estimate is current: the
+caller's prior (``EditOptions.initial_rate_bps``) or the manifest's transfer in this edit.
+With only the rate remembered from an earlier edit (a cached manifest is revalidated
+without a body) the edit runs without it: a stale estimate would size shard 0 for a link
+that may be many times slower.
+
 Execution-time calibration: the first edit of a (template, request shape) runs two steps
 of the masked computation with a zero cache (no network) and times every block of the
 second step; a shard's predicted time is the sum over its blocks. The pipeline corrects
@@ -47,7 +59,13 @@ from edge.backends.base import BackendConfig
 from edge.backends.executor import DeviceBackend
 from edge.client import CachedManifest, PackClient, RequestRecord, RetryPolicy
 from edge.errors import EdgeError
-from edge.monitor import BandwidthMonitor, ExecutionProgress
+from edge.monitor import (
+    DEFAULT_STARTUP_FRACTION,
+    BandwidthMonitor,
+    ExecutionProgress,
+    check_startup_fraction,
+    startup_allowance_s,
+)
 from edge.pipeline import NetLoop, Pipeline
 from edge.quality import psnr, ssim
 from sakura.errors import SakuraError
@@ -138,6 +156,7 @@ class EditResult:
     stalls: int = 0
     stall_s: float = 0.0
     startup_s: float = 0.0
+    startup_allowance_s: float = 0.0
     configs: list[int | None] = field(default_factory=list)
     params: list[dict[str, Any]] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
@@ -158,6 +177,7 @@ class EditResult:
             "policy": self.policy, "codec": self.codec, "latency_s": self.latency_s,
             "bytes": self.bytes, "manifest_bytes": self.manifest_bytes,
             "stalls": self.stalls, "stall_s": self.stall_s, "startup_s": self.startup_s,
+            "startup_allowance_s": self.startup_allowance_s,
             "exec_s": self.exec_s, "requests": self.requests,
             "configs": self.configs, "params": self.params,
             "psnr_db": _finite(self.psnr_db), "ssim": self.ssim,
@@ -181,6 +201,15 @@ def _finite(x: float | None) -> float | str | None:
     return x
 
 
+def startup_fraction_error(value: Any) -> str | None:
+    """Why ``value`` is not a usable startup fraction (None: it is)."""
+    try:
+        check_startup_fraction(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 @dataclass
 class EditOptions:
     """Knobs of a streamed edit (defaults are the design's)."""
@@ -196,6 +225,20 @@ class EditOptions:
     pack: str | None = None     # stream this codec's pack instead of the policy's default
     policy_options: dict[str, Any] = field(default_factory=dict)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # execution may start this fraction of the predicted execution time after the manifest
+    # is in, so the first shards fit better configurations (0: start as soon as possible)
+    startup_fraction: float = DEFAULT_STARTUP_FRACTION
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> EditOptions:
+        """Raise :class:`EdgeError` for an unusable value (also checked at each edit, as
+        the fields may be changed after construction)."""
+        error = startup_fraction_error(self.startup_fraction)
+        if error is not None:
+            raise EdgeError(error)
+        return self
 
 
 class EdgeRuntime:
@@ -330,7 +373,7 @@ class EdgeRuntime:
              options: EditOptions | None = None) -> EditResult:
         """Run one edit of ``template`` (served as ``template_id`` at ``server``)."""
         pol = get_policy(policy)
-        opts = options or EditOptions()
+        opts = (options or EditOptions()).check()
         prep = self.prepared(template_id, template)
         if pol.codec is None:
             if not self.backend.is_torch:
@@ -377,7 +420,6 @@ class EdgeRuntime:
                 tables=tables, exec_s=exec_s, latency_s=0.0,
                 budget_rate_bps=opts.budget_rate_bps or monitor.estimate_bps(),
                 safety=opts.safety, options=opts.policy_options))
-            progress = ExecutionProgress(exec_s, origin)
             codec_impl = manifest.make_codec()
 
             async def fetch(shard: int, config: int, progress):
@@ -397,14 +439,20 @@ class EdgeRuntime:
                 return int(manifest.shard(shard).config(config).bytes)
 
             shard_blocks = [layout.blocks_of(i) for i in range(layout.num_shards)]
+            if not self.backend.is_torch:  # (compiling may take a while: before the clock)
+                self.backend.prepare(self.model, prep.template, prep.geometry, req,
+                                     layout.blocks_per_shard)
+            # the startup allowance counts from here, when the shards can start streaming;
+            # it is spent at the rate estimate, so only on a current one (see the module doc)
+            current = opts.initial_rate_bps is not None or not got.cached
+            allowance = startup_allowance_s(exec_s, opts.startup_fraction) if current else 0.0
+            progress = ExecutionProgress.with_allowance(exec_s, origin, allowance,
+                                                        now=time.monotonic())
             pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,
                             monitor=monitor, progress=progress, origin=origin,
                             max_ahead=opts.max_ahead, max_ready=opts.max_ready,
                             describe=describe,
                             config_bytes=config_bytes, max_inflight=opts.max_inflight)
-            if not self.backend.is_torch:
-                self.backend.prepare(self.model, prep.template, prep.geometry, req,
-                                     layout.blocks_per_shard)
             pipe.start(net)
             try:
                 image = (self.engine.edit(prep, pipe.provider, req) if self.backend.is_torch
@@ -424,7 +472,7 @@ class EdgeRuntime:
         return EditResult(
             image=image, policy=policy, codec=codec, latency_s=latency, bytes=stats.bytes,
             manifest_bytes=raw_len, stalls=stats.stalls, stall_s=stats.stall_s,
-            startup_s=stats.startup_s, configs=stats.configs,
+            startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
             params=[r["params"] for r in timeline], timeline=timeline,
             predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),
             warnings=[warning] if warning else [])

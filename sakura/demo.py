@@ -38,6 +38,9 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--packs", default="packs", help="published catalog directory")
     p.add_argument("--trace", help="trace file (default: a Lumos5G 5G walking trace)")
     p.add_argument("--start", type=float, default=20.0, help="start offset in the trace (s)")
+    p.add_argument("--startup-fraction", type=float, metavar="F",
+                   help="startup allowance of the streamed edits, a fraction of the predicted "
+                        "execution time (default: the runtime's, EditOptions.startup_fraction)")
     p.set_defaults(func=run_demo)
 
 
@@ -71,6 +74,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from dit.templates import device_template, load_catalog
     from dit.weights import DEFAULT_WEIGHTS, load_model
     from edge.bench import ServerProcess, catalog_usable, exact_and_floor, file_sha256
+    from edge.cli import startup_fraction_arg
     from edge.client import PackClient
     from edge.netem import shaped
     from edge.runtime import EdgeRuntime, EditOptions
@@ -89,6 +93,8 @@ def run_demo(args: argparse.Namespace) -> int:
         raise SakuraError(f"unknown template {args.template!r}; shipped: {', '.join(specs)}")
     spec = specs[args.template]
     prompt = args.prompt or spec.evaluation_prompts[0]
+    startup = {} if args.startup_fraction is None else {
+        "startup_fraction": startup_fraction_arg(args.startup_fraction)}
 
     # 1) provider side: build what the demo serves
     stale = (packs / "catalog.json").exists() and not catalog_usable(packs, args.template)
@@ -127,7 +133,7 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"      note: {note}")
         results = {}
         with shaped(server.url, trace, args.start) as (link_url, link):
-            opts = EditOptions(budget_rate_bps=scaled, initial_rate_bps=scaled)
+            opts = EditOptions(budget_rate_bps=scaled, initial_rate_bps=scaled, **startup)
             for policy in ("sakura", "fp16"):
                 link.restart(args.start)
                 results[policy] = runtime.edit(link_url, args.template, template, req, policy,
@@ -145,7 +151,8 @@ def run_demo(args: argparse.Namespace) -> int:
                                           "scaled_median_mbps": scaled / 1e6,
                                           "masked_exec_s": floor_s, "fp16_bytes": fp16_bytes,
                                           "note": note},
-                               "compute_bound_s": floor_s, "policies": {}}
+                               "compute_bound_s": floor_s,
+                               "startup_fraction": opts.startup_fraction, "policies": {}}
     for policy, res in results.items():
         psnr = "inf" if res.psnr_db == float("inf") else f"{res.psnr_db:.2f} dB"
         print(f"      {policy:8s} {res.latency_s:9.3f} {res.bytes / 1e6:9.3f} {res.stalls:6d} "
@@ -156,6 +163,10 @@ def run_demo(args: argparse.Namespace) -> int:
             plot_timeline(res.timeline, out / f"timeline-{policy}.png",
                           f"{policy} on {args.template}, {trace_name} @ {args.start:g} s")
             (out / f"timeline-{policy}.json").write_text(json.dumps(res.timeline, indent=1))
+    sk = results["sakura"]
+    print(f"      sakura startup allowance {sk.startup_allowance_s * 1e3:.0f} ms "
+          f"(startup_fraction {opts.startup_fraction:g}), first configurations "
+          f"{' '.join(str(c) for c in sk.configs[:6])} ...")
     lat = {p: r.latency_s for p, r in results.items()}
     summary["speedup_sakura_vs"] = {p: lat[p] / lat["sakura"] for p in lat if p != "sakura"}
     print(f"      sakura is {lat['local'] / lat['sakura']:.2f}x faster than local and "

@@ -6,10 +6,15 @@ prints the edit PSNR over the mask against the exact cache (mean of the template
 evaluation prompts). Run ``./scripts/demo`` first.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/first_shards_probe.py
+
+``--summary A.json B.json ... --demo-only`` instead prints only the demo's choice of each
+summary (e.g. demos run with ``--startup-fraction F --out out/demo-F``), the exact edits
+computed once.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -27,10 +32,18 @@ SUMMARY = Path("out/demo/summary.json")
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--summary", nargs="+", type=Path, default=[SUMMARY],
+                    help=f"demo summaries (default {SUMMARY})")
+    ap.add_argument("--demo-only", action="store_true",
+                    help="only the demo's own choice of every summary")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     manifest = Manifest.load(PACK / "manifest.json")
     reader = PackReader(PACK / manifest.pack_file)
-    demo = json.loads(SUMMARY.read_text())["policies"]["sakura"]["configs"]
+    demos = {str(p): json.loads(p.read_text())["policies"]["sakura"]["configs"]
+             for p in args.summary}
+    demo = next(iter(demos.values()))
     model, enc = load_model(), TextEncoder()
     spec = load_catalog()["face-technologist"]
     tpl = spec.to_template(enc)
@@ -45,6 +58,10 @@ def main() -> None:
                 for r, ref in zip(reqs, exact)]
         return sum(vals) / len(vals)
 
+    if args.demo_only or len(demos) > 1:
+        for name, choice in demos.items():
+            print(f"{name}: demo's choice {choice[:4]}...: {psnr(choice):.2f} dB", flush=True)
+        return
     variants = {"demo's choice": demo,
                 "demo's, first 3 shards at the largest configuration": best[:3] + demo[3:],
                 "demo's, first 3 shards at configuration 10": [10, 10, 10] + demo[3:],

@@ -25,6 +25,9 @@ def register(commands: Any, bench: Any) -> None:
     r.add_argument("--regime", choices=("matched", "profile"),
                    help="regime-matched replay or the phone device profile")
     r.add_argument("--link", choices=("paced", "kernel"), help="link emulation")
+    r.add_argument("--startup-fraction", type=float, metavar="F",
+                   help="startup allowance of the streamed edits (0 to 1; the config's "
+                        "startup_fraction)")
     r.add_argument("--packs-dir", metavar="DIR", help="where packs are built and kept")
     r.add_argument("--weights", help="model weights (default: the shipped model)")
     r.add_argument("--threads", type=int, default=1,
@@ -54,7 +57,8 @@ def _replay(args: argparse.Namespace) -> int:
 
     _set_threads(args.threads)
     cfg = load_config(args.config, quick=args.quick, starts=args.starts, regime=args.regime,
-                      link=args.link, packs_dir=args.packs_dir, weights=args.weights)
+                      link=args.link, packs_dir=args.packs_dir, weights=args.weights,
+                      startup_fraction=args.startup_fraction)
     summary = run_replay(cfg, args.out, log=_log, progress=not args.no_progress)
     print(f"replay: {summary['ran']} runs done, {summary['skipped']} skipped (already in "
           f"{args.out}/runs.jsonl)")

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
 from sakura.errors import SakuraError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -58,6 +59,7 @@ class ReplayConfig:
     regime_x: float = 10.0
     regime_network: str = "5g"
     link: str = "paced"
+    startup_fraction: float = DEFAULT_STARTUP_FRACTION
     headline_networks: tuple[str, ...] = ("5g",)
     ablation: Ablation = field(default_factory=Ablation)
     packs_dir: str | None = None
@@ -144,6 +146,10 @@ class ReplayConfig:
         for r in self.ablation.resolutions:
             if r not in (32, 48, 64):
                 raise bad(f"ablation.resolutions must be 32, 48 or 64 (the model's), got {r}")
+        try:
+            check_startup_fraction(self.startup_fraction)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
         if self.timelines not in ("all", "first"):
             raise bad(f"timelines must be 'all' or 'first', got {self.timelines!r}")
         if self.build_workers < 1:
@@ -205,6 +211,7 @@ def _scalar(value: Any, kind: type, key: str, source: str) -> Any:
 _SCALARS: dict[str, type] = {
     "starts": int, "seed": int, "span_s": float, "prompt": int, "edit_seed": int,
     "regime": str, "regime_x": float, "regime_network": str, "link": str,
+    "startup_fraction": float,
     "packs_dir": str, "weights": str, "catalog": str, "trace_dir": str, "build_workers": int,
     "timelines": str,
 }

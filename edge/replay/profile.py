@@ -22,7 +22,9 @@ FP16 cache per 512x512 template) instead of this host. What is **modelled**:
   (assumed hidden behind execution);
 * the pipeline: the runtime's own allocator, :class:`~edge.monitor.BandwidthMonitor` and
   :class:`~edge.monitor.ExecutionProgress` driven by this simulated clock, at most
-  ``max_ahead`` shards ahead of execution.
+  ``max_ahead`` shards ahead of execution, with the runtime's startup allowance
+  (``startup_fraction`` of the modelled execution time, counted from t = 0: no manifest
+  transfer is modelled); execution starts as soon as shard 0 is in.
 
 What is **measured**: the configurations the allocator picks decide the bytes; the edit
 is then computed for real with exactly those configurations (fetched over HTTP, decoded,
@@ -35,7 +37,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from edge.allocator import PolicyContext, ShardOptions, get_policy
-from edge.monitor import BandwidthMonitor, ExecutionProgress
+from edge.monitor import (
+    DEFAULT_STARTUP_FRACTION,
+    BandwidthMonitor,
+    ExecutionProgress,
+    startup_allowance_s,
+)
 from traces import Trace
 
 GIB = float(1 << 30)
@@ -85,14 +92,16 @@ def scaled_tables(tables: list[ShardOptions], k: float) -> list[ShardOptions]:
 
 def simulate(policy: str, tables: list[ShardOptions], exec_s: list[float], trace: Trace,
              start_s: float, prior_bps: float, profile: DeviceProfile, k: float,
-             safety: float = 0.8, max_ahead: int = 4) -> SimResult:
+             safety: float = 0.8, max_ahead: int = 4,
+             startup_fraction: float = DEFAULT_STARTUP_FRACTION) -> SimResult:
     """One streamed edit on the simulated clock (t = 0: the edit starts)."""
     big = scaled_tables(tables, k)
     real = {(t.shard, o.id): o.nbytes for t in tables for o in t.options}
     allocator = get_policy(policy).build(PolicyContext(
         tables=big, exec_s=exec_s, latency_s=0.0, budget_rate_bps=prior_bps, safety=safety))
     monitor = BandwidthMonitor(5, prior_bps)
-    progress = ExecutionProgress(exec_s, 0.0)
+    progress = ExecutionProgress.with_allowance(
+        exec_s, 0.0, startup_allowance_s(exec_s, startup_fraction), now=0.0)
     n = len(exec_s)
     recv_end: list[float] = []
     ex_start: list[float] = []

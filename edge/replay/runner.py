@@ -444,7 +444,7 @@ def _base_record(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Lin
         "runtime_policy": r.policy, "variant": r.variant, "q": q,
         "pack": None if r.policy == "local" else (
             "sakura" if r.variant != "main" else st.packs[r.policy]),
-        "factor": t["factor"], "link": links.kind,
+        "factor": t["factor"], "link": links.kind, "startup_fraction": cfg.startup_fraction,
     }
 
 
@@ -461,7 +461,7 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
         trace = load_start_trace(r.start, root).scaled(float(st.record["factor"]))
         prior = past_median_bps(trace, r.start.start_s)
         options = EditOptions(budget_rate_bps=prior, initial_rate_bps=prior,
-                              pack=rec["pack"])
+                              pack=rec["pack"], startup_fraction=cfg.startup_fraction)
         with links.client(r.variant):
             url = links.shaped(r.variant, trace, r.start.start_s)
             res = rt.edit(url, r.template, st.template, st.req, r.policy, options=options)
@@ -499,7 +499,8 @@ def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
     prior = past_median_bps(trace, r.start.start_s)
     exec_s = prof.shard_exec_s(st.record["shard_exec_s"], st.record["token_mask_ratio"])
     k = prof.byte_scale(int(st.record["fp16_bytes"]))
-    sim = simulate(r.policy, tables, exec_s, trace, r.start.start_s, prior, prof, k)
+    sim = simulate(r.policy, tables, exec_s, trace, r.start.start_s, prior, prof, k,
+                   startup_fraction=cfg.startup_fraction)
     image = _configured_edit(rt, links.direct(r.variant), r.template, pack, manifest,
                              sim.configs, st)
     rec.update({
@@ -563,7 +564,10 @@ def _check_meta(out: Path, cfg: ReplayConfig, weights_sha: str) -> None:
                 f"{out} holds results made with other model weights "
                 f"({str(old.get('weights_sha256'))[:12]}); use another --out")
         old_cfg = old.get("config", {})
-        for k in ("regime_x", "regime_network", "edit_seed", "prompt", "seed", "span_s"):
+        # results from before the startup allowance existed were made without one
+        old_cfg = {"startup_fraction": 0.0, **old_cfg} if old_cfg else old_cfg
+        for k in ("regime_x", "regime_network", "edit_seed", "prompt", "seed", "span_s",
+                  "startup_fraction"):
             if k in old_cfg and old_cfg[k] != meta["config"][k]:
                 raise ReplayConfigError(
                     f"{out} holds results made with {k} = {old_cfg[k]!r}, this config has "

@@ -17,7 +17,12 @@ from edge.allocator import (
     options_from_manifest,
 )
 from edge.errors import EdgeError
-from edge.monitor import BandwidthMonitor, ExecutionProgress
+from edge.monitor import (
+    BandwidthMonitor,
+    ExecutionProgress,
+    check_startup_fraction,
+    startup_allowance_s,
+)
 
 # A shard offers (rank, bits) configurations; quality = psnr_db grows with bytes.
 LADDER = [(1, 2, 1_000, 20.0), (4, 2, 3_000, 25.0), (4, 4, 5_000, 29.0),
@@ -192,6 +197,86 @@ def test_deadlines_follow_execution_progress():
     w2 = prog.window(2, now=0.08)
     assert w2.deadline == pytest.approx(0.35)
     assert w2.carry_s == pytest.approx(0.35 - 0.08 - 0.01 - 0.2)
+
+
+def deadlines(prog, now):
+    return [prog.deadline(j, now) for j in range(prog.num_shards)]
+
+
+def test_startup_allowance_zero_is_the_default_prediction():
+    exec_s = [0.1, 0.2, 0.1, 0.1]
+    # the manifest took 0.3 s: the default start (origin + exec_s[0] = 0.1) is long past
+    plain = ExecutionProgress(exec_s, origin=0.0)
+    zero = ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.0, now=0.3)
+    assert zero.startup_s == pytest.approx(0.3)
+    for now in (0.3, 0.35, 0.5):
+        assert deadlines(zero, now) == pytest.approx(deadlines(plain, now))
+    # manifest faster than exec_s[0]: the default start stands
+    assert ExecutionProgress.with_allowance(exec_s, 0.0, 0.0, now=0.02).startup_s == 0.1
+
+
+def test_startup_allowance_moves_shard_0_and_the_shards_before_execution_starts():
+    exec_s = [0.1, 0.2, 0.1, 0.1]
+    plain = ExecutionProgress(exec_s, origin=0.0)
+    allow = ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.05, now=0.3)
+    assert allow.startup_s == pytest.approx(0.35)
+    assert deadlines(plain, 0.3) == pytest.approx([0.3, 0.4, 0.6, 0.7])
+    assert deadlines(allow, 0.3) == pytest.approx([0.35, 0.45, 0.65, 0.75])
+    w = [allow.window(j, 0.3) for j in range(4)]
+    w_plain = [plain.window(j, 0.3) for j in range(4)]
+    assert w_plain[0].window_s == pytest.approx(0.0)
+    assert w[0].window_s == pytest.approx(0.05)
+    for a, b in zip(w, w_plain):                   # every window grows by the allowance
+        assert a.window_s - b.window_s == pytest.approx(0.05)
+    # the nominal slot is unchanged; the allowance left over is carried
+    assert w[0].slot_s == pytest.approx(0.35) and w[0].carry_s == pytest.approx(-0.3)
+    assert w[1].slot_s == pytest.approx(0.1) and w[1].carry_s == pytest.approx(0.05)
+    assert w[2].slot_s == pytest.approx(0.2) and w[2].carry_s == pytest.approx(0.15)
+    # shard 0 arrives at 0.32 and is reconstructed by 0.33 (estimate 10 ms): execution is
+    # still predicted at 0.35, the end of the allowance
+    for prog in (plain, allow):
+        prog.received(0, 0.32)
+        prog.reconstructed(0, 0.32, 0.33)
+    assert allow.window(1, 0.33).deadline == pytest.approx(0.45)
+    assert allow.window(1, 0.33).window_s == pytest.approx(0.45 - 0.33 - 0.01)
+    assert plain.window(1, 0.33).deadline == pytest.approx(0.43)
+    # a shard 0 late past the allowance moves every prediction (nothing waits for it)
+    late = ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.05, now=0.3)
+    late.received(0, 0.5)
+    assert deadlines(late, 0.5) == pytest.approx([0.5, 0.6, 0.8, 0.9])
+
+
+def test_after_execution_starts_the_allowance_has_no_effect():
+    exec_s = [0.1, 0.2, 0.1, 0.1]
+    plain = ExecutionProgress(exec_s, origin=0.0)
+    allow = ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.05, now=0.3)
+    for prog in (plain, allow):
+        prog.received(0, 0.32)
+        prog.reconstructed(0, 0.32, 0.33)
+        prog.exec_started(0, 0.33)               # before the allowance is used up
+    for now in (0.33, 0.4):
+        assert deadlines(allow, now)[1:] == pytest.approx(deadlines(plain, now)[1:])
+    assert allow.window(1, 0.33).deadline == pytest.approx(0.43)
+    for prog in (plain, allow):
+        prog.exec_ended(0, 0.43)
+        prog.received(1, 0.4)
+        prog.reconstructed(1, 0.4, 0.41)
+        prog.exec_started(1, 0.43)
+    assert deadlines(allow, 0.45)[2:] == pytest.approx(deadlines(plain, 0.45)[2:])
+    assert deadlines(allow, 0.45)[2:] == pytest.approx([0.63, 0.73])
+
+
+def test_startup_allowance_values():
+    assert startup_allowance_s([0.1, 0.2, 0.1], 0.5) == pytest.approx(0.2)
+    assert startup_allowance_s([0.1, 0.2, 0.1], 0) == 0.0
+    assert check_startup_fraction(1) == 1.0
+    for bad in (-0.01, 1.5, math.nan, math.inf, "much", None, True):
+        with pytest.raises(ValueError, match="startup_fraction must be a number in"):
+            check_startup_fraction(bad)
+    with pytest.raises(ValueError, match="allowance"):
+        ExecutionProgress.with_allowance([0.1], 0.0, -0.1, now=0.0)
+    with pytest.raises(ValueError, match="startup_s"):
+        ExecutionProgress([0.1], 0.0, startup_s=math.nan)
 
 
 def test_measured_execution_corrects_later_predictions():

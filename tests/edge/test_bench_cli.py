@@ -150,6 +150,18 @@ def test_sakura_edit_reports_an_unreachable_server(text_world, tmp_path, capsys)
     assert "sakura: error: cannot reach the SAKURA server" in err
 
 
+@pytest.mark.parametrize("value", ["-0.5", "1.5", "nan"])
+def test_sakura_edit_refuses_a_bad_startup_fraction(tmp_path, capsys, value):
+    code = main(["edit", "--server", "http://127.0.0.1:9", "--template", "t", "--prompt",
+                 "x", "--out", str(tmp_path / "x.png"), "--no-state",
+                 "--startup-fraction", value])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sakura: error: --startup-fraction: startup_fraction must be a "
+                          "number in [0, 1]")
+    assert "Traceback" not in err
+
+
 def test_run_edit_resolves_model_template_and_link(text_world):
     from edge.runtime import run_edit
 

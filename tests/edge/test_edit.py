@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -207,6 +208,53 @@ def test_allocator_adapts_to_the_link_rate(tmp_path):
     assert slow.bytes < fast.bytes
     exact = exact_image(deep, req)
     assert fast.compare(exact).psnr_db >= slow.compare(exact).psnr_db
+
+
+def test_the_startup_allowance_widens_the_first_window_of_an_edit(world):
+    rt = world.runtime()
+    req = rt.request(PROMPT, SEED)
+    res = {}
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")  # caches the manifest
+        with shaped(server.url, Trace.constant(2e6)) as (url, _):
+            for f in (0.0, 1.0):
+                res[f] = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura",
+                                 options=EditOptions(startup_fraction=f, initial_rate_bps=2e6))
+            # only the rate remembered from the last edit (cached manifest, no prior): no
+            # allowance, a stale estimate would size shard 0 for another link
+            remembered = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura",
+                                 options=EditOptions(startup_fraction=1.0))
+            # the manifest fetched in this edit is a current rate sample: allowance
+            fetched = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura",
+                              options=EditOptions(startup_fraction=1.0, cache_manifests=False))
+    assert remembered.startup_allowance_s == 0.0
+    assert fetched.startup_allowance_s == pytest.approx(sum(fetched.predicted_exec_s))
+    assert res[0.0].startup_allowance_s == 0.0
+    total = sum(res[1.0].predicted_exec_s)
+    assert res[1.0].startup_allowance_s == pytest.approx(total)
+    assert res[1.0].summary()["startup_allowance_s"] == pytest.approx(total)
+    # shard 0's window: the allowance (from the manifest's arrival) instead of what is left
+    # of exec_s[0] after it
+    first = [r.timeline[0] for r in (res[0.0], res[1.0])]
+    assert first[0]["window_s"] < res[0.0].predicted_exec_s[0]
+    assert first[1]["window_s"] > 0.5 * total
+    assert first[1]["deadline"] > first[0]["deadline"]
+    for r in res.values():
+        check_timeline(r)
+
+
+def test_a_bad_startup_fraction_is_a_clear_error():
+    from edge.monitor import DEFAULT_STARTUP_FRACTION
+
+    assert EditOptions().startup_fraction == DEFAULT_STARTUP_FRACTION
+    assert EditOptions(startup_fraction=0).startup_fraction == 0
+    for bad in (-0.1, math.nan, 1.01):
+        with pytest.raises(EdgeError, match=r"startup_fraction must be a number in \[0, 1\]"):
+            EditOptions(startup_fraction=bad)
+    opts = EditOptions()
+    opts.startup_fraction = 2.0           # changed after construction: caught at the edit
+    with pytest.raises(EdgeError, match="startup_fraction"):
+        opts.check()
 
 
 def test_unreachable_server_gives_a_clear_error(world):

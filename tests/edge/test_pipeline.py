@@ -18,7 +18,7 @@ SHARDS = [(0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [2, 3])]
 
 
 def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_s=0.0,
-         max_inflight=2, max_ready=2):
+         max_inflight=2, max_ready=2, allowance_s=0.0):
     origin = time.monotonic()
     decisions = []
 
@@ -45,7 +45,9 @@ def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_
 
     pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=allocate,
                     monitor=BandwidthMonitor(initial_bps=8e6),
-                    progress=ExecutionProgress([exec_s] * 4, origin), origin=origin,
+                    progress=ExecutionProgress.with_allowance([exec_s] * 4, origin,
+                                                              allowance_s, now=origin),
+                    origin=origin,
                     max_ahead=max_ahead, max_ready=max_ready,
                     describe=lambda s, c: {"level": c},
                     config_bytes=lambda s, c: 1000 * (c + 1), max_inflight=max_inflight)
@@ -185,3 +187,26 @@ def test_reconstruction_resumes_as_soon_as_execution_moves_on():
         r, prev = pipe.records[j], pipe.records[j - 1]
         assert r.recon_start - prev.exec_start < 0.05, (j, r.recon_start, prev.exec_start)
     assert pipe.stats().stall_s < 0.05
+
+
+def test_a_startup_allowance_widens_the_first_windows_but_does_not_hold_execution():
+    """The first shards are allotted windows that end after the allowance; execution
+    still starts as soon as shard 0 is in (here long before the allowance is over)."""
+    windows, records = {}, {}
+    for allowance in (0.0, 0.3):
+        with NetLoop() as net:
+            pipe, decisions = make([0.01] * 4, max_ahead=4, allowance_s=allowance)
+            pipe.start(net)
+            execute(pipe)
+            stats = pipe.finish()
+        windows[allowance] = {d[0]: d[1] for d in decisions}
+        records[allowance] = pipe.records
+        assert stats.stalls == 0
+        assert pipe.records[0].exec_start < 0.15   # not held until the allowance ends
+    plain, wide = windows[0.0], windows[0.3]
+    assert plain[0].window_s < 0.06 and wide[0].window_s > 0.25
+    assert records[0.0][0].deadline == pytest.approx(0.05, abs=0.01)   # exec_s[0]
+    assert records[0.3][0].deadline == pytest.approx(0.3, abs=0.01)     # the allowance
+    # shard 1 was asked for before execution started: its window grew by the allowance too
+    assert wide[1].window_s - plain[1].window_s == pytest.approx(0.3 - 0.05, abs=0.03)
+    assert wide[1].slot_s == pytest.approx(0.05) and wide[1].carry_s > 0.2

@@ -50,12 +50,49 @@ def test_config_file_overrides_and_merges(tmp_path):
     ("networks: {a: 1}\n", "networks must be a list"),
     ("- just\n- a list\n", "must be a mapping"),
     ("starts: [\n", "not valid YAML"),
+    ("startup_fraction: 1.5\n", r"startup_fraction must be a number in \[0, 1\]"),
+    ("startup_fraction: -0.1\n", r"startup_fraction must be a number in \[0, 1\]"),
+    ("startup_fraction: .nan\n", r"startup_fraction must be a number in \[0, 1\]"),
+    ("startup_fraction: lots\n", "startup_fraction must be a float"),
 ])
 def test_bad_configs_are_clear_errors(tmp_path, text, message):
     p = tmp_path / "bad.yaml"
     p.write_text(text)
     with pytest.raises(ReplayConfigError, match=message):
         load_config(p)
+
+
+def test_startup_fraction_from_the_config_and_the_command_line(tmp_path, capsys):
+    from edge.monitor import DEFAULT_STARTUP_FRACTION
+
+    assert default_config().startup_fraction == DEFAULT_STARTUP_FRACTION
+    p = tmp_path / "c.yaml"
+    p.write_text("startup_fraction: 0.1\n")
+    assert load_config(p).startup_fraction == 0.1
+    assert load_config(p, startup_fraction=0.0).startup_fraction == 0.0
+    assert main(["replay", str(p), "--out", str(tmp_path / "o"),
+                 "--startup-fraction", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sakura: error:") and "startup_fraction must be a number" in err
+    assert "Traceback" not in err
+
+
+def test_a_resume_with_another_startup_fraction_is_refused(tmp_path):
+    from edge.replay.runner import META_FILE, _check_meta
+
+    out = tmp_path / "o"
+    _check_meta(out, load_config(), "sha")
+    _check_meta(out, load_config(), "sha")                   # same config: resumes
+    default = default_config().startup_fraction
+    with pytest.raises(ReplayConfigError, match=f"startup_fraction = {default}"):
+        _check_meta(out, load_config(startup_fraction=0.0), "sha")
+    # results from before the allowance existed were made without one
+    meta = json.loads((out / META_FILE).read_text())
+    del meta["config"]["startup_fraction"]
+    (out / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ReplayConfigError, match="startup_fraction = 0.0"):
+        _check_meta(out, load_config(), "sha")
+    _check_meta(out, load_config(startup_fraction=0.0), "sha")
 
 
 def test_bad_config_on_the_command_line_is_one_error_line(tmp_path, capsys):
