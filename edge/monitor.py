@@ -5,7 +5,8 @@ body byte, end) and estimates throughput as the harmonic mean of the last ``k`` 
 as adaptive video streaming does (robust to short bursts that overstate the rate), plus the
 per-request latency (median of recent times to first byte). A body that arrived in less
 than ``min_body_s`` (one read, or a burst the link had saved up) gives no rate, only a
-lower bound (``8 n / min_body_s``): such bodies newer than the last informative sample
+lower bound (``8 n`` over the time from the request to the body's end, at least
+``min_body_s``): such bodies newer than the last informative sample
 can only raise the estimate, so after a slow spell the estimate climbs back as the
 configurations grow instead of staying stuck at the smallest one.
 
@@ -119,7 +120,11 @@ class BandwidthMonitor:
         choice a little larger), like a slow start, instead of leaving it stuck."""
         if not fast:
             return None
-        return max(8.0 * s.nbytes / self.min_body_s for s in fast)
+        # the bytes crossed the link between the request and the body's end: a body read in
+        # one go may have waited in the socket buffer (a saved-up burst), so its body time
+        # alone proves nothing (a 22 KB shard read at once "proved" 87 Mbit/s on a 12 Mbit/s
+        # link and sized the next shards 7x too large)
+        return max(8.0 * s.nbytes / max(self.min_body_s, s.end - s.start) for s in fast)
 
     def latency_s(self) -> float:
         """Median time to first byte of the last ``k`` transfers (0 before any)."""

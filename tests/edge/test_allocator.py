@@ -179,6 +179,14 @@ def test_fast_small_bodies_lift_a_stale_low_estimate():
     assert mon.estimate_bps() == pytest.approx(2 / (1 / 0.4e6 + 1 / 4e6))
 
 
+def test_a_body_read_at_once_proves_only_its_request_time():
+    """A 21.8 KB shard whose body sat in the socket buffer arrives in one read: the link
+    carried it between the request (12 ms earlier) and the end, not in the 2 ms floor."""
+    mon = BandwidthMonitor(k=3, min_body_s=0.002, initial_bps=1e6)
+    mon.record(0, 21_800, 0.0, 0.0115, 0.0120)
+    assert mon.estimate_bps() == pytest.approx(8 * 21_800 / 0.012)  # 14.5, not 87 Mbit/s
+
+
 def test_deadlines_follow_execution_progress():
     prog = ExecutionProgress([0.1, 0.2, 0.1, 0.1], origin=0.0, startup_s=0.05)
     w0 = prog.window(0, now=0.01)
