@@ -201,15 +201,6 @@ def _finite(x: float | None) -> float | str | None:
     return x
 
 
-def startup_fraction_error(value: Any) -> str | None:
-    """Why ``value`` is not a usable startup fraction (None: it is)."""
-    try:
-        check_startup_fraction(value)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 @dataclass
 class EditOptions:
     """Knobs of a streamed edit (defaults are the design's)."""
@@ -235,9 +226,10 @@ class EditOptions:
     def check(self) -> EditOptions:
         """Raise :class:`EdgeError` for an unusable value (also checked at each edit, as
         the fields may be changed after construction)."""
-        error = startup_fraction_error(self.startup_fraction)
-        if error is not None:
-            raise EdgeError(error)
+        try:
+            check_startup_fraction(self.startup_fraction)
+        except ValueError as exc:
+            raise EdgeError(str(exc)) from None
         return self
 
 

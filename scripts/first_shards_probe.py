@@ -31,6 +31,30 @@ PACK = Path("packs/templates/face-technologist/sakura")
 SUMMARY = Path("out/demo/summary.json")
 
 
+class ChoiceQuality:
+    """Edit PSNR over the mask against the exact cache of one configuration choice per
+    shard of a template's pack (mean of its evaluation prompts; the exact edits once)."""
+
+    def __init__(self, model, template_id: str, pack: Path) -> None:
+        self.manifest = Manifest.load(pack / "manifest.json")
+        self.reader = PackReader(pack / self.manifest.pack_file)
+        enc = TextEncoder()
+        spec = load_catalog()[template_id]
+        self.model, self.tpl = model, spec.to_template(enc)
+        self.reqs = spec.requests(enc, "evaluation")
+        self.exact = exact_edits(model, self.tpl, self.reqs)
+        self.geometry = Geometry.of(model, self.tpl)
+
+    def largest(self) -> list[int]:
+        return [max(s.configs, key=lambda c: c.bytes).id for s in self.manifest.shards]
+
+    def __call__(self, choice: list[int]) -> float:
+        provider = PackProvider(self.manifest, self.reader, list(choice))
+        vals = [region_psnr(cached_edit(self.model, self.tpl, self.geometry, provider, r),
+                            ref, self.tpl.mask) for r, ref in zip(self.reqs, self.exact)]
+        return sum(vals) / len(vals)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--summary", nargs="+", type=Path, default=[SUMMARY],
@@ -39,24 +63,11 @@ def main() -> None:
                     help="only the demo's own choice of every summary")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    manifest = Manifest.load(PACK / "manifest.json")
-    reader = PackReader(PACK / manifest.pack_file)
     demos = {str(p): json.loads(p.read_text())["policies"]["sakura"]["configs"]
              for p in args.summary}
     demo = next(iter(demos.values()))
-    model, enc = load_model(), TextEncoder()
-    spec = load_catalog()["face-technologist"]
-    tpl = spec.to_template(enc)
-    reqs = spec.requests(enc, "evaluation")
-    exact = exact_edits(model, tpl, reqs)  # once: every variant is compared with these
-    geometry = Geometry.of(model, tpl)
-    best = [max(s.configs, key=lambda c: c.bytes).id for s in manifest.shards]
-
-    def psnr(choice: list[int]) -> float:
-        vals = [region_psnr(cached_edit(model, tpl, geometry,
-                                        PackProvider(manifest, reader, choice), r), ref, tpl.mask)
-                for r, ref in zip(reqs, exact)]
-        return sum(vals) / len(vals)
+    psnr = ChoiceQuality(load_model(), "face-technologist", PACK)
+    best = psnr.largest()
 
     if args.demo_only or len(demos) > 1:
         for name, choice in demos.items():

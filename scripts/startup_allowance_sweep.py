@@ -27,12 +27,9 @@ import sys
 from pathlib import Path
 
 import torch
+from first_shards_probe import ChoiceQuality  # scripts/, beside this file
 
-from codec.pack import Manifest, PackReader
-from codec.provider import PackProvider
-from dit.editing import Geometry, cached_edit, exact_edits, region_psnr
 from dit.templates import device_template, load_catalog
-from dit.text import TextEncoder
 from dit.weights import DEFAULT_WEIGHTS, load_model
 from edge.bench import ServerProcess, exact_and_floor, file_sha256
 from edge.client import PackClient
@@ -94,22 +91,12 @@ def main() -> None:
                           f"{res.bytes / 1e6:.3f} MB, configs {res.configs[:5]}", flush=True)
 
     # edit PSNR over the mask of every distinct choice (as scripts/first_shards_probe.py)
-    pack = PACKS / "templates" / tid / "sakura"
-    manifest = Manifest.load(pack / "manifest.json")
-    reader = PackReader(pack / manifest.pack_file)
-    enc = TextEncoder()
-    tpl = spec.to_template(enc)
-    reqs = spec.requests(enc, "evaluation")
-    refs = exact_edits(model, tpl, reqs)
-    geometry = Geometry.of(model, tpl)
+    quality = ChoiceQuality(model, tid, PACKS / "templates" / tid / "sakura")
     seen: dict[tuple, float] = {}
     for r in runs:
         key = tuple(r["configs"])
         if key not in seen:
-            vals = [region_psnr(cached_edit(model, tpl, geometry,
-                                            PackProvider(manifest, reader, list(key)), q),
-                                ref, tpl.mask) for q, ref in zip(reqs, refs)]
-            seen[key] = sum(vals) / len(vals)
+            seen[key] = quality(list(key))
         r["mask_psnr_db"] = seen[key]
 
     med = statistics.median
