@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cloud.errors import AuthConfigError
-from cloud.layout import valid_template_id
+from sakura.cloud.errors import AuthConfigError
+from sakura.cloud.layout import valid_template_id
 
 TOKENS_ENV = "SAKURA_TOKENS"
 MIN_TOKEN_LENGTH = 16

@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cloud import layout
-from cloud.errors import CloudError
-from cloud.synthetic import SyntheticSpec, build_catalog
+from sakura.cloud import layout
+from sakura.cloud.errors import CloudError
+from sakura.cloud.synthetic import SyntheticSpec, build_catalog
 
 TEMPLATE = "bench-template"
 
@@ -88,7 +88,7 @@ def _child_server(kind: str, target: Path) -> Iterator[str]:
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cloud.bench", kind, str(target), str(fd)],
+        [sys.executable, "-m", "sakura.cloud.bench", kind, str(target), str(fd)],
         pass_fds=(fd,),
         env=env,
         stdin=subprocess.DEVNULL,
@@ -300,9 +300,9 @@ def run_bench(
 
 
 def _serve_sakura(catalog_dir: str, fd: int) -> None:
-    from cloud.runner import run
-    from cloud.server import create_app
-    from cloud.storage import LocalStorage
+    from sakura.cloud.runner import run
+    from sakura.cloud.server import create_app
+    from sakura.cloud.storage import LocalStorage
 
     run(create_app(LocalStorage(catalog_dir)), fd=fd, log_level="warning", access_log=False)
 

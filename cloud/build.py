@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from cloud.publish import (
+from sakura.cloud.publish import (
     CatalogTransaction,
     is_up_to_date,
     template_content_hash,
@@ -60,31 +60,30 @@ class BuildReport:
 def build(cfg: BuildConfig, log=print) -> BuildReport:
     import tempfile
 
+    from sakura.codec import ShardLayout, get_codec
+    from sakura.codec.pack import write_pack
+    from sakura.dit.adapters.engine import load_engine
+    from sakura.dit.templates import load_catalog, template_assets, with_resolution
+    from sakura.dit.weights import DEFAULT_WEIGHTS
     from tqdm import tqdm
-
-    from codec import ShardLayout, get_codec
-    from codec.pack import write_pack
-    from dit.adapters.engine import load_engine
-    from dit.templates import load_catalog, template_assets, with_resolution
-    from dit.weights import DEFAULT_WEIGHTS
 
     specs = load_catalog(cfg.catalog)
     if cfg.templates:
         unknown = sorted(set(cfg.templates) - set(specs))
         if unknown:
-            from cloud.errors import PublishError
+            from sakura.cloud.errors import PublishError
 
             raise PublishError(f"unknown template id(s) {unknown}; the catalog has {sorted(specs)}")
         specs = {k: specs[k] for k in cfg.templates}
     if cfg.resolution:
         specs = {s.id: s for s in (with_resolution(v, cfg.resolution) for v in specs.values())}
     if cfg.profile_psnr < 0:
-        from cloud.errors import PublishError
+        from sakura.cloud.errors import PublishError
 
         raise PublishError(f"--profile-psnr must be >= 0 (profiling requests), got "
                            f"{cfg.profile_psnr}")
     if cfg.model is not None and cfg.weights:
-        from cloud.errors import PublishError
+        from sakura.cloud.errors import PublishError
 
         raise PublishError("--weights is the default model's; a --model checkpoint is given "
                            "by --model-path")
@@ -137,7 +136,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         model_info = engine.model_info()
         quality_fn = None
         if cfg.profile_psnr:
-            from cloud.psnr_profile import OutputPSNR
+            from sakura.cloud.psnr_profile import OutputPSNR
 
             quality_fn = OutputPSNR(engine, prep, run, profiling[: cfg.profile_psnr], layout)
         # an engine may fill in its default steps / guidance

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cloud.build import DEFAULT_CODECS
-from cloud.errors import ServeConfigError
+from sakura.cloud.build import DEFAULT_CODECS
+from sakura.cloud.errors import ServeConfigError
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -77,7 +77,7 @@ def register(commands: Any, bench: Any) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from cloud.build import BuildConfig, build
+    from sakura.cloud.build import BuildConfig, build
 
     cfg = BuildConfig(
         catalog=args.catalog,
@@ -106,9 +106,9 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cloud.auth import load_tokens
-    from cloud.runner import run
-    from cloud.server import create_app
+    from sakura.cloud.auth import load_tokens
+    from sakura.cloud.runner import run
+    from sakura.cloud.server import create_app
 
     storage = open_serve_storage(args.dir, args.s3_bucket, args.s3_endpoint, args.s3_prefix)
     tokens = load_tokens(args.tokens_file)
@@ -130,9 +130,9 @@ def open_serve_storage(
     directory: str | None, bucket: str | None, endpoint: str | None, prefix: str = ""
 ) -> Any:
     """The storage ``sakura serve`` reads, checked to hold a catalog.json."""
-    from cloud.errors import StorageError
-    from cloud.layout import CATALOG_KEY
-    from cloud.storage import LocalStorage, S3Storage
+    from sakura.cloud.errors import StorageError
+    from sakura.cloud.layout import CATALOG_KEY
+    from sakura.cloud.storage import LocalStorage, S3Storage
 
     if bucket:
         try:
@@ -164,7 +164,7 @@ def open_serve_storage(
 def _bench_serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from cloud.bench import BenchConfig, run_bench
+    from sakura.cloud.bench import BenchConfig, run_bench
 
     if args.clients < 1:
         raise ServeConfigError("--clients must be >= 1")

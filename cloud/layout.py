@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cloud.errors import ManifestError
+from sakura.cloud.errors import ManifestError
 
 TEMPLATE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 CODEC_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")

@@ -19,9 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from codec.metrics import psnr
-from codec.shards import ShardLayout
+from sakura.codec.metrics import psnr
+from sakura.codec.shards import ShardLayout
 
 
 class _OneShardChanged:
@@ -42,7 +41,7 @@ class OutputPSNR:
 
     def __init__(self, engine: Any, prep: Any, run: Any, requests: list[Any],
                  layout: ShardLayout) -> None:
-        from dit.adapters.engine import DefaultEngine
+        from sakura.dit.adapters.engine import DefaultEngine
 
         if not requests:
             raise ValueError("output-PSNR profiling needs at least one profiling request")
@@ -54,7 +53,7 @@ class OutputPSNR:
         for req in requests:
             xs: dict[int, torch.Tensor] = {}
             if self.resumable:
-                from dit.editing import cached_edit
+                from sakura.dit.editing import cached_edit
 
                 image = cached_edit(engine.model, prep.template, prep.geometry,
                                     self.exact_cache, req,
@@ -67,7 +66,7 @@ class OutputPSNR:
     def _edit(self, i: int, provider: Any, step: int) -> torch.Tensor:
         req = self.requests[i]
         if self.resumable:
-            from dit.editing import cached_edit
+            from sakura.dit.editing import cached_edit
 
             return cached_edit(self.engine.model, self.prep.template, self.prep.geometry,
                                provider, req, start_step=step, x_start=self.latents[i][step])

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cloud import layout
-from cloud.errors import ManifestError, PublishError
-from cloud.storage import TMP_PREFIX, Storage, atomic_write
+from sakura.cloud import layout
+from sakura.cloud.errors import ManifestError, PublishError
+from sakura.cloud.storage import TMP_PREFIX, Storage, atomic_write
 
 DEFAULT_GRACE_S = 3600.0
 LOCK_NAME = ".publish.lock"

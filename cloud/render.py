@@ -33,12 +33,12 @@ from multiprocessing.connection import wait
 
 import numpy as np
 import torch
+from sakura.cloud.render_sched import FULL, PATCH, WARMUP, Group, Scheduler, Task, TaskKey
+from sakura.dit.model import MMDiTConfig, unpatchify
+from sakura.dit.regional import FullResult, KVStore, PatchResult, RegionalConfig, RegionalState
+from sakura.dit.regional_mmdit import grid_coords, mmdit_macs
+from sakura.dit.sampler import noise_like, schedule
 
-from cloud.render_sched import FULL, PATCH, WARMUP, Group, Scheduler, Task, TaskKey
-from dit.model import MMDiTConfig, unpatchify
-from dit.regional import FullResult, KVStore, PatchResult, RegionalConfig, RegionalState
-from dit.regional_mmdit import grid_coords, mmdit_macs
-from dit.sampler import noise_like, schedule
 from sakura.errors import SakuraError
 
 MODES = ("regional", "separate", "full", "naive")
@@ -158,7 +158,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def model_config(weights: str | None) -> MMDiTConfig:
     """The model's config from the weights file's metadata (no weights loaded)."""
-    from dit.weights import DEFAULT_WEIGHTS, WeightsError, metadata
+    from sakura.dit.weights import DEFAULT_WEIGHTS, WeightsError, metadata
 
     path = weights or str(DEFAULT_WEIGHTS)
     try:
@@ -246,7 +246,7 @@ class RenderEngine:
         self._reqs.clear()
 
     def _spawn(self) -> _Worker:
-        from cloud.render_worker import worker_main
+        from sakura.cloud.render_worker import worker_main
 
         wid = next(self._wid)
         inbox_r, inbox_w = self._ctx.Pipe(duplex=False)
@@ -313,7 +313,7 @@ class RenderEngine:
         if req.txt is None:
             if self.encoder is None:
                 raise RenderError("no text encoder: pass embeddings (txt) with the request")
-            from dit.regional import salient_token_mask
+            from sakura.dit.regional import salient_token_mask
 
             with self._encode_lock:
                 txt = self.encoder.encode([req.prompt])

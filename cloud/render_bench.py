@@ -21,10 +21,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-
-from cloud.render import EngineConfig, RenderEngine, RenderRequest
-from cloud.render_trace import bursty_arrivals, replay, request_factory
-from dit.regional import RegionalConfig
+from sakura.cloud.render import EngineConfig, RenderEngine, RenderRequest
+from sakura.cloud.render_trace import bursty_arrivals, replay, request_factory
+from sakura.dit.regional import RegionalConfig
 
 
 def _config(steps: int, **kw) -> RegionalConfig:
@@ -86,10 +85,10 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
               requests: int | None = None, serve: bool = True) -> dict:
-    from dit.regional_bench import edit_bench, eps_sweep, eval_prompts, quality_bench
-    from dit.templates import load_catalog
-    from dit.text import TextEncoder
-    from dit.weights import load_model, metadata
+    from sakura.dit.regional_bench import edit_bench, eps_sweep, eval_prompts, quality_bench
+    from sakura.dit.templates import load_catalog
+    from sakura.dit.text import TextEncoder
+    from sakura.dit.weights import load_model, metadata
 
     torch.manual_seed(0)
     model = load_model(weights)

@@ -13,9 +13,9 @@ from typing import Any
 
 
 def _engine(args: argparse.Namespace):
-    from cloud.render import EngineConfig, RenderEngine
-    from dit.regional import RegionalConfig
-    from dit.text import TextEncoder
+    from sakura.cloud.render import EngineConfig, RenderEngine
+    from sakura.dit.regional import RegionalConfig
+    from sakura.dit.text import TextEncoder
 
     cfg = EngineConfig(workers=args.workers, weights=args.weights, priority=args.priority,
                        device=args.device,
@@ -25,8 +25,8 @@ def _engine(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cloud.render_http import create_render_app
-    from cloud.runner import run
+    from sakura.cloud.render_http import create_render_app
+    from sakura.cloud.runner import run
 
     with _engine(args) as engine:
         run(create_render_app(engine), args.host, args.port, log_level=args.log_level)
@@ -34,8 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from cloud.render import RenderRequest
-    from cloud.render_trace import (
+    from sakura.cloud.render import RenderRequest
+    from sakura.cloud.render_trace import (
         bursty_arrivals,
         load_trace,
         poisson_arrivals,
@@ -69,7 +69,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _bench_flashdiff(args: argparse.Namespace) -> int:
-    from cloud.render_bench import main
+    from sakura.cloud.render_bench import main
 
     return main(args.json, args.quick, args.weights, args.workers, args.requests,
                 serve=not args.no_serve)

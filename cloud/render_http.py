@@ -24,8 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
-
-from cloud.render import RenderEngine, RenderError, RenderRequest, RenderResult
+from sakura.cloud.render import RenderEngine, RenderError, RenderRequest, RenderResult
 
 
 class RenderBody(BaseModel):

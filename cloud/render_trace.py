@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cloud.render import RenderEngine, RenderError, RenderRequest, RenderResult
+from sakura.cloud.render import RenderEngine, RenderError, RenderRequest, RenderResult
 
 
 @dataclass(frozen=True)

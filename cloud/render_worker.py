@@ -64,7 +64,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 class _Worker:
     def __init__(self, model):
-        from dit.regional_mmdit import generation_backend
+        from sakura.dit.regional_mmdit import generation_backend
 
         self.model = model
         self.make_backend = generation_backend
@@ -101,7 +101,7 @@ class _Worker:
         return rep
 
     def run(self, p: dict) -> dict:
-        from dit.regional import KVStore
+        from sakura.dit.regional import KVStore
 
         rid, step = p["rid"], p["step"]
         be = self.backend(rid, p.get("spec"))
@@ -145,7 +145,7 @@ def worker_main(wid: int, inbox, conn, weights: str | None, device: str, threads
     """Entry point of a spawned worker process: messages come on ``inbox``, answers go
     out on ``conn``."""
     torch.set_num_threads(max(1, threads))
-    from dit.weights import load_model
+    from sakura.dit.weights import load_model
 
     dev = pick_device(wid, device)
     model = load_model(weights).to(dev)

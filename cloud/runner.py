@@ -14,8 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
-
-from cloud.errors import ServeConfigError
+from sakura.cloud.errors import ServeConfigError
 
 
 def _config(app: Any, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Config:

@@ -34,16 +34,13 @@ from fastapi import FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
-
-from cloud import layout
-from cloud.auth import Grant, TokenSet, bearer_token
-from cloud.errors import ManifestError, ObjectNotFound, StorageError
-from cloud.layout import ManifestIndex
-from cloud.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from cloud.metrics import Metrics, MetricsMiddleware
-from cloud.ranges import (
+from sakura.cloud import layout
+from sakura.cloud.auth import Grant, TokenSet, bearer_token
+from sakura.cloud.errors import ManifestError, ObjectNotFound, StorageError
+from sakura.cloud.layout import ManifestIndex
+from sakura.cloud.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from sakura.cloud.metrics import Metrics, MetricsMiddleware
+from sakura.cloud.ranges import (
     ByteRange,
     RangeKind,
     RangeRejected,
@@ -53,7 +50,9 @@ from cloud.ranges import (
     unsatisfied_content_range,
     weak_match,
 )
-from cloud.storage import LocalStorage, ObjectReader, Storage
+from sakura.cloud.storage import LocalStorage, ObjectReader, Storage
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
 log = logging.getLogger("sakura.cloud.server")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlparse
 
-from cloud.errors import ObjectChanged, ObjectNotFound, StorageError, UnsafeKey
+from sakura.cloud.errors import ObjectChanged, ObjectNotFound, StorageError, UnsafeKey
 
 DEFAULT_CHUNK = 256 * 1024
 MAX_KEY_LENGTH = 1024

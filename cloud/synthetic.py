@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from cloud import layout
-from cloud.publish import CatalogTransaction, PublishedPack
+from sakura.cloud import layout
+from sakura.cloud.publish import CatalogTransaction, PublishedPack
 
 
 @dataclass(frozen=True)

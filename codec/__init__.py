@@ -3,16 +3,16 @@ rate-quality profiles.
 
 Public API::
 
-    from codec import get_codec, CODECS, PackError, ShardLayout
-    from codec.pack import write_pack, PackReader, Manifest, decode_config
-    from codec.profile import rate_quality_curve
+    from sakura.codec import get_codec, CODECS, PackError, ShardLayout
+    from sakura.codec.pack import write_pack, PackReader, Manifest, decode_config
+    from sakura.codec.profile import rate_quality_curve
 """
 
-from codec.errors import CodecError, PackError
+from sakura.codec.errors import CodecError, PackError
 
 _LAZY = {  # torch-backed names load on first use, so `sakura --help` starts fast
-    "CODECS": "codec.base", "Codec": "codec.base", "EncodedConfig": "codec.base",
-    "EncodedShard": "codec.base", "get_codec": "codec.base", "ShardLayout": "codec.shards",
+    "CODECS": "sakura.codec.base", "Codec": "sakura.codec.base", "EncodedConfig": "sakura.codec.base",
+    "EncodedShard": "sakura.codec.base", "get_codec": "sakura.codec.base", "ShardLayout": "sakura.codec.shards",
 }
 
 

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-
-from codec.errors import CodecError
-from codec.shards import ShardData, ShardSpec
+from sakura.codec.errors import CodecError
+from sakura.codec.shards import ShardData, ShardSpec
 
 
 @dataclass
@@ -103,4 +102,4 @@ def get_codec(name: str, **options: Any) -> Codec:
 
 def _load_builtin() -> None:
     # Importing the modules registers the built-in codecs.
-    from codec import cachegen, fp16, intq, lowrank  # noqa: F401
+    from sakura.codec import cachegen, fp16, intq, lowrank  # noqa: F401

@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from codec.base import get_codec
-from codec.errors import CodecError
-from codec.metrics import err_to_db, weighted_rel_error
-from codec.pack import PackReader, write_pack
-from codec.profile import select_for_ratio
-from codec.provider import DecodedProvider
-from codec.shards import shard_data
+from sakura.codec.base import get_codec
+from sakura.codec.errors import CodecError
+from sakura.codec.metrics import err_to_db, weighted_rel_error
+from sakura.codec.pack import PackReader, write_pack
+from sakura.codec.profile import select_for_ratio
+from sakura.codec.provider import DecodedProvider
+from sakura.codec.shards import shard_data
 
 RATIOS = (5, 15, 50)
 CODEC_ORDER = ("fp16", "intq", "cachegen", "svd", "sakura")
@@ -60,8 +59,7 @@ class BenchTemplate:
 # ------------------------------------------------------------------------------ sources
 def file_templates(paths: list[str]) -> list[BenchTemplate]:
     from safetensors.torch import load_file
-
-    from dit.cache import TemplateCache
+    from sakura.dit.cache import TemplateCache
 
     out = []
     for p in paths:
@@ -79,7 +77,7 @@ def file_templates(paths: list[str]) -> list[BenchTemplate]:
 
 
 def synthetic_templates(quick: bool) -> list[BenchTemplate]:
-    from codec.synthetic import synthetic_cache
+    from sakura.codec.synthetic import synthetic_cache
 
     n = 1 if quick else 3
     return [
@@ -99,12 +97,11 @@ def model_templates(
     """Capture caches of catalog templates with the default model (importance profiled on
     the profiling requests; edits run on the evaluation requests)."""
     import torch.nn.functional as F
-
-    from codec.lowrank import rope_option
-    from dit.editing import cached_edit, profile_importance, template_run
-    from dit.templates import load_catalog
-    from dit.text import TextEncoder
-    from dit.weights import load_model
+    from sakura.codec.lowrank import rope_option
+    from sakura.dit.editing import cached_edit, profile_importance, template_run
+    from sakura.dit.templates import load_catalog
+    from sakura.dit.text import TextEncoder
+    from sakura.dit.weights import load_model
 
     model = load_model(weights)
     enc = TextEncoder()
@@ -183,7 +180,7 @@ def run_codec_bench(
     blocks_per_shard: int = 2,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
-    from dit.editing import region_psnr  # only used when the templates carry a model
+    from sakura.dit.editing import region_psnr  # only used when the templates carry a model
 
     torch.set_num_threads(1)
     codecs = codecs or {name: {} for name in CODEC_ORDER}

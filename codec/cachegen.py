@@ -28,10 +28,9 @@ from typing import Any
 import constriction
 import numpy as np
 import torch
-
-from codec.base import Codec, EncodedConfig, EncodedShard, register
-from codec.errors import CodecError, PackError
-from codec.shards import ShardData, ShardSpec
+from sakura.codec.base import Codec, EncodedConfig, EncodedShard, register
+from sakura.codec.errors import CodecError, PackError
+from sakura.codec.shards import ShardData, ShardSpec
 
 UNIT_HEAD = "<4sHIIH"  # magic, matrices, N, C, anchor_every
 UNIT_MAGIC = b"SKCG"

@@ -6,11 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-from codec.errors import PackError
+from sakura.codec.errors import PackError
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from codec.bench import main
+    from sakura.codec.bench import main
 
     return main(
         args.json,
@@ -27,7 +27,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _open(target: str, template: str | None):
-    from codec.pack import Manifest, PackReader, manifest_path
+    from sakura.codec.pack import Manifest, PackReader, manifest_path
 
     path = Path(target)
     if path.is_dir():
@@ -47,7 +47,7 @@ def _open(target: str, template: str | None):
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from codec.profile import rate_quality_curve
+    from sakura.codec.profile import rate_quality_curve
 
     manifest, reader = _open(args.target, args.template)
     with reader:

@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from codec.base import Codec, EncodedConfig, EncodedShard, register
-from codec.errors import PackError
-from codec.shards import ShardData, ShardSpec
+from sakura.codec.base import Codec, EncodedConfig, EncodedShard, register
+from sakura.codec.errors import PackError
+from sakura.codec.shards import ShardData, ShardSpec
 
 
 class FP16Codec(Codec):

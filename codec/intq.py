@@ -12,11 +12,10 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from codec.base import Codec, EncodedConfig, EncodedShard, register
-from codec.errors import CodecError, PackError
-from codec.quant import pack_codes, packed_row_bytes, unpack_codes
-from codec.shards import ShardData, ShardSpec
+from sakura.codec.base import Codec, EncodedConfig, EncodedShard, register
+from sakura.codec.errors import CodecError, PackError
+from sakura.codec.quant import pack_codes, packed_row_bytes, unpack_codes
+from sakura.codec.shards import ShardData, ShardSpec
 
 
 class IntQCodec(Codec):

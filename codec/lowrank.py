@@ -28,19 +28,18 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from codec import native as codec_native
-from codec.base import Codec, EncodedConfig, EncodedShard, register
-from codec.errors import CodecError, PackError
-from codec.metrics import DEFAULT_FLOOR, normalized_importance
-from codec.quant import (
+from sakura.codec import native as codec_native
+from sakura.codec.base import Codec, EncodedConfig, EncodedShard, register
+from sakura.codec.errors import CodecError, PackError
+from sakura.codec.metrics import DEFAULT_FLOOR, normalized_importance
+from sakura.codec.quant import (
     ProgressiveQuantizer,
     SegmentPlan,
     pack_codes,
     packed_row_bytes,
     unpack_codes,
 )
-from codec.shards import ShardData, ShardSpec
+from sakura.codec.shards import ShardData, ShardSpec
 
 BASE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HEADER_FMT = "<4sBBHIIH"  # magic, version, levels, matrices, N, C, group

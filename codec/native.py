@@ -17,8 +17,7 @@ from types import ModuleType
 
 import numpy as np
 import torch
-
-from codec.errors import PackError
+from sakura.codec.errors import PackError
 
 ENV = "SAKURA_NATIVE"
 

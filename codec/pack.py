@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 import zstandard
-
-from codec.base import Codec, get_codec
-from codec.errors import PackError
-from codec.shards import ShardLayout, ShardSpec, check_layout, shard_data, shard_spec
+from sakura.codec.base import Codec, get_codec
+from sakura.codec.errors import PackError
+from sakura.codec.shards import ShardLayout, ShardSpec, check_layout, shard_data, shard_spec
 
 MAGIC = b"SAKP"
 VERSION = 1
@@ -315,7 +314,7 @@ def write_pack(
     ``psnr_db`` is null and the Pareto front uses the weighted error. Returns the manifest;
     the files are ``<codec>-<sha256[:16]>.pack`` and ``<template_id>.manifest.json``.
     """
-    from codec.profile import decode_ms, mark_pareto, profile_config
+    from sakura.codec.profile import decode_ms, mark_pareto, profile_config
 
     if not TEMPLATE_ID.match(template_id):
         raise PackError(

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from codec.base import Codec, EncodedShard
-from codec.metrics import DEFAULT_FLOOR, err_to_db, weighted_rel_error
-from codec.shards import ShardData
+from sakura.codec.base import Codec, EncodedShard
+from sakura.codec.metrics import DEFAULT_FLOOR, err_to_db, weighted_rel_error
+from sakura.codec.shards import ShardData
 
 
 def profile_config(

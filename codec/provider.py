@@ -13,11 +13,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
-
-from codec.base import Codec
-from codec.errors import PackError
-from codec.pack import Manifest, PackReader, decode_config
-from codec.shards import ShardLayout
+from sakura.codec.base import Codec
+from sakura.codec.errors import PackError
+from sakura.codec.pack import Manifest, PackReader, decode_config
+from sakura.codec.shards import ShardLayout
 
 
 class DecodedProvider:

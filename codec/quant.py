@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from codec.errors import CodecError
+from sakura.codec.errors import CodecError
 
 
 def packed_row_bytes(length: int, bits: int) -> int:

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from codec.errors import CodecError
+from sakura.codec.errors import CodecError
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from dit.cache import TemplateCache
+from sakura.dit.cache import TemplateCache
 
 
 def synthetic_cache(

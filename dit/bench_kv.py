@@ -16,18 +16,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-
-from dit.editing import (
+from sakura.dit.editing import (
     Geometry,
     cached_edit,
     full_edit,
     pinned_reference_edit,
     template_run,
 )
-from dit.offload import OffloadedCache
-from dit.templates import load_catalog
-from dit.text import TextEncoder
-from dit.weights import load_model
+from sakura.dit.offload import OffloadedCache
+from sakura.dit.templates import load_catalog
+from sakura.dit.text import TextEncoder
+from sakura.dit.weights import load_model
 
 
 def median_time(fn, repeats: int) -> float:

@@ -10,7 +10,7 @@ DEFAULT_TRAIN_DIR = str(Path.home() / ".cache" / "sakura" / "train")
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dit.train import TrainConfig, train
+    from sakura.dit.train import TrainConfig, train
 
     cfg = TrainConfig(steps=args.steps, out_dir=args.out_dir, weights_out=args.weights_out,
                       threads=args.threads, batch_size=args.batch_size,
@@ -21,15 +21,14 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench_kv(args: argparse.Namespace) -> int:
     import torch
-
-    from dit.bench_kv import main
+    from sakura.dit.bench_kv import main
 
     torch.set_num_threads(args.threads)
     return main(args.json, args.quick, args.template)
 
 
 def _bench_model(args: argparse.Namespace) -> int:
-    from dit.bench_model import main
+    from sakura.dit.bench_model import main
 
     return main(args.json, args.quick, args.grid, args.weights)
 

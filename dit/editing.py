@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
-from dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
-from dit.cache import KVProvider, TemplateCache
-from dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
-from dit.sampler import noise_like, schedule
+from sakura.dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
+from sakura.dit.cache import KVProvider, TemplateCache
+from sakura.dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
+from sakura.dit.sampler import noise_like, schedule
 
 
 @dataclass
@@ -307,7 +306,7 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     sees the masked latent entering step ``s``; ``start_step`` with that ``x_start`` resumes
     an edit there (output-PSNR profiling re-runs only the steps after a changed shard).
     """
-    from dit.refcache import ReferenceKV, reference_tokens, text_kv_segments
+    from sakura.dit.refcache import ReferenceKV, reference_tokens, text_kv_segments
 
     mode, heads = model.cfg.attention_mode, model.cfg.num_heads
     if start_step and (x_start is None or reuse_text_kv):

@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from sakura.dit.attention import AttentionHook, Layout, PlainAttention
 from torch import nn
-
-from dit.attention import AttentionHook, Layout, PlainAttention
 
 
 @dataclass

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from dit.cache import TemplateCache
+from sakura.dit.cache import TemplateCache
 
 
 class OffloadedCache:

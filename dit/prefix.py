@@ -14,10 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from dit.attention import TXT, AttentionHook, KVSegment, Layout
-from dit.model import MMDiT, TokenBatch
-from dit.refcache import _Record, reference_tokens
+from sakura.dit.attention import TXT, AttentionHook, KVSegment, Layout
+from sakura.dit.model import MMDiT, TokenBatch
+from sakura.dit.refcache import _Record, reference_tokens
 
 
 class _Extra(AttentionHook):

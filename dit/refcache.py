@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from dit.attention import TXT, AttentionHook, KVSegment, Layout
-from dit.model import MMDiT, Segments, TokenBatch, grid_positions, patchify
+from sakura.dit.attention import TXT, AttentionHook, KVSegment, Layout
+from sakura.dit.model import MMDiT, Segments, TokenBatch, grid_positions, patchify
 
 
 def reference_tokens(model: MMDiT, images: torch.Tensor):

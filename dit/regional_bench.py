@@ -22,11 +22,10 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-
-from dit.editing import cached_edit, template_run
-from dit.regional import RegionalConfig, salient_token_mask
-from dit.regional_mmdit import regional_edit, regional_generate
-from dit.sampler import generate
+from sakura.dit.editing import cached_edit, template_run
+from sakura.dit.regional import RegionalConfig, salient_token_mask
+from sakura.dit.regional_mmdit import regional_edit, regional_generate
+from sakura.dit.sampler import generate
 
 
 @dataclass

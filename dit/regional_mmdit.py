@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from dit.attention import AttentionHook, Layout
-from dit.cache import KVProvider
-from dit.editing import (
+from sakura.dit.attention import AttentionHook, Layout
+from sakura.dit.cache import KVProvider
+from sakura.dit.editing import (
     EditRequest,
     Geometry,
     Template,
@@ -36,8 +35,8 @@ from dit.editing import (
     edit_schedule,
     edit_start,
 )
-from dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, unpatchify
-from dit.regional import (
+from sakura.dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, unpatchify
+from sakura.dit.regional import (
     FullResult,
     KVStore,
     PatchResult,
@@ -45,7 +44,7 @@ from dit.regional import (
     RegionalState,
     run_regional,
 )
-from dit.sampler import noise_like, schedule
+from sakura.dit.sampler import noise_like, schedule
 
 
 def mmdit_macs(cfg: MMDiTConfig, queries: int, keys: int) -> float:

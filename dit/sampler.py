@@ -7,8 +7,7 @@ predicts the velocity ``v = e - x_0``; an Euler step is ``x_{t'} = x_t + (t' - t
 from __future__ import annotations
 
 import torch
-
-from dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
+from sakura.dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
 
 
 def schedule(steps: int, shift: float = 1.0) -> torch.Tensor:

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from sakura.dit.editing import EditRequest, Template, check_strength
 
-from dit.editing import EditRequest, Template, check_strength
 from sakura.errors import SakuraError
 
 DEFAULT_CATALOG = Path(__file__).parent / "catalog" / "catalog.json"

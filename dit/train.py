@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from sakura.dit.data import CATEGORIES, EmojiDataset, category_prompt
+from sakura.dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, patchify
+from sakura.dit.text import TextEncoder
+from sakura.dit.weights import save_model
 
-from dit.data import CATEGORIES, EmojiDataset, category_prompt
-from dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, patchify
-from dit.text import TextEncoder
-from dit.weights import save_model
 from sakura.errors import SakuraError
 
 
@@ -163,7 +163,7 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
         log(f"resumed from {ckpt_path} at step {step}")
     elif Path(cfg.weights_out).exists():
         # Warm start from the committed EMA weights (optimizer state starts afresh).
-        from dit.weights import load_model, metadata
+        from sakura.dit.weights import load_model, metadata
 
         shipped = load_model(cfg.weights_out)
         model.load_state_dict(shipped.state_dict())

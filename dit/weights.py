@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
+from sakura.dit.model import MMDiT, MMDiTConfig
 
-from dit.model import MMDiT, MMDiTConfig
 from sakura.errors import SakuraError
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "sakura-mmdit.safetensors"

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from edge.errors import EdgeError
+from sakura.edge.errors import EdgeError
 
 
 @dataclass(frozen=True)

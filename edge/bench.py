@@ -30,14 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from codec.pack import Manifest, decode_config
-from dit.editing import EditRequest, Template
-from edge.allocator import ABLATION_PACK, ABLATIONS, POLICIES
-from edge.client import PackClient
-from edge.errors import EdgeError
-from edge.netem import shaped
-from edge.runtime import EdgeRuntime, EditOptions, EditResult
+from sakura.codec.pack import Manifest, decode_config
+from sakura.dit.editing import EditRequest, Template
+from sakura.edge.allocator import ABLATION_PACK, ABLATIONS, POLICIES
+from sakura.edge.client import PackClient
+from sakura.edge.errors import EdgeError
+from sakura.edge.netem import shaped
+from sakura.edge.runtime import EdgeRuntime, EditOptions, EditResult
 
 DEFAULT_POLICIES = ("local", "fp16", "intq", "cachegen", "svd", "sakura",
                     "sakura-fixed-config", "sakura-fixed-bits")
@@ -116,7 +115,7 @@ def build_packs(out_dir: Path, template_id: str, weights: Path, catalog: str | N
                 force: bool = False, log: Any = print) -> Path:
     """Build and publish the template's packs with the provider's builder (``sakura
     build``: every codec, importance profiling, template assets in the catalog entry)."""
-    from cloud.build import BuildConfig, build
+    from sakura.cloud.build import BuildConfig, build
 
     build(BuildConfig(catalog=catalog, out_dir=str(out_dir), templates=(template_id,),
                       weights=str(weights), force=force), log=log)
@@ -125,7 +124,8 @@ def build_packs(out_dir: Path, template_id: str, weights: Path, catalog: str | N
 
 def catalog_usable(catalog_dir: Path, template_id: str) -> bool:
     """Every pack of ``template_id`` opens and its first shard decodes with this codec."""
-    from codec.pack import PackReader
+    from sakura.codec.pack import PackReader
+
     from sakura.errors import SakuraError
 
     try:
@@ -259,14 +259,14 @@ class BenchSpec:
 
 
 def default_trace() -> Path:
-    from traces import trace_set
+    from sakura.traces import trace_set
 
     return trace_set("5g")[0]
 
 
 def run_bench(spec: BenchSpec) -> dict[str, Any]:
-    from dit.templates import load_catalog
-    from dit.weights import DEFAULT_WEIGHTS, load_model
+    from sakura.dit.templates import load_catalog
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
 
     for p in spec.policies:
         if p not in POLICIES:
@@ -313,8 +313,8 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
                req: EditRequest, prompt: str, server: str, t_begin: float | None = None
                ) -> dict[str, Any]:
     """Every policy of ``spec`` on one edit against ``server`` (which serves ``tid``)."""
-    from edge.timeline import plot_timeline
-    from traces import load_trace
+    from sakura.edge.timeline import plot_timeline
+    from sakura.traces import load_trace
 
     t_begin = time.monotonic() if t_begin is None else t_begin
     log = spec.log
@@ -441,7 +441,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
 
 def _vs_full(results: dict[str, list[EditResult]]) -> dict[str, Any] | None:
     """PSNR/SSIM of every system against ``full`` (the ``local`` edit: no cache reuse)."""
-    from edge.quality import psnr, ssim
+    from sakura.edge.quality import psnr, ssim
 
     if not results.get("local"):
         return None

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge.allocator import POLICIES
-from edge.errors import EdgeError
-from edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
+from sakura.edge.allocator import POLICIES
+from sakura.edge.errors import EdgeError
+from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
 
 SWITCH_INTERVAL_S = 0.0005  # measured: 5 ms (default) -> 0.5 ms cut a paced edit 1.45 -> 0.9 s
 
@@ -138,12 +138,12 @@ def save_image(img: Any, path: Path) -> None:
 
 
 def _edit(args: argparse.Namespace) -> int:
-    from dit.adapters.engine import load_engine
-    from dit.templates import load_catalog
-    from dit.weights import DEFAULT_WEIGHTS
-    from edge.netem import shaped, trace_from_args
-    from edge.runtime import EdgeRuntime, EditOptions
-    from edge.timeline import plot_timeline, write_json
+    from sakura.dit.adapters.engine import load_engine
+    from sakura.dit.templates import load_catalog
+    from sakura.dit.weights import DEFAULT_WEIGHTS
+    from sakura.edge.netem import shaped, trace_from_args
+    from sakura.edge.runtime import EdgeRuntime, EditOptions
+    from sakura.edge.timeline import plot_timeline, write_json
 
     _set_threads(args.threads)
     out = Path(args.out)
@@ -209,7 +209,7 @@ def startup_fraction_arg(value: float) -> float:
 
 
 def _backend_config(args: argparse.Namespace) -> Any:
-    from edge.backends.base import BackendConfig
+    from sakura.edge.backends.base import BackendConfig
 
     return BackendConfig(cache_dir=Path(args.compiled_dir)) if args.compiled_dir else None
 
@@ -228,7 +228,8 @@ def _set_threads(n: int) -> None:
 
 def _shipped_seed(template_id: str) -> int | None:
     """The template seed from the shipped catalog (the local policy needs it)."""
-    from dit.templates import load_catalog
+    from sakura.dit.templates import load_catalog
+
     from sakura.errors import SakuraError
 
     try:
@@ -266,7 +267,7 @@ def _short(params: dict[str, Any]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from edge.bench import DEFAULT_POLICIES, BenchSpec, run_bench, write
+    from sakura.edge.bench import DEFAULT_POLICIES, BenchSpec, run_bench, write
 
     _set_threads(args.threads)
     spec = BenchSpec(

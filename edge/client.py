@@ -37,8 +37,7 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
-
-from edge.errors import EdgeError, IntegrityError, ServerUnreachable
+from sakura.edge.errors import EdgeError, IntegrityError, ServerUnreachable
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 

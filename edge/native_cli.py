@@ -33,8 +33,8 @@ def register(commands: Any, bench: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from edge.errors import EdgeError
-    from edge.native_bench import NativeBenchConfig, export_shards, run, write_json
+    from sakura.edge.errors import EdgeError
+    from sakura.edge.native_bench import NativeBenchConfig, export_shards, run, write_json
 
     if args.shards < 1 or args.configs < 1 or args.repeats < 1 or args.threads < 1:
         raise EdgeError("--shards, --configs, --repeats and --threads must be >= 1")

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from edge.errors import EdgeError
-from traces import Trace, load_trace
-from traces.link import PacedLinkThread
+from sakura.edge.errors import EdgeError
+from sakura.traces import Trace, load_trace
+from sakura.traces.link import PacedLinkThread
 
 
 def upstream_of(server_url: str) -> tuple[str, int]:

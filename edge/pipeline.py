@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
+from sakura.edge.client import Fetched
+from sakura.edge.errors import EdgeError
+from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress, Window
 
-from edge.client import Fetched
-from edge.errors import EdgeError
-from edge.monitor import BandwidthMonitor, ExecutionProgress, Window
 from sakura.errors import SakuraError
 
 T = TypeVar("T")

@@ -48,26 +48,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from codec.pack import Manifest, decode_config
-from codec.shards import ShardLayout
-from dit.adapters.engine import DefaultEngine, EditEngine, Prepared
-from dit.editing import EditRequest, Template
-from dit.model import MMDiT
-from edge.allocator import PolicyContext, get_policy, options_from_manifest
-from edge.backends.base import BackendConfig
-from edge.backends.executor import DeviceBackend
-from edge.client import CachedManifest, PackClient, RequestRecord, RetryPolicy
-from edge.errors import EdgeError
-from edge.monitor import (
+from sakura.codec.pack import Manifest, decode_config
+from sakura.codec.shards import ShardLayout
+from sakura.dit.adapters.engine import DefaultEngine, EditEngine, Prepared
+from sakura.dit.editing import EditRequest, Template
+from sakura.dit.model import MMDiT
+from sakura.edge.allocator import PolicyContext, get_policy, options_from_manifest
+from sakura.edge.backends.base import BackendConfig
+from sakura.edge.backends.executor import DeviceBackend
+from sakura.edge.client import CachedManifest, PackClient, RequestRecord, RetryPolicy
+from sakura.edge.errors import EdgeError
+from sakura.edge.monitor import (
     DEFAULT_STARTUP_FRACTION,
     BandwidthMonitor,
     ExecutionProgress,
     check_startup_fraction,
     startup_allowance_s,
 )
-from edge.pipeline import NetLoop, Pipeline
-from edge.quality import psnr, ssim
+from sakura.edge.pipeline import NetLoop, Pipeline
+from sakura.edge.quality import psnr, ssim
+
 from sakura.errors import SakuraError
 
 
@@ -325,7 +325,7 @@ class EdgeRuntime:
     def fetch_template(self, server: str, template_id: str, token: str | None = None,
                        retry: RetryPolicy | None = None) -> Template:
         """The template as the server's catalog entry describes it (see edge.templates)."""
-        from edge.templates import template_from_entry
+        from sakura.edge.templates import template_from_entry
 
         async def get() -> dict[str, Any]:
             async with PackClient(server, token=token, retry=retry or RetryPolicy()) as c:
@@ -514,16 +514,16 @@ def run_edit(server: str, template_id: str, prompt: str, policy: str = "sakura",
     ``traces.Trace`` from ``start_s``, or a constant ``rate_mbps``) in front of the
     server. ``reference``: a private reference image ``[3, h, w]`` in [-1, 1].
     ``compare_exact`` also computes ``exact`` (FP16 cache, direct) and fills PSNR/SSIM."""
-    from edge.netem import shaped
+    from sakura.edge.netem import shaped
 
     if runtime is None:
-        from dit.adapters.engine import load_engine
+        from sakura.dit.adapters.engine import load_engine
 
         runtime = EdgeRuntime(load_engine(model, model_path, weights=weights))
     template = runtime.fetch_template(server, template_id, token)
     req = runtime.request(prompt, seed, reference)
     if rate_mbps is not None:
-        from traces import Trace
+        from sakura.traces import Trace
 
         trace = Trace.constant(rate_mbps * 1e6)
     if trace is not None:

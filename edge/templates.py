@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dit.editing import Template
-from edge.errors import EdgeError
+from sakura.dit.editing import Template
+from sakura.edge.errors import EdgeError
 
 
 def has_assets(entry: dict[str, Any]) -> bool:
@@ -29,7 +29,7 @@ def template_from_entry(template_id: str, entry: dict[str, Any], encoder: Any = 
     recomputes the template trajectory: the entry's when it has one, else ``seed``, else
     -1 (unknown; the local policy refuses it).
     """
-    from dit.templates import device_template
+    from sakura.dit.templates import device_template
 
     if not has_assets(entry):
         raise EdgeError(f"the server's catalog entry of {template_id!r} has no template "

@@ -16,8 +16,8 @@ import sys
 from sakura.errors import SakuraError
 
 COMMAND_MODULES = (
-    "dit.cli", "dit.adapters.cli", "codec.cli", "traces.cli", "cloud.cli", "cloud.render_cli",
-    "edge.cli", "edge.replay.cli", "edge.backends.cli", "edge.native_cli", "sakura.demo",
+    "sakura.dit.cli", "sakura.dit.adapters.cli", "sakura.codec.cli", "sakura.traces.cli", "sakura.cloud.cli", "sakura.cloud.render_cli",
+    "sakura.edge.cli", "sakura.edge.replay.cli", "sakura.edge.backends.cli", "sakura.edge.native_cli", "sakura.demo",
 )
 
 # executorch depends on torchao, which transformers imports whenever it is installed; on

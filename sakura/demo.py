@@ -52,7 +52,7 @@ def _save(img, path: Path) -> None:
 
 
 def _pick_trace(path: str | None):
-    from traces import Trace, default_trace_dir, load_trace
+    from sakura.traces import Trace, default_trace_dir, load_trace
 
     if path:
         return load_trace(path), Path(path).name, None
@@ -61,7 +61,7 @@ def _pick_trace(path: str | None):
         note = ("../shared/traces not found: using a fixed 100 Mbit/s link instead of a real "
                 "trace (set SAKURA_TRACES to a trace folder)")
         return Trace.constant(100e6, 1.0), "constant-100mbps", note
-    from traces import trace_set
+    from sakura.traces import trace_set
 
     files = trace_set("5g-walking")
     return load_trace(files[0]), files[0].name, None
@@ -70,15 +70,15 @@ def _pick_trace(path: str | None):
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from cloud.build import BuildConfig, build
-    from dit.templates import device_template, load_catalog
-    from dit.weights import DEFAULT_WEIGHTS, load_model
-    from edge.bench import ServerProcess, catalog_usable, exact_and_floor, file_sha256
-    from edge.cli import startup_fraction_arg
-    from edge.client import PackClient
-    from edge.netem import shaped
-    from edge.runtime import EdgeRuntime, EditOptions
-    from edge.timeline import plot_timeline
+    from sakura.cloud.build import BuildConfig, build
+    from sakura.dit.templates import device_template, load_catalog
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
+    from sakura.edge.bench import ServerProcess, catalog_usable, exact_and_floor, file_sha256
+    from sakura.edge.cli import startup_fraction_arg
+    from sakura.edge.client import PackClient
+    from sakura.edge.netem import shaped
+    from sakura.edge.runtime import EdgeRuntime, EditOptions
+    from sakura.edge.timeline import plot_timeline
     from sakura.errors import SakuraError
 
     # the device runtime's process settings (edge/README.md): one torch thread, and a short

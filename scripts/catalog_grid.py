@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-
-from dit.editing import exact_edits, full_edit
-from dit.templates import load_catalog
-from dit.text import TextEncoder
-from dit.weights import load_model
+from sakura.dit.editing import exact_edits, full_edit
+from sakura.dit.templates import load_catalog
+from sakura.dit.text import TextEncoder
+from sakura.dit.weights import load_model
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "model" / "edits.png"
 

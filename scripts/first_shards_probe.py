@@ -19,13 +19,12 @@ import json
 from pathlib import Path
 
 import torch
-
-from codec.pack import Manifest, PackReader
-from codec.provider import PackProvider
-from dit.editing import Geometry, cached_edit, exact_edits, region_psnr
-from dit.templates import load_catalog
-from dit.text import TextEncoder
-from dit.weights import load_model
+from sakura.codec.pack import Manifest, PackReader
+from sakura.codec.provider import PackProvider
+from sakura.dit.editing import Geometry, cached_edit, exact_edits, region_psnr
+from sakura.dit.templates import load_catalog
+from sakura.dit.text import TextEncoder
+from sakura.dit.weights import load_model
 
 PACK = Path("packs/templates/face-technologist/sakura")
 SUMMARY = Path("out/demo/summary.json")

@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from sakura.dit.data import fetch_emoji_package, list_items, load_image
 from skimage.io import imsave
-
-from dit.data import fetch_emoji_package, list_items, load_image
 
 OUT = Path(__file__).resolve().parents[1] / "dit" / "catalog"
 # SDEdit strength per workload (dit.editing.Template.strength): a face swap changes the skin

@@ -54,10 +54,10 @@ def main() -> None:
     args = ap.parse_args()
     loss_plot(Path(args.loss))
     if not args.no_samples:
-        from dit.bench_model import write_grid
-        from dit.data import EmojiDataset
-        from dit.text import TextEncoder
-        from dit.weights import load_model
+        from sakura.dit.bench_model import write_grid
+        from sakura.dit.data import EmojiDataset
+        from sakura.dit.text import TextEncoder
+        from sakura.dit.weights import load_model
 
         write_grid(load_model(), TextEncoder(), EmojiDataset.load(), str(OUT / "samples.png"),
                    steps=20, guidance=3.0)

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 from first_shards_probe import ChoiceQuality  # scripts/, beside this file
+from sakura.dit.templates import device_template, load_catalog
+from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
+from sakura.edge.bench import ServerProcess, exact_and_floor, file_sha256
+from sakura.edge.client import PackClient
+from sakura.edge.netem import shaped
+from sakura.edge.runtime import EdgeRuntime, EditOptions
 
-from dit.templates import device_template, load_catalog
-from dit.weights import DEFAULT_WEIGHTS, load_model
-from edge.bench import ServerProcess, exact_and_floor, file_sha256
-from edge.client import PackClient
-from edge.netem import shaped
-from edge.runtime import EdgeRuntime, EditOptions
 from sakura.demo import DEFAULT_TEMPLATE, _pick_trace
 
 PACKS = Path("packs")

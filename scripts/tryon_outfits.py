@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-
-from dit.data import fetch_emoji_package, list_items, load_image
-from dit.editing import EditRequest, exact_edits
-from dit.templates import load_catalog
-from dit.text import TextEncoder
-from dit.weights import load_model
+from sakura.dit.data import fetch_emoji_package, list_items, load_image
+from sakura.dit.editing import EditRequest, exact_edits
+from sakura.dit.templates import load_catalog
+from sakura.dit.text import TextEncoder
+from sakura.dit.weights import load_model
 
 PROFESSIONS = ["student", "judge", "health worker", "office worker", "mechanic", "cook",
                "farmer", "scientist", "pilot", "police officer", "construction worker",

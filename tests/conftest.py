@@ -14,6 +14,6 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def text_encoder():
-    from dit.text import TextEncoder
+    from sakura.dit.text import TextEncoder
 
     return TextEncoder()

@@ -7,7 +7,7 @@ link emulators with one interface: a paced asyncio TCP proxy (:mod:`traces.link`
 kernel shaping with tbf between two network namespaces (:mod:`traces.netns`).
 """
 
-from traces.catalog import (
+from sakura.traces.catalog import (
     ENV_VAR,
     TRACE_SETS,
     default_trace_dir,
@@ -17,9 +17,9 @@ from traces.catalog import (
     require_trace_dir,
     trace_set,
 )
-from traces.errors import LinkError, NetnsUnavailableError, TraceError, TraceFormatError
-from traces.formats import FORMATS, detect_format, load_trace
-from traces.model import Trace
+from sakura.traces.errors import LinkError, NetnsUnavailableError, TraceError, TraceFormatError
+from sakura.traces.formats import FORMATS, detect_format, load_trace
+from sakura.traces.model import Trace
 
 __all__ = [
     "ENV_VAR",

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from traces.catalog import TRACE_SETS, find_trace_files, require_trace_dir
-from traces.errors import LinkError, TraceError
-from traces.formats import load_trace
-from traces.measure import Measurement, measure_kernel, measure_paced
-from traces.model import Trace
-from traces.netns import kernel_shaping_unavailable_reason
+from sakura.traces.catalog import TRACE_SETS, find_trace_files, require_trace_dir
+from sakura.traces.errors import LinkError, TraceError
+from sakura.traces.formats import load_trace
+from sakura.traces.measure import Measurement, measure_kernel, measure_paced
+from sakura.traces.model import Trace
+from sakura.traces.netns import kernel_shaping_unavailable_reason
 
 #: One representative file per family when the benchmark is pointed at the trace folder.
 DEFAULT_PICKS = ("lte", "5g-driving", "ucc5g", "wifi", "mahimahi")

@@ -13,10 +13,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-
-from traces.errors import TraceError, TraceFormatError
-from traces.formats import load_trace
-from traces.model import Trace
+from sakura.traces.errors import TraceError, TraceFormatError
+from sakura.traces.formats import load_trace
+from sakura.traces.model import Trace
 
 ENV_VAR = "SAKURA_TRACES"
 

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from traces.catalog import TRACE_SETS, default_trace_dir, find_trace_files
-from traces.errors import TraceError
-from traces.formats import load_trace
+from sakura.traces.catalog import TRACE_SETS, default_trace_dir, find_trace_files
+from sakura.traces.errors import TraceError
+from sakura.traces.formats import load_trace
 
 _COLUMNS = (
     ("name", "trace", "{}"),
@@ -115,7 +115,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_link(args: argparse.Namespace) -> int:
-    from traces.bench import run_link_bench
+    from sakura.traces.bench import run_link_bench
 
     report = run_link_bench(
         args.paths,

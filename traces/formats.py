@@ -32,9 +32,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-
-from traces.errors import TraceFormatError
-from traces.model import Trace
+from sakura.traces.errors import TraceFormatError
+from sakura.traces.model import Trace
 
 FORMATS = ("mahimahi", "lumos", "gnettrack", "bytes_csv")
 MAHIMAHI_PACKET_BYTES = 1500

@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from traces.errors import LinkError
-from traces.model import Trace
-from traces.schedule import LinkEmulator, LinkSchedule
+from sakura.traces.errors import LinkError
+from sakura.traces.model import Trace
+from sakura.traces.schedule import LinkEmulator, LinkSchedule
 
 log = logging.getLogger(__name__)
 

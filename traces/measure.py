@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from traces.errors import LinkError
-from traces.link import PacedLinkThread
-from traces.model import Trace
-from traces.netns import KernelShapedLink
+from sakura.traces.errors import LinkError
+from sakura.traces.link import PacedLinkThread
+from sakura.traces.model import Trace
+from sakura.traces.netns import KernelShapedLink
 
 #: Windows expecting fewer bytes than this are outage windows (nothing may arrive).
 OUTAGE_BYTES = 1.0

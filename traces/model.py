@@ -16,8 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from traces.errors import TraceError
+from sakura.traces.errors import TraceError
 
 _EPS = 1e-9
 

@@ -42,9 +42,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from traces.errors import LinkError, NetnsUnavailableError
-from traces.model import Trace
-from traces.schedule import LinkEmulator, LinkSchedule, Segment
+from sakura.traces.errors import LinkError, NetnsUnavailableError
+from sakura.traces.model import Trace
+from sakura.traces.schedule import LinkEmulator, LinkSchedule, Segment
 
 PREFIX = "sakura"
 PACKET_BYTES = 1514  # what tbf counts for a full-size Ethernet frame on veth

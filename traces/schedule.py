@@ -21,9 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
-from traces.errors import LinkError
-from traces.model import Trace
+from sakura.traces.errors import LinkError
+from sakura.traces.model import Trace
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ attention), QwenImage and QwenImage 2.1 (block-causal prefix). See ``dit/adapter
 
 Public API::
 
-    from dit.adapters import load_adapter, MODELS
+    from sakura.dit.adapters import load_adapter, MODELS
     adapter = load_adapter("flux2-klein-4b", "/models/FLUX.2-klein-4B")
     run = adapter.template_run(template)                    # capture -> TemplateCache
     adapter.profile_importance(template, run, requests)     # importance into the cache
@@ -11,24 +11,24 @@ Public API::
 """
 
 _LAZY = {  # loaded on first use so that `sakura --help` does not import torch/diffusers
-    "AdapterGeometry": "dit.adapters.base",
-    "AdapterHook": "dit.adapters.base",
-    "AdapterRun": "dit.adapters.base",
-    "Branch": "dit.adapters.base",
-    "Conditioning": "dit.adapters.base",
-    "LatentImage": "dit.adapters.base",
-    "LatentRequest": "dit.adapters.base",
-    "LatentTemplate": "dit.adapters.base",
-    "ModelAdapter": "dit.adapters.base",
-    "AdapterError": "dit.adapters.errors",
-    "CheckpointMismatchError": "dit.adapters.errors",
-    "InputError": "dit.adapters.errors",
-    "ModelPathError": "dit.adapters.errors",
-    "UnknownModelError": "dit.adapters.errors",
-    "UnsupportedError": "dit.adapters.errors",
-    "MODELS": "dit.adapters.registry",
-    "ModelSpec": "dit.adapters.registry",
-    "load_adapter": "dit.adapters.registry",
+    "AdapterGeometry": "sakura.dit.adapters.base",
+    "AdapterHook": "sakura.dit.adapters.base",
+    "AdapterRun": "sakura.dit.adapters.base",
+    "Branch": "sakura.dit.adapters.base",
+    "Conditioning": "sakura.dit.adapters.base",
+    "LatentImage": "sakura.dit.adapters.base",
+    "LatentRequest": "sakura.dit.adapters.base",
+    "LatentTemplate": "sakura.dit.adapters.base",
+    "ModelAdapter": "sakura.dit.adapters.base",
+    "AdapterError": "sakura.dit.adapters.errors",
+    "CheckpointMismatchError": "sakura.dit.adapters.errors",
+    "InputError": "sakura.dit.adapters.errors",
+    "ModelPathError": "sakura.dit.adapters.errors",
+    "UnknownModelError": "sakura.dit.adapters.errors",
+    "UnsupportedError": "sakura.dit.adapters.errors",
+    "MODELS": "sakura.dit.adapters.registry",
+    "ModelSpec": "sakura.dit.adapters.registry",
+    "load_adapter": "sakura.dit.adapters.registry",
 }
 
 
@@ -37,7 +37,7 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'dit.adapters' has no attribute {name!r}")
+    raise AttributeError(f"module 'sakura.dit.adapters' has no attribute {name!r}")
 
 
 __all__ = [

@@ -35,13 +35,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from sakura.dit.adapters.errors import AdapterError, InputError, UnsupportedError
+from sakura.dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
+from sakura.dit.cache import KVProvider, StepMemo, TemplateCache
+from sakura.dit.editing import channels_to_heads, heads_to_channels
+from sakura.dit.sampler import noise_like
 from torch import nn
-
-from dit.adapters.errors import AdapterError, InputError, UnsupportedError
-from dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
-from dit.cache import KVProvider, StepMemo, TemplateCache
-from dit.editing import channels_to_heads, heads_to_channels
-from dit.sampler import noise_like
 
 EDIT_SEED_OFFSET = 1_000_003  # same convention as dit.editing.edit_noise
 

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from dit.adapters.base import AdapterHook
-from dit.adapters.geometry import paper_comparison, released
-from dit.adapters.tiny import (
+from sakura.dit.adapters.base import AdapterHook
+from sakura.dit.adapters.geometry import paper_comparison, released
+from sakura.dit.adapters.tiny import (
     KINDS,
     box_mask,
     conditioning,
@@ -38,12 +37,12 @@ from dit.adapters.tiny import (
     tiny_spec,
     tiny_template,
 )
-from dit.bench_kv import median_time
+from sakura.dit.bench_kv import median_time
 
 
 def _reference_kv(adapter, spec, repeats: int) -> dict[str, float]:
-    from dit.adapters.base import Branch, LatentImage
-    from dit.adapters.flux2 import native_velocity
+    from sakura.dit.adapters.base import Branch, LatentImage
+    from sakura.dit.adapters.flux2 import native_velocity
 
     gen = torch.Generator().manual_seed(11)
     n = spec.grid[0] * spec.grid[1]
@@ -65,8 +64,8 @@ def _reference_kv(adapter, spec, repeats: int) -> dict[str, float]:
 
 
 def _prefix_kv(adapter, spec, repeats: int) -> dict[str, float]:
-    from dit.adapters.base import LatentTemplate
-    from dit.adapters.qwenimage21 import native_velocity
+    from sakura.dit.adapters.base import LatentTemplate
+    from sakura.dit.adapters.qwenimage21 import native_velocity
 
     gen = torch.Generator().manual_seed(12)
     n = spec.grid[0] * spec.grid[1]
@@ -127,7 +126,7 @@ def run_bench(quick: bool = False, kinds: tuple[str, ...] = KINDS) -> dict[str, 
     size = "test" if quick else "bench"
     steps, repeats = (4, 1) if quick else (8, 3)
     result: dict[str, Any] = {
-        "config": f"dit.adapters.tiny size={size!r}: real diffusers classes, random weights",
+        "config": f"sakura.dit.adapters.tiny size={size!r}: real diffusers classes, random weights",
         "diffusers": __import__("diffusers").__version__, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "steps": steps, "repeats": repeats, "models": {},
     }
@@ -140,7 +139,7 @@ def run_bench(quick: bool = False, kinds: tuple[str, ...] = KINDS) -> dict[str, 
 
 
 def main(json_path: str | None, quick: bool = False, models: str | None = None) -> int:
-    from dit.adapters.errors import UnknownModelError
+    from sakura.dit.adapters.errors import UnknownModelError
 
     kinds = tuple(m.strip() for m in models.split(",")) if models else KINDS
     unknown = [k for k in kinds if k not in KINDS]

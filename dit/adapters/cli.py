@@ -6,7 +6,7 @@ import argparse
 
 
 def _bench_adapters(args: argparse.Namespace) -> int:
-    from dit.adapters.bench import main
+    from sakura.dit.adapters.bench import main
 
     return main(args.json, args.quick, args.models)
 

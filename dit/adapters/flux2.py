@@ -24,8 +24,7 @@ from diffusers.models.transformers.transformer_flux2 import (
     Flux2KVParallelSelfAttnProcessor,
     _get_qkv_projections,
 )
-
-from dit.adapters.base import (
+from sakura.dit.adapters.base import (
     AdapterGeometry,
     AdapterHook,
     Branch,
@@ -37,8 +36,8 @@ from dit.adapters.base import (
     RunContext,
     hook_attend,
 )
-from dit.adapters.errors import InputError
-from dit.attention import AttentionHook, KVSegment
+from sakura.dit.adapters.errors import InputError
+from sakura.dit.attention import AttentionHook, KVSegment
 
 REF_ROLE = "ref:0"  # all reference tokens form one self-attending segment (Klein KV)
 
@@ -186,7 +185,7 @@ class Flux2Adapter(ModelAdapter):
         return ctx.ref + (ctx.txt if layer >= double else 0)
 
     def rope_option(self, geo: AdapterGeometry) -> dict[str, Any]:
-        from codec.lowrank import rope_option
+        from sakura.codec.lowrank import rope_option
 
         cfg = self.model.config
         pos = image_ids(geo.grid)[geo.unmasked]

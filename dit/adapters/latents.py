@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from dit.adapters.base import Conditioning, LatentImage
-from dit.adapters.errors import InputError, ModelPathError
+from sakura.dit.adapters.base import Conditioning, LatentImage
+from sakura.dit.adapters.errors import InputError, ModelPathError
 
 FAMILIES = {
     "Flux2Transformer2DModel": "flux2",

@@ -22,10 +22,16 @@ from diffusers.models.transformers.transformer_qwenimage import (
     QwenDoubleStreamAttnProcessor2_0,
     apply_rotary_emb_qwen,
 )
-
-from dit.adapters.base import AdapterGeometry, Branch, ModelAdapter, Pins, RunContext, hook_attend
-from dit.adapters.errors import InputError
-from dit.attention import AttentionHook
+from sakura.dit.adapters.base import (
+    AdapterGeometry,
+    Branch,
+    ModelAdapter,
+    Pins,
+    RunContext,
+    hook_attend,
+)
+from sakura.dit.adapters.errors import InputError
+from sakura.dit.attention import AttentionHook
 
 
 class QwenImageProcessor:
@@ -124,7 +130,7 @@ class QwenImageAdapter(ModelAdapter):
         return comb * (v_cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
 
     def rope_option(self, geo: AdapterGeometry) -> dict[str, Any]:
-        from codec.lowrank import rope_option
+        from sakura.codec.lowrank import rope_option
 
         h, w = geo.grid
         hh, ww = torch.meshgrid(centred(h), centred(w), indexing="ij")

@@ -34,8 +34,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
     _qwenimage21_prefix_segments,
     _qwenimage21_prepare_qkv,
 )
-
-from dit.adapters.base import (
+from sakura.dit.adapters.base import (
     AdapterGeometry,
     Branch,
     Conditioning,
@@ -45,9 +44,9 @@ from dit.adapters.base import (
     RunContext,
     hook_attend,
 )
-from dit.adapters.errors import InputError, UnsupportedError
-from dit.adapters.qwenimage import centred
-from dit.attention import TXT, AttentionHook, KVSegment
+from sakura.dit.adapters.errors import InputError, UnsupportedError
+from sakura.dit.adapters.qwenimage import centred
+from sakura.dit.attention import TXT, AttentionHook, KVSegment
 
 TOKENS_PER_SLOT = 4
 ROPE_THETA = 10000.0
@@ -231,7 +230,7 @@ class QwenImage21Adapter(ModelAdapter):
 
     def rope_option(self, geo: AdapterGeometry, frame: int = 0) -> dict[str, Any]:
         """RoPE of the cached keys; ``frame`` = the template prompt's :meth:`frame_of`."""
-        from codec.lowrank import rope_option
+        from sakura.codec.lowrank import rope_option
 
         h, w = geo.grid
         hh, ww = torch.meshgrid(centred(h), centred(w), indexing="ij")

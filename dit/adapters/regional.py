@@ -23,8 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from dit.adapters.base import (
+from sakura.dit.adapters.base import (
     AdapterGeometry,
     AdapterHook,
     Branch,
@@ -32,9 +31,9 @@ from dit.adapters.base import (
     LatentTemplate,
     ModelAdapter,
 )
-from dit.attention import CACHE, IMG, TXT, KVSegment, Layout
-from dit.cache import KVProvider
-from dit.regional import (
+from sakura.dit.attention import CACHE, IMG, TXT, KVSegment, Layout
+from sakura.dit.cache import KVProvider
+from sakura.dit.regional import (
     FullResult,
     KVStore,
     PatchResult,

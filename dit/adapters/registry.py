@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from dit.adapters.base import ModelAdapter
-from dit.adapters.errors import CheckpointMismatchError, ModelPathError, UnknownModelError
+from sakura.dit.adapters.base import ModelAdapter
+from sakura.dit.adapters.errors import CheckpointMismatchError, ModelPathError, UnknownModelError
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,8 @@ QWENIMAGE_20B = {"num_layers": 60, "num_attention_heads": 24, "attention_head_di
 
 _F2, _SD3 = "Flux2Transformer2DModel", "SD3Transformer2DModel"
 _QI, _QI21 = "QwenImageTransformer2DModel", "QwenImage21Transformer2DModel"
-_A_F2, _A_SD3 = "dit.adapters.flux2:Flux2Adapter", "dit.adapters.sd3:SD3Adapter"
-_A_QI, _A_QI21 = "dit.adapters.qwenimage:QwenImageAdapter", "dit.adapters.qwenimage21:QwenImage21Adapter"
+_A_F2, _A_SD3 = "sakura.dit.adapters.flux2:Flux2Adapter", "sakura.dit.adapters.sd3:SD3Adapter"
+_A_QI, _A_QI21 = "sakura.dit.adapters.qwenimage:QwenImageAdapter", "sakura.dit.adapters.qwenimage21:QwenImage21Adapter"
 
 MODELS: dict[str, ModelSpec] = {s.name: s for s in (
     ModelSpec("flux2", _F2, _A_F2, "any Flux2Transformer2DModel checkpoint", default_steps=28,

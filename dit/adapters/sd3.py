@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 from diffusers.models.attention_processor import JointAttnProcessor2_0
-
-from dit.adapters.base import Branch, ModelAdapter, Pins, RunContext, hook_attend
-from dit.adapters.errors import InputError
-from dit.attention import AttentionHook
+from sakura.dit.adapters.base import Branch, ModelAdapter, Pins, RunContext, hook_attend
+from sakura.dit.adapters.errors import InputError
+from sakura.dit.attention import AttentionHook
 
 
 class SD3Processor:

@@ -13,8 +13,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from dit.adapters.base import Conditioning, LatentImage, LatentRequest, LatentTemplate, ModelAdapter
+from sakura.dit.adapters.base import (
+    Conditioning,
+    LatentImage,
+    LatentRequest,
+    LatentTemplate,
+    ModelAdapter,
+)
 
 KINDS = ("flux2", "sd3.5", "qwenimage", "qwenimage-2.1")
 
@@ -85,10 +90,10 @@ def tiny_transformer(kind: str, size: str = "test", seed: int = 0) -> torch.nn.M
 
 
 def tiny_adapter(kind: str, size: str = "test", seed: int = 0) -> ModelAdapter:
-    from dit.adapters.flux2 import Flux2Adapter
-    from dit.adapters.qwenimage import QwenImageAdapter
-    from dit.adapters.qwenimage21 import QwenImage21Adapter
-    from dit.adapters.sd3 import SD3Adapter
+    from sakura.dit.adapters.flux2 import Flux2Adapter
+    from sakura.dit.adapters.qwenimage import QwenImageAdapter
+    from sakura.dit.adapters.qwenimage21 import QwenImage21Adapter
+    from sakura.dit.adapters.sd3 import SD3Adapter
 
     cls = {"flux2": Flux2Adapter, "sd3.5": SD3Adapter, "qwenimage": QwenImageAdapter,
            "qwenimage-2.1": QwenImage21Adapter}[kind]

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import importlib
 
-from edge.backends.base import BackendConfig, ExecutionBackend
-from edge.backends.errors import BackendError, BackendUnavailable, GeometryMismatch
+from sakura.edge.backends.base import BackendConfig, ExecutionBackend
+from sakura.edge.backends.errors import BackendError, BackendUnavailable, GeometryMismatch
 
 # name -> "module:class"
 REGISTRY: dict[str, str] = {
-    "torch": "edge.backends.torch_backend:TorchBackend",
-    "executorch": "edge.backends.executorch_backend:ExecuTorchBackend",
-    "qnn": "edge.backends.qnn_backend:QnnBackend",
+    "torch": "sakura.edge.backends.torch_backend:TorchBackend",
+    "executorch": "sakura.edge.backends.executorch_backend:ExecuTorchBackend",
+    "qnn": "sakura.edge.backends.qnn_backend:QnnBackend",
 }
 BACKENDS = tuple(REGISTRY)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from edge.backends.errors import AIHubError
+from sakura.edge.backends.errors import AIHubError
 
 TOKEN_ENV = "QAI_HUB_API_TOKEN"
 DEFAULT_DEVICE = "Snapdragon 8 Elite QRD"

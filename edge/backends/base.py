@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-
-from dit.model import MMDiT
-from edge.backends.errors import BackendError, GeometryMismatch
-from edge.backends.shard import SHARD_FORMAT, ShardGeometry, ShardModule
+from sakura.dit.model import MMDiT
+from sakura.edge.backends.errors import BackendError, GeometryMismatch
+from sakura.edge.backends.shard import SHARD_FORMAT, ShardGeometry, ShardModule
 
 
 def weights_sha256(model: MMDiT) -> str:
@@ -187,7 +186,7 @@ class ExecutionBackend(ABC):
         """The compiled shard: loaded from the cache, else compiled, cached and loaded."""
         import time
 
-        from edge.backends.shard import example_inputs
+        from sakura.edge.backends.shard import example_inputs
 
         self.check_available()
         module = ShardModule(model, tuple(blocks), geometry, self.explicit_rms,

@@ -20,16 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from dit.bench_kv import median_time
-from dit.cache import KVProvider
-from dit.editing import EditRequest, Geometry, Template, cached_edit, template_run
-from dit.model import MMDiT
-from edge.backends import BACKENDS, create_backend
-from edge.backends.base import BackendConfig, CompiledShard, weights_sha256
-from edge.backends.executor import ShardExecutor, edit_geometry, step_groups
-from edge.backends.shard import ShardGeometry
-from edge.quality import psnr
+from sakura.dit.bench_kv import median_time
+from sakura.dit.cache import KVProvider
+from sakura.dit.editing import EditRequest, Geometry, Template, cached_edit, template_run
+from sakura.dit.model import MMDiT
+from sakura.edge.backends import BACKENDS, create_backend
+from sakura.edge.backends.base import BackendConfig, CompiledShard, weights_sha256
+from sakura.edge.backends.executor import ShardExecutor, edit_geometry, step_groups
+from sakura.edge.backends.shard import ShardGeometry
+from sakura.edge.quality import psnr
 
 
 @dataclass

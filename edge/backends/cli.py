@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge.backends.errors import BackendError
+from sakura.edge.backends.errors import BackendError
 
 NAMES = ("torch", "executorch", "qnn")
 
@@ -31,11 +31,10 @@ def register(commands: Any, bench: Any) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     import torch
-
-    from dit.templates import load_catalog
-    from dit.text import TextEncoder
-    from dit.weights import DEFAULT_WEIGHTS, load_model
-    from edge.backends.bench import BackendBenchSpec, bench_backends, write
+    from sakura.dit.templates import load_catalog
+    from sakura.dit.text import TextEncoder
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
+    from sakura.edge.backends.bench import BackendBenchSpec, bench_backends, write
 
     if args.threads < 1 or args.repeats < 1:
         raise BackendError("--threads and --repeats must be >= 1")

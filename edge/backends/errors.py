@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edge.errors import EdgeError
+from sakura.edge.errors import EdgeError
 
 
 class BackendError(EdgeError):

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-
-from dit.cache import KVProvider
-from dit.editing import (
+from sakura.dit.cache import KVProvider
+from sakura.dit.editing import (
     EditRequest,
     Geometry,
     Template,
@@ -25,10 +24,10 @@ from dit.editing import (
     edit_schedule,
     edit_start,
 )
-from dit.model import MMDiT
-from edge.backends.base import BackendConfig, CompiledShard, ExecutionBackend, weights_sha256
-from edge.backends.errors import BackendError
-from edge.backends.shard import ShardGeometry
+from sakura.dit.model import MMDiT
+from sakura.edge.backends.base import BackendConfig, CompiledShard, ExecutionBackend, weights_sha256
+from sakura.edge.backends.errors import BackendError
+from sakura.edge.backends.shard import ShardGeometry
 
 
 def step_groups(blocks: int, blocks_per_shard: int) -> list[tuple[int, ...]]:
@@ -133,7 +132,7 @@ class DeviceBackend:
     """
 
     def __init__(self, name: str = "torch", config: BackendConfig | None = None) -> None:
-        from edge.backends import create_backend
+        from sakura.edge.backends import create_backend
 
         self.name = name
         self._backend = None if name == "torch" else create_backend(name, config)

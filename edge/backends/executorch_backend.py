@@ -14,10 +14,9 @@ import warnings
 from pathlib import Path
 
 import torch
-
-from edge.backends.base import CompiledShard, ExecutionBackend
-from edge.backends.errors import BackendError, BackendUnavailable
-from edge.backends.shard import ShardModule
+from sakura.edge.backends.base import CompiledShard, ExecutionBackend
+from sakura.edge.backends.errors import BackendError, BackendUnavailable
+from sakura.edge.backends.shard import ShardModule
 
 PTE_NAME = "shard.pte"
 

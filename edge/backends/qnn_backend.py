@@ -24,10 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from edge.backends.base import BackendConfig, CompiledShard, ExecutionBackend
-from edge.backends.errors import BackendError, BackendUnavailable
-from edge.backends.shard import OUTPUT_NAMES, ShardModule, input_names
+from sakura.edge.backends.base import BackendConfig, CompiledShard, ExecutionBackend
+from sakura.edge.backends.errors import BackendError, BackendUnavailable
+from sakura.edge.backends.shard import OUTPUT_NAMES, ShardModule, input_names
 
 EP_NAME = "QNNExecutionProvider"
 ONNX_NAME = "shard.onnx"

@@ -29,10 +29,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from sakura.dit.attention import CACHE, Layout, build_mask
+from sakura.dit.model import MMDiT, merge_heads, modulate, split_heads
 from torch import nn
-
-from dit.attention import CACHE, Layout, build_mask
-from dit.model import MMDiT, merge_heads, modulate, split_heads
 
 # Bump when the graph's computation or its input/output contract changes: it is part of
 # the compiled-artifact cache key.

@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from edge.backends.base import CompiledShard, ExecutionBackend
-from edge.backends.shard import ShardModule
+from sakura.edge.backends.base import CompiledShard, ExecutionBackend
+from sakura.edge.backends.shard import ShardModule
 
 
 class _EagerShard(CompiledShard):

@@ -51,9 +51,9 @@ def _log(msg: str) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from edge.cli import _set_threads
-    from edge.replay.config import load_config
-    from edge.replay.runner import run_replay
+    from sakura.edge.cli import _set_threads
+    from sakura.edge.replay.config import load_config
+    from sakura.edge.replay.runner import run_replay
 
     _set_threads(args.threads)
     cfg = load_config(args.config, quick=args.quick, starts=args.starts, regime=args.regime,
@@ -67,7 +67,7 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"sakura: error: {len(failed)} run(s) failed and were not recorded; rerun the "
               "same command to retry them", file=sys.stderr)
     if args.report:
-        from edge.replay.report import write_report
+        from sakura.edge.replay.report import write_report
 
         path = write_report(args.out, json_path=None)
         print(f"wrote {path}")
@@ -75,7 +75,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from edge.replay.report import write_report
+    from sakura.edge.replay.report import write_report
 
     path = write_report(args.dir, json_path=args.json, out_dir=args.out)
     print(f"wrote {path}" + (f" and {args.json}" if args.json else ""))

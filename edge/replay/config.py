@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
+from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
+
 from sakura.errors import SakuraError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -95,13 +96,13 @@ class ReplayConfig:
 
     # ------------------------------------------------------------------ checks
     def validate(self, catalog: dict[str, Any] | None = None) -> ReplayConfig:
-        from edge.allocator import POLICIES
-        from edge.replay.networks import NETWORKS
+        from sakura.edge.allocator import POLICIES
+        from sakura.edge.replay.networks import NETWORKS
 
         def bad(msg: str) -> ReplayConfigError:
             return ReplayConfigError(f"{self.source}: {msg}")
 
-        from dit.templates import WORKLOADS
+        from sakura.dit.templates import WORKLOADS
 
         if not self.workloads:
             raise bad("workloads is empty")

@@ -15,9 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-
-from traces import Trace, load_trace, mixed_trace, trace_set
-from traces.errors import TraceError
+from sakura.traces import Trace, load_trace, mixed_trace, trace_set
+from sakura.traces.errors import TraceError
 
 #: network name -> (trace set, network type shown in the report); ``mixed`` is built
 NETWORKS: dict[str, tuple[str | None, str]] = {

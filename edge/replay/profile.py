@@ -36,14 +36,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from edge.allocator import PolicyContext, ShardOptions, get_policy
-from edge.monitor import (
+from sakura.edge.allocator import PolicyContext, ShardOptions, get_policy
+from sakura.edge.monitor import (
     DEFAULT_STARTUP_FRACTION,
     BandwidthMonitor,
     ExecutionProgress,
     startup_allowance_s,
 )
-from traces import Trace
+from sakura.traces import Trace
 
 GIB = float(1 << 30)
 

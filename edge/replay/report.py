@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from edge.errors import EdgeError
-from edge.replay.results import META_FILE, ResultsFile, expand_timeline, number
+from sakura.edge.errors import EdgeError
+from sakura.edge.replay.results import META_FILE, ResultsFile, expand_timeline, number
 
 PSNR_CAP = 100.0
 POLICY_ORDER = ("sakura", "svd", "intq", "cachegen", "fp16", "local", "sakura-fixed-config",
@@ -327,7 +326,7 @@ def _nearest(runs: list[dict[str, Any]], q: float) -> dict[str, Any] | None:
 def _mode_section(mode: str, runs: list[dict[str, Any]], tmpl: dict[str, dict[str, Any]],
                   meta: dict[str, Any], figs: Path, rel: str, head: dict[str, Any]
                   ) -> list[str]:
-    from edge.timeline import plot_timeline
+    from sakura.edge.timeline import plot_timeline
 
     md: list[str] = []
     t_of = {t["template"]: t for t in tmpl.values()}

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge.errors import EdgeError
-from edge.replay.config import ReplayConfig, ReplayConfigError
-from edge.replay.networks import (
+from sakura.edge.errors import EdgeError
+from sakura.edge.replay.config import ReplayConfig, ReplayConfigError
+from sakura.edge.replay.networks import (
     StartPoint,
     load_start_trace,
     network_type,
@@ -45,7 +45,7 @@ from edge.replay.networks import (
     pooled_median_bps,
     start_points,
 )
-from edge.replay.results import (
+from sakura.edge.replay.results import (
     META_FILE,
     ResultsFile,
     RunKey,
@@ -53,6 +53,7 @@ from edge.replay.results import (
     finite,
     template_key,
 )
+
 from sakura.errors import SakuraError
 
 Log = Callable[[str], None]
@@ -117,8 +118,7 @@ class BuildJob:
 
 def _run_build(job: BuildJob) -> str:
     import torch
-
-    from cloud.build import BuildConfig, build
+    from sakura.cloud.build import BuildConfig, build
 
     torch.set_num_threads(1)
     kw: dict[str, Any] = {}
@@ -184,7 +184,7 @@ def in_netns(name: str) -> Iterator[None]:
     such as the runtime's network loop, are created there too); then switch back."""
     import ctypes
 
-    from traces.errors import LinkError
+    from sakura.traces.errors import LinkError
 
     libc = ctypes.CDLL(None, use_errno=True)
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
@@ -213,7 +213,7 @@ def _healthy_in(ns: str, host: str, port: int) -> bool:
     """GET /healthz from inside namespace ``ns``."""
     import socket
 
-    from traces.netns import socket_in_namespace
+    from sakura.traces.netns import socket_in_namespace
 
     try:
         sock = socket_in_namespace(ns, socket.AF_INET, socket.SOCK_STREAM)
@@ -245,8 +245,8 @@ class Links:
         self.note = ""
 
     def __enter__(self) -> Links:
-        from edge.bench import ServerProcess
-        from traces.netns import kernel_shaping_unavailable_reason
+        from sakura.edge.bench import ServerProcess
+        from sakura.traces.netns import kernel_shaping_unavailable_reason
 
         if self.kind == "kernel":
             reason = kernel_shaping_unavailable_reason()
@@ -267,8 +267,8 @@ class Links:
         return self
 
     def _paced(self, v: str) -> None:
-        from traces import Trace
-        from traces.link import PacedLinkThread
+        from sakura.traces import Trace
+        from sakura.traces.link import PacedLinkThread
 
         link = PacedLinkThread(Trace.constant(1e9, 1.0), upstream=("127.0.0.1",
                                                                    self.servers[v].port))
@@ -279,8 +279,8 @@ class Links:
     def _kernel(self, v: str) -> None:
         import subprocess
 
-        from traces import Trace
-        from traces.netns import KernelShapedLink
+        from sakura.traces import Trace
+        from sakura.traces.netns import KernelShapedLink
 
         link = KernelShapedLink(Trace.constant(1e9, 1.0)).start()
         self.links[v] = link
@@ -347,7 +347,7 @@ def _resident_edit(runtime: Any, tid: str, template: Any, provider: Any, req: An
     """An edit whose cache is fully in memory (``provider``), untimed."""
     if hasattr(runtime, "prepared"):
         return runtime.engine.edit(runtime.prepared(tid, template), provider, req)
-    from dit.editing import Geometry, cached_edit
+    from sakura.dit.editing import Geometry, cached_edit
 
     return cached_edit(runtime.model, template, Geometry.of(runtime.model, template),
                        provider, req)
@@ -357,14 +357,14 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
                    links: Links, model: Any, weights_sha: str, catalog: dict[str, Any],
                    results: ResultsFile, packs: Path, regime_median_bps: float, log: Log
                    ) -> TemplateState:
-    from edge.bench import (
+    from sakura.edge.bench import (
         catalog_codecs,
         exact_and_floor,
         policy_packs,
         prefetch_manifests,
         regime_factor,
     )
-    from edge.runtime import EdgeRuntime
+    from sakura.edge.runtime import EdgeRuntime
 
     runtimes = {}
     main = EdgeRuntime(model, weights_sha256=weights_sha)
@@ -425,7 +425,7 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
 
 
 def _quality(image: Any, st: TemplateState) -> dict[str, Any]:
-    from edge.quality import psnr, ssim
+    from sakura.edge.quality import psnr, ssim
 
     return {"psnr_exact": finite(psnr(image, st.exact)), "ssim_exact": ssim(image, st.exact),
             "psnr_full": finite(psnr(image, st.full)), "ssim_full": ssim(image, st.full)}
@@ -450,7 +450,7 @@ def _base_record(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Lin
 
 def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links,
                 root: str | None) -> dict[str, Any]:
-    from edge.runtime import EditOptions
+    from sakura.edge.runtime import EditOptions
 
     rec = _base_record(r, st, cfg, links)
     rt = st.runtimes[r.variant]
@@ -480,8 +480,8 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
 
 def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links,
                 root: str | None) -> dict[str, Any]:
-    from edge.allocator import options_from_manifest
-    from edge.replay.profile import DeviceProfile, simulate
+    from sakura.edge.allocator import options_from_manifest
+    from sakura.edge.replay.profile import DeviceProfile, simulate
 
     prof = DeviceProfile(**{k: v for k, v in vars(cfg.profile).items()})
     rec = _base_record(r, st, cfg, links)
@@ -517,9 +517,9 @@ def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
 def _configured_edit(rt: Any, server: str, tid: str, pack: str, manifest_d: dict[str, Any],
                      configs: list[int], st: TemplateState) -> Any:
     """The real edit with exactly these configurations (fetched, decoded, resident)."""
-    from codec.pack import Manifest, decode_config
-    from edge.bench import ResidentCache
-    from edge.client import PackClient
+    from sakura.codec.pack import Manifest, decode_config
+    from sakura.edge.bench import ResidentCache
+    from sakura.edge.client import PackClient
 
     async def fetch() -> list[bytes]:
         async with PackClient(server) as client:
@@ -583,10 +583,10 @@ def _check_meta(out: Path, cfg: ReplayConfig, weights_sha: str) -> None:
 def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
                progress: bool = True, model: Any = None) -> dict[str, Any]:
     """Run (or resume) the replay into ``out``; returns a summary."""
-    from dit.templates import load_catalog
-    from dit.weights import DEFAULT_WEIGHTS, load_model
-    from edge.bench import file_sha256
-    from traces import require_trace_dir
+    from sakura.dit.templates import load_catalog
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
+    from sakura.edge.bench import file_sha256
+    from sakura.traces import require_trace_dir
 
     out = Path(out)
     root = cfg.trace_dir or str(require_trace_dir())

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-
-from cloud.server import create_app
-from cloud.storage import LocalStorage
-from cloud.synthetic import SyntheticSpec, build_catalog
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.cloud.synthetic import SyntheticSpec, build_catalog
 
 SMALL = SyntheticSpec(shards=4, configs=3, unit_bytes=1024, seed=0)
 

@@ -35,6 +35,6 @@ def parse_multipart(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
 
 
 def shard_bytes(pack: bytes, manifest: dict, shard: int, config: int) -> bytes:
-    from cloud.synthetic import config_bytes
+    from sakura.cloud.synthetic import config_bytes
 
     return config_bytes(pack, manifest, shard, config)

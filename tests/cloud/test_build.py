@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from cloud.build import BuildConfig, build
-from cloud.errors import PublishError
-from codec.pack import Manifest
-from dit.model import MMDiT, MMDiTConfig
-from dit.templates import DEFAULT_CATALOG, decode_assets
-from dit.weights import save_model
+from sakura.cloud.build import BuildConfig, build
+from sakura.cloud.errors import PublishError
+from sakura.codec.pack import Manifest
+from sakura.dit.model import MMDiT, MMDiTConfig
+from sakura.dit.templates import DEFAULT_CATALOG, decode_assets
+from sakura.dit.weights import save_model
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +81,12 @@ def test_profile_psnr_measures_each_configuration_against_exact(small_setup):
     """``--profile-psnr 1``: every configuration's ``psnr_db`` is the output PSNR of the
     profiling request with that one shard decoded (the resumed edit equals a whole edit),
     FP16 is exact (200 dB, the cap) and the Pareto front is taken on it."""
-    from cloud.psnr_profile import OutputPSNR
-    from codec.metrics import psnr
-    from codec.pack import PackReader, decode_config
-    from dit.adapters.engine import load_engine
-    from dit.editing import cached_edit
-    from dit.templates import load_catalog, with_resolution
+    from sakura.cloud.psnr_profile import OutputPSNR
+    from sakura.codec.metrics import psnr
+    from sakura.codec.pack import PackReader, decode_config
+    from sakura.dit.adapters.engine import load_engine
+    from sakura.dit.editing import cached_edit
+    from sakura.dit.templates import load_catalog, with_resolution
 
     root, weights = small_setup
     out = root / "psnr"

@@ -1,4 +1,4 @@
-"""cloud.publish: atomic publish, the catalog written last, failure injection, GC, hashes."""
+"""sakura.cloud.publish: atomic publish, the catalog written last, failure injection, GC, hashes."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-import cloud.publish as publish
-from cloud import layout
-from cloud.errors import PublishError
-from cloud.publish import (
+import sakura.cloud.publish as publish
+from sakura.cloud import layout
+from sakura.cloud.errors import PublishError
+from sakura.cloud.publish import (
     CatalogTransaction,
     collect_garbage,
     is_up_to_date,
@@ -22,7 +21,7 @@ from cloud.publish import (
     template_content_hash,
     update_catalog,
 )
-from cloud.synthetic import SyntheticSpec, make_pack
+from sakura.cloud.synthetic import SyntheticSpec, make_pack
 
 SPEC = SyntheticSpec(shards=3, configs=2, unit_bytes=512)
 

@@ -1,12 +1,11 @@
-"""cloud.ranges: Range header parsing and normalisation, without any HTTP."""
+"""sakura.cloud.ranges: Range header parsing and normalisation, without any HTTP."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-
-from cloud.ranges import (
+from sakura.cloud.ranges import (
     ByteRange,
     RangeKind,
     RangeRejected,

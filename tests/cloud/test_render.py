@@ -12,10 +12,9 @@ from collections import Counter
 import httpx
 import pytest
 import torch
-
-from cloud.render import EngineConfig, RenderEngine, RenderError, RenderRequest
-from cloud.render_sched import FULL, PATCH, WARMUP, Scheduler, Task, TaskKey
-from cloud.render_trace import (
+from sakura.cloud.render import EngineConfig, RenderEngine, RenderError, RenderRequest
+from sakura.cloud.render_sched import FULL, PATCH, WARMUP, Scheduler, Task, TaskKey
+from sakura.cloud.render_trace import (
     bursty_arrivals,
     load_trace,
     poisson_arrivals,
@@ -23,11 +22,11 @@ from cloud.render_trace import (
     request_factory,
     save_trace,
 )
-from dit.model import MMDiT, MMDiTConfig
-from dit.regional import RegionalConfig
-from dit.regional_mmdit import regional_generate
-from dit.sampler import generate
-from dit.weights import save_model
+from sakura.dit.model import MMDiT, MMDiTConfig
+from sakura.dit.regional import RegionalConfig
+from sakura.dit.regional_mmdit import regional_generate
+from sakura.dit.sampler import generate
+from sakura.dit.weights import save_model
 
 
 def _task(rid, step, patch, kind, cost=10.0, seq=None):
@@ -285,8 +284,8 @@ def test_engine_rejects_bad_requests(engine):
 
 
 def test_http_front_and_trace_replay(engine):
-    from cloud.render_http import create_render_app
-    from cloud.runner import serve_in_thread
+    from sakura.cloud.render_http import create_render_app
+    from sakura.cloud.runner import serve_in_thread
 
     with serve_in_thread(create_render_app(engine)) as base:
         r = httpx.post(f"{base}/v1/renders", json={"prompt": "food: red apple", "seed": 2,
@@ -325,7 +324,7 @@ def test_http_front_and_trace_replay(engine):
 def test_cli_registers_bench_flashdiff_and_render():
     import argparse
 
-    from cloud import render_cli
+    from sakura.cloud import render_cli
 
     parser = argparse.ArgumentParser()
     commands = parser.add_subparsers(dest="command")
@@ -333,7 +332,7 @@ def test_cli_registers_bench_flashdiff_and_render():
     render_cli.register(commands, bench)
     a = parser.parse_args(["bench", "flashdiff", "--json", "x.json", "--quick", "--workers", "3"])
     assert (a.json, a.quick, a.workers, a.no_serve) == ("x.json", True, 3, False)
-    assert a.func.__module__ == "cloud.render_cli"
+    assert a.func.__module__ == "sakura.cloud.render_cli"
     r = parser.parse_args(["render", "replay", "--requests", "4", "--mode", "full", "--eps", "1.2"])
     assert (r.requests, r.mode, r.eps, r.priority) == (4, "full", 1.2, "warmup_first")
     s = parser.parse_args(["render", "serve", "--port", "0", "--priority", "fifo"])

@@ -14,13 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from sakura.cloud import cli
+from sakura.cloud.bench import BenchConfig, run_bench
+from sakura.cloud.errors import AuthConfigError, ServeConfigError
+from sakura.cloud.publish import mirror_to_storage
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import S3Storage
 
-from cloud import cli
-from cloud.bench import BenchConfig, run_bench
-from cloud.errors import AuthConfigError, ServeConfigError
-from cloud.publish import mirror_to_storage
-from cloud.server import create_app
-from cloud.storage import S3Storage
 from tests.cloud.helpers import parse_multipart, shard_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,7 +153,7 @@ def test_bench_serve_quick(tmp_path):
 
 
 def test_bench_serve_command_writes_json(tmp_path, monkeypatch):
-    import cloud.bench
+    import sakura.cloud.bench as cloud_bench
 
     fake = {
         "requests_per_s": 1.0,
@@ -165,7 +165,7 @@ def test_bench_serve_command_writes_json(tmp_path, monkeypatch):
     }
     seen = {}
     monkeypatch.setattr(
-        cloud.bench, "run_bench", lambda config: seen.setdefault("c", config) and fake
+        cloud_bench, "run_bench", lambda config: seen.setdefault("c", config) and fake
     )
     out = tmp_path / "sub" / "bench.json"
     args = parse(

@@ -6,10 +6,10 @@ import hashlib
 import json
 
 import pytest
+from sakura.cloud import layout
+from sakura.cloud.publish import publish_pack, update_catalog
+from sakura.cloud.synthetic import SyntheticSpec, make_pack
 
-from cloud import layout
-from cloud.publish import publish_pack, update_catalog
-from cloud.synthetic import SyntheticSpec, make_pack
 from tests.cloud.helpers import parse_multipart, shard_bytes
 
 PACK = "/v1/templates/face-a/sakura/pack"

@@ -11,12 +11,12 @@ import time
 
 import httpx
 import pytest
+from sakura.cloud.publish import collect_garbage, publish_pack, update_catalog
+from sakura.cloud.runner import serve_in_thread
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.cloud.synthetic import SyntheticSpec, build_catalog, config_bytes, make_pack
 
-from cloud.publish import collect_garbage, publish_pack, update_catalog
-from cloud.runner import serve_in_thread
-from cloud.server import create_app
-from cloud.storage import LocalStorage
-from cloud.synthetic import SyntheticSpec, build_catalog, config_bytes, make_pack
 from tests.cloud.helpers import parse_multipart
 
 BIG = SyntheticSpec(shards=8, configs=4, unit_bytes=50_000, seed=3)  # an 8 MB pack

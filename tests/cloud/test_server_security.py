@@ -6,13 +6,12 @@ import socket
 
 import pytest
 from fastapi.testclient import TestClient
-
-from cloud.auth import TokenSet, bearer_token, load_tokens
-from cloud.errors import AuthConfigError
-from cloud.runner import serve_in_thread
-from cloud.server import create_app
-from cloud.storage import LocalStorage
-from cloud.synthetic import SyntheticSpec, build_catalog
+from sakura.cloud.auth import TokenSet, bearer_token, load_tokens
+from sakura.cloud.errors import AuthConfigError
+from sakura.cloud.runner import serve_in_thread
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.cloud.synthetic import SyntheticSpec, build_catalog
 
 ADMIN = "admin-token-0123456789abcdef"
 PARTNER = "partner-token-0123456789abcd"

@@ -1,4 +1,4 @@
-"""cloud.storage: the same contract for the local folder and an S3 server (moto on loopback)."""
+"""sakura.cloud.storage: the same contract for the local folder and an S3 server (moto on loopback)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-
-from cloud.errors import ObjectChanged, ObjectNotFound, StorageError, UnsafeKey
-from cloud.storage import LocalStorage, S3Storage, open_storage, validate_key
+from sakura.cloud.errors import ObjectChanged, ObjectNotFound, StorageError, UnsafeKey
+from sakura.cloud.storage import LocalStorage, S3Storage, open_storage, validate_key
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ if _ROOT not in sys.path:
 if getattr(sys.modules.get("codec"), "__file__", "") is None:
     del sys.modules["codec"]
 
-from codec import get_codec  # noqa: E402
-from codec.pack import write_pack  # noqa: E402
-from codec.synthetic import synthetic_cache  # noqa: E402
+from sakura.codec import get_codec  # noqa: E402
+from sakura.codec.pack import write_pack  # noqa: E402
+from sakura.codec.synthetic import synthetic_cache  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,9 +1,8 @@
 import pytest
 import torch
-
-from codec import CODECS, CodecError, get_codec
-from codec.metrics import weighted_rel_error
-from codec.shards import ShardLayout, shard_data
+from sakura.codec import CODECS, CodecError, get_codec
+from sakura.codec.metrics import weighted_rel_error
+from sakura.codec.shards import ShardLayout, shard_data
 
 
 def _shard(cache, index=0):
@@ -84,7 +83,7 @@ def test_cachegen_layer_bins():
 
 
 def test_decoders_reject_garbage(small_cache):
-    from codec import PackError
+    from sakura.codec import PackError
 
     sd = _shard(small_cache)
     gen = torch.Generator().manual_seed(5)

@@ -1,8 +1,7 @@
 import torch
-
-from codec import get_codec
-from codec.metrics import weighted_rel_error
-from codec.shards import ShardLayout, shard_data
+from sakura.codec import get_codec
+from sakura.codec.metrics import weighted_rel_error
+from sakura.codec.shards import ShardLayout, shard_data
 
 
 def _shard(cache, index=0, bps=2):
@@ -78,7 +77,7 @@ def test_layout_is_progressive(small_cache):
 
 
 def test_exact_low_rank_is_recovered():
-    from codec.shards import ShardData, ShardSpec
+    from sakura.codec.shards import ShardData, ShardSpec
 
     gen = torch.Generator().manual_seed(3)
     n, c = 40, 24
@@ -96,7 +95,7 @@ def test_exact_low_rank_is_recovered():
 
 
 def test_zero_importance_and_zero_matrix():
-    from codec.shards import ShardData, ShardSpec
+    from sakura.codec.shards import ShardData, ShardSpec
 
     n, c = 20, 16
     mats = [torch.zeros(n, c), torch.randn(n, c)]
@@ -113,8 +112,7 @@ def test_zero_importance_and_zero_matrix():
 
 def test_decode_rejects_bad_params_and_bytes(small_cache):
     import pytest
-
-    from codec import PackError
+    from sakura.codec import PackError
 
     sd = _shard(small_cache)
     codec = get_codec("sakura")

@@ -3,9 +3,8 @@ import struct
 
 import pytest
 import torch
-
-from codec import PackError, get_codec
-from codec.pack import (
+from sakura.codec import PackError, get_codec
+from sakura.codec.pack import (
     MAGIC,
     PREAMBLE,
     Manifest,
@@ -19,7 +18,7 @@ from codec.pack import (
     open_pack,
     write_pack,
 )
-from codec.shards import shard_data
+from sakura.codec.shards import shard_data
 
 SKELETON = {"format", "version", "template_id", "codec", "codec_options", "pack_file",
             "pack_bytes", "pack_sha256", "geometry", "model", "fp16_bytes", "stored_bytes",

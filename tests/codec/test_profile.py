@@ -1,8 +1,8 @@
 from types import SimpleNamespace
 
-from codec import get_codec
-from codec.pack import write_pack
-from codec.profile import (
+from sakura.codec import get_codec
+from sakura.codec.pack import write_pack
+from sakura.codec.profile import (
     mark_pareto,
     quality_score,
     rate_quality_curve,

@@ -2,14 +2,13 @@ import math
 
 import pytest
 import torch
-
-from codec import CodecError, PackError, get_codec
-from codec.lowrank import rope_angles, rope_option, rope_rotate
-from codec.metrics import weighted_rel_error
-from codec.pack import PackReader, decode_config
-from codec.profile import select_for_ratio
-from codec.provider import DecodedProvider, PackProvider
-from codec.shards import ShardData, ShardSpec
+from sakura.codec import CodecError, PackError, get_codec
+from sakura.codec.lowrank import rope_angles, rope_option, rope_rotate
+from sakura.codec.metrics import weighted_rel_error
+from sakura.codec.pack import PackReader, decode_config
+from sakura.codec.profile import select_for_ratio
+from sakura.codec.provider import DecodedProvider, PackProvider
+from sakura.codec.shards import ShardData, ShardSpec
 
 
 def test_pack_provider_serves_steps_and_blocks(packs, small_cache):

@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
 import torch
-
-from codec.quant import (
+from sakura.codec.quant import (
     ProgressiveQuantizer,
     SegmentPlan,
     hadamard,

@@ -1,6 +1,5 @@
 import pytest
-
-from codec import CodecError, ShardLayout
+from sakura.codec import CodecError, ShardLayout
 
 
 def test_layout_even():

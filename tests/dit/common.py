@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from dit.editing import EditRequest, Template
-from dit.model import MMDiT, MMDiTConfig
+from sakura.dit.editing import EditRequest, Template
+from sakura.dit.model import MMDiT, MMDiTConfig
 
 
 def tiny_model(mode: str = "joint", seed: int = 0, double_blocks: int = 2,

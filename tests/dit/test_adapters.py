@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from dit.adapters.base import AdapterHook, Branch, LatentTemplate
-from dit.adapters.tiny import KINDS, tiny_adapter, tiny_request, tiny_spec, tiny_template
-from dit.attention import CACHE, KVSegment
+from sakura.dit.adapters.base import AdapterHook, Branch, LatentTemplate
+from sakura.dit.adapters.tiny import KINDS, tiny_adapter, tiny_request, tiny_spec, tiny_template
+from sakura.dit.attention import CACHE, KVSegment
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +56,7 @@ def test_processors_match_the_stock_forward(setups, kind):
     x = torch.randn(1, n, a.latent_channels, generator=torch.Generator().manual_seed(3))
     t = torch.tensor(640.0)
     if kind == "qwenimage-2.1":
-        from dit.adapters.qwenimage21 import native_velocity
+        from sakura.dit.adapters.qwenimage21 import native_velocity
 
         cond = _req(a, spec, kind).cond
         br = a.prepare_branch(cond, template=tpl)
@@ -69,7 +68,7 @@ def test_processors_match_the_stock_forward(setups, kind):
         ours = a.velocity(x, torch.arange(n), tpl.grid, t, Branch(cond), AdapterHook(heads=a.heads))
         with torch.inference_mode():
             if kind == "flux2":
-                from dit.adapters.flux2 import native_velocity
+                from sakura.dit.adapters.flux2 import native_velocity
 
                 stock = native_velocity(a, x, tpl.grid, t, cond)
             elif kind == "sd3.5":
@@ -118,7 +117,7 @@ def test_regional_subset_with_kv_of_the_rest_equals_full(setups, kind):
 
 
 def test_flux2_reference_kv_equals_uncached_and_the_klein_kv_pipeline(setups):
-    from dit.adapters.flux2 import native_velocity
+    from sakura.dit.adapters.flux2 import native_velocity
 
     a, spec, tpl, run = setups["flux2"]
     for refs in (1, 3):
@@ -152,8 +151,7 @@ def test_flux2_reference_kv_equals_uncached_and_the_klein_kv_pipeline(setups):
 
 def test_qwenimage21_prefix_kv_equals_uncached_at_every_step(setups):
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-
-    from dit.adapters.qwenimage21 import native_velocity
+    from sakura.dit.adapters.qwenimage21 import native_velocity
 
     a, spec, tpl, _ = setups["qwenimage-2.1"]
     cond = tiny_request(a, spec, prefix_image=True).cond
@@ -207,7 +205,7 @@ def test_sd35_dual_attention_blocks_and_pooled_text(setups):
 
 
 def test_unsupported_and_bad_inputs(setups):
-    from dit.adapters.errors import InputError, UnsupportedError
+    from sakura.dit.adapters.errors import InputError, UnsupportedError
 
     a, spec, tpl, run = setups["sd3.5"]
     with pytest.raises(UnsupportedError):
@@ -225,10 +223,10 @@ def test_unsupported_and_bad_inputs(setups):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_regional_execution_through_the_adapters(kind):
-    """dit.regional (FlashDiff) driving an adapter: with the warm-up covering every step, or
+    """sakura.dit.regional (FlashDiff) driving an adapter: with the warm-up covering every step, or
     every patch running every step, it is the cached edit; with skipping it skips."""
-    from dit.adapters.regional import regional_edit, regional_generate
-    from dit.regional import RegionalConfig
+    from sakura.dit.adapters.regional import regional_edit, regional_generate
+    from sakura.dit.regional import RegionalConfig
 
     a = tiny_adapter(kind)
     spec = tiny_spec(kind)

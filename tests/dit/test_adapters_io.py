@@ -9,15 +9,14 @@ import json
 
 import pytest
 import torch
-
-from dit.adapters.base import AdapterHook, Branch
-from dit.adapters.errors import (
+from sakura.dit.adapters.base import AdapterHook, Branch
+from sakura.dit.adapters.errors import (
     CheckpointMismatchError,
     ModelPathError,
     UnknownModelError,
 )
-from dit.adapters.registry import MODELS, load_adapter
-from dit.adapters.tiny import (
+from sakura.dit.adapters.registry import MODELS, load_adapter
+from sakura.dit.adapters.tiny import (
     tiny_adapter,
     tiny_request,
     tiny_spec,
@@ -86,9 +85,9 @@ def test_load_adapter_errors(tmp_path):
 def test_capture_pack_decode_cached_edit_round_trip(tmp_path, kind):
     """Template capture -> importance -> codec pack -> read back -> cached edit (3 blocks per
     shard over 4 blocks: a full and a ragged shard per step)."""
-    from codec import get_codec
-    from codec.pack import open_pack, write_pack
-    from codec.provider import PackProvider
+    from sakura.codec import get_codec
+    from sakura.codec.pack import open_pack, write_pack
+    from sakura.codec.provider import PackProvider
 
     a = tiny_adapter(kind)
     spec = tiny_spec(kind)
@@ -116,14 +115,14 @@ def test_capture_pack_decode_cached_edit_round_trip(tmp_path, kind):
 
 
 def test_rope_options_reproduce_the_models_rotary_tables():
-    from codec.lowrank import rope_angles
+    from sakura.codec.lowrank import rope_angles
 
     a = tiny_adapter("flux2")
     tpl = tiny_template(a, tiny_spec("flux2"))
     geo = a.geometry(tpl)
     opt = a.rope_option(geo)
     ang = rope_angles(opt, len(geo.unmasked), a.heads * a.head_dim)
-    from dit.adapters.flux2 import image_ids
+    from sakura.dit.adapters.flux2 import image_ids
 
     cos, _ = a.model.pos_embed(image_ids(geo.grid)[geo.unmasked])
     assert torch.allclose(ang.cos().repeat_interleave(2, dim=-1), cos.float(), atol=1e-5)
@@ -143,7 +142,7 @@ def test_rope_options_reproduce_the_models_rotary_tables():
 
 
 def test_cache_geometry_of_tiny_and_released_models():
-    from dit.adapters.geometry import GIB, cache_geometry, paper_comparison, released
+    from sakura.dit.adapters.geometry import GIB, cache_geometry, paper_comparison, released
 
     for kind in ("flux2", "sd3.5"):
         a = tiny_adapter(kind)
@@ -168,7 +167,7 @@ def test_cache_geometry_of_tiny_and_released_models():
 
 
 def test_bench_command_registers_and_runs(tmp_path):
-    from dit.adapters.cli import register
+    from sakura.dit.adapters.cli import register
 
     parser = argparse.ArgumentParser(prog="sakura")
     commands = parser.add_subparsers(dest="command")
@@ -197,7 +196,7 @@ def _tiny_vae(family: str):
 def test_image_latents_through_the_checkpoints_vae(tmp_path, kind, family):
     """VAE encode -> the pipeline's normalization and packing -> tokens on the adapter's grid,
     and back; the token/latent steps are exact inverses."""
-    from dit.adapters.latents import family_of, load_image_latents
+    from sakura.dit.adapters.latents import family_of, load_image_latents
 
     a = tiny_adapter(kind)
     assert family_of(a) == family
@@ -235,7 +234,7 @@ class _HashEncoder:
                           for t in texts])
 
     def conditioning(self, text: str):
-        from dit.adapters.base import Conditioning
+        from sakura.dit.adapters.base import Conditioning
 
         g = self._gen(text)
         emb = torch.randn(1, self.tokens + len(text) % 3, self.dim, generator=g)
@@ -243,8 +242,9 @@ class _HashEncoder:
 
 
 def _engines(tmp_path):
-    from dit.adapters.engine import DefaultEngine, DiffusersEngine
-    from dit.adapters.latents import load_image_latents
+    from sakura.dit.adapters.engine import DefaultEngine, DiffusersEngine
+    from sakura.dit.adapters.latents import load_image_latents
+
     from tests.dit.common import tiny_model
 
     model = tiny_model()
@@ -259,9 +259,9 @@ def test_engine_build_pack_edit_round_trip_for_both_model_kinds(tmp_path):
     """The uniform caller interface: pixels + prompts -> template run -> importance -> pack
     (fp16 and sakura) -> decoded provider -> cached edit -> pixels, for the default model and a
     diffusers adapter through the same calls."""
-    from codec import get_codec
-    from codec.pack import open_pack, write_pack
-    from codec.provider import PackProvider
+    from sakura.codec import get_codec
+    from sakura.codec.pack import open_pack, write_pack
+    from sakura.codec.provider import PackProvider
 
     for i, (engine, size) in enumerate(_engines(tmp_path)):
         gen = torch.Generator().manual_seed(i)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
-
-from dit.bench_model import masked_self_edit
-from dit.editing import region_psnr
-from dit.text import TextEncoder
-from dit.weights import load_model
+from sakura.dit.bench_model import masked_self_edit
+from sakura.dit.editing import region_psnr
+from sakura.dit.text import TextEncoder
+from sakura.dit.weights import load_model
 
 
 def test_region_psnr_counts_only_the_region():

@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-
-from dit.editing import (
+from sakura.dit.editing import (
     Geometry,
     cached_edit,
     edit_noise,
@@ -19,6 +18,7 @@ from dit.editing import (
     template_run,
     token_mask,
 )
+
 from tests.dit.common import tiny_model, tiny_request, tiny_template
 
 
@@ -97,7 +97,7 @@ def test_strength_starts_from_the_noised_template():
     half = dataclasses.replace(tpl, strength=0.5)
     ts = edit_schedule(half)
     assert ts[0] == 0.5 and ts[-1] == 0.0 and len(ts) == tpl.steps + 1  # same step count
-    from dit.model import patchify
+    from sakura.dit.model import patchify
 
     x0 = patchify(tpl.image[None].float(), model.cfg.patch_size)
     want = 0.5 * x0 + 0.5 * edit_noise(model, tpl, 5)

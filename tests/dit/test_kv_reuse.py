@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from sakura.dit.editing import cached_edit, template_run
+from sakura.dit.model import TokenBatch, grid_positions
+from sakura.dit.prefix import PrefixKV, latent_velocity
+from sakura.dit.refcache import reference_tokens
 
-from dit.editing import cached_edit, template_run
-from dit.model import TokenBatch, grid_positions
-from dit.prefix import PrefixKV, latent_velocity
-from dit.refcache import reference_tokens
 from tests.dit.common import tiny_model, tiny_request, tiny_template
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from sakura.dit.editing import cached_edit, template_run
+from sakura.dit.offload import OffloadedCache
 
-from dit.editing import cached_edit, template_run
-from dit.offload import OffloadedCache
 from tests.dit.common import tiny_model, tiny_request, tiny_template
 
 

@@ -7,9 +7,8 @@ import itertools
 
 import pytest
 import torch
-
-from dit.editing import cached_edit, template_run
-from dit.regional import (
+from sakura.dit.editing import cached_edit, template_run
+from sakura.dit.regional import (
     FullResult,
     KVStore,
     PatchGate,
@@ -23,8 +22,14 @@ from dit.regional import (
     run_regional,
     salient_token_mask,
 )
-from dit.regional_mmdit import generation_backend, grid_coords, regional_edit, regional_generate
-from dit.sampler import generate, schedule
+from sakura.dit.regional_mmdit import (
+    generation_backend,
+    grid_coords,
+    regional_edit,
+    regional_generate,
+)
+from sakura.dit.sampler import generate, schedule
+
 from tests.dit.common import tiny_model, tiny_request, tiny_template
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from dit.templates import DEFAULT_CATALOG, CatalogError, load_catalog
+from sakura.dit.templates import DEFAULT_CATALOG, CatalogError, load_catalog
 
 
 def test_shipped_catalog_strengths_by_workload():

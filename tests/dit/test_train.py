@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from dit.data import EmojiDataset, EmojiItem, load_image
-from dit.model import MMDiTConfig
-from dit.train import TrainConfig, TrainConfigError, train
-from dit.weights import metadata
+from sakura.dit.data import EmojiDataset, EmojiItem, load_image
+from sakura.dit.model import MMDiTConfig
+from sakura.dit.train import TrainConfig, TrainConfigError, train
+from sakura.dit.weights import metadata
 
 CATALOG = Path(__file__).resolve().parents[2] / "dit" / "catalog"
 
@@ -96,7 +95,7 @@ def test_cli_reports_bad_settings_without_traceback(capsys):
 
 
 def test_variant_weights_share_one_emoji_between_its_skin_tones():
-    from dit.train import item_weights
+    from sakura.dit.train import item_weights
 
     siblings = {0: [1, 2, 3], 1: [0, 2, 3], 2: [0, 1, 3], 3: [0, 1, 2]}  # 4 tones; 4 is alone
     assert item_weights([0, 1, 2, 3, 4], siblings, 0.0) == [1.0] * 5

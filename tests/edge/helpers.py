@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 import uvicorn
+from sakura.cloud.publish import CatalogTransaction
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.codec.base import get_codec
+from sakura.codec.pack import write_pack
+from sakura.dit.editing import Template, profile_importance, template_run
+from sakura.dit.model import MMDiT
+from sakura.edge.runtime import EdgeRuntime
 
-from cloud.publish import CatalogTransaction
-from cloud.server import create_app
-from cloud.storage import LocalStorage
-from codec.base import get_codec
-from codec.pack import write_pack
-from dit.editing import Template, profile_importance, template_run
-from dit.model import MMDiT
-from edge.runtime import EdgeRuntime
 from tests.dit.common import tiny_model as _tiny_model
 from tests.dit.common import tiny_template  # noqa: F401 (re-exported for the edge tests)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from edge.allocator import (
+from sakura.edge.allocator import (
     AdaptiveAllocator,
     ConfigOption,
     PolicyContext,
@@ -16,8 +15,8 @@ from edge.allocator import (
     get_policy,
     options_from_manifest,
 )
-from edge.errors import EdgeError
-from edge.monitor import (
+from sakura.edge.errors import EdgeError
+from sakura.edge.monitor import (
     BandwidthMonitor,
     ExecutionProgress,
     check_startup_fraction,

@@ -8,18 +8,18 @@ import types
 
 import pytest
 import torch
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.dit.editing import EditRequest, Geometry, cached_edit
+from sakura.edge.backends import BackendError, BackendUnavailable, GeometryMismatch, create_backend
+from sakura.edge.backends.base import BackendConfig
+from sakura.edge.backends.bench import BackendBenchSpec, bench_backends, shard_inputs
+from sakura.edge.backends.errors import AIHubError
+from sakura.edge.backends.executor import ShardExecutor, edit_geometry, step_groups
+from sakura.edge.errors import EdgeError
+from sakura.edge.quality import psnr
+from sakura.edge.runtime import EdgeRuntime
 
-from cloud.server import create_app
-from cloud.storage import LocalStorage
-from dit.editing import EditRequest, Geometry, cached_edit
-from edge.backends import BackendError, BackendUnavailable, GeometryMismatch, create_backend
-from edge.backends.base import BackendConfig
-from edge.backends.bench import BackendBenchSpec, bench_backends, shard_inputs
-from edge.backends.errors import AIHubError
-from edge.backends.executor import ShardExecutor, edit_geometry, step_groups
-from edge.errors import EdgeError
-from edge.quality import psnr
-from edge.runtime import EdgeRuntime
 from tests.edge.helpers import TEMPLATE_ID, FakeEncoder, Server
 
 PROMPT = "a private prompt that must stay on the device"
@@ -194,7 +194,7 @@ class _FakeHub:
 
 
 def test_ai_hub_without_a_token_is_a_clear_error(monkeypatch, tmp_path):
-    from edge.backends.aihub import submit_shard_jobs
+    from sakura.edge.backends.aihub import submit_shard_jobs
 
     monkeypatch.delenv("QAI_HUB_API_TOKEN", raising=False)
     monkeypatch.setenv("QAIHUB_CLIENT_INI", str(tmp_path / "none.ini"))
@@ -205,7 +205,7 @@ def test_ai_hub_without_a_token_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_ai_hub_jobs_upload_only_the_shard_graph(world, setup, compiled, monkeypatch):
-    from edge.backends.aihub import submit_shard_jobs
+    from sakura.edge.backends.aihub import submit_shard_jobs
 
     req, geo = setup[0], setup[1]
     geometry = edit_geometry(world.model, world.template, geo, req)
@@ -256,9 +256,9 @@ def test_bench_backends_is_a_sakura_bench_command():
 @pytest.mark.slow
 def test_shipped_model_on_executorch_matches_torch(tmp_path):
     """The shipped weights on a catalog template (~1 min: two XNNPACK compiles)."""
-    from dit.templates import load_catalog
-    from dit.text import TextEncoder
-    from dit.weights import DEFAULT_WEIGHTS, load_model
+    from sakura.dit.templates import load_catalog
+    from sakura.dit.text import TextEncoder
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
 
     model = load_model(DEFAULT_WEIGHTS)
     spec = load_catalog()["face-technologist"]

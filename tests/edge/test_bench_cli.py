@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.edge.bench import BenchSpec, bench_edit
+from sakura.edge.errors import EdgeError
+from sakura.edge.netem import trace_from_args
 
-from cloud.server import create_app
-from cloud.storage import LocalStorage
-from edge.bench import BenchSpec, bench_edit
-from edge.errors import EdgeError
-from edge.netem import trace_from_args
 from sakura.cli import main
 from tests.edge.helpers import TEMPLATE_ID, Server
 
@@ -70,10 +70,10 @@ def test_trace_arguments(tmp_path):
 def text_world(tmp_path_factory, text_encoder):
     """A small model with the real text encoder's width, a 32-pixel catalog template built
     from a shipped one, and its packs: what `sakura edit` needs."""
-    from cloud.build import BuildConfig, build
-    from dit.model import MMDiT, MMDiTConfig
-    from dit.templates import DEFAULT_CATALOG
-    from dit.weights import save_model
+    from sakura.cloud.build import BuildConfig, build
+    from sakura.dit.model import MMDiT, MMDiTConfig
+    from sakura.dit.templates import DEFAULT_CATALOG
+    from sakura.dit.weights import save_model
 
     root = tmp_path_factory.mktemp("text-world")
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def test_sakura_edit_refuses_a_bad_startup_fraction(tmp_path, capsys, value):
 
 
 def test_run_edit_resolves_model_template_and_link(text_world):
-    from edge.runtime import run_edit
+    from sakura.edge.runtime import run_edit
 
     root, tid = text_world
     with Server(create_app(LocalStorage(root / "packs"))) as server:

@@ -8,11 +8,11 @@ import json
 import time
 
 import pytest
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.edge.client import PackClient, RetryPolicy
+from sakura.edge.errors import EdgeError, IntegrityError, ServerUnreachable
 
-from cloud.server import create_app
-from cloud.storage import LocalStorage
-from edge.client import PackClient, RetryPolicy
-from edge.errors import EdgeError, IntegrityError, ServerUnreachable
 from tests.edge.helpers import (
     TEMPLATE_ID,
     FaultyApp,

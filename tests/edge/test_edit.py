@@ -10,17 +10,17 @@ import time
 
 import pytest
 import torch
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.dit.editing import Geometry, cached_edit
+from sakura.edge.allocator import POLICIES
+from sakura.edge.client import RetryPolicy
+from sakura.edge.errors import EdgeError, ServerUnreachable
+from sakura.edge.netem import shaped
+from sakura.edge.runtime import EditOptions
+from sakura.traces import Trace
 
-from cloud.server import create_app
-from cloud.storage import LocalStorage
-from dit.editing import Geometry, cached_edit
-from edge.allocator import POLICIES
-from edge.client import RetryPolicy
-from edge.errors import EdgeError, ServerUnreachable
-from edge.netem import shaped
-from edge.runtime import EditOptions
 from tests.edge.helpers import TEMPLATE_ID, FaultyApp, RecordingApp, Server, free_port
-from traces import Trace
 
 PROMPT = "turn my secret portrait into a pirate captain"
 SEED = 987654321
@@ -244,7 +244,7 @@ def test_the_startup_allowance_widens_the_first_window_of_an_edit(world):
 
 
 def test_a_bad_startup_fraction_is_a_clear_error():
-    from edge.monitor import DEFAULT_STARTUP_FRACTION
+    from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION
 
     assert EditOptions().startup_fraction == DEFAULT_STARTUP_FRACTION
     assert EditOptions(startup_fraction=0).startup_fraction == 0
@@ -278,7 +278,8 @@ def test_a_pack_for_another_geometry_is_refused(world):
 
 
 def test_device_state_survives_a_restart_of_the_runtime(world, tmp_path):
-    from edge.runtime import EdgeRuntime
+    from sakura.edge.runtime import EdgeRuntime
+
     from tests.edge.helpers import FakeEncoder
 
     state = tmp_path / "state"

@@ -12,12 +12,12 @@ import json
 
 import pytest
 import torch
+from sakura.cloud.build import BuildConfig, build
+from sakura.dit.adapters.engine import checkpoint_fingerprint, load_engine
+from sakura.dit.adapters.tiny import save_tiny_pipeline
+from sakura.edge.bench import ServerProcess
+from sakura.edge.runtime import EdgeRuntime, run_edit
 
-from cloud.build import BuildConfig, build
-from dit.adapters.engine import checkpoint_fingerprint, load_engine
-from dit.adapters.tiny import save_tiny_pipeline
-from edge.bench import ServerProcess
-from edge.runtime import EdgeRuntime, run_edit
 from sakura.cli import main
 
 TEMPLATE = "edit-apple-leaf"
@@ -34,7 +34,7 @@ def checkpoints(tmp_path_factory):
 def catalog(tmp_path_factory):
     """The shipped catalog's apple template with 4 steps and 2 profiling prompts (tiny models
     carry 512 text tokens per branch; the shipped 20 steps would only make the test slow)."""
-    from dit.templates import DEFAULT_CATALOG
+    from sakura.dit.templates import DEFAULT_CATALOG
 
     doc = json.loads(DEFAULT_CATALOG.read_text())
     entry = dict(doc["templates"][TEMPLATE])

@@ -8,11 +8,10 @@ import time
 
 import pytest
 import torch
-
-from edge.client import Fetched
-from edge.errors import EdgeError, ServerUnreachable
-from edge.monitor import BandwidthMonitor, ExecutionProgress
-from edge.pipeline import NetLoop, Pipeline
+from sakura.edge.client import Fetched
+from sakura.edge.errors import EdgeError, ServerUnreachable
+from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress
+from sakura.edge.pipeline import NetLoop, Pipeline
 
 SHARDS = [(0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [2, 3])]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from sakura.edge.replay.config import ReplayConfigError, default_config, load_config
+from sakura.edge.replay.report import headline, write_report
+from sakura.edge.replay.results import ResultsFile
 
-from edge.replay.config import ReplayConfigError, default_config, load_config
-from edge.replay.report import headline, write_report
-from edge.replay.results import ResultsFile
 from sakura.cli import main
 
 # ---------------------------------------------------------------------------- config
@@ -63,7 +63,7 @@ def test_bad_configs_are_clear_errors(tmp_path, text, message):
 
 
 def test_startup_fraction_from_the_config_and_the_command_line(tmp_path, capsys):
-    from edge.monitor import DEFAULT_STARTUP_FRACTION
+    from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION
 
     assert default_config().startup_fraction == DEFAULT_STARTUP_FRACTION
     p = tmp_path / "c.yaml"
@@ -78,7 +78,7 @@ def test_startup_fraction_from_the_config_and_the_command_line(tmp_path, capsys)
 
 
 def test_a_resume_with_another_startup_fraction_is_refused(tmp_path):
-    from edge.replay.runner import META_FILE, _check_meta
+    from sakura.edge.replay.runner import META_FILE, _check_meta
 
     out = tmp_path / "o"
     _check_meta(out, load_config(), "sha")
@@ -229,9 +229,9 @@ def test_report_command_writes_report_figures_and_headline_json(handmade, tmp_pa
 def tiny_catalog(tmp_path_factory, text_encoder):
     """A small model with the real text encoder's width and one 32-pixel, 3-step catalog
     template made from a shipped one."""
-    from dit.model import MMDiT, MMDiTConfig
-    from dit.templates import DEFAULT_CATALOG
-    from dit.weights import save_model
+    from sakura.dit.model import MMDiT, MMDiTConfig
+    from sakura.dit.templates import DEFAULT_CATALOG
+    from sakura.dit.weights import save_model
 
     root = tmp_path_factory.mktemp("replay-world")
     torch.manual_seed(0)
@@ -249,7 +249,7 @@ def tiny_catalog(tmp_path_factory, text_encoder):
 
 
 def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
-    from edge.replay.runner import run_replay
+    from sakura.edge.replay.runner import run_replay
 
     root, tid = tiny_catalog
     cfg_path = tmp_path / "tiny.yaml"
@@ -293,7 +293,7 @@ def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
 
 
 def test_profile_regime_simulates_time_and_measures_quality(tiny_catalog, tmp_path):
-    from edge.replay.runner import run_replay
+    from sakura.edge.replay.runner import run_replay
 
     root, tid = tiny_catalog
     cfg_path = tmp_path / "p.yaml"
@@ -319,15 +319,15 @@ def test_profile_regime_simulates_time_and_measures_quality(tiny_catalog, tmp_pa
     assert by["sakura"]["latency_s"] >= masked and by["sakura"]["bytes"] < by["fp16"]["bytes"]
     assert by["sakura"]["psnr_exact"] is not None and by["sakura"]["ssim_full"] is not None
     assert "device profile" in json.dumps(
-        __import__("edge.replay.report", fromlist=["x"]).headlines(
+        __import__("sakura.edge.replay.report", fromlist=["x"]).headlines(
             rf.runs(), rf.templates(), {})["regime"])
 
 
 def test_kernel_link_replay_or_clear_fallback(tiny_catalog, tmp_path):
     """``link: kernel``: the timed edits go through a tbf-shaped veth between two network
     namespaces (root); without kernel shaping the replay says why and uses the paced link."""
-    from edge.replay.runner import run_replay
-    from traces.netns import kernel_shaping_unavailable_reason
+    from sakura.edge.replay.runner import run_replay
+    from sakura.traces.netns import kernel_shaping_unavailable_reason
 
     root, tid = tiny_catalog
     cfg_path = tmp_path / "k.yaml"
@@ -354,7 +354,7 @@ def test_kernel_link_replay_or_clear_fallback(tiny_catalog, tmp_path):
 @pytest.mark.slow
 def test_parallel_pack_builds(tiny_catalog, tmp_path):
     """``build_workers: 2``: the main and q packs built in two processes (untimed)."""
-    from edge.replay.runner import BuildJob, build_all
+    from sakura.edge.replay.runner import BuildJob, build_all
 
     root, tid = tiny_catalog
     jobs = [BuildJob(str(tmp_path / "main"), (tid,), str(root / "model.safetensors"),

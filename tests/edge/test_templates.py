@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sakura.dit.templates import template_assets
+from sakura.edge.errors import EdgeError
+from sakura.edge.runtime import EdgeRuntime
+from sakura.edge.templates import has_assets, template_from_entry
 
-from dit.templates import template_assets
-from edge.errors import EdgeError
-from edge.runtime import EdgeRuntime
-from edge.templates import has_assets, template_from_entry
 from tests.edge.helpers import FakeEncoder, tiny_model, tiny_template
 
 

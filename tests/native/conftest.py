@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sakura.codec.base import get_codec
+from sakura.codec.lowrank import rope_option
+from sakura.codec.pack import Manifest, PackReader, write_pack
+from sakura.dit.editing import template_run
 
-from codec.base import get_codec
-from codec.lowrank import rope_option
-from codec.pack import Manifest, PackReader, write_pack
-from dit.editing import template_run
 from tests.dit.common import tiny_model, tiny_template
 
 

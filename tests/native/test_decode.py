@@ -6,14 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from codec import native as codec_native
-from codec.base import get_codec
-from codec.errors import PackError
-from codec.lowrank import LowRankCodec
-from codec.quant import ProgressiveQuantizer, SegmentPlan, unpack_codes
-from codec.shards import ShardData, ShardLayout, ShardSpec, shard_data
-from codec.synthetic import synthetic_cache
+from sakura.codec import native as codec_native
+from sakura.codec.base import get_codec
+from sakura.codec.errors import PackError
+from sakura.codec.lowrank import LowRankCodec
+from sakura.codec.quant import ProgressiveQuantizer, SegmentPlan, unpack_codes
+from sakura.codec.shards import ShardData, ShardLayout, ShardSpec, shard_data
+from sakura.codec.synthetic import synthetic_cache
 
 
 def _both(codec: LowRankCodec, params, data, spec, native, threads: int = 1):

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from traces import default_trace_dir
+from sakura.traces import default_trace_dir
 
 
 @pytest.fixture(scope="session")

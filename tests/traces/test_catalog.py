@@ -6,9 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import traces.catalog as catalog
-from traces import (
+import sakura.traces.catalog as catalog
+from sakura.traces import (
     Trace,
     TraceError,
     default_trace_dir,

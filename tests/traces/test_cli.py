@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from sakura.traces import load_trace
+from sakura.traces.netns import kernel_shaping_unavailable_reason
 
 from sakura.cli import main
-from traces import load_trace
-from traces.netns import kernel_shaping_unavailable_reason
 
 
 def test_stats_table_and_json(trace_dir: Path, capsys) -> None:

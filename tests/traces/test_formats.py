@@ -6,9 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from traces import TraceFormatError, detect_format, find_trace_files, load_set, load_trace
-from traces.formats import load_gnettrack, load_mahimahi
+from sakura.traces import TraceFormatError, detect_format, find_trace_files, load_set, load_trace
+from sakura.traces.formats import load_gnettrack, load_mahimahi
 
 MB = 1e6
 

@@ -10,11 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from traces import Trace, load_trace
-from traces.bench import choose_piece
-from traces.link import PacedLink, PacedLinkThread
-from traces.measure import BlastServer, measure_paced, read_until, receive_for
+from sakura.traces import Trace, load_trace
+from sakura.traces.bench import choose_piece
+from sakura.traces.link import PacedLink, PacedLinkThread
+from sakura.traces.measure import BlastServer, measure_paced, read_until, receive_for
 
 MB = 1e6
 

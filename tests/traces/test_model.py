@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from sakura.traces import Trace, TraceError
 
 from sakura.errors import SakuraError
-from traces import Trace, TraceError
 
 MB = 1e6
 

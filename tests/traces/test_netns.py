@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from traces import NetnsUnavailableError, Trace, load_trace
-from traces.bench import choose_piece
-from traces.measure import measure_kernel
-from traces.netns import KernelShapedLink, kernel_shaping_unavailable_reason
+from sakura.traces import NetnsUnavailableError, Trace, load_trace
+from sakura.traces.bench import choose_piece
+from sakura.traces.measure import measure_kernel
+from sakura.traces.netns import KernelShapedLink, kernel_shaping_unavailable_reason
 
 MB = 1e6
 REASON = kernel_shaping_unavailable_reason()
