@@ -1,8 +1,11 @@
 """Putting an emulated link (a trace or a fixed rate) between the edge and a server.
 
-:func:`shaped` starts a :class:`traces.link.PacedLinkThread` (a TCP proxy on 127.0.0.1
-whose server -> client direction follows the trace) in front of ``server_url`` and yields
-the URL to use instead, plus the link (to restart the trace between runs).
+:func:`shaped` starts a :class:`traces.linkproc.PacedLinkProcess` (a TCP proxy on 127.0.0.1
+in a child process, whose server -> client direction follows the trace, with a propagation
+delay each way and optional loss) in front of ``server_url`` and yields the URL to use
+instead, plus the link (to restart the trace between runs, read its counters, delivery log
+and :meth:`~traces.linkproc.PacedLinkProcess.conditions`). The link never runs in the
+device's process; ``cpus`` pins it (see :func:`traces.linkproc.split_cpus`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from urllib.parse import urlsplit
 
 from sakura.edge.errors import EdgeError
 from sakura.traces import Trace, load_trace
-from sakura.traces.link import PacedLinkThread
+from sakura.traces.impair import DEFAULT_RTT_MS, Impairment
+from sakura.traces.linkproc import PacedLinkProcess
 
 
 def upstream_of(server_url: str) -> tuple[str, int]:
@@ -25,11 +29,17 @@ def upstream_of(server_url: str) -> tuple[str, int]:
 
 
 @contextlib.contextmanager
-def shaped(server_url: str, trace: Trace, start_s: float = 0.0
-           ) -> Iterator[tuple[str, PacedLinkThread]]:
-    """``with shaped(url, trace, start) as (link_url, link): ...``."""
+def shaped(server_url: str, trace: Trace, start_s: float = 0.0, *,
+           rtt_ms: float = DEFAULT_RTT_MS, loss: float = 0.0, cpus: set[int] | None = None,
+           ) -> Iterator[tuple[str, PacedLinkProcess]]:
+    """``with shaped(url, trace, start, rtt_ms=30, loss=0, cpus={1}) as (link_url, link):``.
+
+    ``rtt_ms``: propagation round trip (half each way); ``loss``: packet loss rate;
+    ``cpus``: CPUs the link process is pinned to (None: not pinned)."""
     host, port = upstream_of(server_url)
-    with PacedLinkThread(trace, upstream=(host, port), start_s=start_s) as link:
+    imp = Impairment(rtt_ms=float(rtt_ms), loss=float(loss))
+    with PacedLinkProcess(trace, upstream=(host, port), start_s=start_s, impairment=imp,
+                          cpus=cpus) as link:
         path = urlsplit(server_url).path.rstrip("/")
         yield f"http://127.0.0.1:{link.port}{path}", link
 

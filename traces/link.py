@@ -11,8 +11,15 @@ busy link whose event loop was held up by a loaded CPU catches up instead of los
 capacity). Chunks are ``quantum_s`` worth of the current rate (at least one 1500-byte MTU),
 so pacing is fine grained; outages (rate 0) deliver nothing until they end.
 
-``PacedLinkThread`` runs a ``PacedLink`` on its own event loop in a thread for synchronous
-code and tests. Both record per-link counters and a delivery log (wall time, cumulative
+An :class:`traces.impair.Impairment` adds a propagation delay per direction and packet
+loss behind the bottleneck (a :class:`traces.impair.DelayLine` per connection and
+direction); ``trace=None`` makes an unshaped relay that only adds the impairment (the delay
+stage in front of the kernel link's tbf). The delivery log records bytes as they leave the
+bottleneck; they reach the client the one-way delay later.
+
+``PacedLinkThread`` runs a ``PacedLink`` on its own event loop in a thread (tests and
+measurements); the product runs it in its own process
+(:class:`traces.linkproc.PacedLinkProcess`), away from the device's CPU and GIL. Both record per-link counters and a delivery log (wall time, cumulative
 bytes) to compare with ``expected_bytes`` (the exact trace integral).
 """
 
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sakura.traces.errors import LinkError
+from sakura.traces.impair import DelayLine, Impairment, LossModel
 from sakura.traces.model import Trace
 from sakura.traces.schedule import LinkEmulator, LinkSchedule
 
@@ -48,6 +56,8 @@ class LinkCounters:
     connections_active: int = 0
     upstream_failures: int = 0
     connection_errors: int = 0
+    lost_packets: int = 0
+    retransmitted_bytes: int = 0
     last_error: str = ""
 
 
@@ -191,13 +201,15 @@ class PacedLink(LinkEmulator):
     Use as ``async with PacedLink(trace, upstream=("127.0.0.1", port), start_s=12.0) as
     link:`` then connect clients to ``link.port``. Trace time ``start_s`` corresponds to
     ``origin`` (``time.monotonic()`` seconds; default: when the link starts).
+    ``impairment`` (default none) adds delay and loss; ``trace=None``: no bottleneck.
     """
 
     def __init__(
         self,
-        trace: Trace,
+        trace: Trace | None,
         upstream: tuple[str, int],
         *,
+        impairment: Impairment | None = None,
         start_s: float = 0.0,
         origin: float | None = None,
         host: str = "127.0.0.1",
@@ -220,7 +232,12 @@ class PacedLink(LinkEmulator):
         self.max_chunk = int(max(MTU_BYTES, max_chunk))
         self.connect_timeout_s = float(connect_timeout_s)
         self.upstream_rcvbuf = int(upstream_rcvbuf)
-        self.schedule = LinkSchedule(trace, start_s, origin)
+        self.impairment = impairment or Impairment.none()
+        self._loss = LossModel(self.impairment.loss, self.impairment.seed)
+        self.shaped = trace is not None
+        # an unshaped relay keeps a schedule only for the common interface
+        self.schedule = LinkSchedule(trace if trace is not None else Trace.constant(1e12, 1.0),
+                                     start_s, origin)
         self._pacer = _Pacer(self.schedule, burst_s, catchup_s)
         self.counters = LinkCounters()
         self.delivery = DeliveryLog()
@@ -279,6 +296,8 @@ class PacedLink(LinkEmulator):
 
     # ------------------------------------------------------------------ forwarding
     def _chunk_size(self) -> int:
+        if not self.shaped:
+            return self.max_chunk
         rate = self.schedule.rate_at()
         return int(min(self.max_chunk, max(MTU_BYTES, rate * self.quantum_s / 8.0)))
 
@@ -289,6 +308,7 @@ class PacedLink(LinkEmulator):
         self.counters.connections_total += 1
         self.counters.connections_active += 1
         uwriter: asyncio.StreamWriter | None = None
+        accepted = time.monotonic()
         try:
             _nodelay(cwriter)
             try:
@@ -301,7 +321,7 @@ class PacedLink(LinkEmulator):
                 log.warning("paced link: %s", self.counters.last_error)
                 return
             _nodelay(uwriter)
-            up = asyncio.create_task(self._pump_up(creader, uwriter))
+            up = asyncio.create_task(self._pump_up(creader, uwriter, accepted))
             down = asyncio.create_task(self._pump_down(ureader, cwriter))
             try:
                 done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
@@ -345,42 +365,85 @@ class PacedLink(LinkEmulator):
             raise
         return await asyncio.open_connection(sock=sock)
 
-    async def _pump_up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Client -> upstream, unshaped. True when the client half-closed cleanly."""
+    async def _pump_up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       accepted: float = 0.0) -> bool:
+        """Client -> upstream, unshaped but delayed. True when the client half-closed
+        cleanly."""
+        imp = self.impairment
+        line = DelayLine(writer).start() if imp.active else None
+        # the TCP handshake a real link would cost before the first request bytes
+        ready = accepted + imp.rtt_s
         try:
             while True:
                 data = await reader.read(self.max_chunk)
                 if not data:
+                    if line is not None:
+                        await line.flush()
                     if writer.can_write_eof():
                         with contextlib.suppress(OSError):
                             writer.write_eof()
                     return True
-                writer.write(data)
                 self.counters.bytes_up += len(data)
-                await writer.drain()
+                if line is None:
+                    writer.write(data)
+                    await writer.drain()
+                    continue
+                due = max(time.monotonic(), ready) + imp.up_s
+                lost = self._loss.lost_packets(len(data))
+                if lost:
+                    self.counters.lost_packets += lost
+                    self.counters.retransmitted_bytes += lost * MTU_BYTES
+                    due += imp.rtt_s
+                await line.put(due, data)
         except (ConnectionError, OSError):
             return False
+        finally:
+            if line is not None:
+                await line.close()
 
     async def _pump_down(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Upstream -> client through the shared bottleneck."""
+        """Upstream -> client through the shared bottleneck, then the delay stage."""
+        imp = self.impairment
+        line = DelayLine(writer, max_bytes=256 * 1024).start() if imp.active else None
         try:
             while True:
                 data = await reader.read(self.max_chunk)
                 if not data:
+                    if line is not None:
+                        await line.flush()
                     return
                 view = memoryview(data)
                 while view:
                     if writer.is_closing():
                         return
                     n = min(len(view), self._chunk_size())
-                    granted = await self._pacer.acquire(n)
+                    granted = (await self._pacer.acquire(n) if self.shaped
+                               else time.monotonic())
                     self.counters.bytes_down += n
                     self.delivery.record(granted, self.counters.bytes_down)
-                    writer.write(view[:n])
+                    if line is None:
+                        writer.write(view[:n])
+                        view = view[n:]
+                        await writer.drain()
+                        continue
+                    due = granted + imp.down_s
+                    lost = self._loss.lost_packets(n)
+                    if lost:
+                        # the retransmission takes capacity again; the chunk (and what
+                        # follows it in order) arrives a round trip later
+                        extra = lost * MTU_BYTES
+                        if self.shaped:
+                            await self._pacer.acquire(extra)
+                        self.counters.lost_packets += lost
+                        self.counters.retransmitted_bytes += extra
+                        due = time.monotonic() + imp.down_s + imp.rtt_s
+                    await line.put(due, view[:n])
                     view = view[n:]
-                    await writer.drain()
         except (ConnectionError, OSError):
             return
+        finally:
+            if line is not None:
+                await line.close()
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:

@@ -20,9 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from sakura.traces.errors import LinkError
+from sakura.traces.impair import Impairment
 from sakura.traces.link import PacedLinkThread
+from sakura.traces.linkproc import PacedLinkProcess
 from sakura.traces.model import Trace
 from sakura.traces.netns import KernelShapedLink
 
@@ -298,13 +301,20 @@ def measure_paced(
     n_windows: int = 2,
     settle_s: float = 0.3,
     connections: int = 1,
+    impairment: Impairment | None = None,
+    process: bool = False,
 ) -> Measurement:
-    """Blast through a :class:`traces.link.PacedLinkThread` and compare windows.
-
-    With ``connections > 1`` several sinks share the link; their bytes are summed.
+    """Blast through a paced link and compare windows: a
+    :class:`traces.link.PacedLinkThread`, or with ``process`` the product's
+    :class:`traces.linkproc.PacedLinkProcess`. With ``connections > 1`` several sinks share
+    the link; their bytes are summed. With an ``impairment``, bytes arrive the one-way delay
+    after they leave the bottleneck: windows are compared with the capacity that long before.
     """
     seconds = settle_s + window_s * n_windows + 0.1
-    with BlastServer() as source, PacedLinkThread(trace, source.address, start_s=start_s) as link:
+    imp = impairment or Impairment.none()
+    make: Any = PacedLinkProcess if process else PacedLinkThread
+    with BlastServer() as source, make(trace, source.address, start_s=start_s,
+                                       impairment=imp) as link:
         socks = [socket.create_connection(link.address, timeout=5) for _ in range(connections)]
         deadline = time.monotonic() + 10
         while link.counters.connections_active < connections:
@@ -325,7 +335,12 @@ def measure_paced(
             t.start()
         for t in threads:
             t.join(seconds + 10)
-        windows = _sum_windows(logs, link.expected_bytes, origin, settle_s, window_s, n_windows)
+        d = imp.down_s
+
+        def expected(a: float, b: float) -> float:
+            return link.expected_bytes(a - d, b - d)
+
+        windows = _sum_windows(logs, expected, origin, settle_s, window_s, n_windows)
     return Measurement("paced", trace.name, float(start_s), windows)
 
 

@@ -21,6 +21,13 @@ An outage (rate 0) sets tbf to 8 bit/s with a one-frame burst: packets stay queu
 is dropped) and nothing is delivered; the switch is made early by the tc latency and the
 time of the one frame the refill lets out, so that frame belongs to the previous slice.
 
+Delay and loss: this kernel has no ``netem`` (nor classifiers to drop packets), so
+:meth:`KernelShapedLink.delay_stage` starts a relay process inside the server namespace
+(a :class:`traces.linkproc.PacedLinkProcess` without a bottleneck) that gives the server's
+bytes their one-way delay (and loss as retransmission cost) before they enter tbf, and the
+client's bytes theirs before they reach the server. TCP over the veth itself keeps a
+sub-millisecond round trip: the relay delays data, it does not lengthen TCP's ACK clock.
+
 Needs root, ``ip`` (iproute2) and ``tc`` with ``tbf`` (``netem`` is not required).
 """
 
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sakura.traces.errors import LinkError, NetnsUnavailableError
+from sakura.traces.impair import Impairment
 from sakura.traces.model import Trace
 from sakura.traces.schedule import LinkEmulator, LinkSchedule, Segment
 
@@ -176,12 +184,16 @@ class KernelShapedLink(LinkEmulator):
         overhead: float = PACKET_BYTES / 1448,
         min_burst_bytes: int = 2 * PACKET_BYTES,
         min_slice_s: float = 0.25,
+        impairment: Impairment | None = None,
     ) -> None:
         if not (0 < burst_s <= 0.1 and queue_s > 0):
             raise LinkError("burst_s must be in (0, 0.1] and queue_s > 0 seconds")
         self.schedule = LinkSchedule(trace, start_s, origin)
         self._start_s = float(start_s)
         self._origin = origin
+        #: what :meth:`delay_stage` adds (default: a 30 ms round trip, no loss)
+        self.impairment = impairment if impairment is not None else Impairment()
+        self._relays: list[Any] = []
         self.burst_s = float(burst_s)
         self.queue_s = float(queue_s)
         self.min_queue_bytes = int(min_queue_bytes)
@@ -248,6 +260,22 @@ class KernelShapedLink(LinkEmulator):
         proc = subprocess.Popen(["ip", "netns", "exec", self._ns(ns), *cmd], **kwargs)
         self._procs.append(proc)
         return proc
+
+    def delay_stage(self, upstream_port: int, listen_port: int,
+                    cpus: set[int] | None = None) -> Any:
+        """Start the delay/loss relay in the server namespace: it listens on
+        ``server_addr:listen_port`` and forwards to ``127.0.0.1:upstream_port`` there (run
+        the server on that port). Returns the :class:`traces.linkproc.PacedLinkProcess`;
+        it stops with the link."""
+        from sakura.traces.linkproc import PacedLinkProcess
+
+        if self._thread is None:
+            raise LinkError("start the kernel link before its delay stage")
+        relay = PacedLinkProcess(None, ("127.0.0.1", int(upstream_port)),
+                                 impairment=self.impairment, cpus=cpus, netns=self.server_ns,
+                                 host=self.server_addr, port=int(listen_port)).start()
+        self._relays.append(relay)
+        return relay
 
     # ------------------------------------------------------------------ tbf
     def _tbf_params(self, rate_bps: float, run_s: float) -> tuple[int, int, int]:
@@ -428,6 +456,10 @@ class KernelShapedLink(LinkEmulator):
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(5.0)
+        for relay in self._relays:
+            with contextlib.suppress(LinkError):
+                relay.stop()
+        self._relays.clear()
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -456,6 +488,16 @@ class KernelShapedLink(LinkEmulator):
     def _changed(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+    def conditions(self) -> dict[str, Any]:
+        """What a record states about this link (the delay counts only with a delay stage)."""
+        staged = bool(self._relays)
+        return {"emulator": "kernel", "process": "kernel tbf + relay process" if staged
+                else "kernel tbf", "pids": [r.pid for r in self._relays],
+                "cpus": sorted(set().union(*(r.cpus for r in self._relays))) if staged else [],
+                "rtt_ms": self.impairment.rtt_ms if staged else 0.0,
+                "loss": self.impairment.loss if staged else 0.0,
+                "impairment": self.impairment.to_dict() if staged else None}
 
     @property
     def error(self) -> str:

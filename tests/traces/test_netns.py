@@ -115,3 +115,50 @@ def test_real_outage_delivers_nothing_then_resumes(trace_dir: Path) -> None:
     assert [w.t0_s for w in outage] == pytest.approx([1.5, 3.5, 5.5, 7.5])
     assert all(w.outage and w.measured_bytes == 0 for w in outage), m.to_dict()
     assert after.t0_s == pytest.approx(9.5) and after.rel_error < 0.05, m.to_dict()
+
+
+_ECHO = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(4)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while d := c.recv(100):
+        c.sendall(d)
+    c.close()
+"""
+
+_PING = r"""
+import socket, sys, time
+t0 = time.monotonic()
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+out = []
+for i in range(4):
+    a = t0 if i == 0 else time.monotonic()
+    c.sendall(b"x"); assert c.recv(10) == b"x"
+    out.append(time.monotonic() - a)
+print(" ".join(repr(x) for x in out))
+"""
+
+
+@needs_kernel
+def test_kernel_link_delay_stage_adds_the_round_trip() -> None:
+    from sakura.traces.impair import Impairment
+
+    rtt = 0.15
+    with KernelShapedLink(Trace.constant(20 * MB),
+                          impairment=Impairment(rtt_ms=rtt * 1000)) as link:
+        echo = link.popen_in("server", [sys.executable, "-c", _ECHO, "8001"],
+                             stdout=subprocess.PIPE, text=True)
+        assert "ready" in echo.stdout.readline()
+        relay = link.delay_stage(8001, 8000)
+        assert relay.pid and link.conditions()["rtt_ms"] == rtt * 1000
+        res = link.run_in("client", [sys.executable, "-c", _PING, link.server_addr, "8000"])
+        assert res.returncode == 0, res.stderr
+        times = [float(x) for x in res.stdout.split()]
+    assert rtt * 2 <= times[0] < rtt * 2 + 3.0  # connect: the relay's handshake round trip
+    assert all(rtt <= t < rtt + 3.0 for t in times[1:]), times
+    assert not relay.alive  # the relay stops with the link
