@@ -2,6 +2,8 @@
 
 - ``sakura traces stats PATH... [--json] [--window S] [--label L]``: statistics table.
 - ``sakura traces list``: the trace folder and its named sets.
+- ``sakura traces mahimahi (PATH | --mixed SEED) --out FILE [--scale F] [--start S]
+  [--duration S]``: a scaled or mixed trace as a Mahimahi ``mm-link`` file.
 - ``sakura bench link [PATH...] [--json] [--quick] [--out FILE]``: emulator accuracy.
 """
 
@@ -48,6 +50,18 @@ def register(commands: Any, bench: Any) -> None:
     lst = sub.add_parser("list", help="where the traces are and the named sets")
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(func=_cmd_list)
+
+    mm = sub.add_parser("mahimahi", help="write a (scaled or mixed) trace as a Mahimahi "
+                                         "mm-link packet-opportunity file")
+    mm.add_argument("path", nargs="?", metavar="PATH", help="a trace file")
+    mm.add_argument("--mixed", type=int, metavar="SEED",
+                    help="instead of PATH: the replay's mixed 4G+5G trace with this seed "
+                         "(6 alternating 20-s Lumos 4G / 5G pieces)")
+    mm.add_argument("--scale", type=float, default=1.0, help="multiply every rate (default 1)")
+    mm.add_argument("--start", type=float, default=0.0, help="start in the trace, s")
+    mm.add_argument("--duration", type=float, help="seconds to export (default: the trace)")
+    mm.add_argument("--out", type=Path, required=True, metavar="FILE", help="output file")
+    mm.set_defaults(func=_cmd_mahimahi)
 
     link = bench.add_parser("link", help="accuracy of the paced and kernel link emulators")
     link.add_argument(
@@ -111,6 +125,30 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print(f"trace folder: {root if root else '(none: set SAKURA_TRACES)'}")
     for name, n in sets.items():
         print(f"  {name:14s} {n:4d} files  {TRACE_SETS[name]}")
+    return 0
+
+
+def _cmd_mahimahi(args: argparse.Namespace) -> int:
+    from sakura.traces.catalog import mixed_trace, trace_set
+    from sakura.traces.formats import write_mahimahi
+
+    if (args.path is None) == (args.mixed is None):
+        raise TraceError("give a trace file or --mixed SEED (one of them)")
+    if args.mixed is not None:
+        lte = [load_trace(p) for p in trace_set("lte")]
+        nr = [load_trace(p) for p in trace_set("5g")]
+        trace = mixed_trace(lte, nr, seed=args.mixed, name=f"mixed-{args.mixed}")
+    else:
+        trace = load_trace(args.path)
+    if args.scale != 1.0:
+        trace = trace.scaled(args.scale)
+    out = write_mahimahi(args.out, trace, args.start, args.duration)
+    n = sum(1 for _ in out.open())
+    dur = trace.duration_s if args.duration is None else args.duration
+    print(f"wrote {out}: {n} packet opportunities over {dur:g} s "
+          f"({n * 1500 * 8 / dur / 1e6:.2f} Mbit/s mean) from {trace.name} at {args.start:g} s; "
+          f"as mm-link's downlink, with the default 30 ms RTT: mm-delay 15 mm-link UPLINK "
+          f"{out.name}")
     return 0
 
 

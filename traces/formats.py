@@ -342,6 +342,47 @@ def load_mahimahi(
     )
 
 
+def to_mahimahi(trace: Trace, start_s: float = 0.0, duration_s: float | None = None) -> str:
+    """The trace (from ``start_s`` for ``duration_s``, default its whole period) as a
+    Mahimahi ``mm-link`` packet-opportunity file: one line per 1500-byte delivery
+    opportunity, the integer ms at which it occurs (several lines may share a ms).
+
+    Opportunity ``k`` is at the first ms by which the trace has delivered ``k x 1500`` bytes
+    (floor of the cumulative integral, so fractions of a packet carry over and the total is
+    exact to within one packet). ``mm-link`` loops at the last timestamp, so the last line
+    is always the period (``duration_s`` in ms): when no opportunity falls in the last ms,
+    one is added there (at most one extra packet per period). Rates are goodput, as the
+    traces' tools measured them; ``mm-link`` counts 1500-byte packets, so a file written
+    here and read back by :func:`load_mahimahi` holds the same bytes per period.
+    """
+    dur = trace.duration_s if duration_s is None else float(duration_s)
+    period_ms = int(round(dur * 1e3))
+    if period_ms < 1:
+        raise TraceFormatError(f"a Mahimahi trace needs at least 1 ms, got {dur} s")
+    piece = trace.slice(start_s, period_ms / 1e3)  # loops like every trace query
+    edges = np.asarray(piece.edges_s, dtype=np.float64)
+    cum = np.concatenate([[0.0], np.cumsum(np.asarray(piece.rates_bps) * np.diff(edges))])
+    # the cumulative integral is linear inside each slice: interpolation is exact
+    bits = np.interp(np.arange(period_ms + 1) / 1e3, edges, cum)
+    packets = np.floor(bits / (MAHIMAHI_PACKET_BYTES * 8.0) + 1e-9).astype(np.int64)
+    per_ms = np.diff(packets)
+    if per_ms[-1] == 0:
+        per_ms[-1] = 1
+    stamps = np.repeat(np.arange(1, period_ms + 1), per_ms)
+    return "\n".join(str(int(t)) for t in stamps) + "\n"
+
+
+def write_mahimahi(path: str | os.PathLike[str], trace: Trace, start_s: float = 0.0,
+                   duration_s: float | None = None) -> Path:
+    """Write :func:`to_mahimahi` to ``path`` (atomically); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(to_mahimahi(trace, start_s, duration_s))
+    os.replace(tmp, out)
+    return out
+
+
 def load_trace(
     path: str | os.PathLike[str],
     fmt: str | None = None,

@@ -67,3 +67,16 @@ def test_bench_link_both_emulators(trace_dir: Path, tmp_path: Path, capsys) -> N
     assert "kernel link: max window error" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["paced_rel_error"] < 0.05 and report["kernel_rel_error"] < 0.05
+
+
+def test_mahimahi_export_command(trace_dir: Path, tmp_path: Path, capsys) -> None:
+    src = trace_dir / "lumos5g/5g/5g_trace_100_walking.txt"
+    out = tmp_path / "mm" / "walk.down"
+    assert main(["traces", "mahimahi", str(src), "--scale", "0.05", "--start", "3",
+                 "--duration", "20", "--out", str(out)]) == 0
+    assert "mm-link" in capsys.readouterr().out
+    back = load_trace(out)
+    want = load_trace(src).scaled(0.05).bits_between(3, 23) / 8
+    assert abs(back.bits_between(0, 20) / 8 - want) <= 1500
+    assert main(["traces", "mahimahi", "--out", str(out)]) == 1  # neither PATH nor --mixed
+    assert capsys.readouterr().err.startswith("sakura: error: ")

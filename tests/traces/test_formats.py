@@ -6,7 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sakura.traces import TraceFormatError, detect_format, find_trace_files, load_set, load_trace
+from sakura.traces import (
+    Trace,
+    TraceFormatError,
+    detect_format,
+    find_trace_files,
+    load_set,
+    load_trace,
+)
 from sakura.traces.formats import load_gnettrack, load_mahimahi
 
 MB = 1e6
@@ -153,3 +160,32 @@ def test_outages_are_data_not_errors(tmp_path: Path) -> None:
     mm.write_text("0\n1000\n")  # one packet at 0 ms, a 1-s period: 0.1-s bins 1..9 empty
     tr = load_mahimahi(mm)
     assert tr.rates_bps[0] == pytest.approx(2 * 1500 * 8 / 0.1) and tr.rates_bps[1:].sum() == 0
+
+
+def test_mahimahi_export_round_trip_of_a_scaled_and_a_mixed_trace(trace_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    from sakura.traces import load_set, mixed_trace
+    from sakura.traces.formats import to_mahimahi, write_mahimahi
+
+    nr = load_trace(trace_dir / "lumos5g/5g/5g_trace_100_walking.txt").scaled(0.05)
+    mixed = mixed_trace(load_set("lte"), load_set("5g"), seed=3).scaled(0.1)
+    for trace, start, dur in ((nr, 12.5, 40.0), (mixed, 0.0, None)):
+        path = write_mahimahi(tmp_path / "t.down", trace, start, dur)
+        back = load_trace(path)
+        assert back.fmt == "mahimahi"
+        period = trace.duration_s if dur is None else dur
+        assert back.duration_s == pytest.approx(period)  # mm-link loops at the period
+        want = trace.bits_between(start, start + period) / 8
+        # floor of the integral (and at most one packet added at the period's end)
+        assert abs(back.bits_between(0, period) / 8 - want) <= 1500
+        # dynamics kept in 1-s windows: opportunities sit on whole ms (up to 1 ms late; the
+        # last ms's wrap to time 0, as mm-link loops), so a window may differ by 2 ms of rate
+        slack = float(np.max(trace.rates_bps)) * 0.002 / 8 + 2 * 1500
+        for a in range(0, int(period) - 5, 5):
+            got = back.bits_between(a, a + 1.0) / 8
+            assert abs(got - trace.bits_between(start + a, start + a + 1) / 8) <= slack
+    # an outage: no opportunity inside it; the period's last ms always has one
+    gap = Trace.from_edges([0.0, 1.0, 2.0], [12e6, 0.0])
+    stamps = [int(x) for x in to_mahimahi(gap).split()]
+    assert stamps[-1] == 2000 and not any(1000 < t < 2000 for t in stamps)
+    assert len(stamps) == 1000 + 1  # 12 Mbit/s x 1 s = 1000 packets, + the period marker
