@@ -152,6 +152,7 @@ class ExecutionBackend(ABC):
     compiles: ClassVar[bool] = True  # False: nothing is written to the artifact cache
     explicit_rms: ClassVar[bool] = False  # see edge.backends.shard._explicit_rms_norm
     sigmoid_gelu: ClassVar[bool] = False  # see edge.backends.shard._sigmoid_gelu
+    delegable: ClassVar[bool] = False  # see edge.backends.shard (XNNPACK-lowerable ops)
 
     def __init__(self, config: BackendConfig | None = None) -> None:
         self.config = config or BackendConfig()
@@ -190,7 +191,7 @@ class ExecutionBackend(ABC):
 
         self.check_available()
         module = ShardModule(model, tuple(blocks), geometry, self.explicit_rms,
-                             self.sigmoid_gelu).eval()
+                             self.sigmoid_gelu, delegable=self.delegable).eval()
         if not self.compiles:
             return self._load(Path(), module)
         key = self.key(model, weights or weights_sha256(model), tuple(blocks), geometry)

@@ -7,6 +7,11 @@ evidence that nothing recompiles: ``recompiles`` must be 0), shard latency (medi
 a mid-edit step), max abs error of the shard outputs against the torch backend, and a whole
 masked edit with the FP16 template cache through the backend: max abs pixel error and PSNR
 against the torch backend's edit (which equals ``dit.editing.cached_edit``).
+
+Delegation (``edge.backends.delegation``): ``xnnpack_delegated_ops_fraction`` = compute ops
+inside XNNPACK subgraphs / all compute ops of the ExecuTorch shard graphs (ExecuTorch's
+delegation info, target 1.0); ``qnn_cpu_fallback_nodes`` = ONNX nodes ONNX Runtime gives to
+another provider than the QNN EP when fallback is allowed (target 0).
 """
 
 from __future__ import annotations
@@ -129,6 +134,8 @@ def bench_backends(model: MMDiT, template: Template, req: EditRequest,
             image = ex.edit(template, geo, cache, req, groups)
             edit_s = time.perf_counter() - t0
             compile_s = first.stats.compile_s
+            delegation = _delegation(first, model, weights, groups, geometry)
+            doc.update(delegation.pop("top", {}))
             doc["backends"][name] = {
                 "version": first.version(),
                 "shards": per_shard,
@@ -142,11 +149,29 @@ def bench_backends(model: MMDiT, template: Template, req: EditRequest,
                 "edit_s": edit_s,
                 "edit_max_abs_err": float((image - reference_edit).abs().max()),
                 "edit_psnr_db": _finite(psnr(image, reference_edit)),
+                **delegation,
             }
             log(f"  step {doc['backends'][name]['step_latency_s'] * 1e3:.1f} ms, shard err "
                 f"{doc['backends'][name]['max_abs_err']:.2e}, edit PSNR "
                 f"{doc['backends'][name]['edit_psnr_db']}")
     return doc
+
+
+def _delegation(backend: Any, model: MMDiT, weights: str, groups: list[tuple[int, ...]],
+                geometry: ShardGeometry) -> dict[str, Any]:
+    """Delegation of the compiled shard graphs (``top``: the document-level keys)."""
+    folders = [backend.cache.lookup(backend.key(model, weights, g, geometry)) for g in groups]
+    if backend.name == "executorch":
+        infos = [backend.delegation(f) for f in folders]
+        inside = sum(i.delegated_ops for i in infos)
+        outside = sum(i.outside_ops for i in infos)
+        return {"delegation": [i.to_dict() for i in infos],
+                "top": {"xnnpack_delegated_ops_fraction": inside / max(inside + outside, 1)}}
+    if backend.name == "qnn":
+        got = [backend.assignment(backend.onnx_path(f)) for f in folders]
+        return {"assignment": [a.to_dict() for a in got],
+                "top": {"qnn_cpu_fallback_nodes": sum(a.cpu_fallback_nodes for a in got)}}
+    return {}
 
 
 def _finite(x: float) -> float | str:

@@ -1,8 +1,11 @@
 """The ExecuTorch backend: ``torch.export`` -> XNNPACK-lowered ``.pte`` -> ``executorch.runtime``.
 
-Each shard graph is exported with static shapes, lowered with
-``to_edge_transform_and_lower(..., partitioner=[XnnpackPartitioner()])`` (every op of the
-shard is delegated to XNNPACK; fp32) and serialized to ``shard.pte``. The same file runs on
+Each shard graph is exported with static shapes (the ``delegable`` form of
+``edge.backends.shard``: only operators XNNPACK lowers), lowered with
+``to_edge_transform_and_lower(..., partitioner=[XnnpackPartitioner()])`` (fp32) and
+serialized to ``shard.pte``. The compile writes ExecuTorch's delegation info next to it
+(``delegation.json``, ``edge.backends.delegation``): every compute op of the shard is
+inside one XNNPACK subgraph, which the tests and ``sakura bench backends`` check. The same file runs on
 an Android phone with the ExecuTorch runtime and its XNNPACK delegate (arm64 CPU); for the
 Hexagon NPU the same exported program is lowered with ExecuTorch's QNN partitioner instead
 (needs the QAIRT SDK, not available here; see ``edge/backends/README.md``).
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import torch
 from sakura.edge.backends.base import CompiledShard, ExecutionBackend
+from sakura.edge.backends.delegation import XnnpackDelegation, xnnpack_delegation
 from sakura.edge.backends.errors import BackendError, BackendUnavailable
 from sakura.edge.backends.shard import ShardModule
 
@@ -38,6 +42,7 @@ class ExecuTorchBackend(ExecutionBackend):
 
     name = "executorch"
     sigmoid_gelu = True
+    delegable = True
 
     def check_available(self) -> None:
         try:
@@ -53,7 +58,7 @@ class ExecuTorchBackend(ExecutionBackend):
     def version(self) -> str:
         from importlib.metadata import version
 
-        return (f"executorch-{version('executorch')}-xnnpack-fp32-sigmoid-gelu-"
+        return (f"executorch-{version('executorch')}-xnnpack-fp32-sigmoid-gelu-delegable-"
                 f"torch-{torch.__version__}")
 
     def _compile(self, module: ShardModule, example: tuple[torch.Tensor, ...],
@@ -67,9 +72,14 @@ class ExecuTorchBackend(ExecutionBackend):
             # the exporter's own deprecation notices (pytree LeafSpec), not ours to act on
             warnings.simplefilter("ignore", FutureWarning)
             exported = torch.export.export(module, example, strict=False)
-            program = to_edge_transform_and_lower(
-                exported, partitioner=[XnnpackPartitioner()]).to_executorch()
+            lowered = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+            xnnpack_delegation(lowered.exported_program().graph_module).write(folder)
+            program = lowered.to_executorch()
         (folder / PTE_NAME).write_bytes(program.buffer)
+
+    def delegation(self, folder: Path) -> XnnpackDelegation:
+        """The delegation info recorded when ``folder``'s shard was compiled."""
+        return XnnpackDelegation.read(folder)
 
     def _load(self, folder: Path, module: ShardModule) -> CompiledShard:
         from executorch.runtime import Runtime

@@ -8,6 +8,8 @@ Hexagon NPU. Session options ``ep.context_enable=1`` and ``ep.context_file_path`
 compile write ``shard_ctx.onnx`` (an EPContext wrapper) plus ``shard_ctx_qnn.bin`` (the
 context binary); later loads open the wrapper and deserialize the binary, with no
 recompile. CPU fallback is disabled: a shard runs wholly on HTP or fails.
+:meth:`QnnBackend.assignment` measures it anyway: a session that allows fallback records
+which nodes ONNX Runtime gave to which provider (``edge.backends.delegation``).
 
 fp16: ``enable_htp_fp16_precision=1`` runs the float graph in fp16 on the HTP and needs the
 target ``soc_model``. The default, 69, is the Snapdragon 8 Elite (SM8750, Hexagon v79):
@@ -25,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from sakura.edge.backends.base import BackendConfig, CompiledShard, ExecutionBackend
+from sakura.edge.backends.delegation import QnnAssignment, qnn_assignment
 from sakura.edge.backends.errors import BackendError, BackendUnavailable
 from sakura.edge.backends.shard import OUTPUT_NAMES, ShardModule, input_names
 
@@ -126,11 +129,14 @@ class QnnBackend(ExecutionBackend):
             opts["enable_htp_fp16_precision"] = "1"
         return opts
 
-    def _session(self, model_path: Path, ctx_path: Path | None):
+    def _session(self, model_path: Path, ctx_path: Path | None, fallback: bool = False):
         ort, oq = _qnn_module()
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        if fallback:  # only to measure what would fall back (assignment)
+            so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        else:
+            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
         if ctx_path is not None:
             so.add_session_config_entry("ep.context_enable", "1")
             so.add_session_config_entry("ep.context_file_path", str(ctx_path))
@@ -163,3 +169,8 @@ class QnnBackend(ExecutionBackend):
 
     def onnx_path(self, folder: Path) -> Path:
         return folder / "onnx" / ONNX_NAME
+
+    def assignment(self, onnx_path: Path) -> QnnAssignment:
+        """Which provider takes each node of ``onnx_path`` when CPU fallback is allowed
+        (one more HTP compile; nothing is written)."""
+        return qnn_assignment(self._session(Path(onnx_path), None, fallback=True))

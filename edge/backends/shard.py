@@ -20,6 +20,23 @@ the text-KV approximation are not part of a shard graph (they need the torch pat
 
 One graph serves every step: the step enters only through ``vec_*`` and the cache, so a
 graph is compiled once per (template geometry, block group).
+
+``delegable=True`` writes the same function with only the operators XNNPACK's partitioner
+lowers (ExecuTorch 1.4.1, ``executorch/backends/xnnpack/partition/config``), so that the
+whole shard runs inside the delegate (tested with ExecuTorch's delegation info). What the
+plain graph uses and the partitioner leaves on the portable CPU kernels, and its
+replacement:
+
+* ``layer_norm`` / ``rms_norm`` and their ``mean`` over the last dim of a 3-D tensor: the
+  mean as ``mean.dim`` over the last two dims of a 4-D view (the only mean XNNPACK takes);
+* ops with a Python scalar (``+ eps``, ``0.044715 * x``): the scalar as a constant tensor;
+* ``chunk`` / ``split`` (``split_with_sizes``): slices;
+* ``x[..., 0::2]`` of RoPE (stride-2 slices): products with constant 0/+-1 matrices, which
+  are exact (one non-zero term per output) and give the same floats as the plain RoPE;
+* ``scaled_dot_product_attention`` (decomposed with ``where`` / ``any`` / ``eq`` of its
+  "safe" softmax) and the ``expand`` of the cache over the batch: the attention written
+  with ``bmm`` and ``softmax``, the cache's scores computed with the heads as the bmm batch
+  and the queries of every batch row stacked, so the cache is never expanded.
 """
 
 from __future__ import annotations
@@ -95,13 +112,36 @@ def _explicit_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + norm.eps) * norm.weight
 
 
+def _mean_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.mean(-1, keepdim=True)`` as XNNPACK's mean (4-D input, dims 2 and 3, keepdim)."""
+    *lead, c = x.shape
+    rows = math.prod(lead)
+    return x.reshape(1, rows, 1, c).mean((2, 3), keepdim=True).reshape(*lead, 1)
+
+
+def _rope_matrices(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``E [hd/2, hd]`` repeats each angle for its pair; ``R [hd, hd]`` maps a pair
+    ``(x1, x2)`` to ``(-x2, x1)``. Both have one non-zero (+-1) per column: exact."""
+    half = head_dim // 2
+    e = torch.zeros(half, head_dim)
+    r = torch.zeros(head_dim, head_dim)
+    for i in range(half):
+        e[i, 2 * i] = e[i, 2 * i + 1] = 1.0
+        r[2 * i + 1, 2 * i] = -1.0
+        r[2 * i, 2 * i + 1] = 1.0
+    return e, r
+
+
 class ShardModule(nn.Module):
     """Blocks ``blocks`` of ``model`` as a function of tensors only (see module docstring)."""
 
     def __init__(self, model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry,
-                 explicit_rms: bool = False, sigmoid_gelu: bool = False):
+                 explicit_rms: bool = False, sigmoid_gelu: bool = False,
+                 delegable: bool = False):
         super().__init__()
         self.sigmoid_gelu = sigmoid_gelu
+        # True: XNNPACK-lowerable operators only (module docstring); same function
+        self.delegable = delegable
         # False: the model's own RMSNorm (bit-exact with dit); True: see _explicit_rms_norm
         self.explicit_rms = explicit_rms
         cfg = model.cfg
@@ -126,14 +166,94 @@ class ShardModule(nn.Module):
         self.has_mask = mask is not None
         if mask is not None:
             self.register_buffer("mask", mask, persistent=False)
+        if delegable:
+            self._delegable_constants(cfg, mask)
+
+    def _delegable_constants(self, cfg, mask: torch.Tensor | None) -> None:
+        """Constant tensors of the delegable graph (scalars, RoPE matrices, mask bias)."""
+        e, r = _rope_matrices(cfg.head_dim)
+        consts = {"rope_e": e.t().contiguous(), "rope_r": r.t().contiguous(),
+                  "one": torch.ones(1), "ln_eps": torch.full((1,), 1e-5),
+                  "attn_scale": torch.full((1,), cfg.head_dim ** -0.5),
+                  "gelu_c": torch.full((1,), 0.044715),
+                  "gelu_k": torch.full((1,), 2.0 * math.sqrt(2.0 / math.pi))}
+        eps = {m.eps for layer in self.layers for m in layer.modules() if hasattr(m, "eps")
+               and isinstance(getattr(m, "weight", None), nn.Parameter)}
+        if len(eps) > 1:
+            raise ValueError(f"the delegable graph assumes one RMSNorm eps, got {eps}")
+        consts["rms_eps"] = torch.full((1,), eps.pop() if eps else 1e-6)
+        if mask is not None:
+            consts["mask_bias"] = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        for name, value in consts.items():
+            self.register_buffer(name, value, persistent=False)
 
     def _gelu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delegable:  # tanh-GELU as x * sigmoid(2y), constants as tensors
+            y = x + self.gelu_c * x * x * x
+            return x * torch.sigmoid(self.gelu_k * y)
         return _sigmoid_gelu(x) if self.sigmoid_gelu else F.gelu(x, approximate="tanh")
 
     def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.delegable:
+            return x * torch.rsqrt(_mean_last(x * x) + self.rms_eps) * norm.weight
         return _explicit_rms_norm(norm, x) if self.explicit_rms else norm(x)
 
+    def _layer_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delegable:
+            xc = x - _mean_last(x)
+            return xc * torch.rsqrt(_mean_last(xc * xc) + self.ln_eps)
+        return _layer_norm(x)
+
+    def _modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+                  ) -> torch.Tensor:
+        if self.delegable:
+            return x * (scale + self.one) + shift
+        return modulate(x, shift, scale)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not self.delegable:
+            return _rope(x, cos, sin)
+        # x * cos + rot(x) * sin with rot(x1, x2) = (-x2, x1): the plain RoPE's floats
+        shape = x.shape
+        rot = F.linear(x.reshape(-1, shape[-1]), self.rope_r).reshape(shape)
+        return x * F.linear(cos, self.rope_e) + rot * F.linear(sin, self.rope_e)
+
+    @staticmethod
+    def _chunks(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """``x.split(sizes, -1)`` as plain slices (XNNPACK has no split)."""
+        out, start = [], 0
+        for n in sizes:
+            out.append(x[..., start:start + n])
+            start += n
+        return out
+
+    def _split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        return self._chunks(x, sizes) if self.delegable else list(x.split(sizes, dim=-1))
+
+    def _attend_delegable(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        """Attention over ``[fresh] + [cache]`` with bmm/softmax only (no expand)."""
+        b, h, n, d = q.shape
+        u = k_cache.shape[0]
+        q = q * self.attn_scale
+        kc = k_cache.reshape(u, h, d).permute(1, 0, 2)        # [H, U, d]
+        vc = v_cache.reshape(u, h, d).permute(1, 0, 2)
+        qf = q.reshape(b * h, n, d)
+        qh = q.permute(1, 0, 2, 3).reshape(h, b * n, d)       # every batch row's queries
+        s_fresh = torch.bmm(qf, k.reshape(b * h, n, d).transpose(1, 2))
+        s_cache = torch.bmm(qh, kc.transpose(1, 2))           # [H, B*N, U]
+        s_cache = s_cache.reshape(h, b, n, u).permute(1, 0, 2, 3).reshape(b * h, n, u)
+        s = torch.cat([s_fresh, s_cache], dim=-1)
+        if self.has_mask:
+            s = s + self.mask_bias
+        p = torch.softmax(s, dim=-1)
+        out = torch.bmm(p[..., :n], v.reshape(b * h, n, d))
+        pc = p[..., n:].reshape(b, h, n, u).permute(1, 0, 2, 3).reshape(h, b * n, u)
+        oc = torch.bmm(pc, vc).reshape(h, b, n, d).permute(1, 0, 2, 3)
+        return merge_heads(out.reshape(b, h, n, d) + oc)
+
     def _attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        if self.delegable:
+            return self._attend_delegable(q, k, v, k_cache, v_cache)
         b = q.shape[0]
         kc = split_heads(k_cache[None], self.heads).expand(b, -1, -1, -1)
         vc = split_heads(v_cache[None], self.heads).expand(b, -1, -1, -1)
@@ -147,13 +267,14 @@ class ShardModule(nn.Module):
         qs, ks, vs = [], [], []
         for name, x in (("txt", txt), ("img", img)):
             mod = mods[name]
-            h = modulate(_layer_norm(x), mod[0], mod[1])
-            q, k, v = getattr(blk, f"{name}_qkv")(h).chunk(3, dim=-1)
+            h = self._modulate(self._layer_norm(x), mod[0], mod[1])
+            d = h.shape[-1]
+            q, k, v = self._split(getattr(blk, f"{name}_qkv")(h), [d, d, d])
             sl = slice(0, t) if name == "txt" else slice(t, None)
-            q = _rope(self._norm(getattr(blk, f"{name}_qnorm"), split_heads(q, self.heads)),
-                      cos[sl], sin[sl])
-            k = _rope(self._norm(getattr(blk, f"{name}_knorm"), split_heads(k, self.heads)),
-                      cos[sl], sin[sl])
+            q = self._rope(self._norm(getattr(blk, f"{name}_qnorm"),
+                                      split_heads(q, self.heads)), cos[sl], sin[sl])
+            k = self._rope(self._norm(getattr(blk, f"{name}_knorm"),
+                                      split_heads(k, self.heads)), cos[sl], sin[sl])
             qs.append(q)
             ks.append(k)
             vs.append(split_heads(v, self.heads))
@@ -163,20 +284,20 @@ class ShardModule(nn.Module):
         for name, x, attn in (("txt", txt, out[:, :t]), ("img", img, out[:, t:])):
             mod = mods[name]
             x = x + mod[2] * getattr(blk, f"{name}_proj")(attn)
-            h = modulate(_layer_norm(x), mod[3], mod[4])
+            h = self._modulate(self._layer_norm(x), mod[3], mod[4])
             mlp = getattr(blk, f"{name}_mlp")
             new.append(x + mod[5] * mlp[2](self._gelu(mlp[0](h))))
         return new[0], new[1]
 
     def _single(self, blk, txt, img, mods, cos, sin, k_cache, v_cache):
         t = txt.shape[1]
-        h = torch.cat([modulate(_layer_norm(txt), mods["txt"][0], mods["txt"][1]),
-                       modulate(_layer_norm(img), mods["img"][0], mods["img"][1])], dim=1)
+        h = torch.cat([
+            self._modulate(self._layer_norm(txt), mods["txt"][0], mods["txt"][1]),
+            self._modulate(self._layer_norm(img), mods["img"][0], mods["img"][1])], dim=1)
         d = h.shape[-1]
-        qkv, mlp_in = blk.linear1(h).split([3 * d, blk.mlp_hidden], dim=-1)
-        q, k, v = qkv.chunk(3, dim=-1)
-        q = _rope(self._norm(blk.qnorm, split_heads(q, self.heads)), cos, sin)
-        k = _rope(self._norm(blk.knorm, split_heads(k, self.heads)), cos, sin)
+        q, k, v, mlp_in = self._split(blk.linear1(h), [d, d, d, blk.mlp_hidden])
+        q = self._rope(self._norm(blk.qnorm, split_heads(q, self.heads)), cos, sin)
+        k = self._rope(self._norm(blk.knorm, split_heads(k, self.heads)), cos, sin)
         attn = self._attend(q, k, split_heads(v, self.heads), k_cache, v_cache)
         out = blk.linear2(torch.cat([attn, self._gelu(mlp_in)], dim=-1))
         return txt + mods["txt"][2] * out[:, :t], img + mods["img"][2] * out[:, t:]
@@ -189,13 +310,15 @@ class ShardModule(nn.Module):
             k_cache, v_cache = kv[2 * i], kv[2 * i + 1]
             if b < self.num_double:
                 if dmods is None:
-                    dmods = {"txt": self.double_mod_txt(vec_txt).chunk(6, dim=-1),
-                             "img": self.double_mod_img(vec_img).chunk(6, dim=-1)}
+                    d = vec_txt.shape[-1]
+                    dmods = {"txt": self._split(self.double_mod_txt(vec_txt), [d] * 6),
+                             "img": self._split(self.double_mod_img(vec_img), [d] * 6)}
                 txt, img = self._double(blk, txt, img, dmods, cos, sin, k_cache, v_cache)
             else:
                 if smods is None:
-                    smods = {"txt": self.single_mod(vec_txt).chunk(3, dim=-1),
-                             "img": self.single_mod(vec_img).chunk(3, dim=-1)}
+                    d = vec_txt.shape[-1]
+                    smods = {"txt": self._split(self.single_mod(vec_txt), [d] * 3),
+                             "img": self._split(self.single_mod(vec_img), [d] * 3)}
                 txt, img = self._single(blk, txt, img, smods, cos, sin, k_cache, v_cache)
         return txt, img
 

@@ -110,6 +110,86 @@ def test_a_streamed_edit_runs_on_the_backend(world, setup, compiled, name):
     assert torch.equal(got.image[:, keep], want.image[:, keep])
 
 
+def test_delegable_shard_graph_is_the_same_function(world, setup):
+    """The XNNPACK-lowerable form of the graph (bmm attention, 4-D means, RoPE as exact
+    matrix products, constants as tensors) computes what the plain graph computes."""
+    from sakura.edge.backends.shard import ShardModule
+
+    req, geo, _cache, inputs = setup
+    geometry = edit_geometry(world.model, world.template, geo, req)
+    for blocks, xs in inputs:
+        plain = ShardModule(world.model, blocks, geometry).eval()
+        delegable = ShardModule(world.model, blocks, geometry, sigmoid_gelu=True,
+                                delegable=True).eval()
+        with torch.no_grad():
+            want, got = plain(*xs), delegable(*xs)
+        err = max(float((g - w).abs().max()) for g, w in zip(got, want))
+        assert err < 1e-5, (blocks, err)  # measured 4.8e-7 (float32 summation order)
+
+
+@pytest.mark.parametrize("name", ["executorch", "qnn"])
+def test_every_compute_op_of_a_shard_runs_in_the_delegate(world, setup, compiled, name):
+    """Structural, not numeric: a partly delegated shard computes the same outputs."""
+    import onnx
+    from sakura.edge.backends.delegation import pte_kernel_calls
+
+    req, geo, _cache, inputs = setup
+    geometry = edit_geometry(world.model, world.template, geo, req)
+    backend = create_backend(name, BackendConfig(cache_dir=compiled))
+    weights = ShardExecutor(world.model, backend).weights
+    for blocks, _xs in inputs:
+        backend.prepare(world.model, blocks, geometry, weights)
+        folder = backend.cache.lookup(backend.key(world.model, weights, blocks, geometry))
+        assert folder is not None
+        if name == "executorch":
+            info = backend.delegation(folder)  # ExecuTorch's get_delegation_info, at compile
+            assert info.outside == {} and info.fraction == 1.0, info.outside
+            assert info.subgraphs == 1 and info.delegated_ops > 100  # measured 464 / 266
+            calls = pte_kernel_calls((folder / "shard.pte").read_bytes())
+            assert calls.delegates == ("XnnpackBackend",) and calls.kernels == {}
+        else:
+            got = backend.assignment(backend.onnx_path(folder))
+            assert got.cpu_fallback_nodes == 0 and got.cpu_ops == {}
+            assert got.nodes["QNNExecutionProvider"] > 100  # measured 338 / 190
+            ctx = onnx.load(str(folder / "shard_ctx.onnx"), load_external_data=False)
+            assert [n.op_type for n in ctx.graph.node] == ["EPContext"]
+
+
+def test_the_delegation_checks_see_ops_left_on_the_cpu(tmp_path):
+    """The checks above can fail: ops XNNPACK / the QNN HTP do not take are counted."""
+    import warnings
+
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from sakura.edge.backends.delegation import pte_kernel_calls, xnnpack_delegation
+
+    class StridedSlice(torch.nn.Module):  # x[..., ::2] is not lowered (stride 2)
+        def forward(self, x):
+            return torch.sigmoid(x)[..., ::2] * 2.0
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        lowered = to_edge_transform_and_lower(
+            torch.export.export(StridedSlice(), (torch.randn(2, 8),), strict=False),
+            partitioner=[XnnpackPartitioner()])
+    info = xnnpack_delegation(lowered.exported_program().graph_module)
+    assert info.outside_ops >= 1 and info.fraction < 1.0
+    assert any("slice" in op for op in info.outside), info.outside
+    assert pte_kernel_calls(lowered.to_executorch().buffer).kernels
+
+    class Det(torch.nn.Module):  # the HTP has no determinant
+        def forward(self, x):
+            return torch.linalg.det(x) + 1.0
+
+    path = tmp_path / "det.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Det(), (torch.randn(3, 4, 4),), str(path), dynamo=True,
+                          opset_version=18)
+    got = create_backend("qnn", BackendConfig(cache_dir=tmp_path)).assignment(path)
+    assert got.cpu_fallback_nodes == 1 and got.cpu_ops == {"Det": 1}
+
+
 def test_bad_input_gives_clear_errors(world, setup, monkeypatch):
     req, geo, cache, inputs = setup
     with pytest.raises(BackendError, match="unknown backend 'tpu'"):
@@ -243,6 +323,8 @@ def test_bench_backends_reports_errors_and_cache_reuse(world, setup):
     assert q["compiles"] == 2 and q["recompiles"] == 0 and q["cache_hits"] == 2
     assert len(q["compile_s"]) == 2 and len(q["cached_load_s"]) == 2
     assert doc["geometry"]["batch"] == 2 and doc["groups"] == [[0, 1], [2, 3]]
+    assert doc["qnn_cpu_fallback_nodes"] == 0
+    assert [x["cpu_fallback_nodes"] for x in q["assignment"]] == [0, 0]
 
 
 def test_bench_backends_is_a_sakura_bench_command():
@@ -270,3 +352,4 @@ def test_shipped_model_on_executorch_matches_torch(tmp_path):
     assert r["max_abs_err"] < 1e-3          # measured 1.9e-5 on outputs up to 29
     assert r["edit_psnr_db"] >= 100.0       # measured 141.6 dB
     assert r["recompiles"] == 0 and r["cache_hits"] == 2
+    assert doc["xnnpack_delegated_ops_fraction"] == 1.0
