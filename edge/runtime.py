@@ -219,6 +219,10 @@ class EditOptions:
     # execution may start this fraction of the predicted execution time after the manifest
     # is in, so the first shards fit better configurations (0: start as soon as possible)
     startup_fraction: float = DEFAULT_STARTUP_FRACTION
+    # a deadline for the whole edit (s from its start; None: none): execution may then start
+    # as late as deadline - predicted execution, which replaces the startup allowance (how
+    # the replay gives sakura a latency target for its iso-latency/iso-quality views)
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         self.check()
@@ -230,6 +234,9 @@ class EditOptions:
             check_startup_fraction(self.startup_fraction)
         except ValueError as exc:
             raise EdgeError(str(exc)) from None
+        if self.deadline_s is not None and not (math.isfinite(self.deadline_s)
+                                                and self.deadline_s > 0):
+            raise EdgeError(f"deadline_s must be a time > 0 s, got {self.deadline_s!r}")
         return self
 
 
@@ -438,6 +445,9 @@ class EdgeRuntime:
             # it is spent at the rate estimate, so only on a current one (see the module doc)
             current = opts.initial_rate_bps is not None or not got.cached
             allowance = startup_allowance_s(exec_s, opts.startup_fraction) if current else 0.0
+            if opts.deadline_s is not None:
+                allowance = max(0.0, opts.deadline_s - (time.monotonic() - origin)
+                                - sum(exec_s))
             progress = ExecutionProgress.with_allowance(exec_s, origin, allowance,
                                                         now=time.monotonic())
             pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,

@@ -3,7 +3,9 @@
 The plot has one row per shard (execution order top to bottom) with three bars: receive
 (request sent to last byte), reconstruct (decode) and execute (the DiT blocks of the
 shard); a stall (execution waiting for the shard) is drawn in red just before its execute
-bar. The x axis is seconds since the edit started.
+bar. The x axis is seconds since the edit started. The legend sits under the axes, so it
+never covers the last shards; ``note`` (e.g. "MODELLED: device profile") is printed in
+the figure, top left.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def _default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def plot_timeline(timeline: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+def plot_timeline(timeline: list[dict[str, Any]], path: str | Path, title: str = "",
+                  note: str = "") -> Path:
     """Draw the three stages of every shard; returns the written PNG path."""
     import matplotlib
 
@@ -43,7 +46,7 @@ def plot_timeline(timeline: list[dict[str, Any]], path: str | Path, title: str =
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n = max(1, len(timeline))
-    fig, ax = plt.subplots(figsize=(10, max(2.5, 0.18 * n + 1.5)))
+    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.18 * n + 2.0)))
     for row in timeline:
         y = row["shard"]
         for start, end, _label, color, dy in STAGES:
@@ -57,14 +60,18 @@ def plot_timeline(timeline: list[dict[str, Any]], path: str | Path, title: str =
                     color="#C44E52", alpha=0.6)
     handles = [Patch(color=c, label=label) for _, _, label, c, _ in STAGES]
     handles.append(Patch(color="#C44E52", alpha=0.6, label="stall"))
-    ax.legend(handles=handles, loc="lower right", fontsize=8)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4,
+              fontsize=8, frameon=False)
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlabel("seconds since the edit started")
     ax.set_ylabel("shard (execution order)")
     if title:
         ax.set_title(title, fontsize=10)
+    if note:
+        fig.text(0.01, 0.99, note, ha="left", va="top", fontsize=8, color="#C44E52",
+                 weight="bold")
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97) if note else (0, 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -19,6 +19,9 @@ from sakura.errors import SakuraError
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
 REGIMES = ("matched", "profile")
+#: ``--quick``: start points per cell on the headline (5G) networks, and elsewhere
+QUICK_STARTS = 10
+QUICK_OTHER_STARTS = 3
 LINKS = ("paced", "kernel")
 
 
@@ -32,6 +35,7 @@ class Ablation:
     q: tuple[float, ...] = (0.25, 1.0)
     resolutions: tuple[int, ...] = (32,)
     resolution_templates: tuple[str, ...] = ("face-technologist",)
+    starts: int = 0  # start points of the ablation runs (0: the network's)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class ReplayConfig:
     networks: tuple[str, ...]
     policies: tuple[str, ...]
     starts: int = 100
+    network_starts: dict[str, int] = field(default_factory=dict)  # per-network override
     seed: int = 0
     span_s: float = 60.0
     prompt: int = 0
@@ -60,8 +65,14 @@ class ReplayConfig:
     regime_x: float = 10.0
     regime_network: str = "5g"
     link: str = "paced"
+    rtt_ms: float = 30.0
+    loss: float = 0.0
+    pin_cpus: bool = True
     startup_fraction: float = DEFAULT_STARTUP_FRACTION
     headline_networks: tuple[str, ...] = ("5g",)
+    # sakura with a deadline of m x T (T: the measured masked execution time) on the
+    # headline networks: its latency-quality curve, for the iso-quality/iso-latency views
+    deadlines: tuple[float, ...] = (2.0, 3.0, 4.0)
     ablation: Ablation = field(default_factory=Ablation)
     packs_dir: str | None = None
     weights: str | None = None
@@ -79,19 +90,30 @@ class ReplayConfig:
         """The main templates, workload by workload."""
         return [t for ts in self.workloads.values() for t in ts]
 
-    def quick_version(self) -> ReplayConfig:
-        """``--quick``: one template per workload, the first two networks, 3 start points,
-        one q value, the resolution ablation on one template."""
+    def starts_of(self, network: str) -> int:
+        """Start points per (template, network) cell of the main runs on ``network``."""
+        return int(self.network_starts.get(network, self.starts))
+
+    def quick_version(self, starts: int | None = None) -> ReplayConfig:
+        """``--quick``: one template per workload, the first two networks; ``starts``
+        (default :data:`QUICK_STARTS`) start points on the headline networks, at most
+        :data:`QUICK_OTHER_STARTS` on the others and in the ablations (q, resolution)."""
+        n = int(starts) if starts is not None else QUICK_STARTS
+        nets = self.networks[:2]
+        other = {net: min(n, QUICK_OTHER_STARTS) for net in nets
+                 if net not in self.headline_networks}
         return replace(
             self, quick=True,
             workloads={w: ts[:1] for w, ts in self.workloads.items()},
-            networks=self.networks[:2], starts=min(self.starts, 3),
+            networks=nets, starts=n, network_starts=other,
             ablation=replace(self.ablation, networks=self.ablation.networks[:1],
-                             resolution_templates=self.ablation.resolution_templates[:1]))
+                             resolution_templates=self.ablation.resolution_templates[:1],
+                             starts=min(n, QUICK_OTHER_STARTS)))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["workloads"] = {w: list(ts) for w, ts in self.workloads.items()}
+        d["network_starts"] = dict(self.network_starts)
         return d
 
     # ------------------------------------------------------------------ checks
@@ -133,10 +155,24 @@ class ReplayConfig:
             raise bad("policies is empty")
         if self.starts < 1:
             raise bad(f"starts must be >= 1, got {self.starts}")
+        for n, k in self.network_starts.items():
+            if n not in NETWORKS:
+                raise bad(f"network_starts: unknown network {n!r}")
+            if int(k) < 1:
+                raise bad(f"network_starts.{n} must be >= 1, got {k}")
+        for m in self.deadlines:
+            if not 1.0 <= m <= 100.0:
+                raise bad(f"deadlines are multiples of T in [1, 100], got {m}")
+        if self.ablation.starts < 0:
+            raise bad(f"ablation.starts must be >= 0, got {self.ablation.starts}")
         if self.regime not in REGIMES:
             raise bad(f"regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
         if self.link not in LINKS:
             raise bad(f"link must be one of {', '.join(LINKS)}, got {self.link!r}")
+        if not (0 <= self.rtt_ms <= 10_000):
+            raise bad(f"rtt_ms must be in [0, 10000] ms, got {self.rtt_ms}")
+        if not (0 <= self.loss < 0.5):
+            raise bad(f"loss must be a rate in [0, 0.5), got {self.loss}")
         if not self.regime_x > 0 or not self.span_s > 0:
             raise bad("regime_x and span_s must be > 0")
         if not 0 <= self.prompt < 3:
@@ -197,6 +233,8 @@ def _scalar(value: Any, kind: type, key: str, source: str) -> Any:
         return None
     if kind is str and not isinstance(value, str) or isinstance(value, (list, dict)):
         raise ReplayConfigError(f"{source}: {key} must be a {kind.__name__}, got {value!r}")
+    if kind is bool and not isinstance(value, bool):
+        raise ReplayConfigError(f"{source}: {key} must be true or false, got {value!r}")
     if isinstance(value, bool) and kind is not bool:
         raise ReplayConfigError(f"{source}: {key} must be a {kind.__name__}, got {value!r}")
     try:
@@ -212,7 +250,7 @@ def _scalar(value: Any, kind: type, key: str, source: str) -> Any:
 _SCALARS: dict[str, type] = {
     "starts": int, "seed": int, "span_s": float, "prompt": int, "edit_seed": int,
     "regime": str, "regime_x": float, "regime_network": str, "link": str,
-    "startup_fraction": float,
+    "rtt_ms": float, "loss": float, "pin_cpus": bool, "startup_fraction": float,
     "packs_dir": str, "weights": str, "catalog": str, "trace_dir": str, "build_workers": int,
     "timelines": str,
 }
@@ -255,6 +293,15 @@ def _from_dict(doc: dict[str, Any], source: str, base: ReplayConfig | None) -> R
     for key in ("networks", "policies", "headline_networks"):
         if key in doc:
             kw[key] = _tuple(doc[key], str, key, source)
+    if "deadlines" in doc:
+        kw["deadlines"] = _tuple(doc["deadlines"], float, "deadlines", source)
+    if "network_starts" in doc:
+        ns = doc["network_starts"]
+        if not isinstance(ns, dict):
+            raise ReplayConfigError(f"{source}: network_starts must map a network to a "
+                                    f"number of start points, got {ns!r}")
+        kw["network_starts"] = {str(k): _scalar(v, int, f"network_starts.{k}", source)
+                                for k, v in ns.items()}
     for key, kind in _SCALARS.items():
         if key in doc:
             kw[key] = _scalar(doc[key], kind, key, source)
@@ -294,8 +341,12 @@ def load_config(path: str | Path | None = None, *, quick: bool = False,
             raise ReplayConfigError(f"replay config {p} is a folder, not a YAML file")
         cfg = _from_dict(_read_yaml(p), str(p), cfg)
     extra = {k: v for k, v in overrides.items() if v is not None}
+    if quick:
+        # --quick sizes the run; an explicit --starts still decides its start points
+        starts = extra.pop("starts", None)
+        if extra:
+            cfg = _from_dict(extra, cfg.source, cfg)
+        return cfg.quick_version(starts).validate()
     if extra:
         cfg = _from_dict(extra, cfg.source, cfg)
-    if quick:
-        cfg = cfg.quick_version()
     return cfg.validate()

@@ -93,15 +93,18 @@ def scaled_tables(tables: list[ShardOptions], k: float) -> list[ShardOptions]:
 def simulate(policy: str, tables: list[ShardOptions], exec_s: list[float], trace: Trace,
              start_s: float, prior_bps: float, profile: DeviceProfile, k: float,
              safety: float = 0.8, max_ahead: int = 4,
-             startup_fraction: float = DEFAULT_STARTUP_FRACTION) -> SimResult:
-    """One streamed edit on the simulated clock (t = 0: the edit starts)."""
+             startup_fraction: float = DEFAULT_STARTUP_FRACTION,
+             deadline_s: float | None = None) -> SimResult:
+    """One streamed edit on the simulated clock (t = 0: the edit starts). ``deadline_s``
+    replaces the startup allowance by ``deadline - execution`` (as the runtime does)."""
     big = scaled_tables(tables, k)
     real = {(t.shard, o.id): o.nbytes for t in tables for o in t.options}
     allocator = get_policy(policy).build(PolicyContext(
         tables=big, exec_s=exec_s, latency_s=0.0, budget_rate_bps=prior_bps, safety=safety))
     monitor = BandwidthMonitor(5, prior_bps)
-    progress = ExecutionProgress.with_allowance(
-        exec_s, 0.0, startup_allowance_s(exec_s, startup_fraction), now=0.0)
+    allowance = (startup_allowance_s(exec_s, startup_fraction) if deadline_s is None
+                 else max(0.0, deadline_s - sum(exec_s)))
+    progress = ExecutionProgress.with_allowance(exec_s, 0.0, allowance, now=0.0)
     n = len(exec_s)
     recv_end: list[float] = []
     ex_start: list[float] = []

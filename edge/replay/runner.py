@@ -74,17 +74,35 @@ def q_variant(q: float) -> str:
     return f"q{q:g}"
 
 
+def deadline_policy(multiple: float) -> str:
+    """The name of sakura's operating point with a deadline of ``multiple`` x T."""
+    return f"sakura-d{multiple:g}"
+
+
+def deadline_multiple(policy: str) -> float | None:
+    """``m`` of ``sakura-d<m>`` (None for any other policy)."""
+    if not policy.startswith("sakura-d"):
+        return None
+    try:
+        return float(policy[len("sakura-d"):])
+    except ValueError:
+        return None
+
+
 def plan(cfg: ReplayConfig, root: str | None = None) -> list[PlannedRun]:
     """Every run of the replay in execution order (template, network, start, policy)."""
     mode = cfg.regime
-    starts = {n: start_points(n, cfg.starts, cfg.seed, cfg.span_s, root)
-              for n in dict.fromkeys(list(cfg.networks) + list(cfg.ablation.networks))}
+    nets = list(dict.fromkeys(list(cfg.networks) + list(cfg.ablation.networks)))
+    # the ablations use the first start points of the network's (same seed, same order)
+    starts = {n: start_points(n, max(cfg.starts_of(n), cfg.ablation.starts), cfg.seed,
+                              cfg.span_s, root) for n in nets}
     out: list[PlannedRun] = []
 
-    def add(tid: str, base: str, networks: tuple[str, ...], policies: list[tuple[str, str, str]]
-            ) -> None:
+    def add(tid: str, base: str, networks: tuple[str, ...], policies: list[tuple[str, str, str]],
+            ablation: bool = False) -> None:
         for net in networks:
-            for sp in starts[net]:
+            k = (cfg.ablation.starts or cfg.starts_of(net)) if ablation else cfg.starts_of(net)
+            for sp in starts[net][:k]:
                 for name, variant, policy in policies:
                     key = RunKey(mode, tid, net, sp.trace, sp.start_s, sp.index, name)
                     out.append(PlannedRun(key, tid, base, variant, policy, sp))
@@ -92,13 +110,18 @@ def plan(cfg: ReplayConfig, root: str | None = None) -> list[PlannedRun]:
     main = [(p, "main", p) for p in cfg.policies]
     qs = [(f"sakura-q{q:g}", q_variant(q), "sakura") for q in cfg.ablation.q
           if q not in (0.0, 0.5)] if "sakura" in cfg.policies else []
+    points = [(deadline_policy(m), "main", "sakura") for m in cfg.deadlines
+              ] if "sakura" in cfg.policies else []
+    heads = tuple(n for n in cfg.networks if n in cfg.headline_networks)
     for tid in cfg.templates:
         add(tid, tid, cfg.networks, main)
+        if points and heads:
+            add(tid, tid, heads, points)
         if qs:
-            add(tid, tid, cfg.ablation.networks, qs)
+            add(tid, tid, cfg.ablation.networks, qs, ablation=True)
     for base in cfg.ablation.resolution_templates:
         for res in cfg.ablation.resolutions:
-            add(f"{base}-{res}", base, cfg.ablation.networks, main)
+            add(f"{base}-{res}", base, cfg.ablation.networks, main, ablation=True)
     return out
 
 
@@ -232,13 +255,23 @@ def _healthy_in(ns: str, host: str, port: int) -> bool:
 
 class Links:
     """Per packs folder: a ``sakura serve`` process on 127.0.0.1 (direct, untimed use) and
-    an emulated link for the timed runs: the paced proxy in front of it, or (``kernel``)
-    a second server inside the server namespace of a :class:`KernelShapedLink`, reached
-    from its client namespace."""
+    an emulated link for the timed runs: the paced proxy in its own process in front of it,
+    or (``kernel``) a second server inside the server namespace of a
+    :class:`KernelShapedLink`, reached from its client namespace through a delay stage.
+    Both links carry the config's round trip (``rtt_ms``) and ``loss``. With ``pin_cpus``
+    on a machine with 2+ cores, the device (this process) runs on all cores but the last
+    and every server and link process on the last (:func:`traces.linkproc.split_cpus`)."""
 
     def __init__(self, cfg: ReplayConfig, packs: Path, variants: list[str], log: Log) -> None:
+        from sakura.traces.impair import Impairment
+        from sakura.traces.linkproc import split_cpus
+
         self.cfg, self.packs, self.variants, self.log = cfg, packs, variants, log
         self.kind = cfg.link
+        self.impairment = Impairment(rtt_ms=cfg.rtt_ms, loss=cfg.loss, seed=cfg.seed)
+        split = split_cpus() if cfg.pin_cpus else None
+        self.device_cpus, self.network_cpus = split if split else (None, None)
+        self._own_affinity: set[int] | None = None
         self.servers: dict[str, Any] = {}
         self.links: dict[str, Any] = {}
         self.urls: dict[str, str] = {}
@@ -246,6 +279,7 @@ class Links:
 
     def __enter__(self) -> Links:
         from sakura.edge.bench import ServerProcess
+        from sakura.traces.linkproc import pin
         from sakura.traces.netns import kernel_shaping_unavailable_reason
 
         if self.kind == "kernel":
@@ -255,8 +289,13 @@ class Links:
                 self.log(f"WARNING: --link kernel: {self.note}; falling back to the paced link")
                 self.kind = "paced"
         try:
+            if self.device_cpus:
+                self._own_affinity = set(os.sched_getaffinity(0))
+                pin(0, self.device_cpus)
             for v in self.variants:
                 self.servers[v] = ServerProcess(self.packs / v).start()
+                if self.network_cpus and self.servers[v].proc is not None:
+                    pin(self.servers[v].proc.pid, self.network_cpus)
                 if self.kind == "kernel":
                     self._kernel(v)
                 else:
@@ -266,12 +305,20 @@ class Links:
             raise
         return self
 
+    def conditions(self) -> dict[str, Any]:
+        """What every record states about the network path and the CPUs."""
+        return {"link": self.kind, "rtt_ms": self.impairment.rtt_ms,
+                "loss": self.impairment.loss,
+                "cpus": {"device": sorted(self.device_cpus or []),
+                         "network": sorted(self.network_cpus or [])}}
+
     def _paced(self, v: str) -> None:
         from sakura.traces import Trace
-        from sakura.traces.link import PacedLinkThread
+        from sakura.traces.linkproc import PacedLinkProcess
 
-        link = PacedLinkThread(Trace.constant(1e9, 1.0), upstream=("127.0.0.1",
-                                                                   self.servers[v].port))
+        link = PacedLinkProcess(Trace.constant(1e9, 1.0),
+                                upstream=("127.0.0.1", self.servers[v].port),
+                                impairment=self.impairment, cpus=self.network_cpus)
         link.start()
         self.links[v] = link
         self.urls[v] = f"http://127.0.0.1:{link.port}"
@@ -280,14 +327,24 @@ class Links:
         import subprocess
 
         from sakura.traces import Trace
+        from sakura.traces.linkproc import pin
         from sakura.traces.netns import KernelShapedLink
 
-        link = KernelShapedLink(Trace.constant(1e9, 1.0)).start()
+        link = KernelShapedLink(Trace.constant(1e9, 1.0), impairment=self.impairment).start()
         self.links[v] = link
+        staged = self.impairment.active
+        # with a delay stage the server listens on loopback inside the namespace and the
+        # relay (in front of tbf) on the namespace's address
+        host, port = ("127.0.0.1", KERNEL_PORT + 1) if staged else (link.server_addr,
+                                                                    KERNEL_PORT)
         proc = link.popen_in("server", [
             sys.executable, "-m", "sakura.cli", "serve", str(self.packs / v), "--host",
-            link.server_addr, "--port", str(KERNEL_PORT), "--log-level", "warning",
+            host, "--port", str(port), "--log-level", "warning",
             "--no-access-log"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.network_cpus:
+            pin(proc.pid, self.network_cpus)
+        if staged:
+            link.delay_stage(port, KERNEL_PORT, cpus=self.network_cpus)
         deadline = time.monotonic() + 60
         while not _healthy_in(link.client_ns, link.server_addr, KERNEL_PORT):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -302,6 +359,11 @@ class Links:
             server.stop()
         self.links.clear()
         self.servers.clear()
+        if self._own_affinity is not None:
+            from sakura.traces.linkproc import pin
+
+            pin(0, self._own_affinity)
+            self._own_affinity = None
 
     def direct(self, variant: str) -> str:
         return self.servers[variant].url
@@ -444,8 +506,23 @@ def _base_record(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Lin
         "runtime_policy": r.policy, "variant": r.variant, "q": q,
         "pack": None if r.policy == "local" else (
             "sakura" if r.variant != "main" else st.packs[r.policy]),
-        "factor": t["factor"], "link": links.kind, "startup_fraction": cfg.startup_fraction,
+        "factor": t["factor"], "startup_fraction": cfg.startup_fraction,
+        "deadline_s": _deadline(r, t, cfg), **links.conditions(),
     }
+
+
+def _deadline(r: PlannedRun, t: dict[str, Any], cfg: ReplayConfig) -> float | None:
+    """``sakura-d<m>``: m x the template's masked execution time (matched: measured T;
+    profile: the modelled masked execution)."""
+    m = deadline_multiple(r.key.policy)
+    if m is None:
+        return None
+    if cfg.regime == "profile":
+        from sakura.edge.replay.profile import DeviceProfile
+
+        prof = DeviceProfile(**{k: v for k, v in vars(cfg.profile).items()})
+        return m * prof.masked_total_s(float(t["token_mask_ratio"]))
+    return m * float(t["masked_exec_s"])
 
 
 def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links,
@@ -461,7 +538,8 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
         trace = load_start_trace(r.start, root).scaled(float(st.record["factor"]))
         prior = past_median_bps(trace, r.start.start_s)
         options = EditOptions(budget_rate_bps=prior, initial_rate_bps=prior,
-                              pack=rec["pack"], startup_fraction=cfg.startup_fraction)
+                              pack=rec["pack"], startup_fraction=cfg.startup_fraction,
+                              deadline_s=rec["deadline_s"])
         with links.client(r.variant):
             url = links.shaped(r.variant, trace, r.start.start_s)
             res = rt.edit(url, r.template, st.template, st.req, r.policy, options=options)
@@ -486,6 +564,8 @@ def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
     prof = DeviceProfile(**{k: v for k, v in vars(cfg.profile).items()})
     rec = _base_record(r, st, cfg, links)
     rec["profile"] = prof.name
+    # the link is modelled: one request latency before the first body, no loss
+    rec.update(link="modelled", rtt_ms=prof.request_latency_s * 1000.0, loss=0.0)
     if r.policy == "local":
         rec.update({"latency_s": prof.local_s, "bytes": 0, "real_bytes": 0, "stalls": 0,
                     "stall_s": 0.0, "startup_s": 0.0, "exec_s": prof.local_s,
@@ -500,7 +580,7 @@ def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
     exec_s = prof.shard_exec_s(st.record["shard_exec_s"], st.record["token_mask_ratio"])
     k = prof.byte_scale(int(st.record["fp16_bytes"]))
     sim = simulate(r.policy, tables, exec_s, trace, r.start.start_s, prior, prof, k,
-                   startup_fraction=cfg.startup_fraction)
+                   startup_fraction=cfg.startup_fraction, deadline_s=rec["deadline_s"])
     image = _configured_edit(rt, links.direct(r.variant), r.template, pack, manifest,
                              sim.configs, st)
     rec.update({

@@ -23,9 +23,39 @@ def test_default_and_quick_config():
     assert set(cfg.workloads) == {"face-swap", "try-on", "instruction"}
     assert cfg.starts == 100 and cfg.regime == "matched" and cfg.regime_x == 10.0
     assert len(cfg.policies) == 8 and cfg.profile.local_s == 13.0
+    assert cfg.rtt_ms == 30.0 and cfg.loss == 0.0 and cfg.deadlines == (2.0, 3.0, 4.0)
     q = load_config(quick=True)
-    assert q.quick and q.starts == 3 and len(q.networks) == 2
+    assert q.quick and len(q.networks) == 2
     assert all(len(ts) == 1 for ts in q.workloads.values())
+    # at least 10 start points per cell on the 5G (headline) traces, 3 elsewhere
+    assert q.starts_of("5g") == 10 and q.starts_of("mixed") == 3 and q.ablation.starts == 3
+    assert load_config(quick=True, starts=12).starts_of("5g") == 12  # --starts wins
+    assert load_config(starts=7).starts_of("mixed") == 7
+
+
+def test_plan_has_start_points_per_network_and_sakura_operating_points():
+    from sakura.edge.replay.runner import deadline_multiple, plan
+    from sakura.traces import default_trace_dir
+
+    if default_trace_dir() is None:
+        pytest.skip("real traces not found")
+    runs = plan(load_config(quick=True), str(default_trace_dir()))
+    cells: dict = {}
+    for r in runs:
+        cells.setdefault((r.template, r.key.network, r.key.policy), set()).add(
+            r.start.index)
+    assert {len(v) for (t, n, p), v in cells.items() if n == "5g" and t == t.split("-32")[0]
+            and not p.startswith("sakura-q")} == {10}
+    assert {len(v) for (t, n, p), v in cells.items() if n == "mixed"} == {3}
+    points = {r.key.policy for r in runs if deadline_multiple(r.key.policy) is not None}
+    assert points == {"sakura-d2", "sakura-d3", "sakura-d4"}
+    assert all(r.key.network == "5g" and r.policy == "sakura" for r in runs
+               if r.key.policy in points)
+    # the ablations use the network's first start points (the same draws)
+    q = {r.start for r in runs if r.key.policy == "sakura-q1"}
+    main5 = [r.start for r in runs if r.key.policy == "sakura" and r.key.network == "5g"
+             and r.template == "face-technologist"]
+    assert {sp.index for sp in q} == {0, 1, 2} and q <= set(main5)
 
 
 def test_config_file_overrides_and_merges(tmp_path):
@@ -132,15 +162,18 @@ def test_results_file_is_append_only_and_survives_a_torn_write(tmp_path):
 # ---------------------------------------------------------------------------- report
 
 
-def _run(workload, tid, policy, lat, psnr, network="5g", variant="main", template=None):
-    return {"kind": "run", "key": f"{tid}|{policy}|{network}|{lat}|{variant}", "mode": "matched",
+def _run(workload, tid, policy, lat, psnr, network="5g", variant="main", template=None,
+         start=0, **extra):
+    return {"kind": "run", "key": f"{tid}|{policy}|{network}|{lat}|{variant}|{start}",
+            "mode": "matched",
             "template": template or tid, "base_template": tid, "workload": workload,
             "resolution": 64, "token_mask_ratio": 0.2, "network": network,
             "network_type": "5G" if network == "5g" else "LTE", "trace": "t.txt",
-            "start_index": 0, "start_s": 1.0, "policy": policy, "runtime_policy": policy,
+            "start_index": start, "start_s": 1.0, "policy": policy, "runtime_policy": policy,
             "variant": variant, "q": 0.5, "pack": policy, "factor": 0.1, "link": "paced",
+            "rtt_ms": 30.0, "loss": 0.0, "deadline_s": None,
             "latency_s": lat, "bytes": 1_000_000, "stalls": 1, "stall_s": 0.1,
-            "startup_s": 0.01, "exec_s": 0.5, "configs": [], "psnr_exact": psnr,
+            "startup_s": 0.01, "exec_s": 0.5, "configs": [], "psnr_exact": psnr, **extra,
             "ssim_exact": 0.9, "psnr_full": 30.0, "ssim_full": 0.8,
             "timeline": {"columns": ["shard", "bytes", "recv_start", "recv_end", "recon_start",
                                      "recon_end", "exec_start", "exec_end", "stall_s"],
@@ -202,7 +235,8 @@ def test_headline_numbers_from_a_handmade_results_file(handmade):
     assert h["psnr_gain_db_vs_cachegen"] == pytest.approx(6.0)
     t = h["targets"]
     assert t["p90_speedup_vs_cachegen"]["pass"] is False
-    assert all(t[k]["pass"] for k in t if k != "p90_speedup_vs_cachegen")
+    assert all(t[k]["pass"] for k in t if "." not in k and k != "p90_speedup_vs_cachegen")
+    assert h["conditions"]["rtt_ms"] == 30.0 and h["conditions"]["starts_per_cell"] == 1
 
 
 def test_report_command_writes_report_figures_and_headline_json(handmade, tmp_path):
@@ -220,6 +254,123 @@ def test_report_command_writes_report_figures_and_headline_json(handmade, tmp_pa
     for name in pngs:
         assert f"figures/{name}" in md  # every figure is linked from the report
     assert "**Resolution**" in md and "**Importance exponent q**" in md
+
+
+def _iso_world(tmp_path, intq_psnr_b=20.0):
+    """Workload fa: sakura (1..5 s, 36 dB) and its deadline points d2 (2..6 s, 38.5 dB),
+    d3 (3..7 s, 40 dB) against cachegen (2..10 s, 38 dB) and intq (1.5..7.5 s, 35 dB);
+    workload tb: no sakura point reaches intq's PSNR (``intq_psnr_b``) when it is high."""
+    rf = ResultsFile(tmp_path / "iso")
+    for tid, w in (("fa", "face-swap"), ("tb", "try-on")):
+        t = _template(tid, w, 30_000_000, 10_000_000)
+        t["allocation_quality"] = {"sakura": "psnr_profile", "cachegen": "psnr_profile"}
+        rf.append(t)
+    fa = {"sakura": ([1, 2, 3, 4, 5], 36.0), "sakura-d2": ([2, 3, 4, 5, 6], 38.5),
+          "sakura-d3": ([3, 4, 5, 6, 7], 40.0), "cachegen": ([2, 4, 6, 8, 10], 38.0),
+          "intq": ([1.5, 3, 4.5, 6, 7.5], 35.0), "local": ([10] * 5, 30.0),
+          "fp16": ([50] * 5, "inf")}
+    tb = {"sakura": ([1] * 5, 25.0), "sakura-d2": ([2] * 5, 26.0),
+          "cachegen": ([3] * 5, 24.0), "intq": ([4] * 5, intq_psnr_b), "local": ([8] * 5, 25.0),
+          "fp16": ([40] * 5, "inf")}
+    for tid, w, pols in (("fa", "face-swap", fa), ("tb", "try-on", tb)):
+        for p, (lats, psnr) in pols.items():
+            for i, v in enumerate(lats):
+                extra = {"deadline_s": 1.0} if p.startswith("sakura-d") else {}
+                rf.append(_run(w, tid, p, float(v), psnr, start=i, **extra))
+    (tmp_path / "iso" / "replay.json").write_text(json.dumps(
+        {"config": {"headline_networks": ["5g"], "regime_x": 10, "starts": 5}}))
+    return tmp_path / "iso"
+
+
+def test_iso_quality_iso_latency_conditions_and_allocation_quality(tmp_path):
+    rf = ResultsFile(_iso_world(tmp_path))
+    h = headline(rf.runs(), rf.templates(), ["5g"])
+    fa_q = h["iso_quality"]["per_workload"]["face-swap"]
+    # cachegen (38 dB, p90 9.2 s): d2 is the fastest point with >= 38 dB (p90 5.6 s)
+    assert fa_q["cachegen"]["point"] == "sakura-d2"
+    assert fa_q["cachegen"]["ratio"] == pytest.approx(9.2 / 5.6)
+    # intq (35 dB, p90 6.9 s): sakura itself qualifies (36 dB, p90 4.6 s)
+    assert fa_q["intq"]["point"] == "sakura" and fa_q["intq"]["ratio"] == pytest.approx(1.5)
+    fa_l = h["iso_latency"]["per_workload"]["face-swap"]
+    # at cachegen's p90 (9.2 s) d3 (p90 6.6 s, 40 dB) is the best: +2 dB; at intq's 6.9 s too
+    assert fa_l["cachegen"]["point"] == "sakura-d3"
+    assert fa_l["cachegen"]["gain_db"] == pytest.approx(2.0)
+    assert fa_l["intq"]["gain_db"] == pytest.approx(5.0)
+    # try-on: every point beats intq's 20 dB; median over the two workloads
+    assert h["iso_quality"]["latency_ratio_vs_intq_p90"] == pytest.approx((1.5 + 4.0) / 2)
+    assert h["iso_quality"]["latency_ratio_vs_cachegen_p90"] == pytest.approx(
+        (9.2 / 5.6 + 3.0) / 2)
+    assert h["conditions"]["rtt_ms"] == 30.0 and h["conditions"]["starts_per_cell"] == 5
+    assert h["allocation_quality"] == "psnr_profile"
+    # the operating points are not systems of their own in the headline ratios
+    assert "sakura-d2" not in h["per_workload"]["face-swap"]["n_per_policy"]
+    lo, hi = fa_q["cachegen"]["ci95"]
+    assert lo <= fa_q["cachegen"]["ratio"] <= hi
+
+    # no sakura point reaches intq's PSNR on try-on: no ratio there, and the target is missed
+    rf2 = ResultsFile(_iso_world(tmp_path / "b", intq_psnr_b=30.0))
+    h2 = headline(rf2.runs(), rf2.templates(), ["5g"])
+    tb_q = h2["iso_quality"]["per_workload"]["try-on"]["intq"]
+    assert tb_q["ratio"] is None and tb_q["best_point"] == "sakura-d2"
+    assert h2["iso_quality"]["workloads_without_a_point_vs_intq"] == ["try-on"]
+    assert h2["targets"]["iso_quality.latency_ratio_vs_intq_p90"]["pass"] is False
+
+
+def test_report_json_keys_and_the_iso_sentences_follow_the_data(tmp_path):
+    d = _iso_world(tmp_path)
+    assert main(["report", str(d), "--json", str(tmp_path / "h.json")]) == 0
+    doc = json.loads((tmp_path / "h.json").read_text())
+    assert doc["conditions"]["rtt_ms"] > 0 and doc["conditions"]["starts_per_cell"] == 5
+    assert doc["iso_quality"]["latency_ratio_vs_cachegen_p90"] > 1
+    assert doc["iso_quality"]["latency_ratio_vs_intq_p90"] > 1
+    assert doc["iso_latency"]["psnr_gain_db_vs_cachegen"] > 0
+    assert doc["allocation_quality"] == "psnr_profile"
+    md = (d / "report.md").read_text()
+    assert "sakura is faster at equal quality" in md
+    assert "fp16 | 5 |" in md and "inf (identical)" in md  # identical images said as such
+    assert "matched-latency-quality-face-swap.png" in md
+    assert "traces scaled x0.1" in md
+    # contradicting data: sakura's points now all slower than cachegen at equal quality
+    from sakura.edge.replay.report import _iso_text
+
+    view = {"iso_quality": {"ratio": 0.8, "ci95": [0.7, 0.9], "baseline_psnr_db": 38.0,
+                            "baseline_n": 5, "point": "sakura-d3", "point_psnr_db": 38.5,
+                            "point_p90_s": 5.0, "point_n": 5, "baseline_p90_s": 4.0},
+            "iso_latency": {"gain_db": -1.5, "baseline_p90_s": 4.0, "point": "sakura",
+                            "point_p90_s": 3.0, "point_psnr_db": 36.5}}
+    q, lat = _iso_text("cachegen", view)
+    assert "slower at equal quality" in q and "faster" not in q
+    assert "-1.50 dB" in lat and "(worse)" in lat
+
+
+def test_why_sentences_follow_the_numbers_they_cite():
+    from sakura.edge.replay.report import _why
+
+    def world(s_stall, s_exec, s_mb, s_lat):
+        runs = []
+        for i in range(5):
+            runs.append(_run("face-swap", "fa", "sakura", s_lat + 0.1 * i, 30.0, start=i,
+                             stalls=2 if s_stall else 0, stall_s=s_stall, exec_s=s_exec,
+                             bytes=int(s_mb * 1e6)))
+            runs.append(_run("face-swap", "fa", "cachegen", 1.0 + 0.1 * i, 31.0, start=i,
+                             stalls=0, stall_s=0.0, exec_s=0.5, bytes=2_000_000))
+        return runs
+
+    # slower, but with no stalls and fewer bytes: the text must not blame stalls or bytes
+    text = _why("p90_speedup_vs_cachegen", "face-swap", world(0.0, 0.9, 1.0, 1.5), [])
+    assert "sakura is slower at p90" in text and "execution took longer" in text
+    assert "stalled longer" not in text and "more bytes" not in text
+    # contradicting data: the same claim now rests on stalls
+    text = _why("p90_speedup_vs_cachegen", "face-swap", world(0.6, 0.5, 1.0, 1.5), [])
+    assert "stalled longer (0.60 vs 0.00 s" in text and "execution took longer" not in text
+    # and when sakura is faster, it says so
+    text = _why("p90_speedup_vs_cachegen", "face-swap", world(0.0, 0.5, 1.0, 0.8), [])
+    assert "sakura is faster at p90" in text and "slower" not in text
+    # PSNR miss: who moved more bytes decides the sentence
+    text = _why("psnr_gain_db_vs_cachegen", "face-swap", world(0.0, 0.5, 1.0, 0.8), [])
+    assert "cachegen streamed more bytes" in text
+    text = _why("psnr_gain_db_vs_cachegen", "face-swap", world(0.0, 0.5, 3.0, 0.8), [])
+    assert "sakura moved as many bytes or more" in text
 
 
 # ---------------------------------------------------------------------------- replay
