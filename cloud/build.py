@@ -22,7 +22,6 @@ from sakura.cloud.publish import (
     CatalogTransaction,
     is_up_to_date,
     template_content_hash,
-    update_catalog,
 )
 
 BUILDER_VERSION = "sakura-build-2"
@@ -90,9 +89,9 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
     weights = Path(cfg.weights) if cfg.weights else DEFAULT_WEIGHTS
     engine = load_engine(cfg.model, cfg.model_path, weights=weights)
     out = Path(cfg.out_dir)
+    # nothing is published before a template is built: a build that fails leaves no
+    # catalog.json behind (the transaction below writes it)
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / "catalog.json").exists():
-        update_catalog(out, {})
     model_files = [weights] if cfg.model is None else []
     report = BuildReport()
     for tid, spec in tqdm(specs.items(), desc="build", unit="template"):

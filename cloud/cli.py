@@ -1,15 +1,21 @@
-"""``sakura serve`` and ``sakura bench serve`` (the pack builder's ``sakura build`` comes later).
+"""``sakura build``, ``sakura serve`` and ``sakura bench serve``: the cloud package's commands.
+
+``sakura build [CATALOG]`` checks every argument (codecs against the codec registry,
+template ids against the catalog, files, the model options) before it loads the model, so
+a bad one costs nothing and publishes nothing.
 
 ``sakura serve DIR`` serves a published catalog directory; with ``--s3-bucket`` it serves a
-catalog stored in an S3-compatible bucket instead (DIR is then optional and, if given, is
-ignored in favour of ``--s3-prefix``). Tokens come from ``--tokens-file`` or the
-``SAKURA_TOKENS`` environment variable; without either the API is open.
+catalog stored in an S3-compatible bucket instead (DIR is then ignored in favour of
+``--s3-prefix``). Tokens come from ``--tokens-file`` or the ``SAKURA_TOKENS`` environment
+variable; without either the API is open. The listening socket is bound before the app is
+built, so a port in use or an address that does not exist is one ``sakura: error:`` line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import errno
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,28 +23,54 @@ from typing import Any
 from sakura.cloud.build import DEFAULT_CODECS
 from sakura.cloud.errors import ServeConfigError
 
+from sakura.argtypes import (
+    http_url,
+    json_path,
+    name_list,
+    nonnegative_int,
+    port,
+    positive_float,
+    positive_int,
+)
+from sakura.errors import UsageError
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
 
 def register(commands: Any, bench: Any) -> None:
     build = commands.add_parser(
         "build",
         help="build and atomically publish template packs for a catalog",
-        description="Template run + importance profiling, encode every codec, publish.",
+        description="Template run + importance profiling, encode every codec, publish. "
+                    "Arguments are checked before any compute; a failed build leaves the "
+                    "published catalog as it was.",
     )
-    build.add_argument("catalog", nargs="?", help="catalog.json or its folder (default: shipped)")
-    build.add_argument("--out", default="packs", help="published catalog directory")
-    build.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated")
-    build.add_argument("--templates", default="", help="comma-separated ids (default: all)")
-    build.add_argument("--weights", help="model weights (default: the shipped model)")
+    build.add_argument("catalog", nargs="?", metavar="CATALOG",
+                       help="catalog.json or its folder (default: the shipped catalog)")
+    build.add_argument("--out", default="packs", metavar="DIR",
+                       help="published catalog directory (default %(default)s)")
+    build.add_argument("--codecs", type=name_list, default=DEFAULT_CODECS, metavar="LIST",
+                       help=f"comma-separated codecs (default {','.join(DEFAULT_CODECS)})")
+    build.add_argument("--templates", type=name_list, default=(), metavar="LIST",
+                       help="comma-separated template ids (default: all)")
+    build.add_argument("--weights", metavar="FILE",
+                       help="model weights (default: the shipped model)")
     build.add_argument("--model", help="a diffusers model instead of the shipped one, e.g. "
                        "flux2-klein-4b, sd3.5-medium, qwenimage, qwenimage-2.1 (with --model-path)")
-    build.add_argument("--model-path", help="the --model's local checkpoint (pipeline folder)")
-    build.add_argument("--blocks-per-shard", type=int, default=4)
-    build.add_argument("--resolution", type=int, help="build at this resolution (ids get -RES)")
+    build.add_argument("--model-path", metavar="DIR",
+                       help="the --model's local checkpoint (pipeline folder)")
+    build.add_argument("--blocks-per-shard", type=positive_int, default=4, metavar="N",
+                       help="transformer blocks per shard (default %(default)s)")
+    build.add_argument("--resolution", type=positive_int, metavar="PX",
+                       help="build at this resolution (ids get -PX)")
     build.add_argument("--force", action="store_true", help="rebuild unchanged templates too")
-    build.add_argument("--profile-psnr", type=int, default=0, metavar="N",
+    build.add_argument("--profile-psnr", type=nonnegative_int, default=0, metavar="N",
                        help="also profile every configuration's output PSNR against exact on "
                             "N profiling requests (slow: one edit per configuration and "
                             "request; default 0: importance-weighted KV error only)")
+    build.add_argument("--json", type=json_path, metavar="PATH",
+                       help="write the build report (built, skipped, seconds) here "
+                            "(- for stdout)")
     build.set_defaults(func=_build)
 
     serve = commands.add_parser(
@@ -46,44 +78,63 @@ def register(commands: Any, bench: Any) -> None:
         help="serve a published template catalog over HTTP (FastAPI + uvicorn)",
         description="Serve catalog.json, manifests, packs (HTTP Range) and shard bodies.",
     )
-    serve.add_argument("dir", nargs="?", help="published catalog directory (holds catalog.json)")
+    serve.add_argument("dir", nargs="?", metavar="DIR",
+                       help="published catalog directory (holds catalog.json)")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
-    serve.add_argument("--tokens-file", help="bearer tokens, one per line: TOKEN [id,id,...]")
-    serve.add_argument(
-        "--s3-endpoint", help="S3-compatible endpoint URL (e.g. http://127.0.0.1:9000)"
-    )
-    serve.add_argument("--s3-bucket", help="serve the catalog from this bucket instead of DIR")
-    serve.add_argument("--s3-prefix", default="", help="key prefix of the catalog in the bucket")
-    serve.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
-    )
+    serve.add_argument("--port", type=port, default=8000,
+                       help="listen port, 0 for any free one (default 8000)")
+    serve.add_argument("--tokens-file", metavar="FILE",
+                       help="bearer tokens, one per line: TOKEN [id,id,...]")
+    serve.add_argument("--s3-endpoint", type=http_url, metavar="URL",
+                       help="S3-compatible endpoint URL (e.g. http://127.0.0.1:9000)")
+    serve.add_argument("--s3-bucket", metavar="NAME",
+                       help="serve the catalog from this bucket instead of DIR")
+    serve.add_argument("--s3-prefix", default="", metavar="PREFIX",
+                       help="key prefix of the catalog in the bucket")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                       help="uvicorn log level (default info)")
     serve.add_argument("--no-access-log", action="store_true", help="do not log every request")
-    serve.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # inherited listening socket
+    serve.add_argument("--fd", type=nonnegative_int, help=argparse.SUPPRESS)  # inherited socket
     serve.set_defaults(func=_serve)
 
     bench_serve = bench.add_parser(
         "serve",
         help="concurrent loopback clients fetching shard configs vs a static file server",
-        description="Benchmark the shard endpoint against a plain static file server on the same pack.",
+        description="Benchmark the shard endpoint against a plain static file server on the "
+                    "same pack.",
     )
-    bench_serve.add_argument("--json", required=True, metavar="PATH", help="write the result here")
+    bench_serve.add_argument("--json", type=json_path, required=True, metavar="PATH",
+                             help="write the result here (- for stdout)")
     bench_serve.add_argument("--quick", action="store_true", help="small pack, 2 s per server")
-    bench_serve.add_argument(
-        "--clients", type=int, default=32, help="concurrent clients (default 32)"
-    )
-    bench_serve.add_argument("--duration", type=float, help="seconds of measured load per server")
+    bench_serve.add_argument("--clients", type=positive_int, default=32, metavar="N",
+                             help="concurrent clients (default 32)")
+    bench_serve.add_argument("--duration", type=positive_float, metavar="S",
+                             help="seconds of measured load per server")
     bench_serve.set_defaults(func=_bench_serve)
 
 
 def _build(args: argparse.Namespace) -> int:
+    from sakura.codec.cli import check_codecs
+    from sakura.dit.adapters.cli import check_model_options
+    from sakura.dit.cli import check_file, template_ids
+
+    from sakura.errors import SakuraError
+
+    check_model_options(args.model, args.model_path, args.weights)
+    check_file(args.weights, "--weights")
+    ids = template_ids(args.catalog)
+    unknown = [t for t in args.templates if t not in ids]
+    if unknown:
+        raise SakuraError(f"unknown template id(s) {', '.join(unknown)}; the catalog has "
+                          f"{', '.join(ids)}")
+    check_codecs(args.codecs, "--codecs")
     from sakura.cloud.build import BuildConfig, build
 
     cfg = BuildConfig(
         catalog=args.catalog,
         out_dir=args.out,
-        codecs=tuple(c for c in args.codecs.split(",") if c),
-        templates=tuple(t for t in args.templates.split(",") if t),
+        codecs=args.codecs,
+        templates=args.templates,
         weights=args.weights,
         model=args.model,
         model_path=args.model_path,
@@ -93,37 +144,73 @@ def _build(args: argparse.Namespace) -> int:
         profile_psnr=args.profile_psnr,
     )
     report = build(cfg)
-    print(
-        json.dumps(
-            {
-                "built": report.built,
-                "skipped": report.skipped,
-                "seconds": {k: round(v, 1) for k, v in report.seconds.items()},
-            }
-        )
-    )
+    doc = {"built": report.built, "skipped": report.skipped,
+           "seconds": {k: round(v, 1) for k, v in report.seconds.items()}}
+    if args.json:
+        from sakura.output import write_json
+
+        write_json(args.json, doc)
+    print(f"sakura build: built {', '.join(report.built) or 'nothing'}; up to date "
+          f"{', '.join(report.skipped) or 'nothing'} -> {args.out}")
     return 0
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port), or a
+    :class:`ServeConfigError` that says why not."""
+    where = f"{host}:{port}"
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ServeConfigError(f"cannot listen on {where}: unknown host {host!r} ({exc})") from None
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose protocol says TCP
+    sock = socket.socket(family, kind, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        hint = {errno.EADDRINUSE: " (another server is listening there: pick another --port)",
+                errno.EACCES: " (ports below 1024 need privileges: pick another --port)",
+                errno.EADDRNOTAVAIL: " (no such address on this machine: check --host)",
+                }.get(exc.errno, "")
+        raise ServeConfigError(f"cannot listen on {where}: {exc.strerror}{hint}") from None
+    return sock
+
+
 def _serve(args: argparse.Namespace) -> int:
+    if args.s3_bucket:
+        from sakura.extras import require
+
+        require("boto3", what="--s3-bucket")
+    elif args.s3_endpoint:
+        raise UsageError("--s3-endpoint needs --s3-bucket")
+    elif not args.dir:
+        raise UsageError("give the published catalog directory DIR (or --s3-bucket)")
     from sakura.cloud.auth import load_tokens
     from sakura.cloud.runner import run
     from sakura.cloud.server import create_app
 
     storage = open_serve_storage(args.dir, args.s3_bucket, args.s3_endpoint, args.s3_prefix)
     tokens = load_tokens(args.tokens_file)
+    fd = args.fd
+    if fd is None:
+        sock = listen(args.host, args.port)
+        host, bound = sock.getsockname()[:2]
+        print(f"sakura serve: listening on http://{_url_host(host)}:{bound}", file=sys.stderr)
+        fd = sock.detach()  # uvicorn owns it from here
     app = create_app(storage, tokens)
     auth = f"bearer auth with {len(tokens)} token(s)" if tokens else "no auth"
     print(f"sakura serve: {storage.describe()}, {auth}", file=sys.stderr)
-    run(
-        app,
-        args.host,
-        args.port,
-        fd=args.fd,
-        log_level=args.log_level,
-        access_log=not args.no_access_log,
-    )
+    run(app, args.host, args.port, fd=fd, log_level=args.log_level,
+        access_log=not args.no_access_log)
     return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def open_serve_storage(
@@ -166,19 +253,17 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     from sakura.cloud.bench import BenchConfig, run_bench
 
-    if args.clients < 1:
-        raise ServeConfigError("--clients must be >= 1")
+    from sakura.output import write_json
+
     config = BenchConfig.quick(args.clients) if args.quick else BenchConfig(clients=args.clients)
     if args.duration is not None:
-        if args.duration <= 0:
-            raise ServeConfigError("--duration must be > 0")
         config = replace(config, duration_s=args.duration)
     result = run_bench(config)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    keys = ("requests_per_s", "gbytes_per_s", "p99_ms", "errors", "reference_gbytes_per_s")
-    print(json.dumps({k: result[k] for k in keys}))
+    write_json(args.json, result)
+    print(f"sakura bench serve: {result['requests_per_s']:.0f} requests/s, "
+          f"{result['gbytes_per_s']:.3f} GB/s, p99 {result['p99_ms']:.2f} ms, "
+          f"{result['errors']} errors (static file server: "
+          f"{result['reference_gbytes_per_s']:.3f} GB/s)")
     if result["errors"]:
         print(
             f"sakura bench serve: {result['errors']} errors: {result['first_error']}",

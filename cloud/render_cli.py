@@ -1,15 +1,25 @@
 """``sakura render serve`` and ``sakura render replay``: the FlashDiff render engine.
 
-``serve`` starts the worker pool and the HTTP front (``cloud.render_http``) on uvicorn.
-``replay`` submits an arrival trace (JSON lines / CSV, ``cloud.render_trace``) or a
-seeded generated one, and prints latency and throughput.
+``serve`` binds its port, then starts the worker pool and the HTTP front
+(``cloud.render_http``) on uvicorn. ``replay`` submits an arrival trace (JSON lines / CSV,
+``cloud.render_trace``) or a seeded generated one, and prints latency and throughput
+(``--json PATH``: the summary as JSON).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
+
+from sakura.argtypes import (
+    json_path,
+    nonnegative_float,
+    nonnegative_int,
+    port,
+    positive_float,
+    positive_int,
+)
+from sakura.errors import SakuraError
 
 
 def _engine(args: argparse.Namespace):
@@ -25,12 +35,24 @@ def _engine(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from sakura.cloud.cli import listen
+
+    _check_weights(args)
+    sock = listen(args.host, args.port)  # before the workers start: a port in use costs nothing
+    fd = sock.detach()
     from sakura.cloud.render_http import create_render_app
     from sakura.cloud.runner import run
 
     with _engine(args) as engine:
-        run(create_render_app(engine), args.host, args.port, log_level=args.log_level)
+        run(create_render_app(engine), args.host, args.port, fd=fd, log_level=args.log_level)
     return 0
+
+
+def _check_weights(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    if args.weights and not Path(args.weights).is_file():
+        raise SakuraError(f"--weights: no such file: {args.weights}")
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -43,6 +65,7 @@ def _replay(args: argparse.Namespace) -> int:
         request_factory,
     )
 
+    _check_weights(args)
     if args.trace:
         trace = load_trace(args.trace)
     else:
@@ -54,21 +77,35 @@ def _replay(args: argparse.Namespace) -> int:
         result = replay(engine, trace, request_factory(base))
         summary = result.summary()
         summary["engine"] = {k: v for k, v in engine.metrics().items() if k != "workers"}
-    print(json.dumps(summary, indent=2))
+    if args.json:
+        from sakura.output import write_json
+
+        write_json(args.json, summary)
+    print(f"render replay: {summary['requests']} requests in {summary['makespan_s']:.2f} s "
+          f"({summary['throughput_rps']:.2f} req/s), latency p50 "
+          f"{summary['p50_latency_s']:.2f} s p90 {summary['p90_latency_s']:.2f} s p99 "
+          f"{summary['p99_latency_s']:.2f} s, {100 * summary['skipped_fraction']:.0f}% of "
+          "patch-steps skipped")
     return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--weights", help="model weights (default: the shipped model)")
+    p.add_argument("--workers", type=positive_int, default=2, metavar="N",
+                   help="worker processes (default 2)")
+    p.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     p.add_argument("--device", default="auto", help="auto (GPUs when present), cpu, cuda")
-    p.add_argument("--priority", default="warmup_first", choices=["warmup_first", "fifo"])
-    p.add_argument("--warmup", type=int, default=4, help="warm-up steps (default 4)")
-    p.add_argument("--eps", type=float, default=1.0, help="gate threshold (default 1.0)")
-    p.add_argument("--max-skips", type=int, default=3, help="forced run after K skips")
+    p.add_argument("--priority", default="warmup_first", choices=["warmup_first", "fifo"],
+                   help="monotask order (default warmup_first)")
+    p.add_argument("--warmup", type=nonnegative_int, default=4, metavar="N",
+                   help="warm-up steps (default 4)")
+    p.add_argument("--eps", type=nonnegative_float, default=1.0,
+                   help="gate threshold (default 1.0)")
+    p.add_argument("--max-skips", type=nonnegative_int, default=3, metavar="K",
+                   help="forced run after K skips (default 3)")
 
 
 def _bench_flashdiff(args: argparse.Namespace) -> int:
+    _check_weights(args)
     from sakura.cloud.render_bench import main
 
     return main(args.json, args.quick, args.weights, args.workers, args.requests,
@@ -81,35 +118,48 @@ def register(commands: Any, bench: Any) -> None:
         help="regional execution vs full / uniform steps / naive patches; render engine load",
         description="Quality of FlashDiff regional execution on the evaluation prompts and "
                     "throughput / p90 latency of the render engine under a bursty load.")
-    b.add_argument("--json", metavar="PATH", help="write the result JSON here")
+    b.add_argument("--json", type=json_path, metavar="PATH",
+                   help="write the result JSON here (- for stdout)")
     b.add_argument("--quick", action="store_true", help="2 prompts, 10 steps, 6 requests")
-    b.add_argument("--weights", help="model weights (default: the shipped model)")
-    b.add_argument("--workers", type=int, default=2, help="render worker processes (default 2)")
-    b.add_argument("--requests", type=int, help="requests in the arrival trace")
+    b.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
+    b.add_argument("--workers", type=positive_int, default=2, metavar="N",
+                   help="render worker processes (default 2)")
+    b.add_argument("--requests", type=positive_int, metavar="N",
+                   help="requests in the arrival trace")
     b.add_argument("--no-serve", action="store_true", help="skip the render-engine part")
     b.set_defaults(func=_bench_flashdiff)
 
-    render = commands.add_parser("render", help="FlashDiff cloud render engine")
+    render = commands.add_parser("render", help="FlashDiff cloud render engine",
+                                 description="The FlashDiff cloud render engine.")
     sub = render.add_subparsers(dest="render_command", metavar="ACTION")
-    render.set_defaults(func=lambda args: (render.print_usage(), 2)[1])
 
     serve = sub.add_parser("serve", help="serve text-to-image renders over HTTP")
     _common(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8100)
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=port, default=8100,
+                       help="listen port, 0 for any free one (default 8100)")
     serve.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn log level (default info)")
     serve.set_defaults(func=_serve)
 
     rep = sub.add_parser("replay", help="replay an arrival trace against the engine")
     _common(rep)
     rep.add_argument("trace", nargs="?", help="trace file (JSON lines or CSV t,prompt,seed)")
-    rep.add_argument("--arrivals", default="bursty", choices=["bursty", "poisson"])
-    rep.add_argument("--requests", type=int, default=8)
-    rep.add_argument("--rate", type=float, default=1.0, help="requests per second")
-    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--arrivals", default="bursty", choices=["bursty", "poisson"],
+                     help="arrival process of a generated trace (default bursty)")
+    rep.add_argument("--requests", type=positive_int, default=8, metavar="N",
+                     help="requests of a generated trace (default 8)")
+    rep.add_argument("--rate", type=positive_float, default=1.0,
+                     help="requests per second of a generated trace (default 1)")
+    rep.add_argument("--seed", type=int, default=0, help="seed of a generated trace (default 0)")
     rep.add_argument("--prompt", action="append", help="prompt(s) of a generated trace")
-    rep.add_argument("--steps", type=int, default=20)
-    rep.add_argument("--size", type=int, default=64)
-    rep.add_argument("--mode", default="regional", choices=["regional", "separate", "full", "naive"])
+    rep.add_argument("--steps", type=positive_int, default=20, metavar="N",
+                     help="denoising steps per request (default 20)")
+    rep.add_argument("--size", type=positive_int, default=64, metavar="PX",
+                     help="image size in pixels (default 64)")
+    rep.add_argument("--mode", default="regional", choices=["regional", "separate", "full", "naive"],
+                     help="execution mode (default regional)")
+    rep.add_argument("--json", type=json_path, metavar="PATH",
+                     help="write the latency/throughput summary here (- for stdout)")
     rep.set_defaults(func=_replay)

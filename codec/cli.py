@@ -1,15 +1,39 @@
-"""`sakura bench codec` and `sakura pack inspect|verify`: the codec package's commands."""
+"""`sakura bench codec` and `sakura pack inspect`: the codec package's commands.
+
+``sakura pack inspect TARGET`` takes a ``.pack`` file, a manifest, a folder written by
+``write_pack`` or a published catalog folder (what ``sakura build --out`` writes): manifests
+are found in the folder and its subfolders (a folder holding a current ``manifest.json``
+offers only that one, not the versioned manifests of earlier packs beside it), and
+``--template`` / ``--codec`` pick one when there are several.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from sakura.codec.errors import PackError
 
+from sakura.argtypes import json_path, positive_int
+from sakura.errors import UsageError
+
+CURRENT_MANIFEST = "manifest.json"  # cloud.layout.MANIFEST_NAME (codec knows nothing of cloud)
+
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.cache:
+        missing = [f for f in args.cache if not Path(f).is_file()]
+        if missing:
+            raise PackError(f"cannot read cache {missing[0]}: no such file")
+    if args.template:
+        from sakura.dit.cli import check_template
+
+        for template in args.template:
+            check_template(template)
+    if args.codec:
+        check_codecs(args.codec, "--codec")
     from sakura.codec.bench import main
 
     return main(
@@ -26,34 +50,80 @@ def _bench(args: argparse.Namespace) -> int:
     )
 
 
-def _open(target: str, template: str | None):
-    from sakura.codec.pack import Manifest, PackReader, manifest_path
+def check_codecs(names: list[str] | tuple[str, ...], option: str) -> None:
+    """Raise :class:`UsageError` (exit 2) for a codec name that is not registered."""
+    from sakura.codec import CodecError, get_codec
 
+    if not names:
+        raise UsageError(f"{option}: give at least one codec")
+    for name in names:
+        try:
+            get_codec(name)
+        except CodecError as exc:
+            raise UsageError(f"{option}: {exc}") from None
+
+
+def find_manifests(folder: Path) -> list[Path]:
+    """The manifests a folder offers (see the module docstring), sorted."""
+    found: list[Path] = []
+    for d in sorted({p.parent for p in folder.rglob("*manifest.json")}):
+        current = d / CURRENT_MANIFEST
+        found.extend([current] if current.is_file() else sorted(d.glob("*.manifest.json")))
+    return found
+
+
+def _identity(path: Path) -> tuple[str, str]:
+    try:
+        doc = json.loads(path.read_bytes())
+        return str(doc["template_id"]), str(doc["codec"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PackError(f"{path} is not a pack manifest ({exc})") from None
+
+
+def pick_manifest(folder: Path, template: str | None, codec: str | None) -> Path:
+    """The one manifest of ``folder`` matching ``template`` and ``codec`` (:class:`PackError`
+    naming the choices otherwise)."""
+    candidates = [(p, *_identity(p)) for p in find_manifests(folder)]
+    chosen = [c for c in candidates
+              if (template is None or c[1] == template) and (codec is None or c[2] == codec)]
+    if len(chosen) == 1:
+        return chosen[0][0]
+    wanted = " ".join(f"{flag} {v}" for flag, v in (("--template", template), ("--codec", codec))
+                      if v)
+    have = ", ".join(f"{t}/{c}" for _, t, c in candidates) or "none"
+    if not chosen:
+        raise PackError(f"{folder} holds no pack manifest{' for ' + wanted if wanted else ''} "
+                        f"(template/codec found: {have})")
+    raise PackError(f"{folder} holds {len(chosen)} pack manifests ({have}); pick one with "
+                    "--template ID and --codec NAME")
+
+
+def _open(target: str, template: str | None, codec: str | None) -> tuple[Any, Any]:
     path = Path(target)
+    if not path.exists():
+        raise PackError(f"{path}: no such file or folder")
     if path.is_dir():
-        manifests = sorted(path.glob("*.manifest.json"))
-        if template:
-            manifests = [manifest_path(path, template)]
-        if len(manifests) != 1:
-            names = ", ".join(m.name.removesuffix(".manifest.json") for m in manifests)
-            raise PackError(f"{path} holds {len(manifests)} manifests ({names or 'none'}); "
-                            "pick one with --template")
-        manifest = Manifest.load(manifests[0])
-        return manifest, PackReader(path / manifest.pack_file)
+        path = pick_manifest(path, template, codec)
+    from sakura.codec.pack import Manifest, PackReader
+
+    if path.name.endswith(".json"):
+        manifest = Manifest.load(path)
+        return manifest, PackReader(path.parent / manifest.pack_file)
     if path.suffix == ".pack":
         reader = PackReader(path)
         return reader.manifest, reader
-    raise PackError(f"{path} is neither a pack directory nor a .pack file")
+    raise PackError(f"{path} is neither a pack, a manifest nor a folder holding packs")
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    manifest, reader = _open(args.target, args.template, args.codec)
     from sakura.codec.profile import rate_quality_curve
 
-    manifest, reader = _open(args.target, args.template)
     with reader:
         if args.json:
-            print(manifest.to_json(indent=1))
-            return 0
+            from sakura.output import write_json
+
+            write_json(args.json, json.loads(manifest.to_json()), indent=1)
         g = manifest.geometry
         configs = sum(len(s.configs) for s in manifest.shards)
         options = dict(manifest.codec_options)
@@ -86,8 +156,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def register(commands, bench) -> None:
-    b = bench.add_parser("codec", help="codecs at ~5x/15x/50x vs FP16: bytes, KV error, edit PSNR")
-    b.add_argument("--json", required=True, help="write the results here")
+    b = bench.add_parser("codec", help="codecs at ~5x/15x/50x vs FP16: bytes, KV error, edit PSNR",
+                         description="Every codec at about 5x, 15x and 50x below FP16: bytes, "
+                                     "importance-weighted KV error and edit PSNR.")
+    b.add_argument("--json", type=json_path, required=True, metavar="PATH",
+                   help="write the results here (- for stdout)")
     b.add_argument("--quick", action="store_true",
                    help="one template, 6 steps, 1 profiling and 2 evaluation requests (< 60 s)")
     src = b.add_mutually_exclusive_group()
@@ -95,20 +168,29 @@ def register(commands, bench) -> None:
                      help="a saved TemplateCache (.safetensors); repeatable; KV metrics only")
     src.add_argument("--synthetic", action="store_true",
                      help="seeded synthetic caches instead of the model's (KV metrics only)")
-    b.add_argument("--weights", help="model weights (default: the shipped model)")
-    b.add_argument("--template", action="append", help="catalog template id; repeatable")
-    b.add_argument("--steps", type=int, help="denoising steps (default: the template's)")
-    b.add_argument("--codec", action="append", help="codecs to run (default: all)")
-    b.add_argument("--blocks-per-shard", type=int, default=2)
+    b.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
+    b.add_argument("--template", action="append", metavar="ID",
+                   help="catalog template id; repeatable (default: every template)")
+    b.add_argument("--steps", type=positive_int, metavar="N",
+                   help="denoising steps (default: the template's)")
+    b.add_argument("--codec", action="append", metavar="NAME",
+                   help="a codec to run; repeatable (default: all)")
+    b.add_argument("--blocks-per-shard", type=positive_int, default=2, metavar="N",
+                   help="blocks per shard (default %(default)s)")
     b.add_argument("--silent", action="store_true", help="no progress lines")
     b.set_defaults(func=_bench)
 
-    p = commands.add_parser("pack", help="inspect and verify template packs")
+    p = commands.add_parser("pack", help="inspect and verify template packs",
+                            description="Inspect and verify template packs.")
     sub = p.add_subparsers(dest="pack_command", metavar="ACTION")
-    p.set_defaults(func=lambda args: (p.print_usage(), 2)[1])
-    i = sub.add_parser("inspect", help="geometry, configs and rate-quality of a pack")
-    i.add_argument("target", help="a directory written by write_pack, or a .pack file")
-    i.add_argument("--template", help="template id when the directory holds several")
-    i.add_argument("--json", action="store_true", help="print the manifest")
+    i = sub.add_parser("inspect", help="geometry, configs and rate-quality of a pack",
+                       description=__doc__.split("\n\n")[1].replace("\n", " "))
+    i.add_argument("target", metavar="TARGET",
+                   help="a .pack file, a manifest, or a folder holding packs (a published "
+                        "catalog such as `sakura build --out`, or a write_pack folder)")
+    i.add_argument("--template", metavar="ID", help="template id, when TARGET holds several")
+    i.add_argument("--codec", metavar="NAME", help="codec, when TARGET holds several")
+    i.add_argument("--json", type=json_path, metavar="PATH",
+                   help="also write the manifest JSON here (- for stdout)")
     i.add_argument("--verify", action="store_true", help="check every checksum")
     i.set_defaults(func=_inspect)

@@ -1,12 +1,56 @@
-"""`sakura train`, `sakura generate` and `sakura bench kv|model`: the dit package's commands."""
+"""`sakura train` and `sakura bench kv|model`: the dit package's commands.
+
+Also :func:`template_ids`, the ids of a template catalog read without torch, so that
+commands can reject an unknown template before they load anything.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
-# Keep in step with dit.train.TrainConfig.out_dir (not imported: the CLI must start fast).
+from sakura.argtypes import fraction, json_path, nonnegative_float, nonnegative_int, positive_int
+from sakura.errors import SakuraError
+
+# Keep in step with dit.train.TrainConfig.out_dir and dit.templates.DEFAULT_CATALOG (not
+# imported: they import torch, and the CLI must start fast; tests/sakura checks both).
 DEFAULT_TRAIN_DIR = str(Path.home() / ".cache" / "sakura" / "train")
+SHIPPED_CATALOG = Path(__file__).parent / "catalog" / "catalog.json"
+
+
+def template_ids(catalog: str | Path | None = None) -> list[str]:
+    """The template ids of ``catalog`` (catalog.json or its folder; default: the shipped
+    one), in catalog order. The entries themselves are checked by
+    ``dit.templates.load_catalog`` when a command loads them."""
+    path = Path(catalog) if catalog else SHIPPED_CATALOG
+    if path.is_dir():
+        path = path / "catalog.json"
+    try:
+        doc = json.loads(path.read_text())
+        ids = list(doc["templates"])
+    except FileNotFoundError:
+        raise SakuraError(f"catalog not found: {path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SakuraError(f"{path} is not a template catalog ({exc})") from None
+    return ids
+
+
+def check_template(template: str | None, catalog: str | Path | None = None) -> None:
+    """Raise :class:`SakuraError` (exit 1) unless ``template`` is in ``catalog``."""
+    if template is None:
+        return
+    ids = template_ids(catalog)
+    if template not in ids:
+        where = f"catalog {catalog}" if catalog else "shipped catalog"
+        raise SakuraError(f"template {template!r} is not in the {where} (known: "
+                          f"{', '.join(ids)})")
+
+
+def check_file(path: str | None, option: str) -> None:
+    """Raise :class:`SakuraError` (exit 1) unless ``path`` (if given) is a readable file."""
+    if path is not None and not Path(path).is_file():
+        raise SakuraError(f"{option}: no such file: {path}")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -20,6 +64,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench_kv(args: argparse.Namespace) -> int:
+    check_template(args.template)
     import torch
     from sakura.dit.bench_kv import main
 
@@ -28,37 +73,52 @@ def _bench_kv(args: argparse.Namespace) -> int:
 
 
 def _bench_model(args: argparse.Namespace) -> int:
+    check_file(args.weights, "--weights")
     from sakura.dit.bench_model import main
 
     return main(args.json, args.quick, args.grid, args.weights)
 
 
 def register(commands, bench) -> None:
-    m = bench.add_parser("model", help="does the model generate its prompts? (classifier check)")
-    m.add_argument("--json", metavar="PATH")
-    m.add_argument("--quick", action="store_true")
+    m = bench.add_parser("model", help="does the model generate its prompts? (classifier check)",
+                         description="Generate held-out prompts with the model and check "
+                                     "them with a classifier; prints the JSON.")
+    m.add_argument("--json", type=json_path, metavar="PATH",
+                   help="also write the result JSON here (- for stdout)")
+    m.add_argument("--quick", action="store_true", help="4 samples per category, fewer steps")
     m.add_argument("--grid", metavar="PNG", help="also write a held-out sample grid")
-    m.add_argument("--weights", help="weights file (default: shipped)")
+    m.add_argument("--weights", metavar="FILE", help="weights file (default: shipped)")
     m.set_defaults(func=_bench_model)
 
-    b = bench.add_parser("kv", help="KV reuse: masked vs full, reference cache, text KV, offload")
-    b.add_argument("--json", metavar="PATH", help="write the result JSON here")
+    b = bench.add_parser("kv", help="KV reuse: masked vs full, reference cache, text KV, offload",
+                         description="Template-KV reuse on one catalog template: masked "
+                                     "vs full execution, reference and text KV, offload.")
+    b.add_argument("--json", type=json_path, metavar="PATH",
+                   help="write the result JSON here (- for stdout)")
     b.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 60 s)")
-    b.add_argument("--template", default="face-technologist")
-    b.add_argument("--threads", type=int, default=1,
+    b.add_argument("--template", default="face-technologist", metavar="ID",
+                   help="catalog template (default %(default)s)")
+    b.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch threads (default 1, as the edge runtime; more threads than "
                         "free cores slow execution down many times)")
     b.set_defaults(func=_bench_kv)
 
-    p = commands.add_parser("train", help="train the default MMDiT on the emoji data (resumable)")
-    p.add_argument("--steps", type=int, default=20000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--out-dir", default=DEFAULT_TRAIN_DIR, help="checkpoints and loss log")
-    p.add_argument("--weights-out", default="dit/weights/sakura-mmdit.safetensors")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    p.add_argument("--t-uniform", type=float, default=0.5, metavar="FRACTION",
+    p = commands.add_parser("train", help="train the default MMDiT on the emoji data (resumable)",
+                            description="Train the shipped MMDiT on the emoji data set; "
+                                        "resumes from the last checkpoint in --out-dir.")
+    p.add_argument("--steps", type=positive_int, default=20000, metavar="N",
+                   help="optimizer steps (default %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=32, metavar="N",
+                   help="images per step (default %(default)s)")
+    p.add_argument("--out-dir", default=DEFAULT_TRAIN_DIR, metavar="DIR",
+                   help="checkpoints and loss log (default %(default)s)")
+    p.add_argument("--weights-out", default="dit/weights/sakura-mmdit.safetensors",
+                   metavar="FILE", help="where the trained weights go (default %(default)s)")
+    p.add_argument("--threads", type=nonnegative_int, default=0, metavar="N",
+                   help="torch threads (0 = torch's default)")
+    p.add_argument("--t-uniform", type=fraction, default=0.5, metavar="FRACTION",
                    help="fraction of samples with uniform t (rest logit-normal; default 0.5)")
-    p.add_argument("--variant-power", type=float, default=0.5, metavar="P",
+    p.add_argument("--variant-power", type=nonnegative_float, default=0.5, metavar="P",
                    help="draw each image with weight (its emoji's skin-tone variants) ** -P, so "
                         "people stop crowding out objects (0 = uniform; default 0.5)")
     p.set_defaults(func=_train)

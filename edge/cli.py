@@ -17,10 +17,37 @@ from pathlib import Path
 from typing import Any
 
 from sakura.edge.allocator import POLICIES
+from sakura.edge.backends import BACKENDS
 from sakura.edge.errors import EdgeError
 from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
 
+from sakura.argtypes import (
+    http_url,
+    json_path,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+)
+
+# what each non-torch backend imports (sakura.extras names the extra to install)
+BACKEND_MODULES = {"executorch": ("executorch",), "qnn": ("onnxruntime_qnn", "onnx")}
+
 SWITCH_INTERVAL_S = 0.0005  # measured: 5 ms (default) -> 0.5 ms cut a paced edit 1.45 -> 0.9 s
+
+
+def startup_fraction(text: str) -> float:
+    """``--startup-fraction``: a number in [0, 1] (``edge.monitor``'s rule), else exit 2."""
+    try:
+        return check_startup_fraction(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def png_file(text: str) -> str:
+    """``--out``: the edited image, a .png file name."""
+    if Path(text).suffix.lower() != ".png" or not Path(text).stem:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a .png file name")
+    return text
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -28,8 +55,10 @@ def register(commands: Any, bench: Any) -> None:
         "edit", help="run one private edit on this device, streaming the template cache",
         description="Run one edit: the template's KV cache streams from the server shard "
                     "by shard; the prompt, reference image and seed never leave this "
-                    "machine.")
-    p.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8000")
+                    "machine. Every argument (and the template, in the server's catalog) "
+                    "is checked before the model loads.")
+    p.add_argument("--server", type=http_url, required=True, metavar="URL",
+                   help="server URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--template", required=True, metavar="ID", help="template id")
     p.add_argument("--prompt", required=True, help="the (private) edit prompt")
     p.add_argument("--reference", metavar="IMG", help="a (private) reference image")
@@ -39,40 +68,44 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--pack", metavar="CODEC",
                    help="stream this codec's pack instead of the policy's own (e.g. "
                         "sakura-all for the ablations)")
-    p.add_argument("--trace", metavar="PATH", help="replay this network trace on the link")
-    p.add_argument("--start", type=float, default=0.0, metavar="S",
+    link = p.add_mutually_exclusive_group()
+    link.add_argument("--trace", metavar="PATH", help="replay this network trace on the link")
+    link.add_argument("--rate", type=positive_float, metavar="MBPS",
+                      help="a constant-rate link instead")
+    p.add_argument("--start", type=nonnegative_float, default=0.0, metavar="S",
                    help="trace start offset in seconds (default 0)")
-    p.add_argument("--rate", type=float, metavar="MBPS", help="a constant-rate link instead")
-    p.add_argument("--scale", type=float, default=1.0,
+    p.add_argument("--scale", type=positive_float, default=1.0, metavar="F",
                    help="multiply the trace/rate by this factor (default 1)")
-    p.add_argument("--out", required=True, metavar="FILE", help="edited image (PNG)")
+    p.add_argument("--out", type=png_file, required=True, metavar="FILE",
+                   help="edited image (PNG); the timeline goes beside it")
     p.add_argument("--token", help="bearer token for the server")
-    p.add_argument("--weights", help="model weights (default: the shipped model)")
+    p.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     p.add_argument("--model", help="run a diffusers model instead of the shipped one, e.g. "
                    "flux2-klein-4b, sd3.5-medium, qwenimage, qwenimage-2.1 (with --model-path; "
                    "the server's packs must have been built with the same checkpoint)")
-    p.add_argument("--model-path", help="the --model's local checkpoint (pipeline folder)")
-    p.add_argument("--catalog",
+    p.add_argument("--model-path", metavar="DIR",
+                   help="the --model's local checkpoint (pipeline folder)")
+    p.add_argument("--catalog", metavar="CATALOG",
                    help="take the template from this local catalog instead of the server's "
                         "catalog entry")
     p.add_argument("--compare-exact", action="store_true",
                    help="also compute `exact` and print PSNR/SSIM against it")
-    p.add_argument("--state-dir", default=str(default_state_dir()),
+    p.add_argument("--state-dir", default=str(default_state_dir()), metavar="DIR",
                    help="device state kept between edits: manifests (revalidated by ETag), "
                         "execution calibration, last rate estimate (default %(default)s)")
     p.add_argument("--no-state", action="store_true", help="keep no state between edits")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch threads for execution and reconstruction (default 1; more "
                         "threads than free cores slow execution down many times)")
-    p.add_argument("--max-ahead", type=int, default=4,
+    p.add_argument("--max-ahead", type=positive_int, default=4, metavar="N",
                    help="shards fetched ahead of execution (default 4)")
-    p.add_argument("--startup-fraction", type=float, default=DEFAULT_STARTUP_FRACTION,
-                   metavar="F",
+    p.add_argument("--startup-fraction", type=startup_fraction,
+                   default=DEFAULT_STARTUP_FRACTION, metavar="F",
                    help="startup allowance: execution may start up to F x the predicted "
                         "execution time after the manifest is in, so the first shards go at "
                         "better configurations (with a current rate estimate: see "
                         "edge/README.md); 0 to 1, 0: none (default %(default)s)")
-    p.add_argument("--backend", default="torch", choices=("torch", "executorch", "qnn"),
+    p.add_argument("--backend", default="torch", choices=BACKENDS,
                    help="execution backend (default torch; executorch: XNNPACK .pte shard "
                         "graphs; qnn: QNN HTP context binaries, x86 simulator here)")
     p.add_argument("--compiled-dir", metavar="DIR",
@@ -85,21 +118,24 @@ def register(commands: Any, bench: Any) -> None:
         description="Run every policy on the same edit over the same paced trace window; "
                     "the trace is scaled so that the FP16 cache at its median rate takes "
                     "10x the masked execution time.")
-    b.add_argument("--json", required=True, metavar="PATH", help="write the results here")
+    b.add_argument("--json", type=json_path, required=True, metavar="PATH",
+                   help="write the results here (- for stdout)")
     b.add_argument("--quick", action="store_true", help="one start point (under a minute)")
     b.add_argument("--template", metavar="ID", help="template (default: the first one)")
     b.add_argument("--trace", metavar="PATH", help="trace file (default: the first 5G trace)")
-    b.add_argument("--start", type=float, metavar="S", help="trace start offset (s)")
-    b.add_argument("--runs", type=int, help="start points (default 1 quick, 3 otherwise)")
+    b.add_argument("--start", type=nonnegative_float, metavar="S", help="trace start offset (s)")
+    b.add_argument("--runs", type=positive_int, metavar="N",
+                   help="start points (default 1 quick, 3 otherwise)")
     b.add_argument("--policies", nargs="+", choices=list(POLICIES), metavar="P",
                    help=f"policies (default all: {', '.join(POLICIES)})")
-    b.add_argument("--server", help="use this running server (it must hold the template)")
-    b.add_argument("--catalog-dir", help="serve this published catalog directory")
-    b.add_argument("--cache-dir", default="runs/edge-bench",
+    b.add_argument("--server", type=http_url, metavar="URL",
+                   help="use this running server (it must hold the template)")
+    b.add_argument("--catalog-dir", metavar="DIR", help="serve this published catalog directory")
+    b.add_argument("--cache-dir", default="runs/edge-bench", metavar="DIR",
                    help="where built packs are kept (default runs/edge-bench)")
-    b.add_argument("--weights", help="model weights (default: the shipped model)")
+    b.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     b.add_argument("--plots", metavar="DIR", help="write a timeline plot per run here")
-    b.add_argument("--threads", type=int, default=1,
+    b.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch threads of the device (default 1), the same for every system")
     b.set_defaults(func=_bench)
 
@@ -137,42 +173,78 @@ def save_image(img: Any, path: Path) -> None:
     imsave(str(path), arr.permute(1, 2, 0).numpy().astype(np.uint8), check_contrast=False)
 
 
+def check_edit_args(args: argparse.Namespace) -> None:
+    """Everything about ``sakura edit``'s arguments that can be checked without the model or
+    the network: exit 2 for a bad argument, 1 for a missing file."""
+    from sakura.dit.adapters.cli import check_model_options
+    from sakura.dit.cli import check_file, check_template
+
+    from sakura.extras import require
+
+    check_model_options(args.model, args.model_path, args.weights)
+    check_file(args.weights, "--weights")
+    check_file(args.reference, "--reference")
+    check_file(args.trace, "--trace")
+    if args.catalog:
+        check_template(args.template, args.catalog)
+    if args.backend != "torch":
+        require(*BACKEND_MODULES[args.backend], what=f"--backend {args.backend}")
+        from sakura.edge.backends import create_backend
+
+        create_backend(args.backend, _backend_config(args))  # raises if it cannot run here
+    if args.pack:
+        from sakura.codec.cli import check_codecs
+
+        check_codecs([args.pack], "--pack")
+
+
+def fetch_template(server: str, template_id: str, token: str | None) -> Any:
+    """The template from the server's catalog entry (only its id is sent), fetched before
+    the model loads so that an unknown template or a server that is not there costs
+    nothing (the same request as ``EdgeRuntime.fetch_template``)."""
+    import asyncio
+
+    from sakura.edge.client import PackClient, RetryPolicy
+    from sakura.edge.templates import template_from_entry
+
+    async def get() -> dict[str, Any]:
+        async with PackClient(server, token=token, retry=RetryPolicy()) as client:
+            return await client.template_entry(template_id)
+
+    return template_from_entry(template_id, asyncio.run(get()))
+
+
 def _edit(args: argparse.Namespace) -> int:
+    check_edit_args(args)
+    out = Path(args.out)
+    _set_threads(args.threads)
+    from sakura.edge.netem import trace_from_args
+
+    trace = trace_from_args(args.trace, args.rate, args.scale)
+    if args.catalog:
+        from sakura.dit.templates import load_catalog
+
+        template = load_catalog(args.catalog)[args.template].to_device_template()
+    else:
+        template = fetch_template(args.server, args.template, args.token)
+        shipped = _shipped_seed(args.template)
+        if template.seed < 0 and shipped is not None:
+            template.seed = shipped
+
     from sakura.dit.adapters.engine import load_engine
-    from sakura.dit.templates import load_catalog
     from sakura.dit.weights import DEFAULT_WEIGHTS
-    from sakura.edge.netem import shaped, trace_from_args
+    from sakura.edge.netem import shaped
     from sakura.edge.runtime import EdgeRuntime, EditOptions
     from sakura.edge.timeline import plot_timeline, write_json
 
-    _set_threads(args.threads)
-    out = Path(args.out)
-    if out.suffix.lower() != ".png":
-        raise EdgeError(f"--out must be a .png file, got {out}")
-    startup_fraction = startup_fraction_arg(args.startup_fraction)
-    trace = trace_from_args(args.trace, args.rate, args.scale)
-    if args.model and args.weights:
-        raise EdgeError("--weights is the shipped model's; a --model checkpoint is given by "
-                        "--model-path")
     weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
     engine = load_engine(args.model, args.model_path, weights=weights)
     runtime = EdgeRuntime(engine, state_dir=None if args.no_state else args.state_dir,
                           backend=args.backend, backend_config=_backend_config(args))
-    if args.catalog:
-        catalog = load_catalog(args.catalog)
-        if args.template not in catalog:
-            raise EdgeError(f"template {args.template!r} is not in {args.catalog} "
-                            f"(known: {', '.join(catalog)})")
-        template = catalog[args.template].to_device_template()
-    else:
-        shipped = _shipped_seed(args.template)
-        template = runtime.fetch_template(args.server, args.template, args.token)
-        if template.seed < 0 and shipped is not None:
-            template.seed = shipped
     reference = load_image(args.reference, template.size) if args.reference else None
     req = runtime.request(args.prompt, args.seed, reference)
     options = EditOptions(max_ahead=args.max_ahead, pack=args.pack,
-                          startup_fraction=startup_fraction)
+                          startup_fraction=args.startup_fraction)
     link_info: dict[str, Any] = {"mode": "direct"}
     if trace is not None:
         stats = trace.slice(args.start, 60.0).stats() if args.trace else trace.stats()
@@ -267,6 +339,13 @@ def _short(params: dict[str, Any]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from sakura.dit.cli import check_file, check_template
+
+    check_template(args.template)
+    check_file(args.trace, "--trace")
+    check_file(args.weights, "--weights")
+    if args.catalog_dir and not Path(args.catalog_dir).is_dir():
+        raise EdgeError(f"--catalog-dir: no such folder: {args.catalog_dir}")
     from sakura.edge.bench import DEFAULT_POLICIES, BenchSpec, run_bench, write
 
     _set_threads(args.threads)

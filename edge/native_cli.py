@@ -12,6 +12,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from sakura.argtypes import json_path, positive_int
+
 
 def register(commands: Any, bench: Any) -> None:
     p = bench.add_parser(
@@ -19,27 +21,31 @@ def register(commands: Any, bench: Any) -> None:
         description="Decode every configuration of a sample of shards with the Python and "
                     "the native decoder (1 thread each, and native with --threads), check "
                     "they agree, and time a pipeline of no-op stages.")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
+    p.add_argument("--json", type=json_path, metavar="PATH",
+                   help="write the results here (- for stdout)")
     p.add_argument("--pack", metavar="DIR", help="a sakura/svd pack directory (default: a "
                    "synthetic cache at the shipped model's geometry)")
     p.add_argument("--template", metavar="ID", help="template id of the pack's manifest")
-    p.add_argument("--shards", type=int, default=6, help="shards sampled (default 6)")
-    p.add_argument("--configs", type=int, default=8, help="configs per shard (default 8)")
-    p.add_argument("--repeats", type=int, default=15, help="timings per config (median)")
-    p.add_argument("--threads", type=int, default=2, help="native multi-thread figure")
+    p.add_argument("--shards", type=positive_int, default=6, metavar="N",
+                   help="shards sampled (default 6)")
+    p.add_argument("--configs", type=positive_int, default=8, metavar="N",
+                   help="configs per shard (default 8)")
+    p.add_argument("--repeats", type=positive_int, default=15, metavar="N",
+                   help="timings per config (median; default 15)")
+    p.add_argument("--threads", type=positive_int, default=2, metavar="N",
+                   help="threads of the native multi-thread figure (default 2)")
     p.add_argument("--export", metavar="DIR",
                    help="write the sampled shards for `sakura-native run DIR` instead")
     p.set_defaults(func=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from sakura.edge.errors import EdgeError
+    from sakura.errors import UsageError
+
+    if not (args.json or args.export):
+        raise UsageError("give --json PATH (or --export DIR)")
     from sakura.edge.native_bench import NativeBenchConfig, export_shards, run, write_json
 
-    if args.shards < 1 or args.configs < 1 or args.repeats < 1 or args.threads < 1:
-        raise EdgeError("--shards, --configs, --repeats and --threads must be >= 1")
-    if not (args.json or args.export):
-        raise EdgeError("give --json PATH (or --export DIR)")
     cfg = NativeBenchConfig(pack_dir=Path(args.pack) if args.pack else None,
                             template=args.template, shards=args.shards,
                             configs_per_shard=args.configs, repeats=args.repeats,

@@ -29,16 +29,25 @@ DEFAULT_TEMPLATE = "face-technologist"
 
 
 def register(commands: Any, bench: Any) -> None:
-    p = commands.add_parser("demo", help="the main job: build, serve, replay a real trace, edit")
-    p.add_argument("--template", default=DEFAULT_TEMPLATE)
+    from sakura.argtypes import nonnegative_float
+    from sakura.edge.cli import startup_fraction
+
+    p = commands.add_parser("demo", help="the main job: build, serve, replay a real trace, edit",
+                            description=__doc__.split("\n\n")[0])
+    p.add_argument("--template", default=DEFAULT_TEMPLATE, metavar="ID",
+                   help="shipped catalog template (default %(default)s)")
     p.add_argument("--prompt", help="private edit prompt (default: the template's first "
                                     "evaluation prompt)")
-    p.add_argument("--seed", type=int, default=100)
-    p.add_argument("--out", default="out/demo", help="where images, plots and JSON go")
-    p.add_argument("--packs", default="packs", help="published catalog directory")
-    p.add_argument("--trace", help="trace file (default: a Lumos5G 5G walking trace)")
-    p.add_argument("--start", type=float, default=20.0, help="start offset in the trace (s)")
-    p.add_argument("--startup-fraction", type=float, metavar="F",
+    p.add_argument("--seed", type=int, default=100, help="edit noise seed (default 100)")
+    p.add_argument("--out", default="out/demo", metavar="DIR",
+                   help="where images, plots and JSON go (default out/demo)")
+    p.add_argument("--packs", default="packs", metavar="DIR",
+                   help="published catalog directory (default packs)")
+    p.add_argument("--trace", metavar="PATH",
+                   help="trace file (default: a Lumos5G 5G walking trace)")
+    p.add_argument("--start", type=nonnegative_float, default=20.0, metavar="S",
+                   help="start offset in the trace (s; default 20)")
+    p.add_argument("--startup-fraction", type=startup_fraction, metavar="F",
                    help="startup allowance of the streamed edits, a fraction of the predicted "
                         "execution time (default: the runtime's, EditOptions.startup_fraction)")
     p.set_defaults(func=run_demo)
@@ -68,6 +77,10 @@ def _pick_trace(path: str | None):
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from sakura.dit.cli import check_file, check_template
+
+    check_template(args.template)  # before anything loads
+    check_file(args.trace, "--trace")
     import torch
 
     from sakura.cloud.build import BuildConfig, build

@@ -1,23 +1,28 @@
 """``sakura traces ...`` and ``sakura bench link``: thin argparse wrappers over the package.
 
-- ``sakura traces stats PATH... [--json] [--window S] [--label L]``: statistics table.
-- ``sakura traces list``: the trace folder and its named sets.
+- ``sakura traces stats PATH|SET... [--json PATH] [--window S] [--label L]``: statistics
+  table of trace files, folders or named sets (``sakura traces list`` shows the sets).
+- ``sakura traces list [--json PATH]``: the trace folder and its named sets.
 - ``sakura traces mahimahi (PATH | --mixed SEED) --out FILE [--scale F] [--start S]
   [--duration S]``: a scaled or mixed trace as a Mahimahi ``mm-link`` file.
-- ``sakura bench link [PATH...] [--json] [--quick] [--out FILE]``: emulator accuracy.
+- ``sakura bench link [PATH...] [--json PATH] [--quick]``: emulator accuracy.
+
+``--json PATH`` writes the machine-readable result to PATH (``-``: standard output).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from sakura.traces.catalog import TRACE_SETS, default_trace_dir, find_trace_files
+from sakura.traces.catalog import TRACE_SETS, default_trace_dir, find_trace_files, trace_set
 from sakura.traces.errors import TraceError
 from sakura.traces.formats import load_trace
+
+from sakura.argtypes import json_path, positive_float
+from sakura.output import write_json
 
 _COLUMNS = (
     ("name", "trace", "{}"),
@@ -37,18 +42,23 @@ def register(commands: Any, bench: Any) -> None:
     sub = traces_p.add_subparsers(dest="traces_command", metavar="ACTION")
     traces_p.set_defaults(func=lambda args: _usage(traces_p))
 
-    stats = sub.add_parser("stats", help="mean/median/p10/p90/outage of trace files or folders")
-    stats.add_argument("paths", nargs="+", metavar="PATH", help="trace files or folders")
-    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    stats.add_argument("--window", type=float, default=1.0, help="window in s (default 1)")
+    stats = sub.add_parser("stats", help="mean/median/p10/p90/outage of trace files or folders",
+                           description="Statistics of trace files, folders (searched "
+                                       "recursively) or named sets (see `sakura traces list`).")
+    stats.add_argument("paths", nargs="+", metavar="PATH",
+                       help="trace files, folders, or named sets such as 5g, lte, wifi")
+    stats.add_argument("--json", type=json_path, metavar="PATH",
+                       help="write the rows as JSON here (- for stdout) instead of a table")
+    stats.add_argument("--window", type=positive_float, default=1.0, metavar="S",
+                       help="window in s (default 1)")
     stats.add_argument("--label", help="only slices with this network label (e.g. 5G)")
-    stats.add_argument(
-        "--mahimahi-bin", type=float, default=0.1, help="Mahimahi bin in s (default 0.1)"
-    )
+    stats.add_argument("--mahimahi-bin", type=positive_float, default=0.1, metavar="S",
+                       help="Mahimahi bin in s (default 0.1)")
     stats.set_defaults(func=_cmd_stats)
 
     lst = sub.add_parser("list", help="where the traces are and the named sets")
-    lst.add_argument("--json", action="store_true")
+    lst.add_argument("--json", type=json_path, metavar="PATH",
+                     help="write the folder and sets as JSON here (- for stdout)")
     lst.set_defaults(func=_cmd_list)
 
     mm = sub.add_parser("mahimahi", help="write a (scaled or mixed) trace as a Mahimahi "
@@ -67,13 +77,15 @@ def register(commands: Any, bench: Any) -> None:
     link.add_argument(
         "paths", nargs="*", metavar="PATH", help="trace files or the trace folder (default)"
     )
-    link.add_argument("--json", action="store_true", help="print the full JSON report")
+    link.add_argument("--json", type=json_path, metavar="PATH",
+                      help="write the full JSON report here (- for stdout)")
     link.add_argument("--quick", action="store_true", help="3 traces, one window each")
-    link.add_argument("--window", type=float, default=2.0, help="window in s (default 2)")
-    link.add_argument("--seed", type=int, default=0)
-    link.add_argument("--max-mbps", type=float, default=200.0, help="peak rate cap (200)")
+    link.add_argument("--window", type=positive_float, default=2.0, metavar="S",
+                      help="window in s (default 2)")
+    link.add_argument("--seed", type=int, default=0, help="seed of the window starts (default 0)")
+    link.add_argument("--max-mbps", type=positive_float, default=200.0, metavar="MBPS",
+                      help="peak rate cap (default 200)")
     link.add_argument("--no-kernel", action="store_true", help="skip kernel shaping")
-    link.add_argument("--out", type=Path, help="also write the JSON report to this file")
     link.set_defaults(func=_cmd_bench_link)
 
 
@@ -82,8 +94,19 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+def _expand_sets(items: list[str]) -> list[str | Path]:
+    """Named sets (``5g``, ``lte``...) become their files; an existing path always wins."""
+    out: list[str | Path] = []
+    for item in items:
+        if item in TRACE_SETS and not Path(item).exists():
+            out.extend(trace_set(item))
+        else:
+            out.append(item)
+    return out
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
-    files = find_trace_files(args.paths)
+    files = find_trace_files(_expand_sets(args.paths))
     if not files:
         raise TraceError(f"no trace files under {' '.join(args.paths)}")
     rows = []
@@ -97,7 +120,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         row["path"] = str(f)
         rows.append(row)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        write_json(args.json, rows)
         return 0
     print(format_table(rows))
     return 0
@@ -120,7 +143,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if root is not None:
         sets = {name: len(list(root.glob(pat))) for name, pat in TRACE_SETS.items()}
     if args.json:
-        print(json.dumps({"root": str(root) if root else None, "sets": sets}, indent=2))
+        write_json(args.json, {"root": str(root) if root else None, "sets": sets})
         return 0
     print(f"trace folder: {root if root else '(none: set SAKURA_TRACES)'}")
     for name, n in sets.items():
@@ -163,12 +186,9 @@ def _cmd_bench_link(args: argparse.Namespace) -> int:
         max_mbps=args.max_mbps,
         kernel=not args.no_kernel,
     )
-    text = json.dumps(report, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
     if args.json:
-        print(text)
-    else:
+        write_json(args.json, report)
+    if args.json != "-":
         fmt = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
         print(f"paced link:  max window error {fmt(report['paced_rel_error'])}")
         skipped = report["kernel_skipped"]

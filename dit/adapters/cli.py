@@ -3,20 +3,70 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from sakura.argtypes import json_path
+from sakura.errors import SakuraError, UsageError
+
+# dit.adapters.bench.KINDS (not imported: it imports torch; tests/sakura checks they agree)
+BENCH_MODELS = ("flux2", "sd3.5", "qwenimage", "qwenimage-2.1")
+
+
+def model_list(text: str) -> tuple[str, ...]:
+    """``--models``: a comma-separated subset of :data:`BENCH_MODELS`."""
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in names if m not in BENCH_MODELS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown model(s) {', '.join(unknown) or '(none given)'}; choose from "
+            f"{','.join(BENCH_MODELS)}")
+    return names
+
+
+def check_model_options(model: str | None, model_path: str | None,
+                        weights: str | None) -> None:
+    """``--model`` / ``--model-path`` / ``--weights`` of ``build`` and ``edit``, checked before
+    anything loads: a usage error (exit 2) for a bad combination or an unknown model name, a
+    :class:`SakuraError` (exit 1) for a checkpoint folder that is not there."""
+    if model is None:
+        if model_path is not None:
+            raise UsageError("--model-path needs --model (the checkpoint's model name)")
+        return
+    if weights:
+        raise UsageError("--weights is the shipped model's; a --model checkpoint is given by "
+                         "--model-path")
+    if model_path is None:
+        raise UsageError(f"--model {model} needs --model-path (a local checkpoint folder)")
+    from sakura.extras import require
+
+    require("diffusers", what="--model")
+    from sakura.dit.adapters.registry import MODELS
+
+    if model not in MODELS:
+        raise UsageError(f"--model: unknown model {model!r}; choose one of "
+                         f"{', '.join(sorted(MODELS))}")
+    if not Path(model_path).expanduser().is_dir():
+        raise SakuraError(f"--model-path: no such folder: {model_path}")
 
 
 def _bench_adapters(args: argparse.Namespace) -> int:
+    from sakura.extras import require
+
+    require("diffusers", what="sakura bench adapters")
     from sakura.dit.adapters.bench import main
 
-    return main(args.json, args.quick, args.models)
+    return main(args.json, args.quick, ",".join(args.models) if args.models else None)
 
 
 def register(commands, bench) -> None:
     b = bench.add_parser(
         "adapters",
-        help="diffusers adapters: exactness, masked speed-up, reference/prefix KV, cache geometry")
-    b.add_argument("--json", metavar="PATH", help="write the result JSON here")
+        help="diffusers adapters: exactness, masked speed-up, reference/prefix KV, cache geometry",
+        description="The diffusers adapters on test-size models: cached edit vs the pinned "
+                    "reference, masked speed-up, reference/prefix KV, cache geometry.")
+    b.add_argument("--json", type=json_path, metavar="PATH",
+                   help="write the result JSON here (- for stdout)")
     b.add_argument("--quick", action="store_true", help="test-size models, 4 steps, 1 repeat")
-    b.add_argument("--models", metavar="LIST",
-                   help="comma-separated subset of flux2,sd3.5,qwenimage,qwenimage-2.1")
+    b.add_argument("--models", type=model_list, metavar="LIST",
+                   help=f"comma-separated subset of {','.join(BENCH_MODELS)} (default all)")
     b.set_defaults(func=_bench_adapters)

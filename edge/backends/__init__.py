@@ -12,8 +12,23 @@ from __future__ import annotations
 
 import importlib
 
-from sakura.edge.backends.base import BackendConfig, ExecutionBackend
+from typing import TYPE_CHECKING
+
 from sakura.edge.backends.errors import BackendError, BackendUnavailable, GeometryMismatch
+
+if TYPE_CHECKING:
+    from sakura.edge.backends.base import BackendConfig, ExecutionBackend
+
+_LAZY = {"BackendConfig", "ExecutionBackend"}  # torch-backed: loaded on first use, so that
+# importing a light submodule (errors, cli) does not import torch (`sakura --help`)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from sakura.edge.backends import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'sakura.edge.backends' has no attribute {name!r}")
 
 # name -> "module:class"
 REGISTRY: dict[str, str] = {

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sakura.edge.backends import BACKENDS as NAMES
 from sakura.edge.backends.errors import BackendError
 
-NAMES = ("torch", "executorch", "qnn")
+from sakura.argtypes import json_path, positive_int
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -17,19 +18,32 @@ def register(commands: Any, bench: Any) -> None:
         "backends", help="shard latency, error vs torch, compile vs cached load per backend",
         description="Compile the shard graphs of one catalog template for every backend, "
                     "time them, compare their outputs and a whole edit with torch.")
-    b.add_argument("--json", required=True, metavar="PATH", help="write the results here")
+    b.add_argument("--json", type=json_path, required=True, metavar="PATH",
+                   help="write the results here (- for stdout)")
     b.add_argument("--template", metavar="ID", help="catalog template (default: the first)")
     b.add_argument("--backends", nargs="+", choices=NAMES, default=list(NAMES),
                    metavar="B", help=f"backends (default all: {', '.join(NAMES)})")
-    b.add_argument("--weights", help="model weights (default: the shipped model)")
-    b.add_argument("--blocks-per-shard", type=int, default=4,
+    b.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
+    b.add_argument("--blocks-per-shard", type=positive_int, default=4, metavar="N",
                    help="blocks per shard graph (default 4, as sakura build)")
-    b.add_argument("--repeats", type=int, default=5, help="timed runs per shard (median)")
-    b.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    b.add_argument("--repeats", type=positive_int, default=5, metavar="N",
+                   help="timed runs per shard (median; default 5)")
+    b.add_argument("--threads", type=positive_int, default=1, metavar="N",
+                   help="torch threads (default 1)")
     b.set_defaults(func=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from sakura.dit.cli import check_file, check_template
+    from sakura.edge.cli import BACKEND_MODULES
+
+    from sakura.extras import require
+
+    check_template(args.template)
+    check_file(args.weights, "--weights")
+    for name in args.backends:
+        if name in BACKEND_MODULES:
+            require(*BACKEND_MODULES[name], what=f"the {name} backend")
     import torch
     from sakura.dit.templates import load_catalog
     from sakura.dit.text import TextEncoder

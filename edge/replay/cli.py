@@ -9,6 +9,10 @@ import argparse
 import sys
 from typing import Any
 
+from sakura.edge.cli import startup_fraction
+
+from sakura.argtypes import json_path, positive_int
+
 
 def register(commands: Any, bench: Any) -> None:
     r = commands.add_parser(
@@ -18,19 +22,20 @@ def register(commands: Any, bench: Any) -> None:
                     "profile). Results append to DIR/runs.jsonl; a rerun skips finished runs.")
     r.add_argument("config", nargs="?", metavar="CONFIG",
                    help="YAML config (default: the shipped edge/replay/configs/default.yaml)")
-    r.add_argument("--out", required=True, metavar="DIR", help="results folder")
+    r.add_argument("--out", required=True, metavar="DIR",
+                   help="results folder (runs.jsonl; a rerun resumes)")
     r.add_argument("--quick", action="store_true",
                    help="a small run: 1 template per workload, 2 networks, 3 start points")
-    r.add_argument("--starts", type=int, metavar="N", help="start points per network")
+    r.add_argument("--starts", type=positive_int, metavar="N", help="start points per network")
     r.add_argument("--regime", choices=("matched", "profile"),
                    help="regime-matched replay or the phone device profile")
     r.add_argument("--link", choices=("paced", "kernel"), help="link emulation")
-    r.add_argument("--startup-fraction", type=float, metavar="F",
+    r.add_argument("--startup-fraction", type=startup_fraction, metavar="F",
                    help="startup allowance of the streamed edits (0 to 1; the config's "
                         "startup_fraction)")
     r.add_argument("--packs-dir", metavar="DIR", help="where packs are built and kept")
-    r.add_argument("--weights", help="model weights (default: the shipped model)")
-    r.add_argument("--threads", type=int, default=1,
+    r.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
+    r.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch threads of the device (default 1)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--report", action="store_true", help="write the report when done")
@@ -41,7 +46,8 @@ def register(commands: Any, bench: Any) -> None:
         description="Write DIR/report.md and DIR/figures/*.png from DIR/runs.jsonl; "
                     "--json PATH also writes the headline ratios and their targets.")
     p.add_argument("dir", metavar="DIR", help="a `sakura replay` results folder")
-    p.add_argument("--json", metavar="PATH", help="write the headline ratios here")
+    p.add_argument("--json", type=json_path, metavar="PATH",
+                   help="write the headline ratios here (- for stdout)")
     p.add_argument("--out", metavar="DIR", help="write the report here (default: DIR)")
     p.set_defaults(func=_report)
 
@@ -51,6 +57,9 @@ def _log(msg: str) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from sakura.dit.cli import check_file
+
+    check_file(args.weights, "--weights")
     from sakura.edge.cli import _set_threads
     from sakura.edge.replay.config import load_config
     from sakura.edge.replay.runner import run_replay

@@ -21,6 +21,7 @@ from sakura.cloud.publish import mirror_to_storage
 from sakura.cloud.server import create_app
 from sakura.cloud.storage import S3Storage
 
+from sakura.errors import UsageError
 from tests.cloud.helpers import parse_multipart, shard_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +54,12 @@ def test_serve_refuses_a_missing_dir_or_catalog(tmp_path):
     args = parse(["serve", str(tmp_path)])
     with pytest.raises(ServeConfigError, match="has no catalog.json"):
         args.func(args)
+    # bad combinations of arguments are usage errors (exit 2 through sakura.cli.main)
     args = parse(["serve"])
-    with pytest.raises(ServeConfigError, match="give the published catalog directory"):
+    with pytest.raises(UsageError, match="give the published catalog directory"):
         args.func(args)
     args = parse(["serve", str(tmp_path), "--s3-endpoint", "http://127.0.0.1:1"])
-    with pytest.raises(ServeConfigError, match="needs --s3-bucket"):
+    with pytest.raises(UsageError, match="needs --s3-bucket"):
         args.func(args)
 
 
@@ -174,6 +176,6 @@ def test_bench_serve_command_writes_json(tmp_path, monkeypatch):
     assert args.func(args) == 0
     assert json.loads(out.read_text()) == fake
     assert seen["c"].clients == 40 and seen["c"].duration_s == 1.5
-    args = parse(["bench", "serve", "--json", str(out), "--clients", "0"])
-    with pytest.raises(ServeConfigError):
-        args.func(args)
+    with pytest.raises(SystemExit) as info:  # a usage error: argparse exits 2
+        parse(["bench", "serve", "--json", str(out), "--clients", "0"])
+    assert info.value.code == 2

@@ -89,9 +89,11 @@ def test_bad_settings_are_refused(bad, word):
 def test_cli_reports_bad_settings_without_traceback(capsys):
     from sakura.cli import main
 
-    assert main(["train", "--t-uniform", "2"]) == 1
+    with pytest.raises(SystemExit) as info:  # a usage error (exit 2), before anything loads
+        main(["train", "--t-uniform", "2"])
+    assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "t_uniform must be in [0, 1]" in err and "Traceback" not in err
+    assert "--t-uniform: must be a number in [0, 1]" in err and "Traceback" not in err
 
 
 def test_variant_weights_share_one_emoji_between_its_skin_tones():

@@ -152,13 +152,14 @@ def test_sakura_edit_reports_an_unreachable_server(text_world, tmp_path, capsys)
 
 @pytest.mark.parametrize("value", ["-0.5", "1.5", "nan"])
 def test_sakura_edit_refuses_a_bad_startup_fraction(tmp_path, capsys, value):
-    code = main(["edit", "--server", "http://127.0.0.1:9", "--template", "t", "--prompt",
-                 "x", "--out", str(tmp_path / "x.png"), "--no-state",
-                 "--startup-fraction", value])
-    assert code == 1
+    with pytest.raises(SystemExit) as info:  # a usage error, before anything loads
+        main(["edit", "--server", "http://127.0.0.1:9", "--template", "t", "--prompt",
+              "x", "--out", str(tmp_path / "x.png"), "--no-state",
+              "--startup-fraction", value])
+    assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("sakura: error: --startup-fraction: startup_fraction must be a "
-                          "number in [0, 1]")
+    assert ("sakura edit: error: argument --startup-fraction: startup_fraction must be a "
+            "number in [0, 1]") in err
     assert "Traceback" not in err
 
 

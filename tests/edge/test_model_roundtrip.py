@@ -114,10 +114,6 @@ def test_bad_model_arguments_are_clear_errors(tmp_path, checkpoints, capsys):
          "nowhere"),
         (["build", "--model", "flux2-klein-4b", "--model-path", str(checkpoints["flux2"]),
           "--out", packs, "--templates", TEMPLATE], "is not FLUX.2 [klein] 4B"),
-        (["build", "--model", "no-such-model", "--model-path", str(checkpoints["flux2"]),
-          "--out", packs], "unknown model"),
-        (["build", "--model-path", str(checkpoints["flux2"]), "--out", packs], "needs --model"),
-        (["build", "--model", "flux2", "--out", packs], "needs --model-path"),
         (["edit", "--server", "http://127.0.0.1:9", "--template", "x", "--prompt", "p",
           "--model", "sd3", "--model-path", str(checkpoints["flux2"]), "--out",
           str(tmp_path / "o.png"), "--no-state"], "sd3"),
@@ -128,5 +124,15 @@ def test_bad_model_arguments_are_clear_errors(tmp_path, checkpoints, capsys):
         err = capsys.readouterr().err
         assert err.startswith("sakura: error:") and needle in err, (argv, err)
         assert "Traceback" not in err
-    assert not (tmp_path / "packs" / "catalog.json").exists() or json.loads(
-        (tmp_path / "packs" / "catalog.json").read_text())["templates"] == {}
+    usage = [  # bad combinations and names are usage errors: exit 2, before anything loads
+        (["build", "--model", "no-such-model", "--model-path", str(checkpoints["flux2"]),
+          "--out", packs], "unknown model"),
+        (["build", "--model-path", str(checkpoints["flux2"]), "--out", packs], "needs --model"),
+        (["build", "--model", "flux2", "--out", packs], "needs --model-path"),
+    ]
+    for argv, needle in usage:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("usage: sakura build") and needle in err, (argv, err)
+    assert not (tmp_path / "packs" / "catalog.json").exists()

@@ -29,9 +29,10 @@ def test_bench_native_writes_its_json(native, tmp_path, capsys):
 
 
 def test_bench_native_bad_arguments(native, tmp_path, capsys):
-    assert main(["bench", "native", "--json", str(tmp_path / "x.json"), "--shards", "0"]) == 1
-    assert "must be >= 1" in capsys.readouterr().err
-    assert main(["bench", "native", "--pack", str(tmp_path)]) == 1  # neither --json nor --export
+    with pytest.raises(SystemExit) as info:  # usage errors exit 2
+        main(["bench", "native", "--json", str(tmp_path / "x.json"), "--shards", "0"])
+    assert info.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "native", "--pack", str(tmp_path)]) == 2  # neither --json nor --export
     assert main(["bench", "native", "--json", str(tmp_path / "x.json"),
                  "--pack", str(tmp_path)]) == 1
     assert "no manifest" in capsys.readouterr().err

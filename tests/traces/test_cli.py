@@ -18,7 +18,7 @@ def test_stats_table_and_json(trace_dir: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "5g_trace_100_walking" in out and "Verizon-LTE-short.down" in out
     assert out.splitlines()[0].split()[:4] == ["trace", "format", "dur_s", "mean"]
-    assert main(["traces", "stats", "--json", str(files[0])]) == 0
+    assert main(["traces", "stats", "--json", "-", str(files[0])]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     expected = load_trace(files[0]).stats()
     for key in ("mean_mbps", "median_mbps", "p10_mbps", "p90_mbps", "outage_fraction"):
@@ -28,7 +28,7 @@ def test_stats_table_and_json(trace_dir: Path, capsys) -> None:
 
 def test_stats_label_filter(trace_dir: Path, capsys) -> None:
     path = trace_dir / "ucc5g/driving_B_2019.12.14_10.16.30.csv"
-    assert main(["traces", "stats", "--json", "--label", "LTE", str(path)]) == 0
+    assert main(["traces", "stats", "--json", "-", "--label", "LTE", str(path)]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["name"].endswith("[LTE]")
     assert row["duration_s"] < load_trace(path).duration_s
@@ -49,7 +49,7 @@ def test_stats_bad_file_is_a_clean_error(tmp_path: Path, capsys) -> None:
 
 def test_bench_link_paced_only(trace_dir: Path, capsys) -> None:
     path = trace_dir / "lumos5g/4g/4g_trace_driving_50015_dr.txt"
-    args = ["bench", "link", "--json", "--quick", "--no-kernel", "--window", "1.5", str(path)]
+    args = ["bench", "link", "--json", "-", "--quick", "--no-kernel", "--window", "1.5", str(path)]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["paced_rel_error"] < 0.05
@@ -63,7 +63,7 @@ def test_bench_link_paced_only(trace_dir: Path, capsys) -> None:
 def test_bench_link_both_emulators(trace_dir: Path, tmp_path: Path, capsys) -> None:
     path = trace_dir / "wifi/7_2_wifi.csv"
     out = tmp_path / "link.json"
-    assert main(["bench", "link", "--quick", "--window", "1.5", "--out", str(out), str(path)]) == 0
+    assert main(["bench", "link", "--quick", "--window", "1.5", "--json", str(out), str(path)]) == 0
     assert "kernel link: max window error" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["paced_rel_error"] < 0.05 and report["kernel_rel_error"] < 0.05

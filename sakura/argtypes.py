@@ -1,0 +1,117 @@
+"""Value types of the ``sakura`` command line, for argparse's ``type=``.
+
+A value that fails one of these is a usage error: argparse prints the command's usage and
+``sakura X: error: argument --opt: ...`` and exits 2, before the command imports anything
+heavy. Each type's name says what it accepts; each message says what was wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+__all__ = [
+    "at_least",
+    "fraction",
+    "http_url",
+    "json_path",
+    "name_list",
+    "nonnegative_float",
+    "nonnegative_int",
+    "port",
+    "positive_float",
+    "positive_int",
+]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An integer >= ``low``."""
+
+    def check(text: str) -> int:
+        value = _int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    check.__name__ = f"integer >= {low}"
+    return check
+
+
+positive_int = at_least(1)
+nonnegative_int = at_least(0)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1]."""
+    value = _float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free port)."""
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535)")
+    return value
+
+
+def http_url(text: str) -> str:
+    """An ``http://`` or ``https://`` URL with a host (and a valid port, if any)."""
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an http(s) URL such as http://127.0.0.1:8000")
+    return text.rstrip("/")
+
+
+def json_path(text: str) -> str:
+    """Where to write JSON: a file path, or ``-`` for standard output."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a file path, or - for standard output")
+    return text
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names (empty items dropped)."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())

@@ -1,0 +1,47 @@
+"""Machine-readable output of every command: ``--json PATH`` writes JSON to PATH, and
+``--json -`` writes it to standard output.
+
+Commands only ever write their JSON to the path in ``args.json``; :func:`json_to_stdout`
+(applied by ``sakura.cli`` to every command) makes ``-`` work everywhere the same way: the
+command writes to a temporary file while its human-readable lines go to standard error,
+and the document is copied to standard output once the command succeeds, so standard
+output holds nothing but the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+STDOUT = "-"
+
+
+def write_json(path: str | Path, doc: Any, *, indent: int | None = 2) -> Path:
+    """Write ``doc`` as JSON to ``path`` (parent folders created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=indent) + "\n")
+    return path
+
+
+@contextlib.contextmanager
+def json_to_stdout(args: argparse.Namespace) -> Iterator[None]:
+    """Run a command with ``--json -`` as described in the module docstring; a no-op for
+    any other value (or a command without ``--json``)."""
+    if getattr(args, "json", None) != STDOUT:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="sakura-json-") as tmp:
+        args.json = str(Path(tmp) / "out.json")
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+        written = Path(args.json)
+        if written.exists():
+            sys.stdout.write(written.read_text())
+            sys.stdout.flush()
