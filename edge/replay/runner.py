@@ -399,6 +399,14 @@ class TemplateState:
     packs: dict[str, str]
 
 
+def allocation_quality_of(manifest: dict[str, Any]) -> str:
+    """``psnr_profile`` when every configuration of the pack carries a measured output
+    PSNR (the allocator ranks by it), else ``kv_error`` (the KV-error proxy)."""
+    configs = [c for s in manifest.get("shards", []) for c in s.get("configs", [])]
+    ok = configs and all((c.get("quality") or {}).get("psnr_db") is not None for c in configs)
+    return "psnr_profile" if ok else "kv_error"
+
+
 def _storage(packs: Path, variant: str, tid: str) -> dict[str, int]:
     doc = json.loads((packs / variant / "catalog.json").read_text())
     entry = doc["templates"][tid]
@@ -472,7 +480,11 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
             "regime_median_mbps": regime_median_bps / 1e6,
             "scaled_median_mbps": regime_median_bps * factor / 1e6,
             "storage_bytes": storage, "shard_exec_s": list(calib.predicted_exec_s),
-            "packs": packs_of, "load1": os.getloadavg()[0], "time": time.time(),
+            "packs": packs_of, "allocation_quality": {
+                c: allocation_quality_of(main.manifests[(tid, c)].data)
+                for c in sorted({c for c in packs_of.values() if c})
+                if (tid, c) in main.manifests},
+            "load1": os.getloadavg()[0], "time": time.time(),
         }
         results.append(stored)
         if cfg.regime == "matched":

@@ -519,3 +519,15 @@ def test_parallel_pack_builds(tiny_catalog, tmp_path):
     q1 = json.loads(next((tmp_path / "q1" / "templates" / tid / "sakura").glob(
         "*.manifest.json")).read_text())
     assert q1["codec_options"]["q"] == 1.0
+
+
+def test_allocation_quality_of_a_manifest():
+    from sakura.edge.replay.runner import allocation_quality_of
+
+    def m(*psnrs):
+        return {"shards": [{"configs": [{"quality": {"psnr_db": p, "kv_db": 20.0}}
+                                        for p in psnrs]}]}
+
+    assert allocation_quality_of(m(30.0, 40.0)) == "psnr_profile"
+    assert allocation_quality_of(m(30.0, None)) == "kv_error"
+    assert allocation_quality_of({"shards": []}) == "kv_error"
