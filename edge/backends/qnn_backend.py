@@ -152,17 +152,23 @@ class QnnBackend(ExecutionBackend):
         onnx_dir = folder / "onnx"
         onnx_dir.mkdir()
         onnx_path = onnx_dir / ONNX_NAME
+        self.export_onnx(module, example, onnx_path)
+        self._session(onnx_path, folder / CTX_NAME)
+        if not (folder / CTX_NAME).is_file():
+            raise BackendError("qnn: the compile wrote no context model")
+        # The context binary carries the weights; the ONNX export is not needed to run.
+        # Keep it for AI Hub jobs and inspection.
+
+    def export_onnx(self, module: ShardModule, example: tuple[torch.Tensor, ...],
+                    onnx_path: Path) -> Path:
+        """The shard graph as ONNX (what the HTP compile and AI Hub jobs take)."""
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # the exporter's pytree notices
             torch.onnx.export(module, example, str(onnx_path),
                               input_names=input_names(module.blocks),
                               output_names=OUTPUT_NAMES, opset_version=self.options.opset,
                               dynamo=True, verbose=False)
-        self._session(onnx_path, folder / CTX_NAME)
-        if not (folder / CTX_NAME).is_file():
-            raise BackendError("qnn: the compile wrote no context model")
-        # The context binary carries the weights; the ONNX export is not needed to run.
-        # Keep it for AI Hub jobs and inspection.
+        return Path(onnx_path)
 
     def _load(self, folder: Path, module: ShardModule) -> CompiledShard:
         return _OrtShard(module, self._session(folder / CTX_NAME, None))

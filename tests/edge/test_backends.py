@@ -4,7 +4,6 @@ within their bounds, compiled artifacts reused, streamed edits on every backend,
 from __future__ import annotations
 
 import os
-import types
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from sakura.edge.errors import EdgeError
 from sakura.edge.quality import psnr
 from sakura.edge.runtime import EdgeRuntime
 
+from tests.edge.aihub_stub import StubHub
 from tests.edge.helpers import TEMPLATE_ID, FakeEncoder, Server
 
 PROMPT = "a private prompt that must stay on the device"
@@ -235,44 +235,6 @@ def test_sakura_edit_backend_qnn_without_htp_library_is_one_error_line(monkeypat
     assert "Traceback" not in err and "torchao" not in err
 
 
-class _FakeHub:
-    """Stands in for the qai_hub module (tests only): records every call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict]] = []
-        hub = self
-
-        class ClientConfig:
-            def __init__(self, **kw):
-                hub.calls.append(("ClientConfig", kw))
-
-        class Device:
-            def __init__(self, name):
-                self.name = name
-
-        class Job:
-            def __init__(self, job_id):
-                self.job_id, self.url = job_id, f"https://hub.example/jobs/{job_id}"
-
-            def get_target_model(self):
-                return "target-model"
-
-        class Client:
-            def __init__(self, **kw):
-                hub.calls.append(("Client", kw))
-
-            def submit_compile_job(self, **kw):
-                hub.calls.append(("compile", kw))
-                return Job("jc1")
-
-            def submit_inference_job(self, **kw):
-                hub.calls.append(("inference", kw))
-                return Job("jp1")
-
-        self.module = types.SimpleNamespace(ClientConfig=ClientConfig, Device=Device,
-                                            Client=Client)
-
-
 def test_ai_hub_without_a_token_is_a_clear_error(monkeypatch, tmp_path):
     from sakura.edge.backends.aihub import submit_shard_jobs
 
@@ -280,8 +242,10 @@ def test_ai_hub_without_a_token_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("QAIHUB_CLIENT_INI", str(tmp_path / "none.ini"))
     onnx = tmp_path / "shard.onnx"
     onnx.write_bytes(b"x")
+    hub = StubHub().install(monkeypatch)
     with pytest.raises(AIHubError, match="QAI_HUB_API_TOKEN"):
-        submit_shard_jobs(onnx, hub=_FakeHub().module)
+        submit_shard_jobs(onnx)
+    assert hub.calls == []
 
 
 def test_ai_hub_jobs_upload_only_the_shard_graph(world, setup, compiled, monkeypatch):
@@ -295,20 +259,21 @@ def test_ai_hub_jobs_upload_only_the_shard_graph(world, setup, compiled, monkeyp
                                       GROUPS[0], geometry))
     assert folder is not None
     monkeypatch.setenv("QAI_HUB_API_TOKEN", "test-token")
-    fake = _FakeHub()
-    jobs = submit_shard_jobs(qnn.onnx_path(folder), hub=fake.module)
-    kinds = [k for k, _ in fake.calls]
-    assert kinds == ["ClientConfig", "Client", "compile", "inference"]
-    assert fake.calls[0][1] == {"api_token": "test-token"}
-    compile_kw, infer_kw = fake.calls[2][1], fake.calls[3][1]
+    hub = StubHub().install(monkeypatch)  # bound to the real qai_hub.Client's signatures
+    jobs = submit_shard_jobs(qnn.onnx_path(folder))
+    assert hub.kinds() == ["Client", "submit_compile_job", "get_target_model", "Client",
+                           "submit_inference_job"]
+    assert hub.calls[0][1]["config"].api_token == "test-token"
+    compile_kw, infer_kw = hub.calls[1][1], hub.calls[4][1]
     assert compile_kw["device"].name == "Snapdragon 8 Elite QRD"
     assert "qnn_context_binary" in compile_kw["options"]
     assert os.path.commonpath([compile_kw["model"], str(folder / "onnx")]) == str(folder / "onnx")
     assert infer_kw["inputs"] is None and infer_kw["profile"] is True
-    assert jobs.summary()["compile_job"] == "jc1" and jobs.summary()["profile_job"] == "jp1"
+    summary = jobs.summary()
+    assert summary["compile_job"]["id"] == "jc1" and summary["profile_job"]["id"] == "jp2"
     assert all(name.startswith("shard.onnx") for name in jobs.uploaded)
     # nothing of the request is in any call
-    blob = repr(fake.calls)
+    blob = repr(hub.calls)
     assert PROMPT not in blob and str(SEED) not in blob
 
 
