@@ -45,6 +45,13 @@ class BuildConfig:
     # output PSNR of every configuration on this many profiling requests (0: only the
     # importance-weighted KV error; see cloud/psnr_profile.py for the cost)
     profile_psnr: int = 0
+    # a cheap output-PSNR profile by default (codec.profile.FittedPSNR): a few sampled
+    # shards measured on this many profiling requests, the rest fitted per step (0: off;
+    # profile_psnr > 0 measures every configuration instead); measured values are cached
+    # per weights/template/codec in psnr_cache (default $SAKURA_CACHE/psnr or
+    # ~/.cache/sakura/psnr) and reused by the next build
+    psnr_fit: int = 1
+    psnr_cache: str | None = None
     force: bool = False
     codec_options: dict[str, dict] = field(default_factory=dict)
 
@@ -103,6 +110,8 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                 "codec_options": cfg.codec_options,
                 "blocks_per_shard": cfg.blocks_per_shard,
                 **({"profile_psnr": cfg.profile_psnr} if cfg.profile_psnr else {}),
+                **({"psnr_fit": cfg.psnr_fit} if cfg.psnr_fit and not cfg.profile_psnr
+                   else {}),
                 **({} if cfg.model is None else {"model": cfg.model,
                                                  "weights": engine.weights_id}),
             },
@@ -134,10 +143,12 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                 for i in range(layout.num_shards)]
         model_info = engine.model_info()
         quality_fn = None
-        if cfg.profile_psnr:
+        if cfg.profile_psnr or cfg.psnr_fit:
             from sakura.cloud.psnr_profile import OutputPSNR
 
-            quality_fn = OutputPSNR(engine, prep, run, profiling[: cfg.profile_psnr], layout)
+            quality_fn = OutputPSNR(engine, prep, run,
+                                    profiling[: cfg.profile_psnr or cfg.psnr_fit], layout)
+        psnr_stats: dict[str, dict] = {}
         # an engine may fill in its default steps / guidance
         device = replace(device, steps=run.cache.steps, guidance=float(prep.template.guidance))
         with (
@@ -160,7 +171,8 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                     blocks_per_shard=bps,
                     model=model_info,
                     compute_cost=cost,
-                    quality_fn=quality_fn,
+                    quality_fn=_quality_fn(cfg, quality_fn, codec, layout, run.cache, content,
+                                           psnr_stats),
                 )
                 txn.publish(tid, name, manifest.to_dict(), work / manifest.pack_file)
             txn.set_metadata(
@@ -172,8 +184,36 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                 content_hash=content,
                 fp16_bytes=run.cache.fp16_bytes(),
                 template=template_assets(spec, device),
+                **({"psnr_profile": psnr_stats} if psnr_stats else {}),
             )
         report.built.append(tid)
         report.seconds[tid] = time.perf_counter() - t0
         log(f"built {tid}: {len(cfg.codecs)} codecs in {report.seconds[tid]:.1f}s")
     return report
+
+
+def _quality_fn(cfg: BuildConfig, measure, codec, layout, cache, content: str,
+                stats: dict[str, dict]):
+    """The ``quality_fn`` of one codec's pack: every configuration measured
+    (``profile_psnr``), the fitted profile (``psnr_fit``, default), or none (a codec with
+    one configuration per shard has nothing to rank)."""
+    import hashlib
+    import json
+    import os
+
+    if measure is None or codec.name == "fp16":
+        return None
+    if cfg.profile_psnr:
+        stats[codec.name] = {"mode": "measured", "requests": cfg.profile_psnr}
+        return measure
+    from sakura.codec.profile import FittedPSNR
+
+    cache_dir = cfg.psnr_cache or os.path.join(
+        os.environ.get("SAKURA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                       "sakura"), "psnr")
+    key = hashlib.sha256(json.dumps([content, codec.name, codec.options, cfg.psnr_fit],
+                                    sort_keys=True, default=str).encode()).hexdigest()[:32]
+    fitted = FittedPSNR(measure, layout, cache, cache_dir=cache_dir, key=key)
+    stats[codec.name] = {"mode": "fitted", "requests": cfg.psnr_fit, **fitted.stats}
+    fitted.stats = stats[codec.name]  # the pack writer's calls update the catalog entry
+    return fitted

@@ -142,3 +142,152 @@ def shard_curve(manifest: Any, shard: int, metric: str | None = None) -> list[tu
     """``(bytes, quality)`` of the Pareto configs of one shard, by bytes."""
     s = manifest.shard(shard)
     return sorted((c.bytes, quality_score(c.quality, metric)) for c in s.configs if c.pareto)
+
+
+# ---------------------------------------------------------------------------- fitted PSNR
+
+
+class FittedPSNR:
+    """A cheap output-PSNR profile: measure a subset, fit a model per step, predict the rest.
+
+    Wraps a measuring ``quality_fn`` (``cloud.psnr_profile.OutputPSNR``: one resumed edit
+    per call) for ``write_pack``, which visits shards in execution order (step-major) and
+    every configuration of a shard in turn. On ``sample_steps`` evenly spread steps, the
+    step's first shard is *sampled*: every ``stride``-th of its configurations is measured,
+    and any whose KV error lies more than ``margin_db`` outside the measured ones (so the
+    fit interpolates on the sampled shard and its extremes are measured).
+    A step's model is a least-squares fit of the measured PSNR on the configuration's
+    importance-weighted KV error (dB) and, when the codec has one, its bit width:
+    ``psnr = a + b kv_db (+ c bits)``. Every other configuration gets the prediction of the
+    model of its step's nearest sampled step at or before it (the first sampled step before
+    any), within [0, 200] dB (the metric's cap). Why a fit and not the KV error
+    alone: the allocator ranks a shard's configurations by quality, and a monotone map of
+    the KV error ranks them exactly as the KV error does; the bit width term is what can
+    reorder them (quantisation noise and rank truncation with the same KV error do not cost
+    the image the same).
+
+    ``cache_dir``: measured values are kept in ``<cache_dir>/<key>.json`` per
+    (``key``: weights, template content, codec and options: the caller's hash) and reused by
+    the next build of the same pack. ``stats`` says what was measured, fitted and reused.
+    """
+
+    def __init__(self, measure: Any, layout: Any, cache: Any, *, sample_steps: int = 3,
+                 stride: int = 2, margin_db: float = 3.0, cache_dir: str | None = None,
+                 key: str = "") -> None:
+        import json
+        from pathlib import Path
+
+        from sakura.codec.shards import shard_data
+
+        if sample_steps < 1 or stride < 1:
+            raise ValueError("sample_steps and stride must be >= 1")
+        self.measure, self.layout, self.cache = measure, layout, cache
+        self._shard_data = shard_data
+        steps = layout.steps
+        n = min(sample_steps, steps)
+        self.sampled_steps = sorted({round(i * (steps - 1) / max(1, n - 1)) for i in range(n)})
+        self.stride, self.margin_db = int(stride), float(margin_db)
+        self.points: dict[int, list[tuple[float, float | None, float]]] = {}
+        self.models: dict[int, tuple[Any, float, float]] = {}
+        self._seen: dict[int, int] = {}
+        self._sd: tuple[int, Any] | None = None
+        self.stats = {"measured": 0, "reused": 0, "fitted": 0, "sampled_steps": self.sampled_steps,
+                      "stride": self.stride}
+        self._file = Path(cache_dir) / f"{key}.json" if cache_dir and key else None
+        self._memo: dict[str, float] = {}
+        if self._file is not None and self._file.exists():
+            try:
+                self._memo = {str(k): float(v) for k, v in json.loads(
+                    self._file.read_text()).items()}
+            except (ValueError, OSError, AttributeError):
+                self._memo = {}
+
+    # ------------------------------------------------------------------ features
+    def _features(self, shard: int, params: dict[str, Any], decoded: list[Any]
+                  ) -> tuple[float, float | None]:
+        if self._sd is None or self._sd[0] != shard:
+            self._sd = (shard, self._shard_data(self.cache, self.layout, shard))
+        sd = self._sd[1]
+        err = weighted_rel_error(sd.matrices, [t.float() for t in decoded], sd.importance)
+        bits = params.get("bits")
+        if isinstance(bits, (list, tuple)):
+            bits = sum(bits) / len(bits) if bits else None
+        return err_to_db(err), None if bits is None else float(bits)
+
+    def _sample_step(self, step: int) -> int | None:
+        earlier = [s for s in self.sampled_steps if s <= step]
+        return earlier[-1] if earlier else None
+
+    # ------------------------------------------------------------------ model
+    def _fit(self, step: int) -> tuple[Any, float, float] | None:
+        import numpy as np
+
+        pts = self.points.get(step, [])
+        if len(pts) < 2:
+            return None
+        use_bits = all(b is not None for _, b, _ in pts) and len({b for _, b, _ in pts}) > 1
+        x = np.array([[1.0, kv] + ([b] if use_bits else []) for kv, b, _ in pts])
+        y = np.array([p for _, _, p in pts])
+        # a small ridge keeps the fit defined with few points
+        reg = 1e-3 * np.eye(x.shape[1])
+        reg[0, 0] = 0.0
+        coef = np.linalg.solve(x.T @ x + reg, x.T @ y)
+        return coef, float(y.min()), float(y.max())
+
+    def predict(self, step: int, kv_db: float, bits: float | None) -> float | None:
+        s = self._sample_step(step)
+        if s is None:
+            s = self.sampled_steps[0]
+        if s not in self.models:
+            fit = self._fit(s)
+            if fit is None:
+                return None
+            self.models[s] = fit
+        coef, _, _ = self.models[s]
+        value = coef[0] + coef[1] * kv_db
+        if len(coef) > 2 and bits is not None:
+            value += coef[2] * bits
+        return float(min(max(value, 0.0), 200.0))
+
+    # ------------------------------------------------------------------ quality_fn
+    def __call__(self, shard: int, params: dict[str, Any], decoded: list[Any]) -> float | None:
+        import json
+
+        step, _ = self.layout.blocks_of(shard)
+        first = shard == step * self.layout.shards_per_step
+        j = self._seen.get(shard, 0)
+        self._seen[shard] = j + 1
+        kv_db, bits = self._features(shard, params, decoded)
+        pts = self.points.get(step, []) if first else []
+        outside = bool(pts) and not (min(p[0] for p in pts) - self.margin_db <= kv_db
+                                     <= max(p[0] for p in pts) + self.margin_db)
+        if first and step in self.sampled_steps and (j % self.stride == 0 or len(pts) < 2
+                                                     or outside):
+            key = f"{shard}:{json.dumps(params, sort_keys=True)}"
+            if key in self._memo:
+                value = self._memo[key]
+                self.stats["reused"] += 1
+            else:
+                value = float(self.measure(shard, params, decoded))
+                self._memo[key] = value
+                self.stats["measured"] += 1
+                self._save()
+            self.points.setdefault(step, []).append((kv_db, bits, value))
+            self.models.pop(step, None)
+            return round(value, 3)
+        predicted = self.predict(step, kv_db, bits)
+        if predicted is None:
+            return None  # one configuration per shard (nothing to rank): no profile
+        self.stats["fitted"] += 1
+        return round(predicted, 3)
+
+    def _save(self) -> None:
+        import json
+        import os
+
+        if self._file is None:
+            return
+        self._file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._file.with_name(self._file.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self._memo))
+        os.replace(tmp, self._file)
