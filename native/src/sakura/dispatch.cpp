@@ -23,7 +23,13 @@ Choice choose() {
   if (__builtin_cpu_supports("avx512f")) return {product_avx512, "avx512"};
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {product_avx2, "avx2"};
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+  // arm64: the generic kernel's 4-float vectors are NEON registers (fmla v.4s; checked in
+  // tests/edge/test_backends_arm64.py on the cross-compiled object)
+  return {product_generic, "neon"};
+#else
   return {product_generic, "generic"};
+#endif
 }
 
 const Choice& chosen() {
