@@ -10,6 +10,14 @@ if [ ! -x .venv/bin/python ]; then
   echo "[sakura] creating .venv with $PY"
   "$PY" -m venv .venv
 fi
+# Debian packages of the phone-side checks: the arm64 cross compiler and qemu-user
+# (edge/backends/arm64.py), pocl, a CPU OpenCL implementation (native OpenCL kernels).
+apt_pkgs="g++-aarch64-linux-gnu qemu-user pocl-opencl-icd ocl-icd-opencl-dev opencl-headers"
+apt_missing="$(for p in $apt_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)"
+if [ -n "$apt_missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[sakura] installing Debian packages:" $apt_missing
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $apt_missing
+fi
 stamp=".venv/.sakura-installed"
 want="$(find pyproject.toml native/pyproject.toml native/CMakeLists.txt native/src -type f \
   | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"
