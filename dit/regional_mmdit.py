@@ -13,8 +13,11 @@ text tokens) sees only itself fresh, plus
 Packing is exactly separate execution (up to float summation order): the model mixes
 tokens only in attention, and the mask removes every cross-patch pair. It saves the
 per-call overhead of an eager forward, which dominates at this model size on a CPU.
-Attention probabilities are computed explicitly only in the *probe blocks* (default: the
-double-stream blocks, where text and image attend jointly).
+Attention mass is measured only in the *probe blocks* (default: the double-stream blocks,
+where text and image attend jointly), by the fused attention kernel with extra value
+columns (:class:`PackHook`): no attention matrix is materialised. A *probe*
+(:meth:`MMDiTRegional.probe`, the importance gate's per-step signal) runs every region
+token, cond branch only, and stops the forward after the first probe block.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from sakura.dit.regional import (
     FullResult,
     KVStore,
     PatchResult,
+    ProbeDone,
+    ProbeResult,
     RegionalConfig,
     RegionalState,
     run_regional,
@@ -57,26 +62,56 @@ def mmdit_macs(cfg: MMDiTConfig, queries: int, keys: int) -> float:
     return float(cfg.double_blocks * double + cfg.single_blocks * single)
 
 
+def mmdit_probe_macs(cfg: MMDiTConfig, img: int, txt: int, keys: int, last_block: int,
+                     columns: int) -> float:
+    """Multiply-accumulates of a probe forward (one branch) stopped after the attention of
+    ``last_block``: the input projections, every earlier block, the last block's q/k/v
+    projections and its attention with ``columns`` extra value columns per head."""
+    d = cfg.hidden_size
+    mlp = int(d * cfg.mlp_ratio)
+    q = img + txt
+    macs = img * cfg.patch_dim * d + txt * cfg.text_dim * d
+    for b in range(last_block):
+        attn = 2 * q * keys * d
+        if b < cfg.double_blocks:
+            macs += q * (4 * d * d + 2 * d * mlp) + attn
+        else:
+            macs += q * (d * (3 * d + mlp) + (d + mlp) * d) + attn
+    macs += q * 3 * d * d + 2 * q * keys * d + q * keys * columns * cfg.num_heads
+    return float(macs)
+
+
 class PackHook(AttentionHook):
     """Attention for a packed call: fixed extra K/V, the stale context, a block mask,
-    K/V recording of the image tokens and explicit probabilities in probe blocks."""
+    K/V recording of the image tokens and, in probe blocks, the attention mass of every
+    query on groups of keys.
+
+    The mass comes from the fused attention kernel itself: ``indicator`` ``[K, m]`` (one
+    column per group, 1 where a key belongs to it) is appended to the values, so the
+    extra output columns are ``softmax(q k^T) @ indicator`` - the per-group attention
+    mass - and no attention matrix is materialised. ``stop_after`` probe blocks, the
+    forward is cut short (:class:`ProbeDone`)."""
 
     def __init__(self, fixed: Callable[[int], list[torch.Tensor]] | None,
-                 context: KVStore | None, mask: torch.Tensor | None, probe_blocks: set[int]):
+                 context: KVStore | None, mask: torch.Tensor | None, probe_blocks: set[int],
+                 indicator: torch.Tensor | None = None, stop_after: int | None = None,
+                 record: bool = True):
         super().__init__("joint")
         self.fixed, self.context, self.mask = fixed, context, mask
-        self.probe_blocks = probe_blocks
+        self.probe_blocks = probe_blocks if indicator is not None else set()
+        self.indicator, self.stop_after, self.record = indicator, stop_after, record
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
-        self.probs_sum: torch.Tensor | None = None
+        self.mass_sum: torch.Tensor | None = None
         self.probed = 0
 
     def attend(self, block: int, q, k, v, layout: Layout):
         if layout.ref:
             raise ValueError("regional execution does not take reference tokens")
         t = layout.txt
-        self.k[block] = k[:, :, t : t + layout.img]
-        self.v[block] = v[:, :, t : t + layout.img]
+        if self.record:
+            self.k[block] = k[:, :, t : t + layout.img]
+            self.v[block] = v[:, :, t : t + layout.img]
         b = q.shape[0]
         ks, vs = [k], [v]
         if self.fixed is not None:
@@ -88,16 +123,18 @@ class PackHook(AttentionHook):
             vs.append(self.context.v[block].expand(b, -1, -1, -1))
         if len(ks) > 1:
             k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-        if block in self.probe_blocks:
-            scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-            if self.mask is not None:
-                scores = scores.masked_fill(~self.mask, float("-inf"))
-            probs = scores.softmax(dim=-1)
-            a = probs[0].mean(0)  # cond branch, mean over heads
-            self.probs_sum = a if self.probs_sum is None else self.probs_sum + a
-            self.probed += 1
-            return probs @ v
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        if block not in self.probe_blocks:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        d = v.shape[-1]
+        ind = self.indicator.to(v.device, v.dtype)[None, None].expand(b, v.shape[1], -1, -1)
+        out = F.scaled_dot_product_attention(q, k, torch.cat([v, ind], dim=-1),
+                                             attn_mask=self.mask)
+        mass = out[0, :, :, d:].mean(0)  # cond branch, mean over heads: [queries, m]
+        self.mass_sum = mass if self.mass_sum is None else self.mass_sum + mass
+        self.probed += 1
+        if self.stop_after is not None and self.probed >= self.stop_after:
+            raise ProbeDone
+        return out[..., :d]
 
 
 @dataclass
@@ -106,6 +143,16 @@ class _Pack:
     txt: int
     fixed: int
     store: int
+
+
+@dataclass
+class _Out:
+    velocity: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    mass: torch.Tensor | None  # [queries, m] mean over probed blocks
+    pack: _Pack
+    probe_macs: float = 0.0
 
 
 class MMDiTRegional:
@@ -154,9 +201,30 @@ class MMDiTRegional:
         stale = owner[None] != gq[:, None]  # a patch never sees its own stale K/V
         return torch.cat([fresh_or_fixed, stale], dim=1)
 
+    def _indicator(self, pack: _Pack, columns: str, groups: list[torch.Tensor] | None):
+        """Value columns for the fused mass reduction: ``"text"`` = one per text token
+        (the call holds one copy of the text), ``"groups"`` = one per group of fresh
+        image tokens (``groups`` index the call's image rows)."""
+        p = len(pack.sizes)
+        keys = p * pack.txt + sum(pack.sizes) + pack.fixed + pack.store
+        if columns == "text":
+            ind = torch.zeros(keys, pack.txt)
+            ind[torch.arange(pack.txt), torch.arange(pack.txt)] = 1.0
+            return ind
+        ind = torch.zeros(keys, len(groups))
+        for i, g in enumerate(groups):
+            ind[p * pack.txt + g, i] = 1.0
+        return ind
+
     @torch.no_grad()
     def _call(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
-              context: KVStore | None, probe: bool, mask_own: bool = True):
+              context: KVStore | None, columns: str | None = None,
+              groups: list[torch.Tensor] | None = None, mask_own: bool = True,
+              depth: int | None = None) -> _Out:
+        """One forward of ``patches`` (packed). ``columns`` selects a fused mass
+        measurement in the probe blocks (see :meth:`_indicator`); ``depth`` makes it a
+        probe: cond branch only, no K/V, the forward stopped after ``depth`` probe
+        blocks."""
         dev = self.device
         idx = torch.cat(patches)
         sizes = [len(p) for p in patches]
@@ -177,86 +245,101 @@ class MMDiTRegional:
         ctx = None
         if context is not None:
             ctx = KVStore(context.k.to(dev), context.v.to(dev))
-        hook = PackHook(fixed, ctx, None if mask is None else mask.to(dev),
-                         self.probe_blocks if probe else set())
-        bc = self.branches
+        ind = self._indicator(pack, columns, groups) if columns else None
+        probe = depth is not None
+        hook = PackHook(fixed, ctx, None if mask is None else mask.to(dev), self.probe_blocks,
+                        ind, stop_after=depth, record=not probe)
+        bc = 1 if probe else self.branches
         img = x[idx].to(dev, torch.float32)[None].expand(bc, -1, -1)
-        txt = self.txt.to(dev).repeat(1, len(patches), 1)
+        txt = self.txt[:bc].to(dev).repeat(1, len(patches), 1)
         tt = torch.full((bc,), float(t), device=dev)
-        out = self.model(TokenBatch(img=img, img_pos=self.pos[idx].to(dev), txt=txt, t=tt), hook)
+        batch = TokenBatch(img=img, img_pos=self.pos[idx].to(dev), txt=txt, t=tt)
+        q = len(patches) * pack.txt + sum(sizes)
+        keys = q + pack.fixed + pack.store
+        mass = None
+        if probe:
+            try:
+                self.model(batch, hook)
+            except ProbeDone:
+                pass
+            else:
+                raise RuntimeError(f"the probe reached no probe block ({sorted(self.probe_blocks)})")
+            mass = (hook.mass_sum / hook.probed).float().cpu()
+            last = sorted(self.probe_blocks)[hook.probed - 1]
+            macs = mmdit_probe_macs(self.model.cfg, sum(sizes), len(patches) * pack.txt, keys,
+                                    last, ind.shape[1])
+            return _Out(None, None, None, mass, pack, macs)
+        out = self.model(batch, hook)
         vel = out[1:] + self.guidance * (out[:1] - out[1:]) if bc == 2 else out
         vel = vel[0].float().cpu()
         nb = self.model.cfg.num_blocks
         k = torch.stack([hook.k[b] for b in range(nb)]).float().cpu()
         v = torch.stack([hook.v[b] for b in range(nb)]).float().cpu()
-        probs = None
+        macs = 0.0
         if hook.probed:
-            probs = (hook.probs_sum / hook.probed).float().cpu()
-        return vel, k, v, probs, pack
+            mass = (hook.mass_sum / hook.probed).float().cpu()
+            macs = float(bc * hook.probed * self.model.cfg.num_heads * q * keys * ind.shape[1])
+        return _Out(vel, k, v, mass, pack, macs)
 
     # -- the backend interface -------------------------------------------------------
 
     def run_full(self, step: int, t: float, x: torch.Tensor, probe: bool,
                  want_kv: bool) -> FullResult:
         n = x.shape[0]
-        vel, k, v, probs, pack = self._call(step, t, x, [torch.arange(n)], None, probe)
-        res = FullResult(vel, KVStore(k, v) if want_kv else None, img_keys=n + self.fixed_tokens)
-        if probs is not None:
-            tt = pack.txt
-            res.text_attn = probs[tt:, :tt]
-            res.img_attn = probs[tt:, tt : tt + n]
+        out = self._call(step, t, x, [torch.arange(n)], None, "text" if probe else None)
+        res = FullResult(out.velocity, KVStore(out.k, out.v) if want_kv else None,
+                         img_keys=n + self.fixed_tokens, probe_macs=out.probe_macs)
+        if out.mass is not None:
+            res.text_attn = out.mass[out.pack.txt:]
         return res
 
     def run_patches(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
-                    context: KVStore | None, joint: bool = False) -> list[PatchResult]:
+                    context: KVStore | None, joint: bool = False,
+                    measure: bool = True) -> list[PatchResult]:
         if not patches:
             return []
+        n = x.shape[0]
         if joint:
-            return self._run_joint(step, t, x, patches, context)
-        n = x.shape[0]
-        vel, k, v, probs, pack = self._call(step, t, x, patches, context, True)
-        out, off = [], 0
-        q0 = len(patches) * pack.txt
+            union = torch.cat(patches)
+            ctx = None
+            if context is not None:  # only the tokens that do not run come from the store
+                rest = torch.ones(n, dtype=torch.bool)
+                rest[union] = False
+                keep = torch.nonzero(rest).flatten()
+                ctx = KVStore(context.k[:, :, :, keep], context.v[:, :, :, keep])
+            units, mask_own = [union], False
+            keys = (n if context is not None else len(union)) + self.fixed_tokens
+        else:
+            units, ctx, mask_own = patches, context, True
+            keys = None
+        bounds, off = [], 0
         for p in patches:
-            m = len(p)
-            sl = slice(off, off + m)
+            bounds.append(torch.arange(off, off + len(p)))
+            off += len(p)
+        out = self._call(step, t, x, units, ctx, "groups" if measure else None, bounds,
+                         mask_own=mask_own)
+        q0 = len(units) * out.pack.txt
+        res = []
+        for i, (p, rows) in enumerate(zip(patches, bounds)):
+            sl = slice(int(rows[0]), int(rows[-1]) + 1)
             mass = float("nan")
-            if probs is not None:
-                rows = probs[q0 + off : q0 + off + m]
-                mass = float(rows[:, q0 + off : q0 + off + m].sum(-1).mean())
-            keys = m + self.fixed_tokens + (n - m if context is not None else 0)
-            out.append(PatchResult(vel[sl], k[:, :, :, sl].clone(), v[:, :, :, sl].clone(),
-                                   mass, keys))
-            off += m
-        return out
+            if out.mass is not None:
+                mass = float(out.mass[q0 + sl.start : q0 + sl.stop, i].mean())
+            k_i = keys if keys is not None else (
+                len(p) + self.fixed_tokens + (n - len(p) if context is not None else 0))
+            res.append(PatchResult(out.velocity[sl], out.k[:, :, :, sl].clone(),
+                                   out.v[:, :, :, sl].clone(), mass, k_i,
+                                   out.probe_macs / len(patches)))
+        return res
 
-
-    def _run_joint(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
-                   context: KVStore | None) -> list[PatchResult]:
-        """All patches in one call: fresh among themselves, the rest of the region from
-        the store (only the tokens that do not run), text computed once."""
+    def probe(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
+              depth: int | None = None) -> ProbeResult:
         n = x.shape[0]
-        union = torch.cat(patches)
-        ctx = None
-        if context is not None:
-            rest = torch.ones(n, dtype=torch.bool)
-            rest[union] = False
-            keep = torch.nonzero(rest).flatten()
-            ctx = KVStore(context.k[:, :, :, keep], context.v[:, :, :, keep])
-        vel, k, v, probs, pack = self._call(step, t, x, [union], ctx, True, mask_own=False)
-        tt = pack.txt
-        keys = (n if context is not None else len(union)) + self.fixed_tokens
-        out, off = [], 0
-        for p in patches:
-            m = len(p)
-            sl = slice(off, off + m)
-            mass = float("nan")
-            if probs is not None:
-                mass = float(probs[tt + off : tt + off + m, tt + off : tt + off + m].sum(-1).mean())
-            out.append(PatchResult(vel[sl], k[:, :, :, sl].clone(), v[:, :, :, sl].clone(),
-                                   mass, keys))
-            off += m
-        return out
+        out = self._call(step, t, x, [torch.arange(n)], None, "groups", list(patches),
+                         depth=depth or len(self.probe_blocks))
+        rows = out.mass[out.pack.txt:]
+        mass = torch.stack([rows[p, i].sum() for i, p in enumerate(patches)])
+        return ProbeResult(mass, n + self.fixed_tokens, out.probe_macs)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -277,12 +360,13 @@ def generation_backend(model: MMDiT, txt, txt_uncond, size: int, guidance: float
 
 
 def generation_state(model: MMDiT, size: int, seed: int, steps: int, cfg: RegionalConfig,
-                     backend: MMDiTRegional, salient: torch.Tensor | None = None) -> RegionalState:
+                     backend: MMDiTRegional, salient: torch.Tensor | None = None,
+                     patches: int | None = None) -> RegionalState:
     """The state of a regional generation; its latents start as ``sampler.generate``'s."""
     grid = size // model.cfg.patch_size
     x = noise_like((1, grid * grid, model.cfg.patch_dim), seed)[0]
     return RegionalState(cfg, backend.coords, schedule(steps), x, backend.text_tokens,
-                         salient, backend.cost)
+                         salient, backend.cost, patches)
 
 
 def latents_to_image(model: MMDiT, x: torch.Tensor, size: int) -> torch.Tensor:
@@ -292,14 +376,17 @@ def latents_to_image(model: MMDiT, x: torch.Tensor, size: int) -> torch.Tensor:
 def regional_generate(model: MMDiT, txt: torch.Tensor, txt_uncond: torch.Tensor | None,
                       size: int, seed: int, steps: int = 20, guidance: float = 3.0,
                       cfg: RegionalConfig | None = None, salient: torch.Tensor | None = None,
-                      probe_blocks=None) -> tuple[torch.Tensor, RegionalState]:
+                      probe_blocks=None, timer: dict | None = None
+                      ) -> tuple[torch.Tensor, RegionalState]:
     """Full generation with regional execution -> (image ``[1, 3, size, size]``, state).
 
-    With ``cfg.warmup >= steps`` this is ``dit.sampler.generate`` exactly.
+    With ``cfg.warmup >= steps`` this is ``dit.sampler.generate`` exactly. ``timer``
+    (a dict) collects the probes' wall time (``probe_s``).
     """
     cfg = cfg or RegionalConfig()
     backend = generation_backend(model, txt, txt_uncond, size, guidance, probe_blocks)
-    state = run_regional(backend, generation_state(model, size, seed, steps, cfg, backend, salient))
+    state = run_regional(backend, generation_state(model, size, seed, steps, cfg, backend, salient),
+                         timer)
     return latents_to_image(model, state.x, size), state
 
 
@@ -322,8 +409,8 @@ def edit_backend(model: MMDiT, template: Template, geo: Geometry, provider: KVPr
 
 def regional_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVProvider,
                   req: EditRequest, cfg: RegionalConfig | None = None,
-                  salient: torch.Tensor | None = None,
-                  probe_blocks=None) -> tuple[torch.Tensor, RegionalState]:
+                  salient: torch.Tensor | None = None, probe_blocks=None,
+                  timer: dict | None = None) -> tuple[torch.Tensor, RegionalState]:
     """A cached masked edit whose masked tokens run regionally -> (image ``[3, H, W]``, state).
 
     The region is the masked tokens; the template cache of the unmasked tokens is appended
@@ -337,10 +424,10 @@ def regional_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVP
     x = edit_start(model, template, req.seed)[0, geo.masked]
     state = RegionalState(cfg, backend.coords, edit_schedule(template), x, backend.text_tokens,
                           salient, backend.cost)
-    run_regional(backend, state)
+    run_regional(backend, state, timer)
     return compose(model, template, geo, state.x[None]), state
 
 
-__all__ = ["MMDiTRegional", "edit_backend", "generation_backend", "generation_state",
-           "grid_coords", "latents_to_image", "mmdit_macs", "regional_edit",
-           "regional_generate"]
+__all__ = ["MMDiTRegional", "PackHook", "ProbeDone", "edit_backend", "generation_backend",
+           "generation_state", "grid_coords", "latents_to_image", "mmdit_macs",
+           "mmdit_probe_macs", "regional_edit", "regional_generate"]

@@ -11,7 +11,10 @@ reference / prefix K/V stay visible as in :meth:`ModelAdapter.cached_edit`. Guid
 branches run as separate forwards (as everywhere in the adapters); the probes (image ->
 text and image -> region attention) come from the conditional branch, mean over heads and
 the probe blocks (the joint text-image attention calls: FLUX.2's double-stream blocks,
-SD3's ``attn`` layers, every QwenImage layer).
+SD3's ``attn`` layers, every QwenImage layer), measured by the fused attention kernel with
+extra value columns (:class:`RegionalHook`), never by materialising attention matrices. The
+importance gate's probe runs every region token, cond branch only, and stops the forward
+after the first probe block.
 
 Several separate patches are run one call each (no packing: the adapters run the models'
 own forward, whose text is not duplicated per patch); ``execution="joint"`` runs all active
@@ -31,12 +34,15 @@ from sakura.dit.adapters.base import (
     LatentTemplate,
     ModelAdapter,
 )
-from sakura.dit.attention import CACHE, IMG, TXT, KVSegment, Layout
+import torch.nn.functional as F
+from sakura.dit.attention import CACHE, IMG, TXT, KVSegment, Layout, build_mask
 from sakura.dit.cache import KVProvider
 from sakura.dit.regional import (
     FullResult,
     KVStore,
     PatchResult,
+    ProbeDone,
+    ProbeResult,
     RegionalConfig,
     RegionalState,
     run_regional,
@@ -45,44 +51,85 @@ from sakura.dit.regional import (
 
 class RegionalHook(AdapterHook):
     """:class:`AdapterHook` that also records the image K/V of every block and, in probe
-    blocks, the mean-over-heads attention of the computed image queries."""
+    blocks, the attention mass of the computed image queries on groups of keys (cond
+    branch, mean over heads), from the fused attention kernel: ``columns="text"`` appends
+    one value column per text key, ``"groups"`` one per group of computed image tokens
+    (``groups`` index them), so ``softmax(q k^T) @ indicator`` is the mass and no
+    attention matrix is materialised. After ``stop_after`` probe blocks the forward is
+    cut short (:class:`~dit.regional.ProbeDone`)."""
 
-    def __init__(self, probe_blocks: set[int], **kw):
-        super().__init__(record=True, **kw)
-        self.probe_blocks = probe_blocks
-        self.probs_sum: torch.Tensor | None = None
+    def __init__(self, probe_blocks: set[int], columns: str | None = None,
+                 groups: list[torch.Tensor] | None = None, stop_after: int | None = None,
+                 record: bool = True, **kw):
+        super().__init__(record=record, **kw)
+        self.probe_blocks = probe_blocks if columns else set()
+        self.columns, self.groups, self.stop_after = columns, groups, stop_after
+        self.mass_sum: torch.Tensor | None = None
         self.probed = 0
-        self.txt_cols: torch.Tensor | None = None
-        self.img_cols: torch.Tensor | None = None
-        self.img_rows: torch.Tensor | None = None
+        self.keys_seen = 0
+
+    def _indicator(self, k_segs, total: int) -> torch.Tensor:
+        ind = torch.zeros(total, len(self.groups) if self.columns == "groups" else 0)
+        at = 0
+        for role, n in k_segs:
+            if role == TXT and self.columns == "text":
+                ind = torch.zeros(total, n)
+                ind[torch.arange(at, at + n), torch.arange(n)] = 1.0
+            elif role == IMG and self.columns == "groups":
+                for i, g in enumerate(self.groups):
+                    ind[at + g, i] = 1.0
+            at += n
+        return ind
 
     def attend(self, block: int, q, k, v, layout: Layout) -> torch.Tensor:
-        self.needs_probs = block in self.probe_blocks
-        return super().attend(block, q, k, v, layout)
-
-    def on_probs(self, block: int, probs, q_segs, k_segs) -> None:
-        def cols(segs, role):
-            out, at = [], 0
-            for r, n in segs:
-                if r == role:
-                    out.append(torch.arange(at, at + n))
-                at += n
-            return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
-
-        self.img_rows, self.img_cols = cols(q_segs, IMG), cols(k_segs, IMG)
-        self.txt_cols = cols(k_segs, TXT)
-        a = probs[0].float().mean(0)[self.img_rows.to(probs.device)].cpu()
-        self.probs_sum = a if self.probs_sum is None else self.probs_sum + a
+        if block not in self.probe_blocks:
+            return super().attend(block, q, k, v, layout)
+        self._like = q
+        self.on_kv(block, k, v, layout)
+        q_segs = layout.query_segments()
+        k_segs = list(q_segs)
+        extra = self.extra_kv(block)
+        if extra:
+            b = q.shape[0]
+            k = torch.cat([k] + [e.k.expand(b, -1, -1, -1) for e in extra], dim=2)
+            v = torch.cat([v] + [e.v.expand(b, -1, -1, -1) for e in extra], dim=2)
+            k_segs += [(e.role, e.k.shape[2]) for e in extra]
+        key = (tuple(q_segs), tuple(k_segs))
+        if key not in self._mask_cache:
+            self._mask_cache[key] = build_mask(self.mode, q_segs, k_segs)
+        mask = self._mask_cache[key]
+        ind = self._indicator(k_segs, k.shape[2]).to(v.device, v.dtype)
+        d = v.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q, k, torch.cat([v, ind[None, None].expand(v.shape[0], v.shape[1], -1, -1)], -1),
+            attn_mask=None if mask is None else mask.to(q.device))
+        rows = torch.cat([torch.arange(at, at + n) for at, (r, n) in
+                          zip(_starts(q_segs), q_segs) if r == IMG])
+        mass = out[0, :, rows.to(q.device), d:].float().mean(0).cpu()
+        self.mass_sum = mass if self.mass_sum is None else self.mass_sum + mass
         self.probed += 1
+        self.keys_seen = k.shape[2]
+        if self.stop_after is not None and self.probed >= self.stop_after:
+            raise ProbeDone
+        return out[..., :d]
+
+
+def _starts(segs) -> list[int]:
+    out, at = [], 0
+    for _, n in segs:
+        out.append(at)
+        at += n
+    return out
 
 
 @dataclass
 class _Out:
-    velocity: torch.Tensor
-    k: torch.Tensor          # [L, Bc, H, m, D]
-    v: torch.Tensor
-    text_attn: torch.Tensor | None
-    img_attn: torch.Tensor | None
+    velocity: torch.Tensor | None
+    k: torch.Tensor | None   # [L, Bc, H, m, D]
+    v: torch.Tensor | None
+    mass: torch.Tensor | None  # [m image queries, columns], mean over probed blocks
+    probed: int = 0
+    keys: int = 0
 
 
 class AdapterRegional:
@@ -112,47 +159,73 @@ class AdapterRegional:
         attn = 2.0 * queries * keys * a.heads * a.head_dim * a.num_blocks
         return len(self.branches) * (queries * self._params + attn)
 
+    def probe_cost(self, queries: int, keys: int, last_block: int, columns: int) -> float:
+        """Modelled multiply-accumulates of a probe (one branch) stopped after the attention
+        of cache block ``last_block``: every earlier block in full, then that block's q/k/v
+        projections and its attention with ``columns`` extra value columns per head."""
+        a = self.adapter
+        inner = a.heads * a.head_dim
+        per_block = self._params / a.num_blocks
+        attn = 2.0 * queries * keys * inner
+        return (last_block * (queries * per_block + attn) + queries * 3 * inner * inner
+                + attn + queries * keys * columns * a.heads)
+
     def _timestep(self, t: float) -> torch.Tensor:
         return torch.tensor(t, dtype=torch.float32) * 1000  # as the scheduler computes it
 
     def _call(self, step: int, t: float, x: torch.Tensor, fresh: torch.Tensor,
               context: KVStore | None, context_rows: torch.Tensor | None,
-              probe: bool) -> _Out:
+              columns: str | None = None, groups: list[torch.Tensor] | None = None,
+              depth: int | None = None) -> _Out:
         a = self.adapter
         rows = self.rows[fresh]
+        probe = depth is not None
+        branches = self.branches[:1] if probe else self.branches
         vs, ks, vals = [], [], []
-        text_attn = img_attn = None
-        for bi, br in enumerate(self.branches):
+        mass, probed, keys = None, 0, 0
+        for bi, br in enumerate(branches):
             extra = {b: list(segs) for b, segs in br.extra.items()}
             if context is not None and context_rows is not None and len(context_rows):
                 for b in range(a.num_blocks):
                     extra.setdefault(b, []).append(KVSegment(
                         CACHE, context.k[b, bi:bi + 1][:, :, context_rows],
                         context.v[b, bi:bi + 1][:, :, context_rows]))
-            hook = RegionalHook(self.probe_blocks if (probe and bi == 0) else set(),
-                                heads=a.heads, extra=extra, provider=self.provider, step=step,
-                                key_shift=br.key_shift)
-            vs.append(a.velocity(x[fresh][None].float(), rows, self.grid, self._timestep(t),
-                                 br, hook))
+            hook = RegionalHook(self.probe_blocks if bi == 0 else set(),
+                                columns if bi == 0 else None, groups, depth,
+                                record=not probe, heads=a.heads, extra=extra,
+                                provider=self.provider, step=step, key_shift=br.key_shift)
+            try:
+                vs.append(a.velocity(x[fresh][None].float(), rows, self.grid,
+                                     self._timestep(t), br, hook))
+            except ProbeDone:
+                pass
+            if hook.probed:
+                mass, probed, keys = hook.mass_sum / hook.probed, hook.probed, hook.keys_seen
+            if probe:
+                if not hook.probed:
+                    raise RuntimeError(f"the probe reached no probe block "
+                                       f"({sorted(self.probe_blocks)})")
+                return _Out(None, None, None, mass, probed, keys)
             ks.append(torch.stack([hook.keys[b][0] for b in range(a.num_blocks)]).float().cpu())
             vals.append(torch.stack([hook.values[b][0] for b in range(a.num_blocks)]).float().cpu())
-            if hook.probed:
-                p = hook.probs_sum / hook.probed
-                text_attn, img_attn = p[:, hook.txt_cols], p[:, hook.img_cols]
         vel = (vs[0] if len(vs) == 1 else a.combine_guidance(vs[0], vs[1], self.guidance))[0]
-        return _Out(vel.float().cpu(), torch.stack(ks, 1), torch.stack(vals, 1), text_attn,
-                    img_attn)
+        return _Out(vel.float().cpu(), torch.stack(ks, 1), torch.stack(vals, 1), mass, probed,
+                    keys)
 
     def run_full(self, step: int, t: float, x: torch.Tensor, probe: bool,
                  want_kv: bool) -> FullResult:
         n = x.shape[0]
-        out = self._call(step, t, x, torch.arange(n), None, None, probe)
+        out = self._call(step, t, x, torch.arange(n), None, None, "text" if probe else None)
+        macs = 0.0
+        if out.mass is not None:
+            macs = float(out.probed * self.adapter.heads * (n + self.text_tokens) * out.keys
+                         * out.mass.shape[1])
         return FullResult(out.velocity, KVStore(out.k, out.v) if want_kv else None,
-                          text_attn=out.text_attn, img_attn=out.img_attn,
-                          img_keys=n + self.fixed_tokens)
+                          text_attn=out.mass, img_keys=n + self.fixed_tokens, probe_macs=macs)
 
     def run_patches(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
-                    context: KVStore | None, joint: bool = False) -> list[PatchResult]:
+                    context: KVStore | None, joint: bool = False,
+                    measure: bool = True) -> list[PatchResult]:
         if not patches:
             return []
         n = x.shape[0]
@@ -164,20 +237,38 @@ class AdapterRegional:
                 keep = torch.ones(n, dtype=torch.bool)
                 keep[unit] = False
                 rest = keep.nonzero().flatten()
-            out = self._call(step, t, x, unit, context, rest, probe=True)
-            keys = (n if context is not None else len(unit)) + self.fixed_tokens
             members = patches if joint else [unit]
-            off = 0
+            groups, off = [], 0
             for p in members:
-                m = len(p)
-                sl = slice(off, off + m)
+                groups.append(torch.arange(off, off + len(p)))
+                off += len(p)
+            out = self._call(step, t, x, unit, context, rest, "groups" if measure else None,
+                             groups)
+            keys = (n if context is not None else len(unit)) + self.fixed_tokens
+            macs = 0.0
+            if out.mass is not None:
+                macs = float(out.probed * self.adapter.heads * (len(unit) + self.text_tokens)
+                             * out.keys * len(members))
+            for i, (p, g) in enumerate(zip(members, groups)):
+                sl = slice(int(g[0]), int(g[-1]) + 1)
                 mass = float("nan")
-                if out.img_attn is not None:
-                    mass = float(out.img_attn[sl, sl].sum(-1).mean())
+                if out.mass is not None:
+                    mass = float(out.mass[sl, i].mean())
                 results.append(PatchResult(out.velocity[sl], out.k[:, :, :, sl].clone(),
-                                           out.v[:, :, :, sl].clone(), mass, keys))
-                off += m
+                                           out.v[:, :, :, sl].clone(), mass, keys,
+                                           macs / len(members)))
         return results
+
+    def probe(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
+              depth: int | None = None) -> ProbeResult:
+        n = x.shape[0]
+        depth = depth or len(self.probe_blocks)
+        out = self._call(step, t, x, torch.arange(n), None, None, "groups", list(patches),
+                         depth=depth)
+        mass = torch.stack([out.mass[p, i].sum() for i, p in enumerate(patches)])
+        last = sorted(self.probe_blocks)[out.probed - 1]
+        macs = self.probe_cost(n + self.text_tokens, out.keys, last, len(patches))
+        return ProbeResult(mass, n + self.fixed_tokens, macs)
 
 
 def default_probe_blocks(adapter: ModelAdapter) -> tuple[int, ...]:
@@ -191,8 +282,8 @@ def default_probe_blocks(adapter: ModelAdapter) -> tuple[int, ...]:
 
 def regional_edit(adapter: ModelAdapter, template: LatentTemplate, geo: AdapterGeometry,
                   provider: KVProvider, req: LatentRequest, cfg: RegionalConfig | None = None,
-                  salient: torch.Tensor | None = None, probe_blocks=None
-                  ) -> tuple[torch.Tensor, RegionalState]:
+                  salient: torch.Tensor | None = None, probe_blocks=None,
+                  timer: dict | None = None) -> tuple[torch.Tensor, RegionalState]:
     """A cached masked edit whose masked tokens run regionally -> (latents ``[N, C]``, state).
 
     Equals :meth:`ModelAdapter.cached_edit` when ``cfg.warmup >= template.steps`` (and when
@@ -205,14 +296,15 @@ def regional_edit(adapter: ModelAdapter, template: LatentTemplate, geo: AdapterG
                               probe_blocks)
     x = adapter.edit_noise(template, req.seed)[0, geo.masked]
     state = RegionalState(cfg, backend.coords, sched.sigmas.float(), x, backend.text_tokens,
-                          salient, backend.cost)
-    run_regional(backend, state)
+                          salient, backend.cost, cfg.patches)
+    run_regional(backend, state, timer)
     return adapter.compose(template, geo, state.x), state
 
 
 def regional_generate(adapter: ModelAdapter, template: LatentTemplate, req: LatentRequest,
                       cfg: RegionalConfig | None = None, salient: torch.Tensor | None = None,
-                      probe_blocks=None) -> tuple[torch.Tensor, RegionalState]:
+                      probe_blocks=None, timer: dict | None = None
+                      ) -> tuple[torch.Tensor, RegionalState]:
     """Full generation of ``template.grid`` (its latents and mask unused; its prompt sets the
     RoPE frame of QwenImage 2.1) with regional execution -> (latents ``[N, C]``, state)."""
     cfg = cfg or RegionalConfig()
@@ -223,8 +315,8 @@ def regional_generate(adapter: ModelAdapter, template: LatentTemplate, req: Late
                               probe_blocks=probe_blocks)
     x = adapter.edit_noise(template, req.seed)[0]
     state = RegionalState(cfg, backend.coords, sched.sigmas.float(), x, backend.text_tokens,
-                          salient, backend.cost)
-    run_regional(backend, state)
+                          salient, backend.cost, cfg.patches)
+    run_regional(backend, state, timer)
     return state.x, state
 
 

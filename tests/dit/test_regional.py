@@ -11,14 +11,18 @@ from sakura.dit.editing import cached_edit, template_run
 from sakura.dit.regional import (
     FullResult,
     KVStore,
+    ImportanceGate,
     PatchGate,
     PatchResult,
+    PeriodicGate,
+    ProbeResult,
     RegionalConfig,
     RegionalState,
     choose_partition,
     explained_variance,
     otsu_partition,
     otsu_split,
+    run_probes,
     run_regional,
     salient_token_mask,
 )
@@ -197,7 +201,9 @@ def test_gate_weights_are_relative_and_reactivate_on_change():
 
 
 class ScriptedBackend:
-    """A model stand-in with scripted velocities: patch 0 keeps changing, the rest do not."""
+    """A model stand-in with scripted velocities and probes: the left half (salient) keeps
+    changing, the right half does not. Attention is uniform, except that the probed
+    self-attention importance of the left half grows with the step."""
 
     text_tokens = 2
 
@@ -205,33 +211,44 @@ class ScriptedBackend:
         self.coords = grid_coords(grid)
         self.n = grid * grid
         self.calls: list[tuple[int, list[int]]] = []
+        self.probed: list[tuple[int, float]] = []
+
+    def _left(self, idx: torch.Tensor) -> torch.Tensor:
+        return (self.coords[idx, 1] < 3).float()
 
     def _v(self, step: int, idx: torch.Tensor) -> torch.Tensor:
-        left = (self.coords[idx, 1] < 3).float()[:, None]
-        return torch.ones(len(idx), 2) + left * step  # left half changes every step
+        return torch.ones(len(idx), 2) + self._left(idx)[:, None] * step
 
     def run_full(self, step, t, x, probe, want_kv):
         n = self.n
         ta = torch.zeros(n, 3)
-        ta[:, 1] = (self.coords[:, 1] < 3).float()  # left half salient
+        ta[:, 1] = self._left(torch.arange(n))  # left half salient
         kv = KVStore(torch.zeros(1, 1, 1, n, 1), torch.zeros(1, 1, 1, n, 1)) if want_kv else None
-        return FullResult(self._v(step, torch.arange(n)), kv, ta if probe else None,
-                          torch.full((n, n), 1.0 / n) if probe else None, n)
+        return FullResult(self._v(step, torch.arange(n)), kv, ta if probe else None, n)
 
-    def run_patches(self, step, t, x, patches, context, joint=False):
+    def run_patches(self, step, t, x, patches, context, joint=False, measure=True):
         self.calls.append((step, [len(p) for p in patches]))
         return [PatchResult(self._v(step, p), torch.full((1, 1, 1, len(p), 1), float(step)),
-                            torch.zeros(1, 1, 1, len(p), 1), len(p) / self.n, self.n)
+                            torch.zeros(1, 1, 1, len(p), 1),
+                            len(p) / self.n if measure else float("nan"), self.n)
                 for p in patches]
+
+    def probe(self, step, t, x, patches, depth=None):
+        self.probed.append((step, t))
+        # uniform attention: a patch's queries put |p| / n on it (summed: |p|^2 / n)
+        mass = torch.tensor([len(p) ** 2 / self.n * (1 + 2 * t * float(self._left(p).mean()))
+                             for p in patches])
+        return ProbeResult(mass, self.n, macs=5.0)
 
     def cost(self, queries, keys):
         return float(queries * 100 + queries * keys)
 
 
 def test_state_skips_static_patch_reuses_velocity_and_forces_it_back():
+    """The drift gate (the named alternative): the static patch's velocity never changes."""
     be = ScriptedBackend()
     steps = 10
-    cfg = RegionalConfig(warmup=2, eps=0.5, max_skips=2, patches=2)
+    cfg = RegionalConfig(warmup=2, gate="drift", eps=0.5, max_skips=2, patches=2)
     st = RegionalState(cfg, be.coords, schedule(steps), torch.zeros(36, 2), be.text_tokens,
                        torch.tensor([False, True, False]), be.cost)
     run_regional(be, st)
@@ -255,12 +272,17 @@ def test_state_skips_static_patch_reuses_velocity_and_forces_it_back():
 
 def test_state_refuses_out_of_order_or_partial_results():
     be = ScriptedBackend()
-    st = RegionalState(RegionalConfig(warmup=2, eps=0.5, patches=2), be.coords, schedule(5),
+    st = RegionalState(RegionalConfig(warmup=2, eps=0.01, patches=2), be.coords, schedule(5),
                        torch.zeros(36, 2), 2, None, be.cost)
     with pytest.raises(RuntimeError):
         st.apply_full(1, be.run_full(1, 0.0, st.x, False, False))
     for s in range(2):
         st.apply_full(s, be.run_full(s, 0.0, st.x, s == 1, s == 1))
+    with pytest.raises(RuntimeError, match="probes"):
+        st.decide(2)  # the importance gate decides on this step's probe
+    with pytest.raises(RuntimeError):
+        st.apply_probes(2, {"now": be.probe(2, 0.6, st.x, list(st.partition.patches))})
+    run_probes(be, st, 2)
     ids = st.decide(2).active_ids()
     outs = be.run_patches(2, 0.0, st.x, [st.partition.patches[i] for i in ids], st.store)
     assert ids
@@ -295,7 +317,7 @@ def test_packed_patches_equal_separate_execution():
     x = torch.randn(64, model.cfg.patch_dim, generator=torch.Generator().manual_seed(0))
     full = be.run_full(0, 0.7, x, probe=True, want_kv=True)
     assert full.text_attn.shape == (64, model.cfg.text_tokens)
-    assert torch.allclose(full.text_attn.sum(-1) + full.img_attn.sum(-1), torch.ones(64), atol=1e-5)
+    assert (full.text_attn.sum(-1) < 1).all() and (full.text_attn >= 0).all()
     part = otsu_partition(be.coords, torch.rand(64), 4)
     patches = list(part.patches)
     packed = be.run_patches(1, 0.6, x, patches, full.kv)
@@ -334,7 +356,9 @@ def test_joint_execution_runs_active_patches_together():
     img, st = regional_generate(model, req.txt, req.txt_uncond, 32, 3, 5, 2.0,
                                 RegionalConfig(warmup=2, eps=0.0, patches=4))
     assert float((img - ref).abs().max()) < 1e-4
-    assert st.stats.compute_fraction == pytest.approx(1.0)
+    s = st.stats  # the model's compute is the full step's; the probes come on top
+    assert (s.macs - s.probe_macs - s.saliency_macs) / s.full_macs == pytest.approx(1.0)
+    assert 0 < s.probe_fraction < 0.05
 
 
 def test_stale_context_beats_naive_patches_and_gate_saves_compute():
