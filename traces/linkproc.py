@@ -38,8 +38,17 @@ from sakura.traces.schedule import LinkEmulator, LinkSchedule
 
 
 def available_cpus() -> set[int]:
-    """The CPUs this process may run on."""
-    return set(os.sched_getaffinity(0))
+    """The CPUs processes may be pinned to: the cgroup's cpuset when the kernel says, else
+    every online CPU (not this process's own affinity, which a pinned caller narrowed)."""
+    try:
+        text = open("/sys/fs/cgroup/cpuset.cpus.effective").read().strip()
+    except OSError:
+        text = ""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus or set(range(os.cpu_count() or 1))
 
 
 def split_cpus(cpus: set[int] | None = None) -> tuple[set[int], set[int]] | None:
@@ -91,8 +100,8 @@ class PacedLinkProcess(LinkEmulator):
                 raise LinkError("cpus must name at least one CPU (or be None)")
             unknown = cpus - available_cpus()
             if unknown:
-                raise LinkError(f"cannot pin the link to CPUs {sorted(unknown)}: this process "
-                                f"may use {sorted(available_cpus())}")
+                raise LinkError(f"cannot pin the link to CPUs {sorted(unknown)}: the machine "
+                                f"has {sorted(available_cpus())}")
         self.impairment = impairment if impairment is not None else Impairment()
         self.shaped = trace is not None
         self.schedule = LinkSchedule(trace if trace is not None else Trace.constant(1e12, 1.0),

@@ -100,11 +100,13 @@ def test_startup_fraction_from_the_config_and_the_command_line(tmp_path, capsys)
     p.write_text("startup_fraction: 0.1\n")
     assert load_config(p).startup_fraction == 0.1
     assert load_config(p, startup_fraction=0.0).startup_fraction == 0.0
-    assert main(["replay", str(p), "--out", str(tmp_path / "o"),
-                 "--startup-fraction", "2"]) == 1
+    # a bad value on the command line is a usage error (exit 2, one line, before any work)
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(p), "--out", str(tmp_path / "o"), "--startup-fraction", "2"])
+    assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("sakura: error:") and "startup_fraction must be a number" in err
-    assert "Traceback" not in err
+    assert "error:" in err and "startup_fraction must be a number" in err
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
 
 
 def test_a_resume_with_another_startup_fraction_is_refused(tmp_path):
@@ -406,7 +408,7 @@ def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
     cfg_path = tmp_path / "tiny.yaml"
     cfg_path.write_text(
         f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\n"
-        "policies: [local, fp16, sakura]\nstarts: 2\n"
+        "policies: [local, fp16, sakura]\nstarts: 2\ndeadlines: [3.0]\n"
         "ablation: {q: [1.0], resolutions: [], resolution_templates: []}\n"
         f"weights: {root / 'model.safetensors'}\ncatalog: {root / 'catalog.json'}\n"
         f"packs_dir: {root / 'packs'}\n")
@@ -414,10 +416,18 @@ def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
     out = tmp_path / "out"
     logs: list[str] = []
     s = run_replay(cfg, out, log=logs.append, progress=False)
-    assert s == {"planned": 8, "skipped": 0, "ran": 8}  # 2 starts x (3 policies + q = 1)
+    # 2 starts x (3 policies + q = 1 + the deadline point)
+    assert s == {"planned": 10, "skipped": 0, "ran": 10}
     rf = ResultsFile(out)
     runs = rf.runs()
-    assert {r["policy"] for r in runs} == {"local", "fp16", "sakura", "sakura-q1"}
+    assert {r["policy"] for r in runs} == {"local", "fp16", "sakura", "sakura-q1", "sakura-d3"}
+    # every record states the link's round trip, loss and the CPUs; the link ran elsewhere
+    assert {(r["rtt_ms"], r["loss"]) for r in runs} == {(30.0, 0.0)}
+    assert all(r["link"] == "paced" and "cpus" in r for r in runs)
+    point = next(r for r in runs if r["policy"] == "sakura-d3")
+    t0 = next(iter(rf.templates().values()))
+    assert point["deadline_s"] == pytest.approx(3.0 * t0["masked_exec_s"])
+    assert point["runtime_policy"] == "sakura" and point["pack"] == "sakura"
     t = next(iter(rf.templates().values()))
     assert t["factor"] > 0 and t["masked_exec_s"] > 0 and t["storage_bytes"]["fp16"] > 0
     # regime: FP16 at the scaled pooled 5G median takes regime_x x T
@@ -436,8 +446,8 @@ def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
     lines = rf.path.read_bytes().splitlines(keepends=True)
     rf.path.write_bytes(b"".join(lines[:-1]) + lines[-1][:20])  # killed mid-write
     again = run_replay(cfg, out, log=logs.append, progress=False)
-    assert again == {"planned": 8, "skipped": 7, "ran": 1}
-    assert len(rf.runs()) == 8
+    assert again == {"planned": 10, "skipped": 9, "ran": 1}
+    assert len(rf.runs()) == 10
     assert write_report(out, json_path=out / "h.json").exists()
     assert json.loads((out / "h.json").read_text())["storage_ratio_vs_fp16"] > 1
     assert not math.isnan(json.loads((out / "h.json").read_text())["p50_speedup_vs_local"])
@@ -450,12 +460,12 @@ def test_profile_regime_simulates_time_and_measures_quality(tiny_catalog, tmp_pa
     cfg_path = tmp_path / "p.yaml"
     cfg_path.write_text(
         f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\nregime: profile\n"
-        "policies: [local, fp16, sakura]\nstarts: 1\n"
+        "policies: [local, fp16, sakura]\nstarts: 1\ndeadlines: [2.0]\n"
         "ablation: {q: [], resolutions: [], resolution_templates: []}\n"
         f"weights: {root / 'model.safetensors'}\ncatalog: {root / 'catalog.json'}\n"
         f"packs_dir: {root / 'packs'}\n")
     out = tmp_path / "out"
-    assert run_replay(load_config(cfg_path), out, log=lambda m: None, progress=False)["ran"] == 3
+    assert run_replay(load_config(cfg_path), out, log=lambda m: None, progress=False)["ran"] == 4
     rf = ResultsFile(out)
     t = next(iter(rf.templates().values()))
     assert t["mode"] == "profile" and t["factor"] == 1.0
@@ -469,6 +479,10 @@ def test_profile_regime_simulates_time_and_measures_quality(tiny_catalog, tmp_pa
     assert by["sakura"]["exec_s"] == pytest.approx(masked)
     assert by["sakura"]["latency_s"] >= masked and by["sakura"]["bytes"] < by["fp16"]["bytes"]
     assert by["sakura"]["psnr_exact"] is not None and by["sakura"]["ssim_full"] is not None
+    # the modelled link says so; the deadline point is given 2 x the modelled execution
+    assert by["sakura"]["link"] == "modelled" and by["sakura"]["rtt_ms"] == pytest.approx(20.0)
+    assert by["sakura-d2"]["deadline_s"] == pytest.approx(2 * masked)
+    assert by["sakura-d2"]["latency_s"] >= masked
     assert "device profile" in json.dumps(
         __import__("sakura.edge.replay.report", fromlist=["x"]).headlines(
             rf.runs(), rf.templates(), {})["regime"])
@@ -484,7 +498,7 @@ def test_kernel_link_replay_or_clear_fallback(tiny_catalog, tmp_path):
     cfg_path = tmp_path / "k.yaml"
     cfg_path.write_text(
         f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\nlink: kernel\n"
-        "policies: [sakura, fp16]\nstarts: 1\n"
+        "policies: [sakura, fp16]\nstarts: 1\ndeadlines: []\n"
         "ablation: {q: [], resolutions: [], resolution_templates: []}\n"
         f"weights: {root / 'model.safetensors'}\ncatalog: {root / 'catalog.json'}\n"
         f"packs_dir: {root / 'packs'}\n")
@@ -500,6 +514,8 @@ def test_kernel_link_replay_or_clear_fallback(tiny_catalog, tmp_path):
         assert any("falling back to the paced link" in m for m in logs)
     fp16 = next(r for r in runs if r["policy"] == "fp16")
     assert fp16["psnr_exact"] == "inf" and fp16["bytes"] > 0
+    # the kernel link carries the round trip too (its delay stage in front of tbf)
+    assert {r["rtt_ms"] for r in runs} == {30.0}
 
 
 @pytest.mark.slow
