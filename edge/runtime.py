@@ -11,8 +11,11 @@ execution time per (template, request shape). :meth:`EdgeRuntime.edit` runs an e
 
 Device state kept across edits (as a video player keeps it across sessions): the manifest
 cache (revalidated by ETag on every edit; a first edit fetches the manifest and uses its
-transfer as the first rate sample) and the last rate estimate (the prior of the next
-edit's first shard).
+transfer as the first rate sample) and the last rate estimate, with the origin it was
+measured against and when: the prior of the next edit's first shards while it is fresh (the
+same origin, at most ``REMEMBERED_RATE_MAX_AGE_S`` old). A stale estimate (another link,
+an earlier session) sized the first shards for a link many times faster or slower; without
+a fresh prior an edit starts from its own samples (smallest configurations first).
 
 The prompt, reference images and seed stay in this process; the server only ever sees
 template id, codec, shard index, configuration id and pack version (see
@@ -69,6 +72,10 @@ from sakura.edge.pipeline import NetLoop, Pipeline
 from sakura.edge.quality import psnr, ssim
 
 from sakura.errors import SakuraError
+
+# a remembered rate estimate is an edit's prior only when measured against the same origin
+# at most this long ago (wall-clock seconds: it is kept in the state across processes)
+REMEMBERED_RATE_MAX_AGE_S = 10.0
 
 
 @dataclass
@@ -262,6 +269,8 @@ class EdgeRuntime:
         self.profiles: dict[str, ExecProfile] = {}
         self.manifests: dict[tuple[str, str], CachedManifest] = {}
         self.last_rate_bps: float | None = None
+        self.last_rate_origin: str | None = None  # scheme://host:port it was measured on
+        self.last_rate_at: float | None = None    # time.time() when it was measured
         self._saved: dict[str, str] = {}  # manifest file -> etag already on disk
         self._prepared: dict[str, tuple[Template, Prepared]] = {}
         self._load_state()
@@ -281,6 +290,9 @@ class EdgeRuntime:
                              for k, v in doc.get("profiles", {}).items()}
             rate = doc.get("last_rate_bps")
             self.last_rate_bps = float(rate) if rate else None
+            self.last_rate_origin = doc.get("last_rate_origin")
+            at = doc.get("last_rate_at")
+            self.last_rate_at = float(at) if at is not None else None
             for name in doc.get("manifests", []):
                 entry = json.loads((self.state_dir / "manifests" / name).read_text())
                 key = (str(entry["template"]), str(entry["codec"]))
@@ -306,7 +318,21 @@ class EdgeRuntime:
             names.append(name)
         _atomic_text(self.state_dir / "state.json", json.dumps(
             {"profiles": {k: v.block_s for k, v in self.profiles.items()},
-             "last_rate_bps": self.last_rate_bps, "manifests": names}, indent=1))
+             "last_rate_bps": self.last_rate_bps, "last_rate_origin": self.last_rate_origin,
+             "last_rate_at": self.last_rate_at, "manifests": names}, indent=1))
+
+    def remembered_rate(self, server: str, now: float | None = None) -> float | None:
+        """The last rate estimate if it is fresh for ``server`` (see the module doc)."""
+        if self.last_rate_bps is None or self.last_rate_at is None:
+            return None
+        age = (time.time() if now is None else now) - self.last_rate_at
+        if self.last_rate_origin != _origin(server) or not 0 <= age <= REMEMBERED_RATE_MAX_AGE_S:
+            return None
+        return self.last_rate_bps
+
+    def _remember_rate(self, server: str, rate_bps: float | None) -> None:
+        self.last_rate_bps, self.last_rate_origin = rate_bps, _origin(server)
+        self.last_rate_at = time.time()
 
     @property
     def encoder(self) -> Any:
@@ -410,7 +436,7 @@ class EdgeRuntime:
             layout = manifest.layout()
             exec_s = profile.shard_times(layout)
             prior = (opts.initial_rate_bps if opts.initial_rate_bps is not None
-                     else self.last_rate_bps)
+                     else self.remembered_rate(server))
             monitor = BandwidthMonitor(opts.rate_window, prior)
             if not got.cached:
                 monitor.record(None, raw_len, got.start, got.first_byte, got.end)
@@ -465,7 +491,7 @@ class EdgeRuntime:
                 raise
             stats = pipe.finish()
             latency = time.monotonic() - origin
-            self.last_rate_bps = monitor.estimate_bps()
+            self._remember_rate(server, monitor.estimate_bps())
             self.save_state()
         finally:
             net.run(client.close(), timeout=10)
@@ -502,6 +528,13 @@ class EdgeRuntime:
                     f"{built[:12]}, this device runs {self.weights_sha256[:12]}: the cache "
                     "does not match the model (rebuild the packs with `sakura build`)")
         return None
+
+
+def _origin(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()
 
 
 def _reference_count(req: Any) -> int:

@@ -198,16 +198,58 @@ def test_allocator_adapts_to_the_link_rate(tmp_path):
                        model=tiny_model(double_blocks=4, single_blocks=12))
     rt = deep.runtime()
     req = rt.request(PROMPT, SEED)
-    opts = EditOptions(max_ahead=6)
+    largest = max(c["bytes"] for s in deep.manifests["sakura"]["shards"] for c in s["configs"])
+    slow_bps, fast_bps = 0.05e6, 400e6
+    # Each edit starts from its link's rate (a current prior, as `sakura bench edit` and the
+    # replays give it), so what fits depends on the link by a factor 8000 and on this
+    # machine's execution speed only within wide margins: at 0.8 x 0.05 Mbit/s a shard's
+    # largest configuration needs a window of 3.9 s, far above any shard's execution time;
+    # at 400 Mbit/s it needs 0.5 ms.
+    assert largest * 8 / (0.8 * slow_bps) > 3.5 and largest * 8 / (0.8 * fast_bps) < 1e-3
+    results = {}
     with Server(create_app(LocalStorage(deep.catalog_dir))) as server:
         rt.edit(server.url, TEMPLATE_ID, deep.template, req, "sakura")  # caches the manifest
-        with shaped(server.url, Trace.constant(0.2e6)) as (url, _):
-            slow = rt.edit(url, TEMPLATE_ID, deep.template, req, "sakura", options=opts)
-        with shaped(server.url, Trace.constant(400e6)) as (url, _):
-            fast = rt.edit(url, TEMPLATE_ID, deep.template, req, "sakura", options=opts)
+        for rate in (slow_bps, fast_bps):
+            with shaped(server.url, Trace.constant(rate)) as (url, _):
+                results[rate] = rt.edit(url, TEMPLATE_ID, deep.template, req, "sakura",
+                                        options=EditOptions(max_ahead=6,
+                                                            initial_rate_bps=rate))
+    slow, fast = results[slow_bps], results[fast_bps]
+    assert slow.timeline[0]["rate_bps"] == slow_bps and fast.timeline[0]["rate_bps"] == fast_bps
     assert slow.bytes < fast.bytes
     exact = exact_image(deep, req)
     assert fast.compare(exact).psnr_db >= slow.compare(exact).psnr_db
+
+
+def test_a_remembered_rate_is_a_prior_only_while_fresh(world):
+    """The device's last estimate sizes the next edit's first shards only if it was measured
+    against the same origin at most REMEMBERED_RATE_MAX_AGE_S ago: a stale one (another
+    link, an earlier session) would size them for a link many times faster or slower."""
+    from sakura.edge.runtime import REMEMBERED_RATE_MAX_AGE_S
+
+    rt = world.runtime()
+    req = rt.request(PROMPT, SEED)
+    smallest = min(c["bytes"] for c in world.manifests["sakura"]["shards"][0]["configs"])
+
+    def first_shard(url: str) -> dict:
+        # the manifest is cached: revalidated without a body, so no sample of this edit's
+        # own comes before shard 0's choice, which is made at the prior alone
+        return rt.edit(url, TEMPLATE_ID, world.template, req, "sakura").timeline[0]
+
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")  # caches the manifest
+        remembered = rt.last_rate_bps
+        assert remembered > 0 and rt.remembered_rate(server.url) == remembered
+        assert first_shard(server.url)["rate_bps"] == remembered  # fresh, same origin
+        with shaped(server.url, Trace.constant(2e6)) as (url, _):
+            other = first_shard(url)                              # another origin
+        assert other["rate_bps"] == 0 and other["bytes"] == smallest
+        assert rt.remembered_rate(server.url) is None  # what it remembers now is the link's
+        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
+        assert rt.remembered_rate(server.url) == rt.last_rate_bps
+        rt.last_rate_at -= REMEMBERED_RATE_MAX_AGE_S + 1                       # too old
+        old = first_shard(server.url)
+        assert old["rate_bps"] == 0 and old["bytes"] == smallest
 
 
 def test_the_startup_allowance_widens_the_first_window_of_an_edit(world):
@@ -289,6 +331,7 @@ def test_device_state_survives_a_restart_of_the_runtime(world, tmp_path):
         cold = first.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
         again = EdgeRuntime(world.model, FakeEncoder(), state_dir=state)
         assert again.last_rate_bps == pytest.approx(first.last_rate_bps)
+        assert again.remembered_rate(server.url) == pytest.approx(first.last_rate_bps)
         assert set(again.profiles) == set(first.profiles)
         warm = again.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
         (state / "state.json").write_text("{not json")
