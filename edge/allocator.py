@@ -228,6 +228,18 @@ def fixed_config(tables: list[ShardOptions], exec_s: list[float], budget_rate_bp
     return FixedAllocator([o.id for o in chosen], name="fixed-config")
 
 
+def to_native(allocator: Allocator, native: Any) -> Any:
+    """The same allocator as a ``sakura_native`` object (for the native runtime): the
+    candidate tables, best first, as the policy built them."""
+    if isinstance(allocator, AdaptiveAllocator):
+        return native.AdaptiveAllocator([[(o.id, o.nbytes) for o in t.options]
+                                         for t in allocator.tables],
+                                        allocator.latency_s, allocator.safety)
+    if isinstance(allocator, FixedAllocator):
+        return native.FixedAllocator(list(allocator.configs))
+    raise EdgeError(f"the native runtime has no twin of the {allocator.name} allocator")
+
+
 # ----------------------------------------------------------------------------- policies
 
 

@@ -15,3 +15,7 @@ class ServerUnreachable(EdgeError):
 
 class IntegrityError(EdgeError):
     """A shard body kept failing verification (checksum) after all refetches."""
+
+
+class OriginError(EdgeError):
+    """The origin answered, with an error (its own message is in the text)."""

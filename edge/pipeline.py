@@ -148,6 +148,17 @@ class PipelineStats:
     configs: list[int | None]
 
 
+def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
+    """Stalls, startup, bytes and choices of an edit from its shard records (the timeline
+    of either runtime: these records, or the native runtime's of the same fields)."""
+    stalls = [r["stall_s"] for r in records[1:] if r["stall_s"] > STALL_EPS_S]
+    return PipelineStats(
+        stalls=len(stalls), stall_s=float(sum(stalls)),
+        startup_s=records[0]["stall_s"] if records else 0.0,
+        bytes=sum(r["bytes"] for r in records),
+        configs=[r["config"] for r in records])
+
+
 Fetch = Callable[[int, int, Callable[[int], None]], Awaitable[Fetched]]
 Decode = Callable[[int, int, bytes], list[torch.Tensor]]
 Allocate = Callable[[int, Window, float], int]
@@ -232,12 +243,7 @@ class Pipeline:
             self._cond.notify_all()
 
     def stats(self) -> PipelineStats:
-        stalls = [r.stall_s for r in self.records[1:] if r.stall_s > STALL_EPS_S]
-        return PipelineStats(
-            stalls=len(stalls), stall_s=float(sum(stalls)),
-            startup_s=self.records[0].stall_s if self.records else 0.0,
-            bytes=sum(r.bytes for r in self.records),
-            configs=[r.config for r in self.records])
+        return stats_of([r.to_dict() for r in self.records])
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:

@@ -68,7 +68,8 @@ from sakura.edge.monitor import (
     check_startup_fraction,
     startup_allowance_s,
 )
-from sakura.edge.pipeline import NetLoop, Pipeline
+from sakura.edge.native_runtime import NativeEngine, NativeUnavailable, check_runtime
+from sakura.edge.pipeline import NetLoop, Pipeline, stats_of
 from sakura.edge.quality import psnr, ssim
 
 from sakura.errors import SakuraError
@@ -254,9 +255,17 @@ class EdgeRuntime:
     def __init__(self, model: MMDiT | EditEngine, encoder: Any = None,
                  state_dir: str | Path | None = None,
                  weights_sha256: str | None = None, backend: str = "torch",
-                 backend_config: BackendConfig | None = None) -> None:
+                 backend_config: BackendConfig | None = None,
+                 runtime: str = "python") -> None:
         # non-torch backends run the edit through compiled shard graphs (edge/backends)
         self.backend = DeviceBackend(backend, backend_config)
+        # "native": the shard loop in C++ (edge.native_runtime); "python": edge.pipeline
+        self.runtime = check_runtime(runtime)
+        if self.runtime == "native" and not self.backend.is_torch:
+            raise EdgeError(f"the native runtime runs its own compiled graphs; --backend "
+                            f"{backend} belongs to the Python runtime")
+        self._native: NativeEngine | None = None
+        self._compiled_dir = backend_config.cache_dir if backend_config else None
         if isinstance(model, EditEngine):
             self.engine = model
             self.model = getattr(model, "model", None)
@@ -278,6 +287,21 @@ class EdgeRuntime:
     @property
     def default_model(self) -> bool:
         return isinstance(self.engine, DefaultEngine)
+
+    @property
+    def native(self) -> NativeEngine:
+        """The native engine (compiled graphs of the shipped MMDiT), created on first use."""
+        if self._native is None:
+            if not self.default_model:
+                raise NativeUnavailable(f"{self.engine.name} runs on the Python runtime "
+                                        "(--runtime python); the native runtime runs the "
+                                        "shipped MMDiT")
+            from sakura.edge.backends.base import weights_sha256
+
+            kw = {"cache_dir": self._compiled_dir} if self._compiled_dir else {}
+            self._native = NativeEngine(self.model, self.weights_sha256
+                                        or weights_sha256(self.model), **kw)
+        return self._native
 
     # ------------------------------------------------------------------ device state
     def _load_state(self) -> None:
@@ -407,15 +431,20 @@ class EdgeRuntime:
             if template.seed < 0:
                 raise EdgeError("the local policy recomputes the template trajectory and "
                                 "needs the template's seed, which its catalog entry lacks")
+            if self.runtime == "native":
+                self.native.prepare_full(template, req)  # compiles/loads: before the clock
             t0 = time.monotonic()
-            image = self.engine.local_edit(prep, req)
+            image = (self.native.full_edit(template, req) if self.runtime == "native"
+                     else self.engine.local_edit(prep, req))
             dt = time.monotonic() - t0
             return EditResult(image=image, policy=policy, codec=None, latency_s=dt, exec_s=dt)
-        profile = self.profile(template_id, prep, req)
+        codec = opts.pack or pol.codec
+        profile = (self._native_profile(server, template_id, prep, req, codec, token, opts)
+                   if self.runtime == "native" else self.profile(template_id, prep, req))
         net = NetLoop()
         try:
             return self._streamed(net, server, template_id, prep, req, pol.name,
-                                  opts.pack or pol.codec, profile, token, request_log, opts)
+                                  codec, profile, token, request_log, opts)
         finally:
             net.close()
 
@@ -437,7 +466,9 @@ class EdgeRuntime:
             exec_s = profile.shard_times(layout)
             prior = (opts.initial_rate_bps if opts.initial_rate_bps is not None
                      else self.remembered_rate(server))
-            monitor = BandwidthMonitor(opts.rate_window, prior)
+            native = self.native.native if self.runtime == "native" else None
+            monitor = (native.BandwidthMonitor if native else BandwidthMonitor)(
+                opts.rate_window, prior)
             if not got.cached:
                 monitor.record(None, raw_len, got.start, got.first_byte, got.end)
             tables = options_from_manifest(manifest_dict)
@@ -474,8 +505,17 @@ class EdgeRuntime:
             if opts.deadline_s is not None:
                 allowance = max(0.0, opts.deadline_s - (time.monotonic() - origin)
                                 - sum(exec_s))
-            progress = ExecutionProgress.with_allowance(exec_s, origin, allowance,
-                                                        now=time.monotonic())
+            progress = (native.ExecutionProgress if native else ExecutionProgress
+                        ).with_allowance(exec_s, origin, allowance, now=time.monotonic())
+            if native is not None:
+                image, timeline = self._native_streamed(
+                    client, template_id, codec, manifest_dict, codec_impl, prep, req,
+                    allocator, monitor, progress, origin, opts, log, describe)
+                latency = time.monotonic() - origin
+                self._remember_rate(server, monitor.estimate_bps())
+                self.save_state()
+                return self._result(image, policy, codec, latency, raw_len, allowance,
+                                    timeline, exec_s, log, warning)
             pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,
                             monitor=monitor, progress=progress, origin=origin,
                             max_ahead=opts.max_ahead, max_ready=opts.max_ready,
@@ -489,13 +529,21 @@ class EdgeRuntime:
             except BaseException:
                 pipe.close()
                 raise
-            stats = pipe.finish()
+            pipe.finish()
             latency = time.monotonic() - origin
             self._remember_rate(server, monitor.estimate_bps())
             self.save_state()
         finally:
             net.run(client.close(), timeout=10)
-        timeline = [r.to_dict() for r in pipe.records]
+        return self._result(image, policy, codec, latency, raw_len, allowance,
+                            [r.to_dict() for r in pipe.records], exec_s, log, warning)
+
+    @staticmethod
+    def _result(image: torch.Tensor, policy: str, codec: str, latency: float, raw_len: int,
+                allowance: float, timeline: list[dict[str, Any]], exec_s: list[float],
+                log: list[RequestRecord], warning: str | None) -> EditResult:
+        """The EditResult of a streamed edit from its per-shard records (either runtime)."""
+        stats = stats_of(timeline)
         exec_total = sum((r["exec_end"] or 0) - (r["exec_start"] or 0) for r in timeline)
         return EditResult(
             image=image, policy=policy, codec=codec, latency_s=latency, bytes=stats.bytes,
@@ -504,6 +552,78 @@ class EdgeRuntime:
             params=[r["params"] for r in timeline], timeline=timeline,
             predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),
             warnings=[warning] if warning else [])
+
+    # ------------------------------------------------------------------ native runtime
+    def _native_profile(self, server: str, template_id: str, prep: Prepared, req: Any,
+                        codec: str, token: str | None, opts: EditOptions) -> ExecProfile:
+        """Compiled graphs loaded and execution calibrated for this template's shard layout,
+        before the edit's clock starts. The layout (blocks per shard) comes from the cached
+        manifest, or from a manifest fetched outside the device's cache (so that the timed
+        edit fetches it exactly as the Python runtime does)."""
+        cached = self.manifests.get((template_id, codec))
+        if cached is not None:
+            doc = cached.data
+        else:
+            async def get() -> dict[str, Any]:
+                async with PackClient(server, token=token, retry=opts.retry) as c:
+                    return await c.manifest(template_id, codec)
+
+            with NetLoop() as net:
+                doc = net.run(get())
+        bps = int(self._check_manifest(doc, prep).geometry["blocks_per_shard"])
+        uncond = getattr(req, "txt_uncond", None) is not None
+        key = (f"{template_id}|runtime=native|bps={bps}|steps={prep.template.steps}"
+               f"|cfg={uncond}|weights={self.native.weights_sha256[:12]}")
+        self.native.prepare(prep.template, prep.geometry, req, bps)
+        if key not in self.profiles:
+            self.profiles[key] = ExecProfile(
+                self.native.calibrate(prep.template, prep.geometry, req, bps))
+        return self.profiles[key]
+
+    def _native_streamed(self, client: PackClient, template_id: str, codec: str,
+                         manifest_dict: dict[str, Any], codec_impl: Any, prep: Prepared,
+                         req: Any, allocator: Any, monitor: Any, progress: Any,
+                         origin: float, opts: EditOptions, log: list[RequestRecord],
+                         describe: Any) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        from sakura.edge.allocator import to_native
+        from sakura.edge.native_runtime import decode_kind, rope_table, stream_spec
+
+        where = client.pack_location(template_id, codec, manifest_dict)
+        spans = {}
+        for s in manifest_dict["shards"]:
+            for c in s["configs"]:
+                (offset, length), = c["ranges"]
+                spans[(int(s["index"]), int(c["id"]))] = {"url": where.url, "offset": int(offset),
+                                                          "length": int(length)}
+        manifest = Manifest.from_dict(manifest_dict)
+
+        def decode(shard: int, config: int, data: bytes) -> Any:
+            tensors = decode_config(manifest, shard, config, data, codec_impl)
+            return torch.stack(tensors).to(torch.float32).numpy()
+
+        geometry = manifest_dict["geometry"]
+        retry = opts.retry
+        http = {"connect_timeout_s": retry.connect_timeout_s,
+                "read_timeout_s": retry.read_timeout_s, "window_s": retry.window_s,
+                "max_attempts": retry.max_attempts, "backoff_s": retry.backoff_s,
+                "backoff_max_s": retry.backoff_max_s, "max_refetch": retry.max_refetch,
+                "max_connections": opts.max_inflight,
+                "headers": [f"{k}: {v}" for k, v in where.headers.items()],
+                "display_url": client.base_url}
+        stream = stream_spec(
+            manifest_dict, lambda shard, config: spans[(shard, config)], http=http,
+            origin=origin, max_ahead=opts.max_ahead, max_ready=opts.max_ready,
+            max_inflight=opts.max_inflight, kind=decode_kind(codec_impl), decode=decode,
+            rope=rope_table(codec_impl, int(geometry["tokens"]), int(geometry["channels"])))
+        image, records, requests = self.native.streamed_edit(
+            prep.template, prep.geometry, req, stream, to_native(allocator, self.native.native),
+            monitor, progress, int(geometry["blocks_per_shard"]))
+        for r in requests:
+            headers = dict(h.split(": ", 1) for h in r["headers"] if ": " in h)
+            log.append(RequestRecord(r["method"], r["url"], headers, r["time"]))
+        for r in records:
+            r["params"] = describe(r["shard"], r["config"]) if r["config"] is not None else {}
+        return image, records
 
     def _check_manifest(self, d: dict[str, Any], prep: Prepared) -> Manifest:
         try:

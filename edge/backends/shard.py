@@ -62,7 +62,7 @@ class ShardGeometry:
     batch: int   # 2 with classifier-free guidance, else 1
     txt: int     # fresh text tokens
     img: int     # fresh (masked) image tokens
-    cached: int  # cached (unmasked) template tokens
+    cached: int  # cached (unmasked) template tokens; 0: a graph with no cache inputs
 
     def describe(self) -> str:
         return f"b{self.batch}-t{self.txt}-m{self.img}-u{self.cached}"
@@ -233,6 +233,13 @@ class ShardModule(nn.Module):
     def _attend_delegable(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """Attention over ``[fresh] + [cache]`` with bmm/softmax only (no expand)."""
         b, h, n, d = q.shape
+        if k_cache is None:  # a graph without cache (full edits)
+            s = torch.bmm((q * self.attn_scale).reshape(b * h, n, d),
+                          k.reshape(b * h, n, d).transpose(1, 2))
+            if self.has_mask:
+                s = s + self.mask_bias
+            out = torch.bmm(torch.softmax(s, dim=-1), v.reshape(b * h, n, d))
+            return merge_heads(out.reshape(b, h, n, d))
         u = k_cache.shape[0]
         q = q * self.attn_scale
         kc = k_cache.reshape(u, h, d).permute(1, 0, 2)        # [H, U, d]
@@ -255,10 +262,11 @@ class ShardModule(nn.Module):
         if self.delegable:
             return self._attend_delegable(q, k, v, k_cache, v_cache)
         b = q.shape[0]
-        kc = split_heads(k_cache[None], self.heads).expand(b, -1, -1, -1)
-        vc = split_heads(v_cache[None], self.heads).expand(b, -1, -1, -1)
-        k = torch.cat([k, kc], dim=2)
-        v = torch.cat([v, vc], dim=2)
+        if k_cache is not None:
+            kc = split_heads(k_cache[None], self.heads).expand(b, -1, -1, -1)
+            vc = split_heads(v_cache[None], self.heads).expand(b, -1, -1, -1)
+            k = torch.cat([k, kc], dim=2)
+            v = torch.cat([v, vc], dim=2)
         mask = self.mask if self.has_mask else None
         return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
@@ -307,7 +315,8 @@ class ShardModule(nn.Module):
                 *kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dmods = smods = None
         for i, (b, blk) in enumerate(zip(self.blocks, self.layers)):
-            k_cache, v_cache = kv[2 * i], kv[2 * i + 1]
+            # geometry.cached == 0: the whole model on every token, no cache inputs
+            k_cache, v_cache = (kv[2 * i], kv[2 * i + 1]) if kv else (None, None)
             if b < self.num_double:
                 if dmods is None:
                     d = vec_txt.shape[-1]
@@ -333,7 +342,7 @@ def example_inputs(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometr
     args = [torch.randn(b, t, d, generator=g), torch.randn(b, m, d, generator=g),
             torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g),
             ang.cos(), ang.sin()]
-    for _ in blocks:
+    for _ in blocks if u else ():  # no cache inputs when nothing is cached
         args += [torch.randn(u, d, generator=g), torch.randn(u, d, generator=g)]
     return tuple(args)
 
@@ -343,4 +352,4 @@ def expected_shapes(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeomet
     d, hd = model.cfg.hidden_size, model.cfg.head_dim
     b, t, m, u = geometry.batch, geometry.txt, geometry.img, geometry.cached
     shapes = [(b, t, d), (b, m, d), (b, 1, d), (b, 1, d), (t + m, hd // 2), (t + m, hd // 2)]
-    return shapes + [(u, d)] * (2 * len(blocks))
+    return shapes + [(u, d)] * (2 * len(blocks) if u else 0)

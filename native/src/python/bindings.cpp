@@ -15,6 +15,11 @@
 namespace py = pybind11;
 using sakura::FormatError;
 
+void bind_allocation(py::module_& m);  // bind_allocation.cpp
+#ifdef SAKURA_EDIT_RUNTIME
+void bind_edit(py::module_& m);  // bind_edit.cpp
+#endif
+
 namespace {
 
 std::string_view bytes_view(const py::bytes& b) {
@@ -317,6 +322,16 @@ PYBIND11_MODULE(sakura_native, m) {
   m.def("pipeline_overhead", &pipeline_overhead, py::arg("count"),
         py::arg("received_capacity") = 2, py::arg("ready_capacity") = 2,
         "Run `count` shards through a pipeline of native no-op stages; its stats.");
+
+  bind_allocation(m);
+#ifdef SAKURA_EDIT_RUNTIME
+  bind_edit(m);
+  m.def("edit_runtime_available", [] { return py::make_tuple(true, ""); },
+        "(True, \"\"), or (False, why): whether this build has the native edit runtime.");
+#else
+  m.def("edit_runtime_available", [] { return py::make_tuple(false, SAKURA_EDIT_UNAVAILABLE); },
+        "(True, \"\"), or (False, why): whether this build has the native edit runtime.");
+#endif
 
   py::class_<PyPipeline>(m, "Pipeline")
       .def(py::init<std::size_t, std::size_t>(), py::arg("received_capacity") = 2,

@@ -1,0 +1,82 @@
+"""The host steps of a denoising step as graphs: what runs before and after the shard graphs.
+
+With these, a whole masked edit is a chain of compiled graphs that C++ drives without
+Python (``sakura.edge.native_runtime``):
+
+* :class:`StepIn` ``(x [1, M, P]) -> img [B, M, D]``: the patch embedding of the latent,
+  repeated over the guidance batch (``MMDiT.embed``'s image part);
+* the shard graphs (``sakura.edge.backends.shard``) of the step's block groups;
+* :class:`StepOut` ``(img [B, M, D], vec_img [B, 1, D], x [1, M, P], dt [1], guidance [1])
+  -> x [1, M, P]``: the final layer (``MMDiT.head``), classifier-free guidance
+  (``dit.editing._guided``) and the Euler update ``x + dt v``.
+
+What does not depend on the latent is computed once per edit on the host and passed as
+inputs: the text tokens after ``txt_in`` and the per-step modulation vectors ``MMDiT.vec(t)``
+(functions of the prompt embeddings and of the schedule only), and the RoPE tables.
+Layer norms are written as ``mean`` over the last dims of a 4-D view with constant-tensor
+scalars, as in the delegable shard graph, so XNNPACK takes them.
+"""
+
+from __future__ import annotations
+
+import torch
+from sakura.dit.model import MMDiT
+from torch import nn
+
+
+def _layer_norm(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``F.layer_norm`` without affine parameters, from ops XNNPACK lowers."""
+    b, t, d = x.shape
+    v = x.reshape(b, t, 1, d)
+    mu = v.mean(dim=(-2, -1), keepdim=True)
+    c = v - mu
+    var = (c * c).mean(dim=(-2, -1), keepdim=True)
+    return (c * torch.rsqrt(var + eps)).reshape(b, t, d)
+
+
+class StepIn(nn.Module):
+    """``x [1, M, P] -> img [B, M, D]``: the latent's patch embedding for every batch row."""
+
+    def __init__(self, model: MMDiT, batch: int) -> None:
+        super().__init__()
+        self.img_in = model.img_in
+        self.batch = batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.img_in(x)
+        return torch.cat([h] * self.batch, dim=0) if self.batch > 1 else h
+
+
+class StepOut(nn.Module):
+    """Final layer, guidance and the Euler update of one step (see the module docstring)."""
+
+    def __init__(self, model: MMDiT, batch: int) -> None:
+        super().__init__()
+        self.final_mod = model.final_mod
+        self.final = model.final
+        self.batch = batch
+        self.register_buffer("eps", torch.tensor([1e-5]), persistent=False)
+        self.register_buffer("one", torch.tensor([1.0]), persistent=False)
+
+    def forward(self, img: torch.Tensor, vec_img: torch.Tensor, x: torch.Tensor,
+                dt: torch.Tensor, guidance: torch.Tensor) -> torch.Tensor:
+        mod = self.final_mod(vec_img)
+        d = img.shape[-1]
+        shift, scale = mod[..., :d], mod[..., d:]
+        v = self.final(_layer_norm(img, self.eps) * (self.one + scale) + shift)
+        if self.batch == 2:  # v_uncond + g (v_cond - v_uncond)
+            v = v[1:] + guidance * (v[:1] - v[1:])
+        return x + dt * v
+
+
+def step_examples(model: MMDiT, batch: int, tokens: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Seeded example inputs of the two graphs (for export and checks)."""
+    g = torch.Generator().manual_seed(0)
+    d, p = model.cfg.hidden_size, model.cfg.patch_dim
+    x = torch.randn(1, tokens, p, generator=g)
+    return {
+        "step_in": (x,),
+        "step_out": (torch.randn(batch, tokens, d, generator=g),
+                     torch.randn(batch, 1, d, generator=g), x,
+                     torch.tensor([-0.05]), torch.tensor([3.0])),
+    }

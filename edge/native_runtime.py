@@ -1,0 +1,377 @@
+"""The native device runtime: an edit's shard loop in C++ (``sakura_native``), no Python in it.
+
+The Python runtime (``sakura.edge.pipeline``) runs receive, hashing, link bookkeeping and
+the DiT in one interpreter: execution shares the GIL and the cores with the network path,
+and a streamed edit executed ~2x slower than the same shards with the cache resident. Here
+Python only prepares the edit and collects the image:
+
+* **before** (:meth:`NativeEngine.inputs`): the request set-up a phone app would do in its
+  own language: prompt embeddings through ``txt_in``, the modulation vector of every step
+  (``MMDiT.vec(t)``, a function of the schedule), the RoPE tables of the fresh tokens, the
+  starting latent and the step sizes; and the manifest: which byte range of which URL
+  holds each configuration, its unit checksums, and the allocator's candidate tables;
+* **the loop** (``sakura_native.run_stream``): a receive thread (libcurl: kept-alive
+  connections, pipelined Range requests, resume, SHA-256 per unit, retries), a reconstruct
+  thread (the native sakura/svd and fp16 decoders; codecs without one, intq and cachegen,
+  call back into Python for that stage only), and the execute stage running compiled
+  graphs (ExecuTorch ``.pte``, XNNPACK) for every step: ``StepIn``, the shard graphs of the
+  step's block groups, ``StepOut`` (``sakura.edge.backends.step``); the bandwidth monitor,
+  execution progress and allocator are the C++ twins of ``sakura.edge.monitor`` /
+  ``sakura.edge.allocator`` (tested against the same unit tests);
+* **after**: the latent is composed into the image (template outside the mask).
+
+The graphs are exported once per (weights, template geometry, block groups) and kept in the
+compiled-artifact cache (``edge.backends.base.ArtifactCache``, folder ``native``). ``local``
+(the whole model, no cache) runs through the same engine with graphs that take no cache, so
+the runtime's ratios compare like with like. Scope: the shipped MMDiT, text and masked image
+tokens; reference images and the text-KV approximation need the Python runtime (a clear
+error says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from sakura.dit.editing import (
+    EditRequest,
+    Geometry,
+    Template,
+    compose,
+    edit_schedule,
+    edit_start,
+    template_noise,
+)
+from sakura.dit.model import MMDiT, patchify
+from sakura.edge.backends.base import ArtifactCache, ArtifactKey, default_cache_dir
+from sakura.edge.backends.shard import ShardGeometry, ShardModule, example_inputs
+from sakura.edge.backends.step import StepIn, StepOut, step_examples
+from sakura.edge.errors import EdgeError, IntegrityError, OriginError, ServerUnreachable
+
+# Bump when the graphs' computation or their input/output contract changes (cache key).
+GRAPHS_FORMAT = 1
+RUNTIMES = ("native", "python")
+
+
+class NativeUnavailable(EdgeError):
+    """The native runtime cannot run here (module not built, or a feature it lacks)."""
+
+
+def native_module() -> Any:
+    """``sakura_native`` with its edit runtime, or :class:`NativeUnavailable` saying why."""
+    try:
+        import sakura_native
+    except ImportError as exc:
+        raise NativeUnavailable(f"the native runtime is not built ({exc}); run "
+                                "./scripts/test or ./scripts/demo once to build it, or use "
+                                "--runtime python") from None
+    ok, why = sakura_native.edit_runtime_available()
+    if not ok:
+        raise NativeUnavailable(f"sakura_native was built without the edit runtime: {why}")
+    return sakura_native
+
+
+def check_runtime(name: str) -> str:
+    if name not in RUNTIMES:
+        raise EdgeError(f"unknown runtime {name!r} (known: {', '.join(RUNTIMES)})")
+    return name
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().to(torch.float32).cpu().numpy())
+
+
+@dataclass(frozen=True)
+class GraphSet:
+    """Where the compiled graphs of one geometry are, and how they chain."""
+
+    step_in: Path
+    groups: tuple[Path, ...]
+    step_out: Path
+    group_blocks: tuple[int, ...]
+    takes_cache: bool
+
+
+def step_groups(blocks: int, blocks_per_shard: int) -> list[tuple[int, ...]]:
+    """The block groups of one step, in ``codec.shards.ShardLayout`` order."""
+    if not 1 <= blocks_per_shard <= blocks:
+        raise EdgeError(f"blocks_per_shard must be in 1..{blocks}, got {blocks_per_shard}")
+    return [tuple(range(i, min(i + blocks_per_shard, blocks)))
+            for i in range(0, blocks, blocks_per_shard)]
+
+
+@dataclass
+class NativeEngine:
+    """Native edits of the shipped MMDiT: compiled graphs per geometry, request set-up."""
+
+    model: MMDiT
+    weights_sha256: str
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    threads: int = 1
+    _loaded: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False)
+    compiles: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.native = native_module()
+        self.native.set_graph_threads(self.threads)
+        self.cache = ArtifactCache(Path(self.cache_dir), "native")
+
+    # ------------------------------------------------------------------ geometry
+    def geometry(self, template: Template, geo: Geometry, req: EditRequest,
+                 full: bool = False) -> ShardGeometry:
+        if req.ref_images is not None and len(req.ref_images) > 0:
+            raise NativeUnavailable("reference images need the Python runtime "
+                                    "(--runtime python)")
+        batch = 2 if req.txt_uncond is not None and template.guidance != 1.0 else 1
+        tokens = geo.grid * geo.grid if full else len(geo.masked)
+        return ShardGeometry(batch=batch, txt=int(req.txt.shape[1]), img=tokens,
+                             cached=0 if full else len(geo.unmasked))
+
+    # ------------------------------------------------------------------ graphs
+    def graphs(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]) -> Any:
+        """The loaded ``sakura_native.EditGraphs`` (compiled and cached on first use)."""
+        key = (geometry, tuple(groups))
+        if key not in self._loaded:
+            gs = self._compiled(geometry, groups)
+            self._loaded[key] = self.native.EditGraphs(
+                str(gs.step_in), [str(p) for p in gs.groups], str(gs.step_out),
+                list(gs.group_blocks), gs.takes_cache)
+        return self._loaded[key]
+
+    def _key(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]) -> ArtifactKey:
+        from sakura.edge.backends.executorch_backend import ExecuTorchBackend
+
+        arch = hashlib.sha256(json.dumps(self.model.cfg.to_dict(), sort_keys=True).encode())
+        version = (f"{ExecuTorchBackend().version()}-graphs{GRAPHS_FORMAT}-groups"
+                   + "_".join(f"{g[0]}-{g[-1]}" for g in groups))
+        return ArtifactKey(self.weights_sha256, arch.hexdigest(), geometry,
+                           tuple(b for g in groups for b in g), "native", version)
+
+    def _compiled(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]) -> GraphSet:
+        from sakura.edge.backends.executorch_backend import PTE_NAME, ExecuTorchBackend
+
+        key = self._key(geometry, groups)
+        folder = self.cache.lookup(key)
+        if folder is None:
+            backend = ExecuTorchBackend()
+            backend.check_available()
+            model = self.model
+
+            def build(tmp: Path) -> None:
+                ex = step_examples(model, geometry.batch, geometry.img)
+                parts: list[tuple[str, torch.nn.Module, tuple]] = [
+                    ("step_in", StepIn(model, geometry.batch), ex["step_in"]),
+                    ("step_out", StepOut(model, geometry.batch), ex["step_out"])]
+                for i, blocks in enumerate(groups):
+                    module = ShardModule(model, blocks, geometry, backend.explicit_rms,
+                                         backend.sigmoid_gelu, delegable=backend.delegable)
+                    parts.append((f"group{i}", module,
+                                  example_inputs(model, blocks, geometry)))
+                for name, module, example in parts:
+                    (tmp / name).mkdir()
+                    backend._compile(module.eval(), example, tmp / name)
+
+            try:
+                folder = self.cache.publish(key, build)
+            except EdgeError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - exporter internals
+                raise EdgeError(f"compiling the native graphs ({geometry.describe()}) failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+            self.compiles += 1
+        return GraphSet(folder / "step_in" / PTE_NAME,
+                        tuple(folder / f"group{i}" / PTE_NAME for i in range(len(groups))),
+                        folder / "step_out" / PTE_NAME, tuple(len(g) for g in groups),
+                        geometry.cached > 0)
+
+    # ------------------------------------------------------------------ request set-up
+    @torch.inference_mode()
+    def inputs(self, template: Template, geo: Geometry, req: EditRequest,
+               geometry: ShardGeometry) -> dict[str, Any]:
+        """The tensors of one edit (see the module docstring); ``full``: every token."""
+        model = self.model
+        full = geometry.cached == 0
+        ts = edit_schedule(template)
+        b = geometry.batch
+        txt = torch.cat([req.txt, req.txt_uncond]) if b == 2 else req.txt
+        vt, vi = [], []
+        for s in range(template.steps):
+            t = ts[s].reshape(1).expand(b)
+            vec = model.vec(t)
+            vec_ref = model.vec(torch.zeros_like(t))
+            vi.append(vec)
+            vt.append(vec_ref if model.cfg.attention_mode == "block_causal" else vec)
+        x = edit_start(model, template, req.seed)
+        pos = geo.pos if full else geo.pos[geo.masked]
+        angles = torch.cat([model.angles(model.text_positions(geometry.txt)),
+                            model.angles(pos)])
+        doc = {
+            "steps": template.steps,
+            "x": _f32(x if full else x[:, geo.masked]),
+            "txt": _f32(model.txt_in(txt)),
+            "vec_txt": _f32(torch.stack(vt)), "vec_img": _f32(torch.stack(vi)),
+            "cos": _f32(angles.cos()), "sin": _f32(angles.sin()),
+            "dt": _f32(torch.stack([ts[s + 1] - ts[s] for s in range(template.steps)])),
+            "guidance": float(template.guidance),
+        }
+        if full:
+            doc.update(pinned=[int(i) for i in geo.unmasked],
+                       pin_x0=_f32(patchify(template.image[None].float(),
+                                            model.cfg.patch_size)),
+                       pin_noise=_f32(template_noise(model, template)),
+                       t=_f32(ts[:-1]))
+        return doc
+
+    def image(self, template: Template, geo: Geometry, x: np.ndarray, full: bool = False
+              ) -> torch.Tensor:
+        p = self.model.cfg.patch_dim
+        latent = torch.from_numpy(np.asarray(x)).reshape(1, -1, p)
+        if full:
+            latent = latent[:, geo.masked]
+        return compose(self.model, template, geo, latent)
+
+    def prepare(self, template: Template, geo: Geometry, req: EditRequest,
+                blocks_per_shard: int) -> None:
+        """Compile (first time) and load the graphs of a cached edit of this geometry."""
+        self.graphs(self.geometry(template, geo, req),
+                    step_groups(self.model.cfg.num_blocks, blocks_per_shard))
+
+    def prepare_full(self, template: Template, req: EditRequest) -> None:
+        """Compile (first time) and load the graphs of a full (no-cache) edit."""
+        geo = Geometry.of(self.model, template)
+        self.graphs(self.geometry(template, geo, req, full=True),
+                    step_groups(self.model.cfg.num_blocks, self.model.cfg.num_blocks))
+
+    # ------------------------------------------------------------------ edits
+    def full_edit(self, template: Template, req: EditRequest) -> torch.Tensor:
+        """``local``: the whole model on every token, no cache (``dit.editing.full_edit``)."""
+        geo = Geometry.of(self.model, template)
+        geometry = self.geometry(template, geo, req, full=True)
+        groups = step_groups(self.model.cfg.num_blocks, self.model.cfg.num_blocks)
+        graphs = self.graphs(geometry, groups)
+        x = self.native.run_full(graphs, self.inputs(template, geo, req, geometry))
+        return self.image(template, geo, x, full=True)
+
+    def resident_edit(self, template: Template, geo: Geometry, req: EditRequest,
+                      blocks_per_shard: int, shards: list[np.ndarray],
+                      origin: float | None = None) -> tuple[torch.Tensor, list[dict]]:
+        """The edit with every shard's ``[2 * blocks, U, C]`` K/V in memory (the compute
+        floor, ``exact``): (image, per-shard records with exec times)."""
+        geometry = self.geometry(template, geo, req)
+        groups = step_groups(self.model.cfg.num_blocks, blocks_per_shard)
+        graphs = self.graphs(geometry, groups)
+        plan = [{"step": s, "blocks": list(g)} for s in range(template.steps) for g in groups]
+        if len(shards) != len(plan):
+            raise EdgeError(f"the resident cache has {len(shards)} shards, the edit "
+                            f"needs {len(plan)}")
+        origin = time.monotonic() if origin is None else origin
+        x, records = self.native.run_resident(
+            graphs, self.inputs(template, geo, req, geometry), plan,
+            [np.ascontiguousarray(s, dtype=np.float32) for s in shards], origin)
+        return self.image(template, geo, x), list(records)
+
+    def calibrate(self, template: Template, geo: Geometry, req: EditRequest,
+                  blocks_per_shard: int) -> list[float]:
+        """Execution time of each block, from a zero-cache native run (every step after the
+        first; the median per group, shared equally by the group's blocks)."""
+        groups = step_groups(self.model.cfg.num_blocks, blocks_per_shard)
+        u, c = len(geo.unmasked), self.model.cfg.hidden_size
+        zeros = [np.zeros((2 * len(g), u, c), np.float32) for _ in range(template.steps)
+                 for g in groups]
+        _img, records = self.resident_edit(template, geo, req, blocks_per_shard, zeros)
+        per_group: list[list[float]] = [[] for _ in groups]
+        for i, r in enumerate(records):
+            if i >= len(groups) or template.steps == 1:
+                per_group[i % len(groups)].append(r["exec_end"] - r["exec_start"])
+        out = [0.0] * self.model.cfg.num_blocks
+        for g, times in zip(groups, per_group):
+            for b in g:
+                out[b] = float(np.median(times)) / len(g)
+        return out
+
+    def streamed_edit(self, template: Template, geo: Geometry, req: EditRequest,
+                      stream: dict[str, Any], allocator: Any, monitor: Any, progress: Any,
+                      blocks_per_shard: int) -> tuple[torch.Tensor, list[dict], list[dict]]:
+        """The streamed edit (``sakura_native.run_stream``): (image, records, requests)."""
+        geometry = self.geometry(template, geo, req)
+        groups = step_groups(self.model.cfg.num_blocks, blocks_per_shard)
+        graphs = self.graphs(geometry, groups)
+        inputs = self.inputs(template, geo, req, geometry)
+        try:
+            x, records, requests = self.native.run_stream(graphs, inputs, stream, allocator,
+                                                          monitor, progress)
+        except self.native.FetchError as exc:
+            raise fetch_error(str(exc)) from None
+        except self.native.FormatError as exc:
+            raise IntegrityError(f"a shard could not be decoded: {exc}") from None
+        return self.image(template, geo, x), list(records), list(requests)
+
+
+def fetch_error(text: str) -> EdgeError:
+    """The edge error of a native ``FetchError`` ("<kind>: <message>")."""
+    kind, _, message = text.partition(": ")
+    cls = {"unreachable": ServerUnreachable, "integrity": IntegrityError,
+           "http": OriginError}.get(kind, EdgeError)
+    return cls(message or text)
+
+
+def stream_spec(manifest: Mapping[str, Any], locate: Callable[[int, int], dict[str, Any]],
+                *, http: dict[str, Any], origin: float, max_ahead: int, max_ready: int,
+                max_inflight: int, kind: str,
+                decode: Callable[[int, int, bytes], np.ndarray],
+                rope: np.ndarray | None) -> dict[str, Any]:
+    """What ``run_stream`` needs from the manifest: per shard and configuration the request
+    (``locate(shard, config)`` -> ``{"url", "offset", "length"}``), the unit checksums and
+    the ranks; the decoder ``kind`` (:func:`decode_kind`; ``callback``: the Python
+    ``decode``)."""
+    table = manifest.get("units") or []
+    geometry = manifest["geometry"]
+    shards = []
+    for s in sorted(manifest["shards"], key=lambda s: int(s["index"])):
+        configs = []
+        for c in s["configs"]:
+            loc = locate(int(s["index"]), int(c["id"]))
+            units = [(int(table[int(u)][1]), str(table[int(u)][2])) for u in c.get("units", [])]
+            entry = {"id": int(c["id"]), **loc, "units": units}
+            ranks = (c.get("params") or {}).get("ranks")
+            if ranks is not None:
+                entry["ranks"] = [int(r) for r in ranks]
+            configs.append(entry)
+        shards.append({"step": int(s["step"]), "blocks": [int(b) for b in s["blocks"]],
+                       "configs": configs})
+    return {"shards": shards, "http": http, "decode": kind,
+            "callback": decode if kind == "callback" else None,
+            "rope": rope if kind == "lowrank" else None,
+            "matrix_floats": int(geometry["tokens"]) * int(geometry["channels"]),
+            "max_ahead": max_ahead, "max_ready": max_ready, "max_inflight": max_inflight,
+            "origin": origin}
+
+
+def decode_kind(codec: Any) -> str:
+    """How the native reconstruct stage decodes this codec's configurations: ``lowrank``
+    (sakura, svd: the native kernels), ``fp16`` (native), else ``callback`` (the codec's
+    Python decoder, called from the reconstruct thread)."""
+    from sakura.codec.lowrank import LowRankCodec
+
+    if isinstance(codec, LowRankCodec):
+        return "lowrank"
+    return "fp16" if getattr(codec, "name", "") == "fp16" else "callback"
+
+
+def rope_table(codec: Any, tokens: int, channels: int) -> np.ndarray | None:
+    """The keys' RoPE table ``[N, C/2, 2]`` (cos, sin) of a low-rank codec, or None."""
+    from sakura.codec.lowrank import rope_angles, rope_phasors
+
+    rope = getattr(getattr(codec, "opts", None), "rope", None)
+    if rope is None:
+        return None
+    phasors = rope_phasors(rope_angles(rope, tokens, channels), int(rope["heads"]),
+                           torch.float32)
+    return _f32(torch.view_as_real(phasors))

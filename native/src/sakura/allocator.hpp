@@ -1,0 +1,57 @@
+// Per-shard choice of configuration: the C++ twin of sakura/edge/allocator.py's
+// AdaptiveAllocator and FixedAllocator (tests/edge/test_allocator.py runs the same tests
+// against both). Which configurations a policy offers, and their quality order, is decided
+// in Python from the manifest (options_from_manifest, the policy registry); the tables given
+// here are already ranked best quality first.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace sakura {
+
+struct AllocOption {
+  int id = 0;
+  std::int64_t nbytes = 0;
+};
+
+// Bytes that fit in the window at the estimated rate after the request latency.
+double budget_bytes(double window_s, double rate_bps, double latency_s = 0.0,
+                    double safety = 1.0);
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual int choose(int shard, double window_s, double rate_bps) const = 0;
+  virtual int num_shards() const = 0;
+};
+
+// Highest-quality configuration whose bytes fit rate x (window - latency) x safety; the
+// smallest one when none fits.
+class AdaptiveAllocator final : public Allocator {
+ public:
+  // tables[shard]: the candidates, best first (non-empty).
+  AdaptiveAllocator(std::vector<std::vector<AllocOption>> tables, double latency_s = 0.0,
+                    double safety = 0.8);
+  int choose(int shard, double window_s, double rate_bps) const override;
+  int num_shards() const override { return static_cast<int>(tables_.size()); }
+  int smallest(int shard) const;
+
+ private:
+  std::vector<std::vector<AllocOption>> tables_;
+  std::vector<int> smallest_;
+  double latency_s_, safety_;
+};
+
+// A precomputed configuration per shard, whatever the window.
+class FixedAllocator final : public Allocator {
+ public:
+  explicit FixedAllocator(std::vector<int> configs);
+  int choose(int shard, double window_s, double rate_bps) const override;
+  int num_shards() const override { return static_cast<int>(configs_.size()); }
+
+ private:
+  std::vector<int> configs_;
+};
+
+}  // namespace sakura

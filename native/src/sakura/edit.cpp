@@ -1,0 +1,480 @@
+#include "sakura/edit.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "sakura/shard.hpp"
+
+namespace sakura {
+
+namespace {
+
+constexpr double kPollCapS = 0.05;  // longest poll while waiting for a slot or a transfer
+
+void check_size(const std::vector<float>& v, std::int64_t want, const char* what) {
+  if (static_cast<std::int64_t>(v.size()) != want) {
+    throw std::invalid_argument(std::string(what) + " has " + std::to_string(v.size()) +
+                                " values, the graphs want " + std::to_string(want));
+  }
+}
+
+}  // namespace
+
+void half_to_float(const std::uint8_t* data, std::size_t count, float* out) {
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::uint16_t h = static_cast<std::uint16_t>(data[2 * i] | (data[2 * i + 1] << 8));
+    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000) << 16;
+    std::uint32_t exp = (h >> 10) & 0x1f;
+    std::uint32_t man = h & 0x3ff;
+    std::uint32_t bits;
+    if (exp == 0) {
+      if (man == 0) {
+        bits = sign;
+      } else {  // subnormal: normalise
+        exp = 1;
+        while ((man & 0x400) == 0) {
+          man <<= 1;
+          --exp;
+        }
+        man &= 0x3ff;
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+      }
+    } else if (exp == 0x1f) {
+      bits = sign | 0x7f800000u | (man << 13);
+    } else {
+      bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    std::memcpy(out + i, &bits, sizeof bits);
+  }
+}
+
+// ------------------------------------------------------------------------- ResidentFeed
+
+ResidentFeed::ResidentFeed(std::vector<std::vector<float>> shards,
+                           std::vector<ShardRecord> records, double origin)
+    : shards_(std::move(shards)), records_(std::move(records)), origin_(origin) {
+  if (shards_.size() != records_.size()) {
+    throw std::invalid_argument("resident feed: one record per shard");
+  }
+}
+
+const float* ResidentFeed::acquire(int shard) {
+  if (shard < 0 || static_cast<std::size_t>(shard) >= shards_.size()) {
+    throw std::out_of_range("the resident cache has no shard " + std::to_string(shard));
+  }
+  const double now = now_s();
+  if (current_ >= 0 && current_ != shard) records_[current_].exec_end = now - origin_;
+  records_[shard].exec_start = now - origin_;
+  current_ = shard;
+  return shards_[shard].data();
+}
+
+void ResidentFeed::finish() {
+  if (current_ >= 0 && std::isnan(records_[current_].exec_end)) {
+    records_[current_].exec_end = now_s() - origin_;
+  }
+}
+
+// ------------------------------------------------------------------------- StreamFeed
+
+StreamFeed::StreamFeed(StreamSpec spec, std::shared_ptr<const Allocator> allocator,
+                       std::shared_ptr<BandwidthMonitor> monitor,
+                       std::shared_ptr<ExecutionProgress> progress)
+    : spec_(std::move(spec)),
+      allocator_(std::move(allocator)),
+      monitor_(std::move(monitor)),
+      progress_(std::move(progress)),
+      http_(spec_.http),
+      records_(spec_.shards) {
+  const std::size_t n = records_.size();
+  if (n == 0) throw std::invalid_argument("an edit needs at least one shard");
+  if (spec_.configs.size() != n || allocator_->num_shards() != static_cast<int>(n) ||
+      progress_->num_shards() != static_cast<int>(n)) {
+    throw std::invalid_argument("shards, configurations, allocator and progress disagree on "
+                                "the number of shards");
+  }
+  if (spec_.options.max_ahead < 1 || spec_.options.max_ready < 1) {
+    throw std::invalid_argument("max_ahead and max_ready must be >= 1");
+  }
+  spec_.options.max_ready = std::min(spec_.options.max_ready, spec_.options.max_ahead);
+  spec_.options.max_inflight = std::max(1, spec_.options.max_inflight);
+  if (spec_.decode == DecodeKind::Callback && !spec_.callback) {
+    throw std::invalid_argument("a callback decoder needs a callback");
+  }
+}
+
+StreamFeed::~StreamFeed() {
+  cancel();
+  stop_threads();
+}
+
+void StreamFeed::start() {
+  receive_thread_ = std::thread([this] {
+    try {
+      receive_loop();
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  });
+  reconstruct_thread_ = std::thread([this] {
+    try {
+      reconstruct_loop();
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  });
+}
+
+void StreamFeed::fail(std::exception_ptr e) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_) error_ = e;
+  }
+  cv_.notify_all();
+  http_.wakeup();
+}
+
+void StreamFeed::cancel() {
+  cancelled_.store(true);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closing_ = true;
+  }
+  cv_.notify_all();
+  http_.wakeup();
+}
+
+void StreamFeed::stop_threads() {
+  if (receive_thread_.joinable()) receive_thread_.join();
+  if (reconstruct_thread_.joinable()) reconstruct_thread_.join();
+}
+
+std::vector<ShardRecord> StreamFeed::records() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return records_;
+}
+
+bool StreamFeed::link_allows(double* wait_s) {
+  *wait_s = kPollCapS;
+  const int active = http_.active();
+  if (active == 0) return true;
+  const double rate = monitor_->estimate_bps();
+  const double latency = monitor_->latency_s();
+  if (active < spec_.options.max_inflight && rate > 0) {
+    // the next request may go out once the bytes still due arrive within one request
+    // latency, so its body starts right behind them (edge/pipeline.py, _wait_link)
+    const double due_s = static_cast<double>(http_.outstanding_bytes()) * 8.0 / rate;
+    if (due_s <= latency) return true;
+    *wait_s = std::min(0.01, std::max(0.001, due_s - latency));
+  }
+  return false;
+}
+
+void StreamFeed::issue(int j) {
+  const double now = now_s();
+  const Window window = progress_->window(j, now);
+  const double estimate = monitor_->estimate_bps();
+  const double rate = std::isnan(estimate) ? 0.0 : estimate;
+  const double due = rate > 0 ? static_cast<double>(http_.outstanding_bytes()) * 8.0 / rate : 0.0;
+  // the body starts after the bytes still due and after the request latency
+  const double lead = std::max(due, monitor_->latency_s());
+  const int config = allocator_->choose(j, window.window_s - lead, rate);
+  auto it = spec_.configs[j].find(config);
+  if (it == spec_.configs[j].end()) {
+    throw std::runtime_error("the allocator chose configuration " + std::to_string(config) +
+                             " that shard " + std::to_string(j) + " does not have");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ShardRecord& rec = records_[j];
+    rec.config = config;
+    rec.window_s = window.window_s;
+    rec.carry_s = window.carry_s;
+    rec.rate_bps = rate;
+    rec.lead_s = lead;
+    rec.deadline = window.deadline - spec_.origin;
+  }
+  FetchRequest req = it->second.request;
+  req.shard = j;
+  req.config = config;
+  http_.start(std::move(req));
+}
+
+void StreamFeed::complete(FetchDone&& done) {
+  const int j = done.shard;
+  monitor_->record(j, static_cast<std::int64_t>(done.data.size()), done.start, done.first_byte,
+                   done.end);
+  progress_->received(j, done.end);
+  std::lock_guard<std::mutex> lock(mu_);
+  ShardRecord& rec = records_[j];
+  rec.recv_start = done.start - spec_.origin;
+  rec.recv_first_byte = done.first_byte - spec_.origin;
+  rec.recv_end = done.end - spec_.origin;
+  rec.bytes = static_cast<std::int64_t>(done.data.size());
+  rec.attempts = done.attempts;
+  rec.resumes = done.resumes;
+  rec.refetches = done.refetches;
+  pending_[j] = {done.config, std::move(done.data)};
+  cv_.notify_all();
+}
+
+void StreamFeed::receive_loop() {
+  const int n = static_cast<int>(records_.size());
+  int next = 0;
+  while (true) {
+    bool slot_free;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_ || closing_) return;
+      slot_free = next < n && next - executing_ <= spec_.options.max_ahead;
+    }
+    double wait = kPollCapS;
+    if (slot_free && link_allows(&wait)) {
+      issue(next++);
+      continue;
+    }
+    if (next == n && http_.active() == 0) return;
+    for (auto& done : http_.poll(wait)) complete(std::move(done));
+  }
+}
+
+std::vector<float> StreamFeed::decode(int j, int config, const std::vector<std::uint8_t>& data) {
+  const std::int64_t matrices = 2 * static_cast<std::int64_t>(records_[j].blocks.size());
+  std::vector<float> out(static_cast<std::size_t>(matrices * spec_.matrix_floats));
+  switch (spec_.decode) {
+    case DecodeKind::LowRank: {
+      const ShardHeader h = parse_header(data.data(), data.size());
+      if (h.matrices != matrices ||
+          static_cast<std::int64_t>(h.tokens) * h.channels != spec_.matrix_floats) {
+        throw FormatError("shard " + std::to_string(j) + ": the body holds " +
+                          std::to_string(h.matrices) + " matrices [" + std::to_string(h.tokens) +
+                          ", " + std::to_string(h.channels) + "], the edit needs " +
+                          std::to_string(matrices));
+      }
+      const float* rope = spec_.rope.empty() ? nullptr : spec_.rope.data();
+      decode_shard(data.data(), data.size(), spec_.configs[j].at(config).ranks, rope,
+                   out.data(), spec_.options.decode_threads);
+      break;
+    }
+    case DecodeKind::Fp16:
+      if (static_cast<std::int64_t>(data.size()) != 2 * static_cast<std::int64_t>(out.size())) {
+        throw FormatError("shard " + std::to_string(j) + ": an fp16 body of " +
+                          std::to_string(data.size()) + " bytes, expected " +
+                          std::to_string(2 * out.size()));
+      }
+      half_to_float(data.data(), out.size(), out.data());
+      break;
+    case DecodeKind::Callback:
+      spec_.callback(j, config, data, out.data());
+      break;
+  }
+  return out;
+}
+
+void StreamFeed::reconstruct_loop() {
+  while (true) {
+    int j, config;
+    std::vector<std::uint8_t> data;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (true) {
+        if (closing_ || error_) return;
+        if (!pending_.empty()) {
+          auto it = pending_.begin();  // the lowest received shard
+          if (it->first - executing_ <= spec_.options.max_ready) {
+            j = it->first;
+            config = it->second.first;
+            data = std::move(it->second.second);
+            pending_.erase(it);
+            break;
+          }
+        }
+        cv_.wait_for(lock, std::chrono::milliseconds(500));
+      }
+    }
+    const double t0 = now_s();
+    std::vector<float> tensors = decode(j, config, data);
+    const double t1 = now_s();
+    progress_->reconstructed(j, t0, t1);
+    std::lock_guard<std::mutex> lock(mu_);
+    records_[j].recon_start = t0 - spec_.origin;
+    records_[j].recon_end = t1 - spec_.origin;
+    if (j > executing_) ready_[j] = std::move(tensors);
+    cv_.notify_all();
+  }
+}
+
+const float* StreamFeed::acquire(int j) {
+  const double now = now_s();
+  int current;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    current = executing_;
+  }
+  if (current >= 0 && current != j) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      records_[current].exec_end = now - spec_.origin;
+    }
+    progress_->exec_ended(current, now);
+  }
+  const float* out;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (current >= 0 && current != j) ready_.erase(current);
+    while (!ready_.count(j) && !error_) {
+      if (cancelled_.load()) throw Cancelled();
+      cv_.wait_for(lock, std::chrono::milliseconds(100));
+    }
+    if (error_) std::rethrow_exception(error_);
+    // the start is stamped before the other stages can see the slot it frees
+    const double start = now_s();
+    ShardRecord& rec = records_[j];
+    rec.stall_s = start - now;
+    rec.exec_start = start - spec_.origin;
+    progress_->exec_started(j, start);
+    executing_ = j;
+    out = ready_[j].data();
+  }
+  cv_.notify_all();  // the reconstructor may decode one more shard now
+  http_.wakeup();    // and the receiver may start one more
+  return out;
+}
+
+void StreamFeed::finish() {
+  const double now = now_s();
+  int last;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last = executing_;
+    if (last >= 0 && std::isnan(records_[last].exec_end)) {
+      records_[last].exec_end = now - spec_.origin;
+    } else {
+      last = -1;
+    }
+  }
+  if (last >= 0) progress_->exec_ended(last, now);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closing_ = true;
+    ready_.clear();
+  }
+  cv_.notify_all();
+  http_.wakeup();
+  stop_threads();
+}
+
+// ------------------------------------------------------------------------- EditGraphs
+
+void EditGraphs::check() const {
+  if (!step_in || !step_out || groups.empty() || group_blocks.size() != groups.size()) {
+    throw std::runtime_error("an edit needs step_in, step_out and one graph per block group");
+  }
+  const auto& img = step_in->outputs().at(0);
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const auto& in = groups[g]->inputs();
+    const std::size_t want = 6 + (takes_cache ? 2 * group_blocks[g] : 0);
+    if (in.size() != want) {
+      throw std::runtime_error(groups[g]->path() + ": " + std::to_string(in.size()) +
+                               " inputs, expected " + std::to_string(want));
+    }
+    if (in[1].sizes != img.sizes || groups[g]->outputs().size() != 2 ||
+        groups[g]->outputs()[1].sizes != img.sizes || groups[g]->outputs()[0].sizes != in[0].sizes) {
+      throw std::runtime_error(groups[g]->path() + ": token shapes disagree with step_in " +
+                               img.describe());
+    }
+    if (takes_cache) {
+      for (std::size_t i = 6; i < in.size(); ++i) {
+        if (in[i].sizes != in[6].sizes) {
+          throw std::runtime_error(groups[g]->path() + ": cache inputs of different shapes");
+        }
+      }
+    }
+  }
+  const auto& out_in = step_out->inputs();
+  if (out_in.size() != 5 || out_in[0].sizes != img.sizes ||
+      out_in[2].sizes != step_in->inputs().at(0).sizes ||
+      step_out->outputs().at(0).sizes != out_in[2].sizes) {
+    throw std::runtime_error(step_out->path() + ": shapes disagree with step_in");
+  }
+}
+
+// ------------------------------------------------------------------------- run_edit
+
+std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed,
+                            const std::atomic<bool>& cancel) {
+  graphs.check();
+  if (graphs.takes_cache && feed == nullptr) {
+    throw std::invalid_argument("cached graphs need a shard feed");
+  }
+  const int steps = in.steps;
+  const std::size_t groups = graphs.groups.size();
+  const auto& g0 = graphs.groups[0]->inputs();
+  const std::int64_t x_n = graphs.step_in->inputs()[0].numel();
+  const std::int64_t img_n = graphs.step_in->outputs()[0].numel();
+  const std::int64_t txt_n = g0[0].numel();
+  const std::int64_t vec_n = g0[2].numel();
+  const std::int64_t cache_n = graphs.takes_cache ? g0[6].numel() : 0;
+  check_size(in.x, x_n, "x");
+  check_size(in.txt, txt_n, "txt");
+  check_size(in.vec_txt, steps * vec_n, "vec_txt");
+  check_size(in.vec_img, steps * vec_n, "vec_img");
+  check_size(in.cos, g0[4].numel(), "cos");
+  check_size(in.sin, g0[5].numel(), "sin");
+  check_size(in.dt, steps, "dt");
+  if (!in.pinned.empty()) {
+    const std::int64_t p = graphs.step_in->inputs()[0].sizes.back();
+    check_size(in.pin_x0, x_n, "pin_x0");
+    check_size(in.pin_noise, x_n, "pin_noise");
+    check_size(in.t, steps, "t");
+    for (auto tok : in.pinned) {
+      if (tok < 0 || (tok + 1) * p > x_n) throw std::invalid_argument("pinned token out of range");
+    }
+  }
+
+  std::vector<float> x = in.x, x_next(x_n), img(img_n), img_next(img_n), txt(txt_n),
+                     txt_next(txt_n);
+  const float guidance = in.guidance;
+  if (feed) feed->start();
+  for (int s = 0; s < steps; ++s) {
+    if (cancel.load()) {
+      if (feed) feed->cancel();
+      throw Cancelled();
+    }
+    if (!in.pinned.empty()) {
+      const std::int64_t p = graphs.step_in->inputs()[0].sizes.back();
+      const float t = in.t[s];
+      for (auto tok : in.pinned) {
+        for (std::int64_t c = tok * p; c < (tok + 1) * p; ++c) {
+          x[c] = (1 - t) * in.pin_x0[c] + t * in.pin_noise[c];
+        }
+      }
+    }
+    graphs.step_in->run({x.data()}, {img.data()});
+    std::copy(in.txt.begin(), in.txt.end(), txt.begin());
+    const float* vt = in.vec_txt.data() + s * vec_n;
+    const float* vi = in.vec_img.data() + s * vec_n;
+    for (std::size_t g = 0; g < groups; ++g) {
+      std::vector<const float*> args = {txt.data(), img.data(), vt, vi, in.cos.data(),
+                                        in.sin.data()};
+      if (graphs.takes_cache) {
+        const float* kv = feed->acquire(static_cast<int>(s * groups + g));
+        for (int m = 0; m < 2 * graphs.group_blocks[g]; ++m) args.push_back(kv + m * cache_n);
+      }
+      graphs.groups[g]->run(args, {txt_next.data(), img_next.data()});
+      txt.swap(txt_next);
+      img.swap(img_next);
+    }
+    const float dt = in.dt[s];
+    graphs.step_out->run({img.data(), vi, x.data(), &dt, &guidance}, {x_next.data()});
+    x.swap(x_next);
+  }
+  if (feed) feed->finish();
+  return x;
+}
+
+}  // namespace sakura

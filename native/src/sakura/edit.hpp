@@ -1,0 +1,194 @@
+// One masked edit run natively: the shard loop with no Python in it.
+//
+// The execute stage (run_edit) walks the denoising steps: per step the `step_in` graph
+// embeds the masked latent, every block-group graph runs its blocks with the shard's K/V
+// from a ShardFeed, and the `step_out` graph applies the final layer, guidance and the Euler
+// update. Everything per-request that is not a graph input (prompt embeddings, modulation
+// vectors, RoPE tables, timesteps) is prepared by Python before and handed over as tensors.
+//
+// A ShardFeed delivers shard j's K/V ([2 * blocks, U, C] float32) when execution reaches it:
+// * ResidentFeed: every shard in memory (the compute floor, calibration, `exact`);
+// * StreamFeed: the receive -> reconstruct -> execute pipeline of the device: a receive
+//   thread (libcurl, HttpReceiver) that asks the allocator for each shard's configuration
+//   from the window and rate estimate of that moment, pipelines requests, verifies bodies;
+//   a reconstruct thread (the native decoders, or a Python callback for codecs without
+//   one); bounded buffers (max_ahead shards in flight .. ready, max_ready reconstructed)
+//   exactly as sakura/edge/pipeline.py, which stays the reference implementation.
+// Full (no-cache) edits run the same loop with graphs that take no K/V and pin the
+// unmasked tokens to the template trajectory before every step.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "sakura/allocator.hpp"
+#include "sakura/graph.hpp"
+#include "sakura/http.hpp"
+#include "sakura/monitor.hpp"
+
+namespace sakura {
+
+struct ShardRecord {
+  int shard = 0;
+  int step = 0;
+  std::vector<int> blocks;
+  int config = -1;  // -1: none (resident)
+  std::int64_t bytes = 0;
+  double window_s = kNoValue, lead_s = 0.0, carry_s = kNoValue, rate_bps = kNoValue;
+  double deadline = kNoValue;
+  double recv_start = kNoValue, recv_first_byte = kNoValue, recv_end = kNoValue;
+  double recon_start = kNoValue, recon_end = kNoValue;
+  double exec_start = kNoValue, exec_end = kNoValue;
+  double stall_s = 0.0;
+  int attempts = 0, resumes = 0, refetches = 0;
+};
+
+// Raised when an edit is cancelled (Ctrl-C in Python).
+class Cancelled : public std::runtime_error {
+ public:
+  Cancelled() : std::runtime_error("the edit was cancelled") {}
+};
+
+class ShardFeed {
+ public:
+  virtual ~ShardFeed() = default;
+  virtual void start() {}
+  // Shard j's matrices, valid until the next acquire() or finish(); blocks until ready.
+  virtual const float* acquire(int shard) = 0;
+  // After the last shard executed: stamps its end, stops the stages.
+  virtual void finish() {}
+  virtual void cancel() {}
+  virtual std::vector<ShardRecord> records() const = 0;
+};
+
+class ResidentFeed final : public ShardFeed {
+ public:
+  ResidentFeed(std::vector<std::vector<float>> shards, std::vector<ShardRecord> records,
+               double origin);
+  const float* acquire(int shard) override;
+  void finish() override;
+  std::vector<ShardRecord> records() const override { return records_; }
+
+ private:
+  std::vector<std::vector<float>> shards_;
+  std::vector<ShardRecord> records_;
+  double origin_;
+  int current_ = -1;
+};
+
+enum class DecodeKind { LowRank, Fp16, Callback };
+
+// Python's decoder for codecs without a native one: writes 2 * blocks * U * C floats.
+using DecodeCallback =
+    std::function<void(int shard, int config, const std::vector<std::uint8_t>& data, float* out)>;
+
+struct ConfigSource {
+  FetchRequest request;    // shard, config, url, range, units
+  std::vector<int> ranks;  // LowRank: the configuration's ranks
+};
+
+struct StreamOptions {
+  int max_ahead = 4;     // shards in flight .. ready ahead of execution
+  int max_ready = 2;     // reconstructed shards held ahead of execution
+  int max_inflight = 3;  // pipelined requests
+  int decode_threads = 1;
+};
+
+struct StreamSpec {
+  std::vector<ShardRecord> shards;                       // shard, step, blocks
+  std::vector<std::map<int, ConfigSource>> configs;      // per shard: config id -> source
+  HttpOptions http;
+  DecodeKind decode = DecodeKind::LowRank;
+  DecodeCallback callback;
+  std::vector<float> rope;  // LowRank keys: [N, C/2, 2] cos/sin, or empty
+  std::int64_t matrix_floats = 0;  // N * C
+  StreamOptions options;
+  double origin = 0;
+};
+
+class StreamFeed final : public ShardFeed {
+ public:
+  StreamFeed(StreamSpec spec, std::shared_ptr<const Allocator> allocator,
+             std::shared_ptr<BandwidthMonitor> monitor,
+             std::shared_ptr<ExecutionProgress> progress);
+  ~StreamFeed() override;
+
+  void start() override;
+  const float* acquire(int shard) override;
+  void finish() override;
+  void cancel() override;
+  std::vector<ShardRecord> records() const override;
+  std::vector<RequestLogEntry> request_log() { return http_.take_log(); }
+
+ private:
+  void receive_loop();
+  void reconstruct_loop();
+  bool link_allows(double* wait_s);
+  void issue(int j);
+  void complete(FetchDone&& done);
+  std::vector<float> decode(int j, int config, const std::vector<std::uint8_t>& data);
+  void fail(std::exception_ptr e);
+  void stop_threads();
+
+  StreamSpec spec_;
+  std::shared_ptr<const Allocator> allocator_;
+  std::shared_ptr<BandwidthMonitor> monitor_;
+  std::shared_ptr<ExecutionProgress> progress_;
+  HttpReceiver http_;
+  std::vector<ShardRecord> records_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int executing_ = -1;
+  std::map<int, std::pair<int, std::vector<std::uint8_t>>> pending_;  // received
+  std::map<int, std::vector<float>> ready_;                           // reconstructed
+  std::exception_ptr error_;
+  bool closing_ = false;
+  std::atomic<bool> cancelled_{false};
+  std::thread receive_thread_, reconstruct_thread_;
+};
+
+// The compiled graphs of one edit geometry, loaded once and reused for every edit.
+struct EditGraphs {
+  std::unique_ptr<CompiledGraph> step_in;   // (x [1, M, P]) -> img [B, M, D]
+  std::vector<std::unique_ptr<CompiledGraph>> groups;  // (txt, img, vec_txt, vec_img, cos,
+                                                       //  sin[, k_b, v_b ...]) -> txt, img
+  std::unique_ptr<CompiledGraph> step_out;  // (img, vec_img, x, dt [1], guidance [1]) -> x
+  std::vector<int> group_blocks;            // blocks per group
+  bool takes_cache = true;                  // groups read K/V (false: full edits)
+
+  void check() const;  // shapes agree between graphs; throws std::runtime_error
+};
+
+struct EditInputs {
+  int steps = 0;
+  std::vector<float> x;                  // latent entering step 0
+  std::vector<float> txt;                // [B, T, D] text tokens after txt_in
+  std::vector<float> vec_txt, vec_img;   // [S, B, 1, D]
+  std::vector<float> cos, sin;           // [T + M, head_dim / 2]
+  std::vector<float> dt;                 // [S]
+  float guidance = 1.0f;
+  // full edits: before every step the tokens `pinned` get (1 - t) x0 + t e
+  std::vector<std::int64_t> pinned;
+  std::vector<float> pin_x0, pin_noise;  // [N, P]
+  std::vector<float> t;                  // [S]
+};
+
+// Runs the edit on the calling thread; returns the latent after the last step. `feed` may be
+// null for graphs that take no cache. Throws whatever a stage threw; Cancelled when
+// `cancel` becomes true.
+std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& inputs, ShardFeed* feed,
+                            const std::atomic<bool>& cancel);
+
+// Float32 values of IEEE half data (the fp16 codec's payload).
+void half_to_float(const std::uint8_t* data, std::size_t count, float* out);
+
+}  // namespace sakura

@@ -1,0 +1,431 @@
+#include "sakura/http.hpp"
+
+#include <curl/curl.h>
+#include <openssl/evp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <sstream>
+
+namespace sakura {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::array<std::uint8_t, 32> sha256(const std::uint8_t* data, std::size_t size) {
+  std::array<std::uint8_t, 32> out{};
+  unsigned int len = 0;
+  if (EVP_Digest(data, size, out.data(), &len, EVP_sha256(), nullptr) != 1 || len != 32) {
+    throw std::runtime_error("OpenSSL SHA-256 failed");
+  }
+  return out;
+}
+
+namespace {
+
+constexpr std::size_t kMaxErrorBody = 64 * 1024;
+
+void global_init() {
+  static std::once_flag once;
+  std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
+}
+
+bool retry_status(long code) {
+  return code == 408 || code == 429 || code == 500 || code == 502 || code == 503 || code == 504;
+}
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  const auto e = s.find_last_not_of(" \t\r\n");
+  return s.substr(b, e - b + 1);
+}
+
+// The "error" string of a JSON error body ({"error": "..."}), or "".
+std::string json_error(const std::string& body) {
+  auto k = body.find("\"error\"");
+  if (k == std::string::npos) return "";
+  k = body.find(':', k);
+  if (k == std::string::npos) return "";
+  k = body.find('"', k);
+  if (k == std::string::npos) return "";
+  std::string out;
+  for (std::size_t i = k + 1; i < body.size(); ++i) {
+    const char c = body[i];
+    if (c == '"') return out;
+    if (c == '\\' && i + 1 < body.size()) {
+      const char n = body[++i];
+      out += n == 'n' ? '\n' : n == 't' ? '\t' : n;
+    } else {
+      out += c;
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+struct Transfer {
+  FetchRequest req;
+  std::vector<std::uint8_t> buf;
+  std::string etag;
+  double start = -1, first_byte = -1;
+  int attempts = 0, resumes = 0, refetches = 0, failures = 0;
+  double retry_at = 0;
+  double last_progress = 0;  // when the transfer last received bytes (or started)
+  std::string last_error;
+  // the attempt in flight
+  CURL* easy = nullptr;
+  curl_slist* headers = nullptr;
+  bool body_started = false;   // the attempt's first body byte has been seen
+  bool progressed = false;     // the attempt added bytes to buf
+  std::int64_t resume_from = 0;  // body bytes kept from earlier attempts
+  std::string content_range, attempt_etag, error_body, abort_reason;
+  bool fatal = false;
+  char errbuf[CURL_ERROR_SIZE] = {0};
+};
+
+struct HttpReceiver::Impl {
+  HttpOptions opts;
+  CURLM* multi = nullptr;
+  std::list<Transfer> transfers;  // active (in flight or waiting to retry)
+  std::vector<RequestLogEntry> log;
+  std::mutex log_mu;
+
+  std::string unreachable(const Transfer& t) const {
+    std::ostringstream os;
+    os << "cannot reach the SAKURA server at " << opts.display_url << " (" << t.req.url
+       << "): " << t.last_error << " (gave up after " << t.failures << " attempts and "
+       << static_cast<int>(now_s() - t.last_progress) << " s without progress); check that the server is running (`sakura serve "
+          "DIR`) and the URL and network are right";
+    return os.str();
+  }
+
+  static std::size_t on_header(char* data, std::size_t size, std::size_t n, void* user) {
+    auto* t = static_cast<Transfer*>(user);
+    const std::string line(data, size * n);
+    const auto colon = line.find(':');
+    if (line.rfind("HTTP/", 0) == 0) {  // a new response (e.g. after a 100): reset
+      t->content_range.clear();
+      t->attempt_etag.clear();
+    } else if (colon != std::string::npos) {
+      const std::string name = lower(trim(line.substr(0, colon)));
+      const std::string value = trim(line.substr(colon + 1));
+      if (name == "content-range") t->content_range = value;
+      if (name == "etag") t->attempt_etag = value;
+    }
+    return size * n;
+  }
+
+  static std::size_t on_body(char* data, std::size_t size, std::size_t n, void* user) {
+    auto* t = static_cast<Transfer*>(user);
+    const std::size_t bytes = size * n;
+    long code = 0;
+    curl_easy_getinfo(t->easy, CURLINFO_RESPONSE_CODE, &code);
+    if (code < 200 || code >= 300) {
+      if (t->error_body.size() < kMaxErrorBody) t->error_body.append(data, bytes);
+      return bytes;
+    }
+    if (!t->body_started) {
+      t->body_started = true;
+      if (code == 206) {
+        const std::int64_t from = (t->req.offset >= 0 ? t->req.offset : 0) + t->resume_from;
+        const std::string want = "bytes " + std::to_string(from) + "-";
+        if (t->content_range.rfind(want, 0) != 0) {
+          t->abort_reason = "partial content '" + t->content_range + "' does not resume at " +
+                            std::to_string(from);
+          t->buf.clear();
+          return 0;
+        }
+      } else if (code == 200) {
+        if (t->req.offset >= 0) {
+          t->fatal = true;
+          t->abort_reason = t->req.url + ": the origin ignored the Range request (HTTP 200 "
+                            "with the whole object); serve the pack from an origin that "
+                            "supports single-range GETs";
+          return 0;
+        }
+        t->buf.clear();
+      }
+      if (t->first_byte < 0) t->first_byte = now_s();
+    }
+    if (t->buf.size() + bytes > static_cast<std::size_t>(t->req.length)) {
+      t->abort_reason = "the body is longer than the " + std::to_string(t->req.length) +
+                        " bytes of the configuration";
+      return 0;
+    }
+    t->buf.insert(t->buf.end(), reinterpret_cast<std::uint8_t*>(data),
+                  reinterpret_cast<std::uint8_t*>(data) + bytes);
+    t->progressed = true;
+    t->last_progress = now_s();
+    return bytes;
+  }
+
+  void begin_attempt(Transfer& t) {
+    t.attempts += 1;
+    t.body_started = t.progressed = false;
+    t.content_range.clear();
+    t.attempt_etag.clear();
+    t.error_body.clear();
+    t.abort_reason.clear();
+    t.errbuf[0] = 0;
+    const bool ranged = t.req.offset >= 0;
+    std::vector<std::string> extra;
+    if (!t.buf.empty() && (ranged || !t.etag.empty())) {
+      t.resumes += 1;
+      t.resume_from = static_cast<std::int64_t>(t.buf.size());
+    } else {
+      t.buf.clear();
+      t.resume_from = 0;
+    }
+    if (ranged) {
+      const std::int64_t a = t.req.offset + t.resume_from;
+      const std::int64_t b = t.req.offset + t.req.length - 1;
+      extra.push_back("Range: bytes=" + std::to_string(a) + "-" + std::to_string(b));
+    } else if (t.resume_from > 0) {
+      extra.push_back("Range: bytes=" + std::to_string(t.resume_from) + "-");
+    }
+    if (t.resume_from > 0 && !t.etag.empty()) extra.push_back("If-Range: " + t.etag);
+
+    CURL* e = curl_easy_init();
+    if (e == nullptr) throw std::runtime_error("curl_easy_init failed");
+    t.easy = e;
+    curl_slist* headers = nullptr;
+    std::vector<std::string> sent;
+    for (const auto& h : opts.headers) {
+      headers = curl_slist_append(headers, h.c_str());
+      sent.push_back(h);
+    }
+    for (const auto& h : extra) {
+      headers = curl_slist_append(headers, h.c_str());
+      sent.push_back(h);
+    }
+    // no "Expect:" or "Accept: */*" surprises beyond what is listed
+    headers = curl_slist_append(headers, "Accept:");
+    t.headers = headers;
+    curl_easy_setopt(e, CURLOPT_URL, t.req.url.c_str());
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, headers);
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, &Impl::on_header);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, &t);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, &Impl::on_body);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, &t);
+    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, t.errbuf);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(e, CURLOPT_PROXY, "");  // like the Python client: no proxy from the env
+    curl_easy_setopt(e, CURLOPT_USERAGENT, "sakura-native");
+    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS,
+                     static_cast<long>(std::ceil(opts.connect_timeout_s * 1000)));
+    curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
+    curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME,
+                     std::max(1L, static_cast<long>(std::ceil(opts.read_timeout_s))));
+    curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
+    curl_easy_setopt(e, CURLOPT_PRIVATE, &t);
+    {
+      std::lock_guard<std::mutex> lock(log_mu);
+      log.push_back({"GET", t.req.url, sent, now_s()});
+    }
+    if (curl_multi_add_handle(multi, e) != CURLM_OK) throw std::runtime_error("curl_multi_add_handle failed");
+  }
+
+  void end_attempt(Transfer& t) {
+    if (t.easy != nullptr) {
+      curl_multi_remove_handle(multi, t.easy);
+      curl_easy_cleanup(t.easy);
+      t.easy = nullptr;
+    }
+    if (t.headers != nullptr) {
+      curl_slist_free_all(t.headers);
+      t.headers = nullptr;
+    }
+  }
+
+  // What is wrong with a complete body, or "".
+  static std::string verify(const Transfer& t) {
+    if (static_cast<std::int64_t>(t.buf.size()) != t.req.length) {
+      return std::to_string(t.buf.size()) + " bytes, expected " + std::to_string(t.req.length);
+    }
+    std::size_t pos = 0;
+    for (std::size_t i = 0; i < t.req.units.size(); ++i) {
+      const auto& u = t.req.units[i];
+      if (pos + static_cast<std::size_t>(u.length) > t.buf.size()) return "units exceed the body";
+      if (sha256(t.buf.data() + pos, static_cast<std::size_t>(u.length)) != u.sha256) {
+        return "unit " + std::to_string(i) + " (bytes " + std::to_string(pos) + ".." +
+               std::to_string(pos + u.length) + ") fails its checksum";
+      }
+      pos += static_cast<std::size_t>(u.length);
+    }
+    if (!t.req.units.empty() && pos != t.buf.size()) return "units do not cover the body";
+    return "";
+  }
+
+  // An attempt ended without a usable body: schedule the next one or give up.
+  void failed_attempt(Transfer& t, const std::string& error, bool keep_etag = true) {
+    t.last_error = error;
+    if (!keep_etag) t.etag.clear();
+    t.failures = t.progressed ? 0 : t.failures + 1;
+    const bool capped = opts.max_attempts > 0 && t.failures >= opts.max_attempts;
+    if (capped || now_s() - t.last_progress >= opts.window_s) {
+      throw FetchError("unreachable", unreachable(t));
+    }
+    const double delay =
+        t.failures ? std::min(opts.backoff_max_s,
+                              opts.backoff_s * std::pow(2.0, std::max(0, t.failures - 1)))
+                   : 0.0;
+    t.retry_at = now_s() + delay;
+  }
+
+  // Handles one finished attempt; returns true when the transfer is complete.
+  bool finished(Transfer& t, CURLcode res, FetchDone* done) {
+    long code = 0;
+    curl_easy_getinfo(t.easy, CURLINFO_RESPONSE_CODE, &code);
+    if (!t.attempt_etag.empty() && code >= 200 && code < 300) t.etag = t.attempt_etag;
+    const std::string errbuf = t.errbuf;
+    end_attempt(t);
+    if (t.fatal) throw FetchError("http", t.abort_reason);
+    if (res != CURLE_OK) {
+      std::string why = !t.abort_reason.empty() ? t.abort_reason
+                        : res == CURLE_OPERATION_TIMEDOUT ? "timed out"
+                        : std::string(curl_easy_strerror(res)) + (errbuf.empty() ? "" : ": " + errbuf);
+      failed_attempt(t, why);
+      return false;
+    }
+    if (code == 416) {
+      t.buf.clear();
+      failed_attempt(t, "HTTP 416 range not satisfiable", false);
+      return false;
+    }
+    if (retry_status(code)) {
+      const std::string msg = json_error(t.error_body);
+      failed_attempt(t, "HTTP " + std::to_string(code) + (msg.empty() ? "" : ": " + msg));
+      return false;
+    }
+    if (code < 200 || code >= 300) {
+      const std::string msg = json_error(t.error_body);
+      throw FetchError("http", t.req.url + ": HTTP " + std::to_string(code) +
+                                   (msg.empty() ? "" : ": " + msg));
+    }
+    const std::string problem = verify(t);
+    if (!problem.empty()) {
+      t.refetches += 1;
+      if (t.refetches > opts.max_refetch) {
+        throw FetchError("integrity", t.req.url + ": the body keeps failing verification: " +
+                                          problem + " (after " + std::to_string(t.refetches) +
+                                          " fetches)");
+      }
+      t.buf.clear();
+      t.etag.clear();
+      t.retry_at = now_s();
+      return false;
+    }
+    const double end = now_s();
+    done->shard = t.req.shard;
+    done->config = t.req.config;
+    done->data = std::move(t.buf);
+    done->start = t.start;
+    done->first_byte = t.first_byte >= 0 ? t.first_byte : end;
+    done->end = end;
+    done->attempts = t.attempts;
+    done->resumes = t.resumes;
+    done->refetches = t.refetches;
+    return true;
+  }
+};
+
+HttpReceiver::HttpReceiver(HttpOptions options) : impl_(std::make_unique<Impl>()) {
+  global_init();
+  impl_->opts = std::move(options);
+  impl_->multi = curl_multi_init();
+  if (impl_->multi == nullptr) throw std::runtime_error("curl_multi_init failed");
+  curl_multi_setopt(impl_->multi, CURLMOPT_MAX_HOST_CONNECTIONS,
+                    static_cast<long>(std::max(1, impl_->opts.max_connections)));
+}
+
+HttpReceiver::~HttpReceiver() {
+  for (auto& t : impl_->transfers) impl_->end_attempt(t);
+  curl_multi_cleanup(impl_->multi);
+}
+
+void HttpReceiver::start(FetchRequest request) {
+  std::int64_t total = 0;
+  for (const auto& u : request.units) total += u.length;
+  if (!request.units.empty() && total != request.length) {
+    throw FetchError("integrity", "shard " + std::to_string(request.shard) + " config " +
+                                      std::to_string(request.config) +
+                                      ": units do not add up to its bytes");
+  }
+  impl_->transfers.emplace_back();
+  Transfer& t = impl_->transfers.back();
+  t.req = std::move(request);
+  t.start = t.last_progress = now_s();
+  t.buf.reserve(static_cast<std::size_t>(t.req.length));
+  impl_->begin_attempt(t);
+}
+
+std::vector<FetchDone> HttpReceiver::poll(double timeout_s) {
+  std::vector<FetchDone> out;
+  const double now = now_s();
+  double wait = std::max(0.0, timeout_s);
+  for (auto& t : impl_->transfers) {  // transfers waiting out a backoff
+    if (t.easy == nullptr) {
+      if (t.retry_at <= now) {
+        impl_->begin_attempt(t);
+      } else {
+        wait = std::min(wait, t.retry_at - now);
+      }
+    }
+  }
+  int running = 0;
+  curl_multi_perform(impl_->multi, &running);
+  int left = 0;
+  bool any = false;
+  while (CURLMsg* msg = curl_multi_info_read(impl_->multi, &left)) {
+    if (msg->msg != CURLMSG_DONE) continue;
+    Transfer* t = nullptr;
+    curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, reinterpret_cast<char**>(&t));
+    const CURLcode res = msg->data.result;
+    FetchDone done;
+    any = true;
+    if (impl_->finished(*t, res, &done)) {
+      out.push_back(std::move(done));
+      impl_->transfers.remove_if([&](const Transfer& x) { return &x == t; });
+    }
+  }
+  if (!any && out.empty()) {
+    int fds = 0;
+    curl_multi_poll(impl_->multi, nullptr, 0, static_cast<int>(std::ceil(wait * 1000)), &fds);
+    curl_multi_perform(impl_->multi, &running);
+  }
+  return out;
+}
+
+void HttpReceiver::wakeup() { curl_multi_wakeup(impl_->multi); }
+
+int HttpReceiver::active() const { return static_cast<int>(impl_->transfers.size()); }
+
+std::int64_t HttpReceiver::outstanding_bytes() const {
+  std::int64_t n = 0;
+  for (const auto& t : impl_->transfers) {
+    n += std::max<std::int64_t>(0, t.req.length - static_cast<std::int64_t>(t.buf.size()));
+  }
+  return n;
+}
+
+std::vector<RequestLogEntry> HttpReceiver::take_log() {
+  std::lock_guard<std::mutex> lock(impl_->log_mu);
+  std::vector<RequestLogEntry> out;
+  out.swap(impl_->log);
+  return out;
+}
+
+}  // namespace sakura

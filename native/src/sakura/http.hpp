@@ -1,0 +1,113 @@
+// The receive stage's HTTP client: libcurl (multi interface) with kept-alive connections,
+// several transfers in flight, Range requests, resume of a dropped body, per-unit SHA-256
+// verification and retries with exponential backoff. Driven by one thread (the receive
+// stage) through start() / poll(); nothing here blocks longer than poll's timeout.
+//
+// Semantics follow sakura/edge/client.py (the Python runtime's client):
+// * a configuration is one GET of `url`, with `Range: bytes=a-b` when it is a byte range of
+//   a larger object (the pack), or the whole resource otherwise;
+// * a dropped connection or a read timeout resumes the body with a narrower Range and
+//   `If-Range: <etag>`; a 200 to a resume restarts the body; a 416 restarts it;
+// * 5xx / 408 / 429 and connection errors are retried with exponential backoff; after
+//   `window_s` without progress (or `max_attempts` failed attempts in a row, when set) the
+//   transfer fails (Unreachable): long enough by default to ride out a server restart;
+// * another 4xx fails at once with the server's own message (HttpError);
+// * a body whose length or any unit's SHA-256 is wrong is refetched from scratch, at most
+//   `max_refetch` times (then IntegrityError);
+// * a ranged request answered with the whole object (an origin that ignores Range) fails at
+//   once instead of downloading it (HttpError).
+// Every request actually sent is logged (method, URL, headers, time) for privacy tests.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sakura {
+
+// Why an edit could not get its bytes; kind is "unreachable", "integrity" or "http".
+class FetchError : public std::runtime_error {
+ public:
+  FetchError(std::string kind, const std::string& message)
+      : std::runtime_error(message), kind_(std::move(kind)) {}
+  const std::string& kind() const { return kind_; }
+
+ private:
+  std::string kind_;
+};
+
+struct UnitCheck {
+  std::int64_t length = 0;
+  std::array<std::uint8_t, 32> sha256{};
+};
+
+struct HttpOptions {
+  double connect_timeout_s = 3.0;
+  double read_timeout_s = 10.0;  // longest silence inside one response
+  double window_s = 30.0;        // give up after this long without progress
+  int max_attempts = 0;          // ... or after this many failed attempts in a row (0: no cap)
+  double backoff_s = 0.1;
+  double backoff_max_s = 2.0;
+  int max_refetch = 3;           // refetches of a body that fails verification
+  int max_connections = 3;       // kept-alive connections to the origin
+  std::vector<std::string> headers;  // e.g. "Authorization: Bearer ..." (never request data)
+  std::string display_url;           // the server URL the user gave (for messages)
+};
+
+struct FetchRequest {
+  int shard = 0;
+  int config = 0;
+  std::string url;
+  std::int64_t offset = -1;  // >= 0: bytes [offset, offset + length) of the resource at url
+  std::int64_t length = 0;   // expected body length
+  std::vector<UnitCheck> units;  // the body, unit after unit (lengths add up to `length`)
+};
+
+struct FetchDone {
+  int shard = 0;
+  int config = 0;
+  std::vector<std::uint8_t> data;
+  double start = 0, first_byte = 0, end = 0;  // steady clock, seconds
+  int attempts = 0, resumes = 0, refetches = 0;
+};
+
+struct RequestLogEntry {
+  std::string method;
+  std::string url;
+  std::vector<std::string> headers;
+  double time = 0;
+};
+
+// Seconds on the steady clock (CLOCK_MONOTONIC: the same clock as Python's time.monotonic()).
+double now_s();
+
+// SHA-256 of a byte range (OpenSSL).
+std::array<std::uint8_t, 32> sha256(const std::uint8_t* data, std::size_t size);
+
+class HttpReceiver {
+ public:
+  explicit HttpReceiver(HttpOptions options);
+  ~HttpReceiver();
+  HttpReceiver(const HttpReceiver&) = delete;
+  HttpReceiver& operator=(const HttpReceiver&) = delete;
+
+  void start(FetchRequest request);
+  // Runs the transfers for at most timeout_s (less when one finishes or wakeup() is called)
+  // and returns the verified bodies that completed. Throws FetchError.
+  std::vector<FetchDone> poll(double timeout_s);
+  // Thread-safe: makes a poll() in progress return early.
+  void wakeup();
+
+  int active() const;                     // transfers started and not yet done
+  std::int64_t outstanding_bytes() const; // bytes the active transfers still expect
+  std::vector<RequestLogEntry> take_log();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sakura
