@@ -437,7 +437,7 @@ class ImportanceGate:
     for the patches it activates. ``weights`` of the decision = the relative changes."""
 
     patches: int
-    eps: float = 0.02
+    eps: float = 0.01
     max_skips: int = 3
     reference: torch.Tensor | None = None
     skips: torch.Tensor = field(default=None)  # type: ignore[assignment]
@@ -506,7 +506,7 @@ class PeriodicGate:
 
 
 GATES = ("importance", "drift", "periodic")
-DEFAULT_EPS = {"importance": 0.02, "drift": 1.0, "periodic": 0.0}
+DEFAULT_EPS = {"importance": 0.01, "drift": 1.0, "periodic": 0.0}
 DEFAULT_PATCHES = 4
 
 

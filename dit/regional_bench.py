@@ -146,6 +146,167 @@ def eps_sweep(model, encoder, prompts, size: int, steps: int, cfg: RegionalConfi
     return rows
 
 
+@dataclass
+class Reference:
+    """One evaluation prompt with its full-execution image (computed once, shared by
+    every study)."""
+
+    template: str
+    prompt: str
+    guidance: float
+    seed: int
+    txt: torch.Tensor
+    salient: torch.Tensor
+    full: torch.Tensor
+    full_seconds: float
+
+
+def references(model, encoder, prompts, size: int, steps: int, seed0: int = 100) -> list[Reference]:
+    unc = encoder.encode([""])
+    out = []
+    for i, (tid, prompt, guidance) in enumerate(prompts):
+        txt = encoder.encode([prompt])
+        t0 = time.perf_counter()
+        full = generate(model, txt, unc, size, seed0 + i, steps, guidance)
+        out.append(Reference(tid, prompt, guidance, seed0 + i, txt,
+                             salient_token_mask(encoder.tokenizer, prompt, encoder.max_tokens),
+                             full, time.perf_counter() - t0))
+    return out
+
+
+def run_config(model, encoder, refs: list[Reference], size: int, steps: int,
+               cfg: RegionalConfig, per_prompt_cfg=None) -> dict:
+    """Regional generation of every reference prompt with ``cfg`` (``per_prompt_cfg(i,
+    cfg)`` may adapt it per prompt) -> pooled PSNR / mean SSIM vs full, skipped and compute
+    fractions, the probes' modelled share and measured wall-time share."""
+    unc = encoder.encode([""])
+    a = _Acc()
+    probe_share = probe_s = total_s = 0.0
+    rows = []
+    for i, r in enumerate(refs):
+        c = per_prompt_cfg(i, cfg) if per_prompt_cfg else cfg
+        timer: dict = {}
+        t0 = time.perf_counter()
+        img, st = regional_generate(model, r.txt, unc, size, r.seed, steps, r.guidance, c,
+                                    r.salient, timer=timer)
+        dt = time.perf_counter() - t0
+        a.add(img, r.full, st.stats.skipped_fraction, st.stats.compute_fraction, dt)
+        probe_share += st.stats.probe_fraction
+        probe_s += timer.get("probe_s", 0.0)
+        total_s += dt
+        rows.append({"skipped_fraction": st.stats.skipped_fraction,
+                     "patches": st.stats.patches, "focus_patches": st.stats.focus_patches,
+                     "psnr_db_vs_full": psnr_from_mse(
+                         float(((img.double() - r.full.double()) / 2).pow(2).mean()))})
+    out = a.to_dict()
+    out["probe_compute_share"] = probe_share / max(1, len(refs))
+    out["probe_time_share"] = probe_s / total_s if total_s else 0.0
+    out["per_prompt"] = rows
+    return out
+
+
+def sweep(model, encoder, refs, size: int, steps: int, cfg: RegionalConfig,
+          eps_values) -> list[dict]:
+    """``cfg`` at every threshold in ``eps_values`` (the ``epsilon_sweep`` rows)."""
+    rows = []
+    for eps in eps_values:
+        d = run_config(model, encoder, refs, size, steps, replace(cfg, eps=eps))
+        rows.append({"epsilon": eps, "skipped_fraction": d["skipped_fraction"],
+                     "compute_fraction": d["compute_fraction"],
+                     "psnr_db_vs_full": d["psnr_db_vs_full"], "ssim_vs_full": d["ssim_vs_full"]})
+    return rows
+
+
+def at(rows: list[dict], key: str, value: float) -> dict:
+    """PSNR / SSIM of a sweep linearly interpolated at ``rows[key] == value`` (the
+    equal-compute / equal-skip comparisons); ``extrapolated`` when ``value`` is outside
+    the sweep's range (then the nearest point's quality)."""
+    pts = sorted((r[key], r["psnr_db_vs_full"], r["ssim_vs_full"]) for r in rows)
+    xs = [p[0] for p in pts]
+    if value <= xs[0] or value >= xs[-1]:
+        p = pts[0] if value <= xs[0] else pts[-1]
+        return {"psnr_db_vs_full": p[1], "ssim_vs_full": p[2], key: p[0],
+                "extrapolated": abs(value - p[0]) > 1e-9}
+    for (x0, q0, s0), (x1, q1, s1) in zip(pts, pts[1:]):
+        if x0 <= value <= x1:
+            w = 0.0 if x1 == x0 else (value - x0) / (x1 - x0)
+            return {"psnr_db_vs_full": q0 + w * (q1 - q0), "ssim_vs_full": s0 + w * (s1 - s0),
+                    key: value, "extrapolated": False}
+    raise AssertionError("unreachable")
+
+
+def cap_only(model, encoder, refs, size: int, steps: int, cfg: RegionalConfig,
+             gated: dict) -> dict:
+    """The same partition with a fixed periodic schedule of the same skipped fraction
+    as the gated run (``gated["per_prompt"]``, prompt by prompt): the gate's own value is
+    the PSNR difference."""
+    fr = [min(0.95, r["skipped_fraction"]) for r in gated["per_prompt"]]
+    per = run_config(model, encoder, refs, size, steps, replace(cfg, gate="periodic"),
+                     lambda i, c: replace(c, skip_fraction=fr[i]))
+    keys = ("psnr_db_vs_full", "ssim_vs_full", "skipped_fraction", "compute_fraction")
+    return {"gate": {k: gated[k] for k in keys}, "periodic": {k: per[k] for k in keys},
+            "gate_minus_periodic_db": gated["psnr_db_vs_full"] - per["psnr_db_vs_full"]}
+
+
+def probe_timing(model, encoder, ref: Reference, size: int, steps: int, cfg: RegionalConfig,
+                 repeats: int = 5) -> dict:
+    """Wall time of one probe (fused kernel + reduction) against the same probe with the
+    attention matrix materialised, and against a full guided step (the paper's Fig. 13
+    question: what does gating cost)."""
+    from sakura.dit.regional import make_partition
+    from sakura.dit.regional_mmdit import generation_backend
+    from sakura.dit.sampler import noise_like
+
+    unc = encoder.encode([""])
+    be = generation_backend(model, ref.txt, unc, size, ref.guidance)
+    n = len(be.coords)
+    x = noise_like((1, n, model.cfg.patch_dim), 7)[0]
+    parts = list(make_partition(cfg.partition, be.coords, torch.rand(n), cfg.patches).patches)
+    t = 0.5
+
+    def clock(fn) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    fused = clock(lambda: be.probe(0, t, x, parts, cfg.probe_depth))
+    explicit = clock(lambda: _explicit_probe(be, t, x, parts))
+    full = clock(lambda: be.run_full(0, t, x, False, False))
+    return {"probe_fused_s": fused, "probe_explicit_s": explicit, "full_step_s": full,
+            "probe_vs_full_step": fused / full, "explicit_vs_fused": explicit / fused,
+            "repeats": repeats, "timing": "best of repeats, one torch thread"}
+
+
+def _explicit_probe(be, t: float, x: torch.Tensor, parts) -> torch.Tensor:
+    """The probe with the attention matrix materialised (the reference the fused kernel
+    replaces): block 0, cond branch, then the forward is cut."""
+    from sakura.dit.attention import AttentionHook
+    from sakura.dit.model import TokenBatch
+    from sakura.dit.regional import ProbeDone
+
+    T = be.text_tokens
+    out = {}
+
+    class Explicit(AttentionHook):
+        def attend(self, block, q, k, v, layout):
+            p = ((q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5).softmax(-1)[0].mean(0)
+            out["mass"] = torch.stack([p[T + i][:, T + i].sum() for i in parts])
+            raise ProbeDone
+
+    n = x.shape[0]
+    batch = TokenBatch(img=x[None], img_pos=be.pos, txt=be.txt[:1], t=torch.full((1,), t))
+    try:
+        with torch.no_grad():
+            be.model(batch, Explicit("joint"))
+    except ProbeDone:
+        pass
+    return out["mass"]
+
+
 def edit_bench(model, encoder, spec, steps: int, cfg: RegionalConfig, requests: int = 1) -> dict:
     """Regional execution inside the masked region of a cached edit vs the cached edit."""
     tpl = replace(spec.to_template(encoder), steps=steps)
@@ -164,4 +325,6 @@ def edit_bench(model, encoder, spec, steps: int, cfg: RegionalConfig, requests: 
             "psnr_db_vs_cached_edit": d["psnr_db_vs_full"], "ssim_vs_cached_edit": d["ssim_vs_full"]}
 
 
-__all__ = ["edit_bench", "eps_sweep", "eval_prompts", "psnr_from_mse", "quality_bench", "ssim"]
+__all__ = ["Reference", "at", "cap_only", "edit_bench", "eps_sweep", "eval_prompts",
+           "probe_timing", "psnr_from_mse", "quality_bench", "references", "run_config",
+           "ssim", "sweep"]
