@@ -24,9 +24,10 @@ want="$(find pyproject.toml native/pyproject.toml native/CMakeLists.txt native/s
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[sakura] installing the project into .venv (first run takes a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
-  # torch==2.13.0 is pinned in pyproject.toml, so it is resolved in this same pip call;
-  # ./native builds the sakura_native extension (g++ >= 9, CMake >= 3.18).
-  .venv/bin/python -m pip install -q -e ".[dev]" ./native
+  # [all,dev]: every extra (the model with torch==2.13.0, executorch, qnn, aihub, diffusers,
+  # s3) and the test tools, resolved in this same pip call; ./native builds the
+  # sakura_native extension (g++ >= 9, CMake >= 3.18).
+  .venv/bin/python -m pip install -q -e ".[all,dev]" ./native
   echo "$want" > "$stamp"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
