@@ -85,8 +85,10 @@ def load_hub(hub: ModuleType | None = None) -> ModuleType:
     try:
         import qai_hub
     except ImportError as exc:
-        raise AIHubError(f"AI Hub jobs need the qai-hub package (`pip install "
-                         f"{QAI_HUB_PIN}`)") from exc
+        from sakura.extras import install_hint
+
+        raise AIHubError(f"AI Hub jobs need the qai-hub package ({QAI_HUB_PIN}): "
+                         f"{install_hint('qai_hub')}") from exc
     return qai_hub
 
 

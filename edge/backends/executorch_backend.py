@@ -51,9 +51,11 @@ class ExecuTorchBackend(ExecutionBackend):
                 XnnpackPartitioner,
             )
         except ImportError as exc:
+            from sakura.extras import install_hint
+
             raise BackendUnavailable(
-                f"--backend executorch needs the executorch package ({exc}); install it "
-                "with `pip install executorch==1.4.1`") from exc
+                f"--backend executorch needs the executorch package ({exc}); install it: "
+                f"{install_hint('executorch')}") from exc
 
     def version(self) -> str:
         from importlib.metadata import version

@@ -57,9 +57,11 @@ def _qnn_module():
         import onnxruntime as ort
         import onnxruntime_qnn
     except ImportError as exc:
+        from sakura.extras import install_hint
+
         raise BackendUnavailable(
-            f"--backend qnn needs onnxruntime-qnn ({exc}); install it with "
-            "`pip install onnxruntime-qnn==2.7.0`") from exc
+            f"--backend qnn needs onnxruntime-qnn ({exc}); install it: "
+            f"{install_hint('onnxruntime_qnn')}") from exc
     return ort, onnxruntime_qnn
 
 
