@@ -2,10 +2,19 @@
 
 ``RenderEngine`` owns a pool of spawned worker processes (``cloud.render_worker``; one per
 GPU when there are GPUs, CPU otherwise), a scheduler (``cloud.render_sched``: priority
-monotasks, least-maximum-load placement with affinity) and, per request, a
-``dit.regional.RegionalState``: the same state machine the single-process sampler drives.
-The engine turns the state's next step into monotasks (a warm-up step, or one task per
-active patch), ships them to workers, and applies their outputs at the step boundary.
+classes, step-boundary preemption by benefit vs switch cost, least-maximum-load placement
+with affinity), the online policy (``cloud.render_policy``: the patch count R searched from
+observed service time and reuse error, the quality mode under low load) and, per request,
+a ``dit.regional.RegionalState``: the same state machine the single-process sampler
+drives. The engine turns the state's next step into monotasks (a warm-up step, a gate
+probe, or one task per active patch), ships them to workers, and applies their outputs
+at the step boundary.
+
+The model is the shipped default MMDiT (``weights``) or a diffusers checkpoint
+(``model`` + ``model_path``, any ``dit.adapters`` model): the engine process then holds
+a weightless (``meta``) copy of the transformer for geometry, schedule and costs; the
+workers load the weights. Adapter requests carry their encoded conditioning and return
+latents (the VAE is not part of the engine).
 
 Recovery: outputs are keyed by (request, step, patch) and applied exactly once. The
 engine holds the authoritative per-request state (latents, last velocities, K/V store), so
@@ -33,9 +42,28 @@ from multiprocessing.connection import wait
 
 import numpy as np
 import torch
-from sakura.cloud.render_sched import FULL, PATCH, WARMUP, Group, Scheduler, Task, TaskKey
+from sakura.cloud.render_policy import PatchCountSearch, quality_mode
+from sakura.cloud.render_sched import (
+    CLASSES,
+    FULL,
+    PATCH,
+    PROBE,
+    WARMUP,
+    Group,
+    Scheduler,
+    Task,
+    TaskKey,
+    class_index,
+)
 from sakura.dit.model import MMDiTConfig, unpatchify
-from sakura.dit.regional import FullResult, KVStore, PatchResult, RegionalConfig, RegionalState
+from sakura.dit.regional import (
+    FullResult,
+    KVStore,
+    PatchResult,
+    ProbeResult,
+    RegionalConfig,
+    RegionalState,
+)
 from sakura.dit.regional_mmdit import grid_coords, mmdit_macs
 from sakura.dit.sampler import noise_like, schedule
 
@@ -52,7 +80,9 @@ class RenderError(SakuraError):
 class RenderRequest:
     """One text-to-image request. ``mode``: ``regional`` (FlashDiff, active patches of a
     step run jointly), ``separate`` (FlashDiff, every patch its own monotask), ``full``
-    (every token every step) or ``naive`` (independent patches, no context)."""
+    (every token every step) or ``naive`` (independent patches, no context).
+    ``priority``: ``high``, ``normal`` or ``low`` (``cloud.render_sched``). ``patches``
+    fixes R (else the engine's online search picks it)."""
 
     prompt: str = ""
     seed: int = 0
@@ -60,19 +90,25 @@ class RenderRequest:
     size: int = 64
     guidance: float = 3.0
     mode: str = "regional"
+    priority: str = "normal"
+    patches: int | None = None
     txt: torch.Tensor | None = None         # [1, T, D] text embeddings (else from prompt)
     txt_uncond: torch.Tensor | None = None
     salient: torch.Tensor | None = None     # [T] bool (else from the prompt's tokens)
+    cond: object | None = None              # adapter models: dit.adapters Conditioning
+    uncond: object | None = None
 
 
 @dataclass
 class RenderResult:
     rid: int
-    image: torch.Tensor            # [3, size, size] in [-1, 1]
+    image: torch.Tensor | None     # [3, size, size] in [-1, 1] (default model)
     arrival: float
     finish: float
     stats: dict
     mode: str
+    latents: torch.Tensor | None = None   # [N, C] (adapter models)
+    priority: str = "normal"
 
     @property
     def latency_s(self) -> float:
@@ -88,6 +124,8 @@ class EngineConfig:
 
     workers: int = 2
     weights: str | None = None
+    model: str | None = None          # a dit.adapters model name (with model_path)
+    model_path: str | None = None     # its local diffusers checkpoint folder
     regional: RegionalConfig = field(default_factory=RegionalConfig)
     capacity_rows: float = 600.0
     group_overhead_rows: float = 64.0
@@ -96,6 +134,11 @@ class EngineConfig:
     device: str = "auto"
     respawn: bool = True
     priority: str = "warmup_first"   # or "fifo" (cloud.render_sched)
+    preempt: str = "benefit"         # or "strict" (cloud.render_sched)
+    patch_search: bool = True        # online R search (cloud.render_policy)
+    patch_candidates: tuple[int, ...] = (2, 4, 6, 8)
+    quality_eps: float | None = 0.0  # the gate's eps under low load (None: no quality mode)
+    low_load: float = 0.5            # active requests per worker at or below = low load
     start_timeout_s: float = 300.0
     max_size: int = 128
     max_steps: int = 100
@@ -150,6 +193,11 @@ class _Req:
     last: tuple[int, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]]] | None = None
     seen: set[int] = field(default_factory=set)   # workers holding its backend
     tasks: int = 0
+    cls: int = 1
+    searched: bool = False       # R came from the online search
+    busy_s: float = 0.0          # worker seconds spent on its tasks
+    mode_step: int = -1          # the step whose gate threshold was last set
+    quality_steps: int = 0       # patch steps run in the quality mode
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -169,17 +217,100 @@ def model_config(weights: str | None) -> MMDiTConfig:
         raise WeightsError(f"{path} is not a SAKURA MMDiT checkpoint: {exc}") from exc
 
 
+class _MMDiTView:
+    """What the engine needs of the default model: geometry, schedule, costs, output."""
+
+    kind = "mmdit"
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = model_config(cfg.weights)
+        self.unit = self.cfg.patch_size
+
+    def check(self, req: RenderRequest) -> None:
+        mc = self.cfg
+        if req.txt is None:
+            return
+        if req.txt.ndim != 3 or req.txt.shape[0] != 1 or req.txt.shape[-1] != mc.text_dim:
+            raise RenderError(f"txt must be [1, T, {mc.text_dim}]")
+
+    def start(self, req: RenderRequest):
+        mc = self.cfg
+        grid = req.size // mc.patch_size
+        branches = 2 if req.txt_uncond is not None and req.guidance != 1.0 else 1
+        x = noise_like((1, grid * grid, mc.patch_dim), req.seed)[0]
+        spec = {"kind": "mmdit", "txt": _np(req.txt),
+                "txt_uncond": None if branches == 1 else _np(req.txt_uncond),
+                "size": req.size, "guidance": req.guidance}
+        return (grid_coords(grid), schedule(req.steps), x, int(req.txt.shape[1]),
+                lambda q, k: branches * mmdit_macs(mc, q, k), spec)
+
+    def output(self, x: torch.Tensor, req: RenderRequest):
+        mc = self.cfg
+        return unpatchify(x[None], mc.patch_size, mc.in_channels, req.size)[0].clamp(-1, 1), None
+
+
+class _AdapterView:
+    """The same for a diffusers checkpoint, over a weightless copy of its transformer."""
+
+    kind = "adapter"
+
+    def __init__(self, cfg: EngineConfig):
+        from sakura.dit.adapters.regional import meta_adapter
+
+        if not cfg.model_path:
+            raise RenderError(f"model {cfg.model} needs model_path (a checkpoint folder)")
+        self.adapter = meta_adapter(cfg.model, cfg.model_path)
+        self.unit = self.adapter.pixels_per_token
+
+    def check(self, req: RenderRequest) -> None:
+        if req.cond is None:
+            raise RenderError(f"{self.adapter.name} requests carry their encoded conditioning "
+                              "(cond, and uncond for guidance)")
+        if req.guidance != 1.0 and req.uncond is None:
+            raise RenderError(f"guidance {req.guidance} needs uncond")
+
+    def start(self, req: RenderRequest):
+        from sakura.dit.adapters.base import EDIT_SEED_OFFSET
+        from sakura.dit.adapters.regional import adapter_macs
+
+        a = self.adapter
+        g = req.size // self.unit
+        n = g * g
+        rows = torch.arange(n)
+        branches = 2 if req.guidance != 1.0 else 1
+        x = noise_like((1, n, a.latent_channels), req.seed + EDIT_SEED_OFFSET)[0]
+        ts = a.make_scheduler(req.steps, n).sigmas.float()
+        params = float(sum(p.numel() for m in a.layers() for p in m.parameters()))
+
+        def cond(c):
+            return None if c is None else (_np(c.embeds),
+                                           None if c.pooled is None else _np(c.pooled))
+
+        spec = {"kind": "adapter", "cond": cond(req.cond),
+                "uncond": cond(req.uncond) if branches == 2 else None,
+                "guidance": req.guidance, "grid": (g, g)}
+        coords = torch.stack([rows // g, rows % g], dim=-1)
+        return (coords, ts, x, int(req.cond.embeds.shape[1]),
+                lambda q, k: adapter_macs(a, q, k, branches, params), spec)
+
+    def output(self, x: torch.Tensor, req: RenderRequest):
+        return None, x.clone()
+
+
 class RenderEngine:
     """Serving loop over worker processes. Use as a context manager or start()/stop()."""
 
     def __init__(self, cfg: EngineConfig | None = None, encoder=None):
         self.cfg = cfg or EngineConfig()
-        self.model_cfg = model_config(self.cfg.weights)
+        self.view = _AdapterView(self.cfg) if self.cfg.model else _MMDiTView(self.cfg)
+        self.model_cfg = self.view.cfg if self.view.kind == "mmdit" else None
         self.encoder = encoder
         self._encode_lock = threading.Lock()
         self._uncond: torch.Tensor | None = None
         self.sched = Scheduler(self.cfg.capacity_rows, self._transfer,
-                               self.cfg.group_overhead_rows, self.cfg.priority)
+                               self.cfg.group_overhead_rows, self.cfg.priority,
+                               self.cfg.preempt)
+        self.search = PatchCountSearch(tuple(self.cfg.patch_candidates))
         self._workers: dict[int, _Worker] = {}
         self._wid = itertools.count()
         self._rid = itertools.count()
@@ -253,7 +384,8 @@ class RenderEngine:
         results_r, results_w = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=worker_main, name=f"render-worker-{wid}", daemon=True,
                                  args=(wid, inbox_r, results_w, self.cfg.weights,
-                                       self.cfg.device, self.cfg.threads))
+                                       self.cfg.device, self.cfg.threads, self.cfg.model,
+                                       self.cfg.model_path))
         proc.start()
         inbox_r.close()
         results_w.close()
@@ -284,8 +416,10 @@ class RenderEngine:
                                     "groups": w.done_groups} for w in self._workers.values()},
                 "dispatched": s.dispatched, "completed": s.completed,
                 "duplicates": s.duplicates, "requeued": s.requeued,
-                "affinity_hits": s.affinity_hits, "worker_deaths": self.deaths,
-                "respawned": self.respawned, "active_requests": len(self._reqs)}
+                "affinity_hits": s.affinity_hits, "preemptions": s.preemptions,
+                "kept": s.kept, "worker_deaths": self.deaths,
+                "respawned": self.respawned, "active_requests": len(self._reqs),
+                "patch_search": self.search.to_dict()}
 
     # -- requests --------------------------------------------------------------------
 
@@ -302,14 +436,20 @@ class RenderEngine:
 
     def prepare(self, req: RenderRequest) -> RenderRequest:
         """Validate a request and encode its prompt (text embeddings, salient tokens)."""
-        mc = self.model_cfg
         if req.mode not in MODES:
             raise RenderError(f"mode must be one of {MODES}")
+        if req.priority not in CLASSES:
+            raise RenderError(f"priority must be one of {CLASSES}")
         if not 1 <= req.steps <= self.cfg.max_steps:
             raise RenderError(f"steps must be in 1..{self.cfg.max_steps}")
-        if req.size % mc.patch_size or not mc.patch_size * 2 <= req.size <= self.cfg.max_size:
-            raise RenderError(f"size must be a multiple of {mc.patch_size} in "
-                              f"{2 * mc.patch_size}..{self.cfg.max_size}")
+        u = self.view.unit
+        if req.size % u or not u * 2 <= req.size <= self.cfg.max_size:
+            raise RenderError(f"size must be a multiple of {u} in {2 * u}..{self.cfg.max_size}")
+        if req.patches is not None and not 1 <= req.patches <= (req.size // u) ** 2:
+            raise RenderError("patches must be between 1 and the token count")
+        if self.view.kind == "adapter":
+            self.view.check(req)
+            return req
         if req.txt is None:
             if self.encoder is None:
                 raise RenderError("no text encoder: pass embeddings (txt) with the request")
@@ -323,13 +463,10 @@ class RenderEngine:
                                              self.encoder.max_tokens)
             req = replace(req, txt=txt, txt_uncond=self._uncond,
                           salient=req.salient if req.salient is not None else salient)
-        if req.txt.ndim != 3 or req.txt.shape[0] != 1 or req.txt.shape[-1] != mc.text_dim:
-            raise RenderError(f"txt must be [1, T, {mc.text_dim}]")
+        self.view.check(req)
         return req
 
     def _admit(self, rid: int, req: RenderRequest, fut: Future, arrival: float) -> None:
-        mc = self.model_cfg
-        grid = req.size // mc.patch_size
         cfg = self.cfg.regional
         if req.mode == "full":
             cfg = replace(cfg, warmup=req.steps)
@@ -339,16 +476,27 @@ class RenderEngine:
             cfg = replace(cfg, execution="separate")
         else:
             cfg = replace(cfg, execution="joint")
-        branches = 2 if req.txt_uncond is not None and req.guidance != 1.0 else 1
-        x = noise_like((1, grid * grid, mc.patch_dim), req.seed)[0]
-        state = RegionalState(cfg, grid_coords(grid), schedule(req.steps), x,
-                              int(req.txt.shape[1]), req.salient,
-                              lambda q, k: branches * mmdit_macs(mc, q, k))
-        spec = {"txt": _np(req.txt), "txt_uncond": None if branches == 1 else _np(req.txt_uncond),
-                "size": req.size, "guidance": req.guidance}
-        r = _Req(rid, rid, req, state, spec, fut, arrival)
+        coords, ts, x, text_tokens, cost, spec = self.view.start(req)
+        patches, searched = req.patches or cfg.patches, False
+        if patches is None and req.mode != "full" and self.cfg.patch_search \
+                and cfg.partition != "cuts":
+            patches, searched = self.search.choose(), True
+        state = RegionalState(cfg, coords, ts, x, text_tokens, req.salient, cost, patches)
+        r = _Req(rid, rid, req, state, spec, fut, arrival, cls=class_index(req.priority),
+                 searched=searched)
         self._reqs[rid] = r
         self._enqueue(r)
+
+    def _set_threshold(self, r: _Req, step: int) -> None:
+        """At a step boundary: the quality mode under low load, the normal gate otherwise."""
+        if r.mode_step == step:
+            return
+        r.mode_step = step
+        st = r.state
+        quality = (self.cfg.quality_eps is not None and r.req.mode != "full"
+                   and quality_mode(len(self._reqs), self.cfg.workers, self.cfg.low_load))
+        st.eps = self.cfg.quality_eps if quality else st.cfg.threshold
+        r.quality_steps += int(quality)
 
     def _enqueue(self, r: _Req) -> None:
         st = r.state
@@ -359,7 +507,14 @@ class RenderEngine:
         n, t = st.n, st.text_tokens
         if st.phase(s) == "full":
             kind = WARMUP if r.req.mode != "full" else FULL
-            self.sched.add(Task(TaskKey(r.rid, s, -1), kind, r.seq, float(n + t), n))
+            self.sched.add(Task(TaskKey(r.rid, s, -1), kind, r.seq, float(n + t), n,
+                                cls=r.cls))
+            return
+        self._set_threshold(r, s)
+        probes = st.probe_inputs(s)
+        if probes:  # the gate decides on a probe of this step's latents
+            cost = float(len(probes) * (n + t) / max(1, self._blocks()))
+            self.sched.add(Task(TaskKey(r.rid, s, -2), PROBE, r.seq, cost, 0, cls=r.cls))
             return
         d = st.decide(s)
         if not d.active_ids():  # every patch skipped: the step is the reused velocities
@@ -370,14 +525,25 @@ class RenderEngine:
         for p in d.active_ids():
             m = len(st.partition.patches[p])
             cost = float(m + (0 if st.joint else t))
-            self.sched.add(Task(TaskKey(r.rid, s, p), PATCH, r.seq, cost, m, gang=st.joint))
+            self.sched.add(Task(TaskKey(r.rid, s, p), PATCH, r.seq, cost, m, gang=st.joint,
+                                cls=r.cls))
+
+    def _blocks(self) -> int:
+        if self.view.kind == "mmdit":
+            return self.view.cfg.num_blocks
+        return self.view.adapter.num_blocks
 
     def _finish(self, r: _Req) -> None:
-        mc = self.model_cfg
-        img = unpatchify(r.state.x[None], mc.patch_size, mc.in_channels, r.req.size)[0]
-        stats = r.state.stats.to_dict()
-        stats["tasks"] = r.tasks
-        res = RenderResult(r.rid, img.clamp(-1, 1), r.arrival, time.monotonic(), stats, r.req.mode)
+        img, latents = self.view.output(r.state.x, r.req)
+        st = r.state
+        stats = st.stats.to_dict()
+        stats.update(tasks=r.tasks, priority=r.req.priority, service_s=r.busy_s,
+                     quality_steps=r.quality_steps, patches_searched=r.searched)
+        if r.searched and st.partition is not None:
+            self.search.observe(st.partition.count, r.busy_s / max(1, st.steps),
+                                st.stats.reuse_error)
+        res = RenderResult(r.rid, img, r.arrival, time.monotonic(), stats, r.req.mode,
+                           latents, r.req.priority)
         self._close(r)
         r.future.set_result(res)
 
@@ -436,9 +602,14 @@ class RenderEngine:
                    "spec": None if g.worker in r.seen else r.spec}
         if st.phase(s) == "full":
             payload.update(kind="full", probe=st.wants_probe(s), want_kv=st.wants_kv(s))
+        elif keys[0].patch == -2:
+            payload.update(kind="probe",
+                           patches=[_np(p) for p in st.partition.patches],
+                           probes=[(label, t, _np(x), depth)
+                                   for label, t, x, depth in st.probe_inputs(s)])
         else:
             ctx = st.cfg.context == "stale"
-            payload.update(kind="patches", context=ctx, joint=st.joint,
+            payload.update(kind="patches", context=ctx, joint=st.joint, measure=st.measures,
                            patches=[(k.patch, _np(st.partition.patches[k.patch])) for k in keys])
             if ctx:
                 kind = self._sync_kind(r, s, g.worker)
@@ -499,6 +670,13 @@ class RenderEngine:
             return
         st = r.state
         s = out["step"]
+        r.busy_s += float(out.get("seconds", 0.0)) / max(1, len(keys)) * len(fresh)
+        if out["kind"] == "probe":
+            st.apply_probes(s, {label: ProbeResult(torch.from_numpy(m), keys_, macs)
+                                for label, (m, keys_, macs) in out["probes"].items()})
+            self.applied.append(keys[0])
+            self._enqueue(r)
+            return
         if out["kind"] == "full":
             f = out["full"]
             kv = None
@@ -507,8 +685,7 @@ class RenderEngine:
                 self._replica[w.wid][r.rid] = s + 1
             res = FullResult(torch.from_numpy(f["velocity"]), kv,
                              None if f["text_attn"] is None else torch.from_numpy(f["text_attn"]),
-                             None if f["img_attn"] is None else torch.from_numpy(f["img_attn"]),
-                             f["img_keys"])
+                             f["img_keys"], f["probe_macs"])
             st.apply_full(s, res)
             self.applied.append(keys[0])
             r.last = None
@@ -518,7 +695,8 @@ class RenderEngine:
         for p in out["patches"]:
             if p["patch"] in want:
                 pr = PatchResult(torch.from_numpy(p["velocity"]), torch.from_numpy(p["k"]),
-                                 torch.from_numpy(p["v"]), p["self_mass"], p["img_keys"])
+                                 torch.from_numpy(p["v"]), p["self_mass"], p["img_keys"],
+                                 p["probe_macs"])
                 r.pending[p["patch"]] = (pr, w.wid)
                 self.applied.append(TaskKey(r.rid, s, p["patch"]))
         active = set(st.decide(s).active_ids())

@@ -2,17 +2,32 @@
 affinity, step-boundary preemption and idempotent completion. Pure logic, no processes.
 
 A *monotask* is one unit of one request's denoising step: a whole step (``patch = -1``:
-warm-up or full execution) or one patch of a regional step. Its output is keyed by
-``(request, step, patch)``; the first completion of a key is applied, any later one is a
-duplicate and is dropped, so re-running a task (after its worker died) is harmless.
+warm-up or full execution), a gate probe (``patch = -2``) or one patch of a regional step.
+Its output is keyed by ``(request, step, patch)``; the first completion of a key is
+applied, any later one is a duplicate and is dropped, so re-running a task (after its
+worker died) is harmless.
 
-Order (policy ``warmup_first``, FlashDiff's): warm-up tasks first (priority 0: a new
-request's warm-up unblocks its partition and all its patch tasks), then patch / full-step
-tasks (priority 1); within a class, requests in arrival order, then step, then patch.
-Policy ``fifo`` drops the classes: the earliest request first. A request's step ``s + 1``
+Order: first the request's **priority class** (``high``, ``normal``, ``low``: the
+request's, from the API), then, within a class, policy ``warmup_first`` (FlashDiff's):
+warm-up and probe tasks first (they unblock a request's partition or its next step), then
+patch / full-step tasks; requests in arrival order, then step, then patch. Policy ``fifo``
+drops the kinds: the earliest request of the class first. A request's step ``s + 1``
 tasks only exist once all of its step ``s`` outputs are applied, and a dispatched task
-always runs to the end, so a newly arrived request overtakes running requests only at
-their step boundaries.
+always runs to the end, so a request overtakes another only at that one's step boundary.
+
+**Preemption** (the paper's rule, ``preempt="benefit"``): when the next task of a
+higher class ``H`` would take a worker ``w`` on which a lower-class request ``L`` is
+running (``w`` holds ``L``'s state, so continuing it there costs nothing extra) while
+``H`` would have to be moved there, ``H`` preempts ``L`` at ``L``'s step boundary only if
+the benefit outweighs the switch cost::
+
+    Benefit    = W_H * c_L            (H does not wait for L's step)
+    SwitchCost = W_L * (c_H + s_H)    (L waits for H's step and for H's state to move)
+
+with ``W`` the class weights (high 4, normal 2, low 1), ``c`` the step's estimated cost
+and ``s_H`` = shipping ``H``'s state to ``w`` plus the per-call overhead, all in token
+rows. This is the weighted-completion-time comparison of the two orders (Smith's rule
+with a switching cost). ``preempt="strict"``: the higher class always goes first.
 
 Placement: each worker has a load (estimated cost of its dispatched, unfinished tasks) and
 a capacity (a short backlog, so that priorities are decided late). A task goes to the
@@ -31,9 +46,19 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-WARMUP, PATCH, FULL = "warmup", "patch", "full"
-PRIORITY = {WARMUP: 0, PATCH: 1, FULL: 1}
+WARMUP, PATCH, FULL, PROBE = "warmup", "patch", "full", "probe"
+PRIORITY = {WARMUP: 0, PROBE: 0, PATCH: 1, FULL: 1}
 POLICIES = ("warmup_first", "fifo")
+CLASSES = ("high", "normal", "low")
+CLASS_WEIGHTS = (4.0, 2.0, 1.0)
+PREEMPTION = ("benefit", "strict")
+
+
+def class_index(name: str) -> int:
+    """``"high"`` -> 0, ``"normal"`` -> 1, ``"low"`` -> 2 (ValueError otherwise)."""
+    if name not in CLASSES:
+        raise ValueError(f"priority must be one of {CLASSES}")
+    return CLASSES.index(name)
 
 
 @dataclass(frozen=True, order=True)
@@ -53,14 +78,19 @@ class Task:
     cost: float         # estimated compute, in token rows
     tokens: int = 0     # region tokens the task computes (for transfer estimates)
     gang: bool = False  # all ready tasks of its (request, step) go to one worker together
+    cls: int = 1        # the request's priority class (index into CLASSES)
 
     @property
     def priority(self) -> int:
         return PRIORITY[self.kind]
 
+    @property
+    def weight(self) -> float:
+        return CLASS_WEIGHTS[self.cls]
+
     def order(self, policy: str = "warmup_first") -> tuple:
-        cls = self.priority if policy == "warmup_first" else 0
-        return (cls, self.seq, self.key.step, self.key.patch)
+        kind = self.priority if policy == "warmup_first" else 0
+        return (self.cls, kind, self.seq, self.key.step, self.key.patch)
 
 
 @dataclass
@@ -87,6 +117,8 @@ class SchedulerStats:
     requeued: int = 0
     workers_lost: int = 0
     affinity_hits: int = 0
+    preemptions: int = 0     # a higher class took a worker from a running lower-class request
+    kept: int = 0            # a lower-class request kept its worker (switch cost > benefit)
     # recent placements (task, worker), bounded
     placements: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=100_000))
@@ -101,10 +133,13 @@ class Scheduler:
     """
 
     def __init__(self, capacity: float, transfer: Callable[[Task, int], float] | None = None,
-                 group_overhead: float = 0.0, policy: str = "warmup_first"):
+                 group_overhead: float = 0.0, policy: str = "warmup_first",
+                 preempt: str = "benefit"):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}")
-        self.policy = policy
+        if preempt not in PREEMPTION:
+            raise ValueError(f"preempt must be one of {PREEMPTION}")
+        self.policy, self.preempt = policy, preempt
         self.capacity = capacity
         self.transfer = transfer or (lambda task, worker: 0.0)
         self.group_overhead = group_overhead
@@ -160,21 +195,62 @@ class Scheduler:
     def peek(self) -> Task | None:
         return self._ready[0][2] if self._ready else None
 
+    def _unit(self, i: int) -> list[Task]:
+        """Take the task at heap position ``i`` (and, for a gang, its siblings) out."""
+        task = self._ready[i][2]
+        same = [e for e in self._ready
+                if e[2] is task or (task.gang and self._same_step(e[2], task))]
+        self._ready = [e for e in self._ready if not any(e is s for s in same)]
+        heapq.heapify(self._ready)
+        return [e[2] for e in sorted(same)]
+
+    def _cost(self, i: int) -> float:
+        task = self._ready[i][2]
+        if not task.gang:
+            return task.cost
+        return sum(e[2].cost for e in self._ready if self._same_step(e[2], task))
+
+    def _choose(self, free: list[int], open_groups) -> tuple[int, int | None]:
+        """Heap position of the next task to place (and the worker it is pinned to, if the
+        preemption rule kept a lower-class request on its worker)."""
+        top = self._ready[0][2]
+        if self.preempt == "strict" or top.cls == len(CLASSES) - 1:
+            return 0, None
+        if any(self.transfer(top, w) == 0 for w in free):
+            return 0, None  # it can run where its state is: nobody is displaced
+        lower = sorted((e[0], i) for i, e in enumerate(self._ready) if e[2].cls > top.cls)
+        c_top = self._cost(0)
+        for _, i in lower:
+            low = self._ready[i][2]
+            for w in free:
+                if (w, low.key.rid, low.key.step) in open_groups or self.transfer(low, w) != 0:
+                    continue
+                # `low` is running on `w`: preempt it at this step boundary?
+                switch = self.transfer(top, w) + self.group_overhead
+                benefit = top.weight * self._cost(i)
+                cost = low.weight * (c_top + switch)
+                if benefit > cost:
+                    self.stats.preemptions += 1
+                    return 0, None
+                self.stats.kept += 1
+                return i, w
+        return 0, None
+
     def place(self) -> list[Group]:
-        """Assign ready tasks, highest priority first, while some worker has room."""
+        """Assign ready tasks, highest priority first (subject to the preemption rule),
+        while some worker has room."""
         groups: list[Group] = []
         open_groups: dict[tuple[int, int, int], Group] = {}
         while self._ready:
-            task = self._ready[0][2]
             free = [w for w, load in self.workers.items() if load < self.capacity]
             if not free:
                 break
-            unit = [heapq.heappop(self._ready)[2]]
-            while task.gang and self._ready and self._same_step(self._ready[0][2], task):
-                unit.append(heapq.heappop(self._ready)[2])  # siblings are next in order
+            i, pinned = self._choose(free, open_groups)
+            unit = self._unit(i)
+            task = unit[0]
             cost = sum(t.cost for t in unit)
             best = None
-            for w in free:
+            for w in (free if pinned is None else [pinned]):
                 key = (w, task.key.rid, task.key.step)
                 extra = 0.0 if key in open_groups else self.transfer(task, w)
                 overhead = 0.0 if key in open_groups else self.group_overhead
@@ -247,5 +323,6 @@ class Scheduler:
         self.done = {k for k in self.done if k.rid != rid}
 
 
-__all__ = ["FULL", "PATCH", "POLICIES", "PRIORITY", "WARMUP", "Group", "Scheduler", "SchedulerStats",
-           "Task", "TaskKey"]
+__all__ = ["CLASSES", "CLASS_WEIGHTS", "FULL", "PATCH", "POLICIES", "PREEMPTION", "PRIORITY",
+           "PROBE", "WARMUP", "Group", "Scheduler", "SchedulerStats", "Task", "TaskKey",
+           "class_index"]

@@ -1,4 +1,6 @@
-"""A render worker process: loads the model once, runs monotask groups sent by the engine.
+"""A render worker process: loads the model once (the default MMDiT or a diffusers
+checkpoint through ``dit.adapters``), runs monotask groups sent by the engine: whole
+steps, gate probes (``dit.regional`` backends' ``probe``) and patch groups.
 
 Protocol over two one-way pipes (pickled tuples; tensors travel as numpy arrays, never as
 shared-memory handles, so a worker killed mid-send cannot leave the parent holding a
@@ -64,19 +66,34 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 class _Worker:
     def __init__(self, model):
-        from sakura.dit.regional_mmdit import generation_backend
-
-        self.model = model
-        self.make_backend = generation_backend
+        self.model = model  # an MMDiT or a dit.adapters ModelAdapter
         self.backends: dict[int, object] = {}
         self.replicas: dict[int, Replica] = {}
 
-    def backend(self, rid: int, spec: dict | None):
-        if spec is not None:
+    def make_backend(self, spec: dict):
+        if spec["kind"] == "mmdit":
+            from sakura.dit.regional_mmdit import generation_backend
+
             txt = _t(spec["txt"])
             unc = _t(spec["txt_uncond"]) if spec["txt_uncond"] is not None else None
-            self.backends[rid] = self.make_backend(self.model, txt, unc, spec["size"],
-                                                   spec["guidance"])
+            return generation_backend(self.model, txt, unc, spec["size"], spec["guidance"])
+        from sakura.dit.adapters.base import Conditioning
+        from sakura.dit.adapters.regional import AdapterRegional
+
+        a = self.model
+
+        def cond(c):
+            return Conditioning(_t(c[0]), None if c[1] is None else _t(c[1]))
+
+        conds = [spec["cond"]] + ([spec["uncond"]] if spec["uncond"] is not None else [])
+        branches = [a.prepare_branch(cond(c)) for c in conds]
+        g = spec["grid"]
+        return AdapterRegional(a, branches, spec["guidance"], tuple(g),
+                               torch.arange(g[0] * g[1]))
+
+    def backend(self, rid: int, spec: dict | None):
+        if spec is not None:
+            self.backends[rid] = self.make_backend(spec)
         if rid not in self.backends:
             raise ResyncNeeded(f"request {rid} was never opened here")
         return self.backends[rid]
@@ -111,19 +128,27 @@ class _Worker:
             res = be.run_full(step, p["t"], x, p["probe"], p["want_kv"])
             out = {"velocity": _np(res.velocity), "img_keys": res.img_keys,
                    "text_attn": None if res.text_attn is None else _np(res.text_attn),
-                   "img_attn": None if res.img_attn is None else _np(res.img_attn),
-                   "k": None, "v": None}
+                   "probe_macs": res.probe_macs, "k": None, "v": None}
             if res.kv is not None:
                 out["k"], out["v"] = _np(res.kv.k), _np(res.kv.v)
                 self.replicas[rid] = Replica(res.kv.k.clone(), res.kv.v.clone(), step + 1)
             return {"rid": rid, "step": step, "kind": "full", "full": out,
+                    "seconds": time.perf_counter() - t0}
+        if p["kind"] == "probe":
+            idx = [_t(i).long() for i in p["patches"]]
+            probes = {}
+            for label, t, x_in, depth in p["probes"]:
+                r = be.probe(step, t, _t(x_in), idx, depth)
+                probes[label] = (_np(r.mass), r.img_keys, r.macs)
+            return {"rid": rid, "step": step, "kind": "probe", "probes": probes,
                     "seconds": time.perf_counter() - t0}
         store = None
         if p["context"]:
             rep = self.sync(rid, step, p.get("sync"))
             store = KVStore(rep.k, rep.v)
         idx = [_t(i).long() for _, i in p["patches"]]
-        outs = be.run_patches(step, p["t"], x, idx, store, joint=p.get("joint", False))
+        outs = be.run_patches(step, p["t"], x, idx, store, joint=p.get("joint", False),
+                              measure=p.get("measure", True))
         if p["context"]:
             rep = self.replicas[rid]
             for s in [s for s in rep.stash if s < step]:
@@ -131,7 +156,8 @@ class _Worker:
             rep.stash.setdefault(step, []).extend(
                 (i.numpy(), r.k, r.v) for i, r in zip(idx, outs))
         patches = [{"patch": pid, "velocity": _np(r.velocity), "k": _np(r.k), "v": _np(r.v),
-                    "self_mass": r.self_mass, "img_keys": r.img_keys}
+                    "self_mass": r.self_mass, "img_keys": r.img_keys,
+                    "probe_macs": r.probe_macs}
                    for (pid, _), r in zip(p["patches"], outs)]
         return {"rid": rid, "step": step, "kind": "patches", "patches": patches,
                 "seconds": time.perf_counter() - t0}
@@ -141,14 +167,21 @@ class _Worker:
         self.replicas.pop(rid, None)
 
 
-def worker_main(wid: int, inbox, conn, weights: str | None, device: str, threads: int) -> None:
+def worker_main(wid: int, inbox, conn, weights: str | None, device: str, threads: int,
+                model_name: str | None = None, model_path: str | None = None) -> None:
     """Entry point of a spawned worker process: messages come on ``inbox``, answers go
-    out on ``conn``."""
+    out on ``conn``. The model is the default MMDiT (``weights``) or the diffusers
+    checkpoint ``model_path`` as ``model_name``."""
     torch.set_num_threads(max(1, threads))
-    from sakura.dit.weights import load_model
-
     dev = pick_device(wid, device)
-    model = load_model(weights).to(dev)
+    if model_name:
+        from sakura.dit.adapters.registry import load_adapter
+
+        model = load_adapter(model_name, model_path, device=dev)
+    else:
+        from sakura.dit.weights import load_model
+
+        model = load_model(weights).to(dev)
     worker = _Worker(model)
     conn.send(("ready", wid, os.getpid(), dev))
     while True:

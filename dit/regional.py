@@ -695,6 +695,7 @@ class RegionalStats:
     probe_macs: float = 0.0
     saliency_macs: float = 0.0
     probes: int = 0
+    probe_steps: int = 0
     explained: float = float("nan")
     reuse_error_sum: float = 0.0
     reuse_error_weight: int = 0
@@ -726,7 +727,8 @@ class RegionalStats:
                 "forced_patch_steps": self.forced_patch_steps,
                 "skipped_fraction": self.skipped_fraction,
                 "compute_fraction": self.compute_fraction, "probe_fraction": self.probe_fraction,
-                "probes": self.probes, "reuse_error": self.reuse_error,
+                "probes": self.probes, "probe_steps": self.probe_steps,
+                "reuse_error": self.reuse_error,
                 "explained": self.explained}
 
 
@@ -878,6 +880,7 @@ class RegionalState:
         want = {label for label, *_ in self.probe_inputs(step)}
         if step != self.step or set(results) != want:
             raise RuntimeError(f"step {step}: probes {sorted(results)}, need {sorted(want)}")
+        self.stats.probe_steps += 1
         for r in results.values():
             self.stats.probe_macs += r.macs
             self.stats.macs += r.macs

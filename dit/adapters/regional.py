@@ -155,9 +155,7 @@ class AdapterRegional:
 
     def cost(self, queries: int, keys: int, calls: int = 1) -> float:
         """Multiply-accumulates: weights touched per query plus attention, per branch."""
-        a = self.adapter
-        attn = 2.0 * queries * keys * a.heads * a.head_dim * a.num_blocks
-        return len(self.branches) * (queries * self._params + attn)
+        return adapter_macs(self.adapter, queries, keys, len(self.branches), self._params)
 
     def probe_cost(self, queries: int, keys: int, last_block: int, columns: int) -> float:
         """Modelled multiply-accumulates of a probe (one branch) stopped after the attention
@@ -271,6 +269,50 @@ class AdapterRegional:
         return ProbeResult(mass, n + self.fixed_tokens, macs)
 
 
+def adapter_macs(adapter: ModelAdapter, queries: int, keys: int, branches: int = 1,
+                 params: float | None = None) -> float:
+    """Modelled multiply-accumulates of one forward of ``queries`` tokens over ``keys``:
+    every transformer weight touched once per query, plus attention, per guidance branch."""
+    if params is None:
+        params = float(sum(p.numel() for m in adapter.layers() for p in m.parameters()))
+    attn = 2.0 * queries * keys * adapter.heads * adapter.head_dim * adapter.num_blocks
+    return branches * (queries * params + attn)
+
+
+def meta_adapter(name: str, path) -> ModelAdapter:
+    """The adapter of checkpoint ``path`` (model ``name``) over a weightless copy of its
+    transformer (PyTorch's ``meta`` device): geometry, the pipeline's schedule and the cost
+    model without reading or holding any weights (what a scheduler process needs)."""
+    import json
+
+    import diffusers
+    from sakura.dit.adapters.errors import ModelPathError, UnknownModelError
+    from sakura.dit.adapters.registry import (
+        MODELS,
+        adapter_class,
+        check_checkpoint,
+        find_checkpoint,
+    )
+
+    if name not in MODELS:
+        raise UnknownModelError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    spec = MODELS[name]
+    tdir, sched_file = find_checkpoint(path)
+    try:
+        config = json.loads((tdir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelPathError(f"cannot read {tdir / 'config.json'}: {exc}") from None
+    check_checkpoint(spec, config, tdir)
+    cls = getattr(diffusers, spec.model_class)
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    sched = None
+    if sched_file is not None:
+        sched = {k: v for k, v in json.loads(sched_file.read_text()).items()
+                 if not k.startswith("_")}
+    return adapter_class(spec)(model, sched, name=name)
+
+
 def default_probe_blocks(adapter: ModelAdapter) -> tuple[int, ...]:
     """The attention calls where text and image attend jointly (FLUX.2: the double-stream
     blocks, as the default model; SD3: the ``attn`` calls, not the image-only ``attn2``)."""
@@ -320,5 +362,5 @@ def regional_generate(adapter: ModelAdapter, template: LatentTemplate, req: Late
     return state.x, state
 
 
-__all__ = ["AdapterRegional", "RegionalHook", "default_probe_blocks", "regional_edit",
-           "regional_generate"]
+__all__ = ["AdapterRegional", "RegionalHook", "adapter_macs", "default_probe_blocks",
+           "meta_adapter", "regional_edit", "regional_generate"]

@@ -175,7 +175,7 @@ def test_arrival_traces_are_seeded_and_have_the_requested_rate(tmp_path):
 # ----------------------------------------------------------------------------- engine
 
 STEPS, SIZE, GUIDANCE = 8, 32, 2.0
-CFG = RegionalConfig(warmup=2, eps=1.0, max_skips=1, patches=4)
+CFG = RegionalConfig(warmup=2, eps=0.01, max_skips=2, patches=4)
 
 
 def _model() -> MMDiT:
@@ -196,7 +196,7 @@ def engine(tmp_path_factory, text_encoder):
     path = tmp_path_factory.mktemp("render") / "tiny.safetensors"
     save_model(model, path)
     eng = RenderEngine(EngineConfig(workers=2, weights=str(path), regional=CFG,
-                                    capacity_rows=400), encoder=text_encoder)
+                                    capacity_rows=400, quality_eps=None), encoder=text_encoder)
     eng.start()
     eng.test_model = model
     yield eng
@@ -266,8 +266,8 @@ def test_engine_recovers_from_a_killed_worker(engine, text_encoder):
     # every output applied exactly once: no (request, step, patch) twice, none missing
     applied = list(engine.applied)[applied_before:]
     assert not [k for k, c in Counter(applied).items() if c > 1]
-    expected = sum(r.stats["warmup"] + r.stats["executed_patch_steps"] if r.mode != "full"
-                   else STEPS for r in results)
+    expected = sum(r.stats["warmup"] + r.stats["executed_patch_steps"] + r.stats["probe_steps"]
+                   if r.mode != "full" else STEPS for r in results)
     assert len(applied) == expected
     for req, res in zip(reqs, results):
         ref, _ = _reference(engine.test_model, req, CFG)
