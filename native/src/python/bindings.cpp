@@ -346,4 +346,9 @@ PYBIND11_MODULE(sakura_native, m) {
       .def_property_readonly("running", &PyPipeline::running)
       .def_property_readonly("received_capacity", &PyPipeline::received_capacity)
       .def_property_readonly("ready_capacity", &PyPipeline::ready_capacity);
+
+  // GPU (OpenCL) reconstruction: OpenCLDecoder, opencl_device(), opencl_available()
+  // (src/python/bind_opencl.cpp; issue 23)
+  void bind_opencl(py::module_ & m);
+  bind_opencl(m);
 }
