@@ -28,9 +28,13 @@ def _engine(args: argparse.Namespace):
     from sakura.dit.text import TextEncoder
 
     cfg = EngineConfig(workers=args.workers, weights=args.weights, priority=args.priority,
-                       device=args.device,
+                       device=args.device, preempt=args.preempt,
+                       quality_eps=None if args.no_quality_mode else 0.0,
+                       patch_search=args.patches is None,
                        regional=RegionalConfig(warmup=args.warmup, eps=args.eps,
-                                               max_skips=args.max_skips))
+                                               max_skips=args.max_skips, gate=args.gate,
+                                               partition=args.partition,
+                                               patches=args.patches))
     return RenderEngine(cfg, TextEncoder())
 
 
@@ -72,7 +76,8 @@ def _replay(args: argparse.Namespace) -> int:
         prompts = args.prompt or ["smileys & emotion: grinning face"]
         gen = bursty_arrivals if args.arrivals == "bursty" else poisson_arrivals
         trace = gen(args.requests, args.rate, prompts, seed=args.seed)
-    base = RenderRequest(steps=args.steps, size=args.size, mode=args.mode)
+    base = RenderRequest(steps=args.steps, size=args.size, mode=args.mode,
+                         priority=args.request_priority)
     with _engine(args) as engine:
         result = replay(engine, trace, request_factory(base))
         summary = result.summary()
@@ -95,13 +100,24 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     p.add_argument("--device", default="auto", help="auto (GPUs when present), cpu, cuda")
     p.add_argument("--priority", default="warmup_first", choices=["warmup_first", "fifo"],
-                   help="monotask order (default warmup_first)")
+                   help="monotask order within a priority class (default warmup_first)")
+    p.add_argument("--preempt", default="benefit", choices=["benefit", "strict"],
+                   help="preemption across priority classes at step boundaries (default: "
+                        "benefit vs switch cost)")
     p.add_argument("--warmup", type=nonnegative_int, default=4, metavar="N",
                    help="warm-up steps (default 4)")
-    p.add_argument("--eps", type=nonnegative_float, default=1.0,
-                   help="gate threshold (default 1.0)")
+    p.add_argument("--gate", default="importance", choices=["importance", "drift", "periodic"],
+                   help="patch gate (default importance: the paper's)")
+    p.add_argument("--partition", default="otsu", choices=["otsu", "cuts", "grid"],
+                   help="patch partition (default otsu: the paper's focus/context split)")
+    p.add_argument("--eps", type=nonnegative_float, default=None,
+                   help="gate threshold (default 0.01 for importance, 1.0 for drift)")
     p.add_argument("--max-skips", type=nonnegative_int, default=3, metavar="K",
                    help="forced run after K skips (default 3)")
+    p.add_argument("--patches", type=positive_int, default=None, metavar="R",
+                   help="fixed patch count (default: searched online)")
+    p.add_argument("--no-quality-mode", action="store_true",
+                   help="keep gating under low load (default: every patch runs then)")
 
 
 def _bench_flashdiff(args: argparse.Namespace) -> int:
@@ -160,6 +176,8 @@ def register(commands: Any, bench: Any) -> None:
                      help="image size in pixels (default 64)")
     rep.add_argument("--mode", default="regional", choices=["regional", "separate", "full", "naive"],
                      help="execution mode (default regional)")
+    rep.add_argument("--request-priority", default="normal", choices=["high", "normal", "low"],
+                     help="priority class of the replayed requests (default normal)")
     rep.add_argument("--json", type=json_path, metavar="PATH",
                      help="write the latency/throughput summary here (- for stdout)")
     rep.set_defaults(func=_replay)

@@ -1,7 +1,9 @@
 """HTTP front of the render engine (FastAPI): requests arrive here, results are polled.
 
-* ``POST /v1/renders`` ``{"prompt", "seed", "steps", "size", "guidance", "mode", "wait"}``
-  -> ``202 {"id", "status": "queued"}``, or with ``"wait": true`` ``200`` and the result.
+* ``POST /v1/renders`` ``{"prompt", "seed", "steps", "size", "guidance", "mode", "priority",
+  "patches", "wait"}`` -> ``202 {"id", "status": "queued"}``, or with ``"wait": true``
+  ``200`` and the result. ``priority``: ``high`` / ``normal`` / ``low`` (the scheduler's
+  classes); ``patches``: a fixed R (default: the engine's online search).
 * ``GET /v1/renders/{id}`` -> status (``queued`` / ``done`` / ``failed``), latency, stats.
 * ``GET /v1/renders/{id}/image.png`` -> the image (``409`` while it is not done).
 * ``GET /v1/engine`` -> scheduler and worker metrics; ``GET /healthz``.
@@ -34,6 +36,8 @@ class RenderBody(BaseModel):
     size: int = Field(default=64, ge=8, le=1024)
     guidance: float = Field(default=3.0, ge=0.0, le=20.0)
     mode: Literal["regional", "separate", "full", "naive"] = "regional"
+    priority: Literal["high", "normal", "low"] = "normal"
+    patches: int | None = Field(default=None, ge=1, le=64)
     wait: bool = False
 
 
@@ -58,8 +62,11 @@ def _result_json(rid: int, fut: Future) -> dict:
     if exc is not None:
         return {"id": rid, "status": "failed", "error": str(exc)}
     res: RenderResult = fut.result()
-    return {"id": rid, "status": "done", "mode": res.mode, "latency_s": res.latency_s,
-            "stats": res.stats, "image": f"/v1/renders/{rid}/image.png"}
+    out = {"id": rid, "status": "done", "mode": res.mode, "priority": res.priority,
+           "latency_s": res.latency_s, "stats": res.stats}
+    if res.image is not None:
+        out["image"] = f"/v1/renders/{rid}/image.png"
+    return out
 
 
 def create_render_app(engine: RenderEngine, keep: int = 1000) -> FastAPI:
@@ -88,7 +95,8 @@ def create_render_app(engine: RenderEngine, keep: int = 1000) -> FastAPI:
         if engine.loop_error is not None:
             return _error(503, "the render engine is down")
         req = RenderRequest(prompt=body.prompt, seed=body.seed, steps=body.steps,
-                            size=body.size, guidance=body.guidance, mode=body.mode)
+                            size=body.size, guidance=body.guidance, mode=body.mode,
+                            priority=body.priority, patches=body.patches)
         try:
             fut = await asyncio.to_thread(engine.submit, req)
         except RenderError as exc:
@@ -126,6 +134,8 @@ def create_render_app(engine: RenderEngine, keep: int = 1000) -> FastAPI:
             return _error(409, f"render {rid} is not done")
         if fut.exception() is not None:
             return _error(409, f"render {rid} failed: {fut.exception()}")
+        if fut.result().image is None:
+            return _error(409, f"render {rid} has latents only (no VAE in this engine)")
         return Response(png_bytes(fut.result().image), media_type="image/png")
 
     return app

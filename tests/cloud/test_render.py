@@ -289,11 +289,15 @@ def test_http_front_and_trace_replay(engine):
 
     with serve_in_thread(create_render_app(engine)) as base:
         r = httpx.post(f"{base}/v1/renders", json={"prompt": "food: red apple", "seed": 2,
-                                                   "steps": 4, "size": 32, "wait": True},
+                                                   "steps": 4, "size": 32, "wait": True,
+                                                   "priority": "high", "patches": 2},
                        timeout=60)
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["status"] == "done" and body["stats"]["steps"] == 4
+        assert body["priority"] == "high" and body["stats"]["patches"] == 2
+        assert httpx.post(f"{base}/v1/renders", json={"prompt": "x", "priority": "now"}
+                          ).status_code == 422
         png = httpx.get(base + body["image"], timeout=10)
         assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
         q = httpx.post(f"{base}/v1/renders", json={"prompt": "dog", "steps": 3, "size": 32})
@@ -335,5 +339,11 @@ def test_cli_registers_bench_flashdiff_and_render():
     assert a.func.__module__ == "sakura.cloud.render_cli"
     r = parser.parse_args(["render", "replay", "--requests", "4", "--mode", "full", "--eps", "1.2"])
     assert (r.requests, r.mode, r.eps, r.priority) == (4, "full", 1.2, "warmup_first")
+    assert (r.gate, r.partition, r.preempt, r.patches, r.request_priority) == (
+        "importance", "otsu", "benefit", None, "normal")
+    d = parser.parse_args(["render", "serve", "--gate", "drift", "--partition", "cuts",
+                           "--patches", "6", "--no-quality-mode"])
+    assert (d.gate, d.partition, d.patches, d.no_quality_mode, d.eps) == (
+        "drift", "cuts", 6, True, None)
     s = parser.parse_args(["render", "serve", "--port", "0", "--priority", "fifo"])
     assert (s.port, s.priority) == (0, "fifo")
