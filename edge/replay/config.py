@@ -97,7 +97,8 @@ class ReplayConfig:
     def quick_version(self, starts: int | None = None) -> ReplayConfig:
         """``--quick``: one template per workload, the first two networks; ``starts``
         (default :data:`QUICK_STARTS`) start points on the headline networks, at most
-        :data:`QUICK_OTHER_STARTS` on the others and in the ablations (q, resolution)."""
+        :data:`QUICK_OTHER_STARTS` on the others and in the ablations (q, resolution); the
+        first and last of the ``deadlines`` (sakura's operating points)."""
         n = int(starts) if starts is not None else QUICK_STARTS
         nets = self.networks[:2]
         other = {net: min(n, QUICK_OTHER_STARTS) for net in nets
@@ -106,6 +107,7 @@ class ReplayConfig:
             self, quick=True,
             workloads={w: ts[:1] for w, ts in self.workloads.items()},
             networks=nets, starts=n, network_starts=other,
+            deadlines=tuple(dict.fromkeys(self.deadlines[:1] + self.deadlines[-1:])),
             ablation=replace(self.ablation, networks=self.ablation.networks[:1],
                              resolution_templates=self.ablation.resolution_templates[:1],
                              starts=min(n, QUICK_OTHER_STARTS)))

@@ -48,7 +48,7 @@ def test_plan_has_start_points_per_network_and_sakura_operating_points():
             and not p.startswith("sakura-q")} == {10}
     assert {len(v) for (t, n, p), v in cells.items() if n == "mixed"} == {3}
     points = {r.key.policy for r in runs if deadline_multiple(r.key.policy) is not None}
-    assert points == {"sakura-d2", "sakura-d3", "sakura-d4"}
+    assert points == {"sakura-d2", "sakura-d4"}  # --quick: the first and last deadline
     assert all(r.key.network == "5g" and r.policy == "sakura" for r in runs
                if r.key.policy in points)
     # the ablations use the network's first start points (the same draws)
