@@ -7,3 +7,7 @@ retry and resume), :mod:`edge.monitor` (bandwidth and execution-progress bookkee
 timeline), :mod:`edge.runtime` (one edit end to end), :mod:`edge.bench` and
 :mod:`edge.cli` (``sakura edit``, ``sakura bench edit``).
 """
+
+# The device runtimes: "native" (the shard loop in C++, sakura.edge.native_runtime) and
+# "python" (the reference pipeline, sakura.edge.pipeline).
+RUNTIMES = ("native", "python")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sakura.edge import RUNTIMES
 from sakura.edge.allocator import POLICIES
 from sakura.edge.backends import BACKENDS
 from sakura.edge.errors import EdgeError
@@ -25,6 +26,7 @@ from sakura.argtypes import (
     http_url,
     json_path,
     nonnegative_float,
+    nonnegative_int,
     positive_float,
     positive_int,
 )
@@ -111,6 +113,7 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--compiled-dir", metavar="DIR",
                    help="compiled shard graphs are cached here (default "
                         "$XDG_CACHE_HOME/sakura/compiled)")
+    runtime_arg(p)
     p.set_defaults(func=_edit)
 
     b = bench.add_parser(
@@ -137,7 +140,36 @@ def register(commands: Any, bench: Any) -> None:
     b.add_argument("--plots", metavar="DIR", help="write a timeline plot per run here")
     b.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch threads of the device (default 1), the same for every system")
+    runtime_arg(b, python_needs="")
+    b.add_argument("--background-load", type=nonnegative_int, default=0, metavar="N",
+                   help="run N busy processes beside the edits (default 0), to measure "
+                        "with other work on the machine; the JSON says how many")
     b.set_defaults(func=_bench)
+
+
+def runtime_arg(p: Any, python_needs: str = " (diffusers models, reference images and "
+                "--backend executorch|qnn run on the Python runtime)") -> None:
+    p.add_argument("--runtime", choices=RUNTIMES, default=None,
+                   help="device runtime: native (default: the shard loop in C++, "
+                        f"sakura_native) or python (the reference pipeline){python_needs}")
+
+
+def resolve_runtime(args: argparse.Namespace, needs_python: list[str]) -> str:
+    """``--runtime``, defaulting to native unless what is asked for needs the Python
+    runtime (then a note says so); an explicit native that cannot be is an error."""
+    if args.runtime == "native" and needs_python:
+        raise EdgeError(f"--runtime native runs the shipped model on text and masked image "
+                        f"tokens; {', '.join(needs_python)} need --runtime python")
+    if args.runtime is None and needs_python:
+        print(f"sakura: note: {', '.join(needs_python)} run on the Python runtime",
+              file=sys.stderr)
+        return "python"
+    runtime = args.runtime or "native"
+    if runtime == "native":
+        from sakura.edge.native_runtime import native_module
+
+        native_module()  # NativeUnavailable (one clear line) when it is not built
+    return runtime
 
 
 def default_state_dir() -> Path:
@@ -196,6 +228,10 @@ def check_edit_args(args: argparse.Namespace) -> None:
         from sakura.codec.cli import check_codecs
 
         check_codecs([args.pack], "--pack")
+    needs = [what for what, asked in (("--model", args.model), ("--reference", args.reference),
+                                      (f"--backend {args.backend}", args.backend != "torch"))
+             if asked]
+    args.runtime = resolve_runtime(args, needs)
 
 
 def fetch_template(server: str, template_id: str, token: str | None) -> Any:
@@ -240,7 +276,8 @@ def _edit(args: argparse.Namespace) -> int:
     weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
     engine = load_engine(args.model, args.model_path, weights=weights)
     runtime = EdgeRuntime(engine, state_dir=None if args.no_state else args.state_dir,
-                          backend=args.backend, backend_config=_backend_config(args))
+                          backend=args.backend, backend_config=_backend_config(args),
+                          runtime=args.runtime)
     reference = load_image(args.reference, template.size) if args.reference else None
     req = runtime.request(args.prompt, args.seed, reference)
     options = EditOptions(max_ahead=args.max_ahead, pack=args.pack,
@@ -348,12 +385,14 @@ def _bench(args: argparse.Namespace) -> int:
         raise EdgeError(f"--catalog-dir: no such folder: {args.catalog_dir}")
     from sakura.edge.bench import DEFAULT_POLICIES, BenchSpec, run_bench, write
 
+    runtime = resolve_runtime(args, [])
     _set_threads(args.threads)
     spec = BenchSpec(
         json_path=Path(args.json), quick=args.quick, template=args.template, trace=args.trace,
         start_s=args.start, policies=tuple(args.policies or DEFAULT_POLICIES),
         server=args.server, catalog=args.catalog_dir, cache_dir=Path(args.cache_dir),
-        weights=args.weights, runs=args.runs, threads=args.threads,
+        weights=args.weights, runs=args.runs, threads=args.threads, runtime=runtime,
+        background_load=args.background_load,
         plots=Path(args.plots) if args.plots else None,
         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     doc = run_bench(spec)

@@ -50,6 +50,7 @@ from sakura.dit.editing import (
     template_noise,
 )
 from sakura.dit.model import MMDiT, patchify
+from sakura.edge import RUNTIMES
 from sakura.edge.backends.base import ArtifactCache, ArtifactKey, default_cache_dir
 from sakura.edge.backends.shard import ShardGeometry, ShardModule, example_inputs
 from sakura.edge.backends.step import StepIn, StepOut, step_examples
@@ -57,7 +58,6 @@ from sakura.edge.errors import EdgeError, IntegrityError, OriginError, ServerUnr
 
 # Bump when the graphs' computation or their input/output contract changes (cache key).
 GRAPHS_FORMAT = 1
-RUNTIMES = ("native", "python")
 
 
 class NativeUnavailable(EdgeError):

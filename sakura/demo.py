@@ -30,7 +30,7 @@ DEFAULT_TEMPLATE = "face-technologist"
 
 def register(commands: Any, bench: Any) -> None:
     from sakura.argtypes import nonnegative_float
-    from sakura.edge.cli import startup_fraction
+    from sakura.edge.cli import runtime_arg, startup_fraction
 
     p = commands.add_parser("demo", help="the main job: build, serve, replay a real trace, edit",
                             description=__doc__.split("\n\n")[0])
@@ -50,6 +50,7 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--startup-fraction", type=startup_fraction, metavar="F",
                    help="startup allowance of the streamed edits, a fraction of the predicted "
                         "execution time (default: the runtime's, EditOptions.startup_fraction)")
+    runtime_arg(p, python_needs="")
     p.set_defaults(func=run_demo)
 
 
@@ -86,18 +87,28 @@ def run_demo(args: argparse.Namespace) -> int:
     from sakura.cloud.build import BuildConfig, build
     from sakura.dit.templates import device_template, load_catalog
     from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-    from sakura.edge.bench import ServerProcess, catalog_usable, exact_and_floor, file_sha256
-    from sakura.edge.cli import startup_fraction_arg
+    from sakura.edge.bench import (
+        ServerProcess,
+        _pin_device,
+        catalog_usable,
+        file_sha256,
+        resident_floor,
+    )
+    from sakura.edge.cli import resolve_runtime, startup_fraction_arg
     from sakura.edge.client import PackClient
     from sakura.edge.netem import shaped
     from sakura.edge.runtime import EdgeRuntime, EditOptions
     from sakura.edge.timeline import plot_timeline
     from sakura.errors import SakuraError
 
+    runtime_name = resolve_runtime(args, [])
     # the device runtime's process settings (edge/README.md): one torch thread, and a short
     # GIL switch interval so the receive/reconstruct threads never hold execution up long
+    # (Python runtime); the device on its own CPUs, the server and the link on another
     torch.set_num_threads(1)
     sys.setswitchinterval(5e-4)
+    cpus = _pin_device()
+    network_cpus = cpus[1] if cpus else None
     t_start = time.monotonic()
     out, packs = Path(args.out), Path(args.packs)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,8 +129,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
     # 2) serve
     model = load_model()
-    runtime = EdgeRuntime(model, weights_sha256=file_sha256(DEFAULT_WEIGHTS))
-    with ServerProcess(packs) as server:
+    runtime = EdgeRuntime(model, weights_sha256=file_sha256(DEFAULT_WEIGHTS),
+                          runtime=runtime_name)
+    with ServerProcess(packs, cpus=network_cpus) as server:
         print(f"[2/4] sakura serve {packs} at {server.url}")
 
         # 3) the device: template from the server, private request stays here
@@ -129,9 +141,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
         template = device_template(asyncio.run(entry()))
         req = runtime.request(prompt, seed=args.seed)
-        runtime.profile(args.template, runtime.prepared(args.template, template), req)
-        exact, floor_s, fp16_manifest = exact_and_floor(runtime, server.url, args.template,
-                                                        template, req, repeats=2)
+        if runtime_name == "native":
+            print("      native runtime: compiled graphs for this template's geometry are "
+                  "built once and cached (first run: minutes)")
+        else:
+            runtime.profile(args.template, runtime.prepared(args.template, template), req)
+        floor = resident_floor(runtime, server.url, args.template, template, req, repeats=2)
+        exact, floor_s, fp16_manifest = floor.image, floor.seconds, floor.manifest
         fp16_bytes = int(fp16_manifest["fp16_bytes"])
         raw, trace_name, note = _pick_trace(args.trace)
         median_bps = float(raw.stats()["median_mbps"]) * 1e6
@@ -145,7 +161,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if note:
             print(f"      note: {note}")
         results = {}
-        with shaped(server.url, trace, args.start) as (link_url, link):
+        with shaped(server.url, trace, args.start, cpus=network_cpus) as (link_url, link):
             opts = EditOptions(budget_rate_bps=scaled, initial_rate_bps=scaled, **startup)
             for policy in ("sakura", "fp16"):
                 link.restart(args.start)
@@ -164,7 +180,9 @@ def run_demo(args: argparse.Namespace) -> int:
                                           "scaled_median_mbps": scaled / 1e6,
                                           "masked_exec_s": floor_s, "fp16_bytes": fp16_bytes,
                                           "note": note},
-                               "compute_bound_s": floor_s,
+                               "compute_bound_s": floor_s, "runtime": runtime_name,
+                               "cpus": ({"device": sorted(cpus[0]),
+                                         "server_and_link": sorted(cpus[1])} if cpus else None),
                                "startup_fraction": opts.startup_fraction, "policies": {}}
     for policy, res in results.items():
         psnr = "inf" if res.psnr_db == float("inf") else f"{res.psnr_db:.2f} dB"
@@ -182,9 +200,14 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{' '.join(str(c) for c in sk.configs[:6])} ...")
     lat = {p: r.latency_s for p, r in results.items()}
     summary["speedup_sakura_vs"] = {p: lat[p] / lat["sakura"] for p in lat if p != "sakura"}
+    summary["e2e_over_floor"] = lat["sakura"] / floor_s
+    summary["exec_inflation"] = sk.exec_s / floor.shard_exec_s
     print(f"      sakura is {lat['local'] / lat['sakura']:.2f}x faster than local and "
           f"{lat['fp16'] / lat['sakura']:.2f}x faster than streaming the FP16 cache "
           f"(floor: {floor_s:.2f} s with the whole cache resident)")
+    print(f"      {runtime_name} runtime: e2e_over_floor {summary['e2e_over_floor']:.2f} "
+          f"(sakura latency / floor), exec_inflation {summary['exec_inflation']:.2f} "
+          f"(streamed shard execution / resident)")
     _save(template.image, out / "template.png")
     _save(exact, out / "edit-exact.png")
     grid = torch.cat([template.image, exact, results["sakura"].image, results["local"].image], 2)

@@ -16,3 +16,21 @@ def world(tmp_path_factory):
 @pytest.fixture(scope="session")
 def runtime(world):
     return world.runtime()
+
+
+@pytest.fixture(scope="session")
+def compiled_dir(tmp_path_factory):
+    """One folder of compiled native graphs for the whole session (compiling is slow)."""
+    return tmp_path_factory.mktemp("compiled")
+
+
+@pytest.fixture(scope="session")
+def native_runtime(world, compiled_dir):
+    """An EdgeRuntime on the native runtime (C++ shard loop) for the tiny world."""
+    from sakura.edge.backends.base import BackendConfig
+    from sakura.edge.runtime import EdgeRuntime
+
+    from tests.edge.helpers import FakeEncoder
+
+    return EdgeRuntime(world.model, encoder=FakeEncoder(), runtime="native",
+                       backend_config=BackendConfig(cache_dir=compiled_dir))

@@ -1,8 +1,14 @@
-"""Allocator and monitor: pure functions driven by scripted arrivals (no network, no model)."""
+"""Allocator and monitor: pure functions driven by scripted arrivals (no network, no model).
+
+The monitor, execution-progress and adaptive-allocator tests run twice (fixture ``impl``):
+against ``sakura.edge`` (the Python runtime) and against their C++ twins in
+``sakura_native`` (the native runtime), which must behave the same."""
 
 from __future__ import annotations
 
 import math
+import random
+from types import SimpleNamespace
 
 import pytest
 from sakura.edge.allocator import (
@@ -14,6 +20,7 @@ from sakura.edge.allocator import (
     fixed_config,
     get_policy,
     options_from_manifest,
+    to_native,
 )
 from sakura.edge.errors import EdgeError
 from sakura.edge.monitor import (
@@ -22,6 +29,24 @@ from sakura.edge.monitor import (
     check_startup_fraction,
     startup_allowance_s,
 )
+
+
+@pytest.fixture(params=["python", "native"])
+def impl(request):
+    """The Python classes or their ``sakura_native`` twins, with one constructor API."""
+    if request.param == "python":
+        return SimpleNamespace(BandwidthMonitor=BandwidthMonitor,
+                               ExecutionProgress=ExecutionProgress,
+                               adaptive=AdaptiveAllocator, budget_bytes=budget_bytes)
+    import sakura_native as native
+
+    def adaptive(tables, latency_s=0.0, safety=0.8):
+        return to_native(AdaptiveAllocator(tables, latency_s, safety), native)
+
+    return SimpleNamespace(BandwidthMonitor=native.BandwidthMonitor,
+                           ExecutionProgress=native.ExecutionProgress, adaptive=adaptive,
+                           budget_bytes=native.budget_bytes)
+
 
 # A shard offers (rank, bits) configurations; quality = psnr_db grows with bytes.
 LADDER = [(1, 2, 1_000, 20.0), (4, 2, 3_000, 25.0), (4, 4, 5_000, 29.0),
@@ -45,12 +70,12 @@ def manifest(shards: int = 3) -> dict:
         for s in range(shards)]}
 
 
-def test_budget_uses_rate_window_latency_and_safety():
-    assert budget_bytes(1.0, 8e6) == pytest.approx(1e6)
-    assert budget_bytes(1.0, 8e6, latency_s=0.25, safety=0.5) == pytest.approx(375_000)
-    assert budget_bytes(0.1, 8e6, latency_s=0.2) == 0.0
-    assert budget_bytes(1.0, 0.0) == 0.0
-    assert budget_bytes(1.0, math.inf) == 0.0
+def test_budget_uses_rate_window_latency_and_safety(impl):
+    assert impl.budget_bytes(1.0, 8e6) == pytest.approx(1e6)
+    assert impl.budget_bytes(1.0, 8e6, latency_s=0.25, safety=0.5) == pytest.approx(375_000)
+    assert impl.budget_bytes(0.1, 8e6, latency_s=0.2) == 0.0
+    assert impl.budget_bytes(1.0, 0.0) == 0.0
+    assert impl.budget_bytes(1.0, math.inf) == 0.0
 
 
 def test_options_from_manifest_keeps_pareto_and_orders_by_quality():
@@ -77,8 +102,8 @@ def test_quality_falls_back_to_weighted_error_then_bytes():
     assert [o.id for o in bare.options] == [1, 2, 0]
 
 
-def test_adaptive_picks_highest_quality_that_fits_else_smallest():
-    alloc = AdaptiveAllocator([table(0)], latency_s=0.0, safety=1.0)
+def test_adaptive_picks_highest_quality_that_fits_else_smallest(impl):
+    alloc = impl.adaptive([table(0)], latency_s=0.0, safety=1.0)
     # 8 Mbit/s = 1 MB/s: a 12 ms window holds 12 kB -> rank 8, 4 bits (10 kB)
     assert alloc.choose(0, 0.012, 8e6) == 3
     assert alloc.choose(0, 0.041, 8e6) == 5
@@ -86,10 +111,10 @@ def test_adaptive_picks_highest_quality_that_fits_else_smallest():
     assert alloc.choose(0, 1.0, 0.0) == 0      # no rate estimate: the smallest
 
 
-def test_adaptive_prefers_quality_over_bytes_when_not_monotone():
+def test_adaptive_prefers_quality_over_bytes_when_not_monotone(impl):
     opts = [ConfigOption(0, 1000, {}, psnr_db=30.0), ConfigOption(1, 2000, {}, psnr_db=28.0),
             ConfigOption(2, 3000, {}, psnr_db=35.0)]
-    alloc = AdaptiveAllocator([ShardOptions(0, opts)], safety=1.0)
+    alloc = impl.adaptive([ShardOptions(0, opts)], safety=1.0)
     assert alloc.choose(0, 2.5e-3, 8e6) == 0  # 2500 B: config 1 fits but is worse than 0
 
 
@@ -134,8 +159,8 @@ def test_policies_registry():
 # ----------------------------------------------------------------------------- monitor
 
 
-def test_rate_estimate_is_harmonic_mean_of_recent_body_rates():
-    mon = BandwidthMonitor(k=3, min_body_s=0.0)
+def test_rate_estimate_is_harmonic_mean_of_recent_body_rates(impl):
+    mon = impl.BandwidthMonitor(k=3, min_body_s=0.0)
     assert mon.estimate_bps() is None
     # body rates 8, 4, 8 Mbit/s (1 MB in 1, 2, 1 s)
     for i, body_s in enumerate([1.0, 2.0, 1.0]):
@@ -147,20 +172,20 @@ def test_rate_estimate_is_harmonic_mean_of_recent_body_rates():
     assert mon.bytes_total() == 4_000_000
 
 
-def test_small_bodies_do_not_drive_the_estimate():
-    mon = BandwidthMonitor(k=4, min_body_s=0.002)
+def test_small_bodies_do_not_drive_the_estimate(impl):
+    mon = impl.BandwidthMonitor(k=4, min_body_s=0.002)
     mon.record(None, 100_000, 0.0, 0.01, 0.11)       # manifest: 8 Mbit/s
     mon.record(0, 500, 1.0, 1.001, 1.001)            # one read: at least 2 Mbit/s
     assert mon.estimate_bps() == pytest.approx(8e6)  # a lower bound below: no change
-    only_small = BandwidthMonitor(min_body_s=0.002, initial_bps=1e6)
+    only_small = impl.BandwidthMonitor(min_body_s=0.002, initial_bps=1e6)
     only_small.record(0, 500, 0.0, 0.0, 0.001)
     assert only_small.estimate_bps() == pytest.approx(2e6)  # 500 B in < 2 ms
 
 
-def test_fast_small_bodies_lift_a_stale_low_estimate():
+def test_fast_small_bodies_lift_a_stale_low_estimate(impl):
     """After a slow spell only the smallest configurations fit; when the link recovers
     their quick arrivals raise the estimate, which lets larger ones through."""
-    mon = BandwidthMonitor(k=3, min_body_s=0.002)
+    mon = impl.BandwidthMonitor(k=3, min_body_s=0.002)
     mon.record(0, 20_000, 0.0, 0.01, 0.41)           # slow: 0.4 Mbit/s
     assert mon.estimate_bps() == pytest.approx(0.4e6)
     t = 1.0
@@ -178,16 +203,16 @@ def test_fast_small_bodies_lift_a_stale_low_estimate():
     assert mon.estimate_bps() == pytest.approx(2 / (1 / 0.4e6 + 1 / 4e6))
 
 
-def test_a_body_read_at_once_proves_only_its_request_time():
+def test_a_body_read_at_once_proves_only_its_request_time(impl):
     """A 21.8 KB shard whose body sat in the socket buffer arrives in one read: the link
     carried it between the request (12 ms earlier) and the end, not in the 2 ms floor."""
-    mon = BandwidthMonitor(k=3, min_body_s=0.002, initial_bps=1e6)
+    mon = impl.BandwidthMonitor(k=3, min_body_s=0.002, initial_bps=1e6)
     mon.record(0, 21_800, 0.0, 0.0115, 0.0120)
     assert mon.estimate_bps() == pytest.approx(8 * 21_800 / 0.012)  # 14.5, not 87 Mbit/s
 
 
-def test_deadlines_follow_execution_progress():
-    prog = ExecutionProgress([0.1, 0.2, 0.1, 0.1], origin=0.0, startup_s=0.05)
+def test_deadlines_follow_execution_progress(impl):
+    prog = impl.ExecutionProgress([0.1, 0.2, 0.1, 0.1], origin=0.0, startup_s=0.05)
     w0 = prog.window(0, now=0.01)
     assert w0.deadline == pytest.approx(0.05) and w0.window_s == pytest.approx(0.04)
     prog.received(0, 0.04)
@@ -210,22 +235,22 @@ def deadlines(prog, now):
     return [prog.deadline(j, now) for j in range(prog.num_shards)]
 
 
-def test_startup_allowance_zero_is_the_default_prediction():
+def test_startup_allowance_zero_is_the_default_prediction(impl):
     exec_s = [0.1, 0.2, 0.1, 0.1]
     # the manifest took 0.3 s: the default start (origin + exec_s[0] = 0.1) is long past
-    plain = ExecutionProgress(exec_s, origin=0.0)
-    zero = ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.0, now=0.3)
+    plain = impl.ExecutionProgress(exec_s, origin=0.0)
+    zero = impl.ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.0, now=0.3)
     assert zero.startup_s == pytest.approx(0.3)
     for now in (0.3, 0.35, 0.5):
         assert deadlines(zero, now) == pytest.approx(deadlines(plain, now))
     # manifest faster than exec_s[0]: the default start stands
-    assert ExecutionProgress.with_allowance(exec_s, 0.0, 0.0, now=0.02).startup_s == 0.1
+    assert impl.ExecutionProgress.with_allowance(exec_s, 0.0, 0.0, now=0.02).startup_s == 0.1
 
 
-def test_startup_allowance_moves_shard_0_and_the_shards_before_execution_starts():
+def test_startup_allowance_moves_shard_0_and_the_shards_before_execution_starts(impl):
     exec_s = [0.1, 0.2, 0.1, 0.1]
-    plain = ExecutionProgress(exec_s, origin=0.0)
-    allow = ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.05, now=0.3)
+    plain = impl.ExecutionProgress(exec_s, origin=0.0)
+    allow = impl.ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.05, now=0.3)
     assert allow.startup_s == pytest.approx(0.35)
     assert deadlines(plain, 0.3) == pytest.approx([0.3, 0.4, 0.6, 0.7])
     assert deadlines(allow, 0.3) == pytest.approx([0.35, 0.45, 0.65, 0.75])
@@ -248,15 +273,15 @@ def test_startup_allowance_moves_shard_0_and_the_shards_before_execution_starts(
     assert allow.window(1, 0.33).window_s == pytest.approx(0.45 - 0.33 - 0.01)
     assert plain.window(1, 0.33).deadline == pytest.approx(0.43)
     # a shard 0 late past the allowance moves every prediction (nothing waits for it)
-    late = ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.05, now=0.3)
+    late = impl.ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.05, now=0.3)
     late.received(0, 0.5)
     assert deadlines(late, 0.5) == pytest.approx([0.5, 0.6, 0.8, 0.9])
 
 
-def test_after_execution_starts_the_allowance_has_no_effect():
+def test_after_execution_starts_the_allowance_has_no_effect(impl):
     exec_s = [0.1, 0.2, 0.1, 0.1]
-    plain = ExecutionProgress(exec_s, origin=0.0)
-    allow = ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.05, now=0.3)
+    plain = impl.ExecutionProgress(exec_s, origin=0.0)
+    allow = impl.ExecutionProgress.with_allowance(exec_s, origin=0.0, allowance_s=0.05, now=0.3)
     for prog in (plain, allow):
         prog.received(0, 0.32)
         prog.reconstructed(0, 0.32, 0.33)
@@ -286,8 +311,8 @@ def test_startup_allowance_values():
         ExecutionProgress([0.1], 0.0, startup_s=math.nan)
 
 
-def test_measured_execution_corrects_later_predictions():
-    prog = ExecutionProgress([0.1] * 4, origin=0.0, alpha=1.0)
+def test_measured_execution_corrects_later_predictions(impl):
+    prog = impl.ExecutionProgress([0.1] * 4, origin=0.0, alpha=1.0)
     prog.exec_started(0, 0.0)
     prog.exec_ended(0, 0.2)                     # twice as slow as calibrated
     assert prog.predicted_exec_s(2) == pytest.approx(0.2)
@@ -295,8 +320,8 @@ def test_measured_execution_corrects_later_predictions():
     assert prog.deadline(3, now=0.25) == pytest.approx(0.2 + 0.2 + 0.2)
 
 
-def test_late_arrival_shifts_deadlines_and_leaves_no_negative_carry():
-    prog = ExecutionProgress([0.1] * 3, origin=0.0)
+def test_late_arrival_shifts_deadlines_and_leaves_no_negative_carry(impl):
+    prog = impl.ExecutionProgress([0.1] * 3, origin=0.0)
     prog.exec_started(0, 0.0)
     prog.exec_ended(0, 0.1)
     # shard 1 arrives late at 0.3 (execution stalled 0.2 s): it cannot start before that
@@ -307,16 +332,16 @@ def test_late_arrival_shifts_deadlines_and_leaves_no_negative_carry():
     assert w.carry_s == pytest.approx(0.0, abs=1e-9)
 
 
-def test_scripted_arrivals_drive_the_allocator():
+def test_scripted_arrivals_drive_the_allocator(impl):
     """Simulate a link shard by shard: early arrivals raise the next window (carry-over),
     a rate drop lowers the choice, and the choice never exceeds what fits."""
     n = 8
     exec_s = [0.02] * n
     tables = [table(s) for s in range(n)]
-    alloc = AdaptiveAllocator(tables, latency_s=0.0, safety=1.0)
+    alloc = impl.adaptive(tables, latency_s=0.0, safety=1.0)
     rates = [8e6] * 4 + [2e6] * 4            # the link slows down half way
-    prog = ExecutionProgress(exec_s, origin=0.0)
-    mon = BandwidthMonitor(k=1, min_body_s=0.0)
+    prog = impl.ExecutionProgress(exec_s, origin=0.0)
+    mon = impl.BandwidthMonitor(k=1, min_body_s=0.0)
     mon.record(None, 10_000, 0.0, 0.0, 0.01)  # a manifest sample: 8 Mbit/s
     now = 0.0
     exec_free = 0.0
@@ -326,7 +351,7 @@ def test_scripted_arrivals_drive_the_allocator():
         rate = mon.estimate_bps()
         cfg = alloc.choose(j, w.window_s, rate)
         nbytes = tables[j].by_id(cfg).nbytes
-        assert nbytes <= max(budget_bytes(w.window_s, rate), tables[j].smallest.nbytes)
+        assert nbytes <= max(impl.budget_bytes(w.window_s, rate), tables[j].smallest.nbytes)
         start, end = now, now + nbytes * 8 / rates[j]
         mon.record(j, nbytes, start, start, end)
         prog.received(j, end)
@@ -342,3 +367,46 @@ def test_scripted_arrivals_drive_the_allocator():
     slow = [tables[0].by_id(c).nbytes for c in chosen[5:]]
     assert min(fast) > max(slow)             # adapts down after the rate drop
     assert chosen[0] == 4                    # 20 ms startup window at 8 Mbit/s -> 20 kB
+
+
+def test_native_and_python_choose_identically_given_identical_rate_samples():
+    """The same scripted transfers fed to both runtimes' monitor, progress and allocator
+    give the same windows, rate estimates and configuration choices, shard by shard."""
+    import sakura_native as native
+
+    rng = random.Random(7)
+    n = 40
+    exec_s = [rng.uniform(0.01, 0.03) for _ in range(n)]
+    tables = [table(s, scale=rng.uniform(0.5, 2.0)) for s in range(n)]
+    py = (BandwidthMonitor(k=5, initial_bps=4e6), ExecutionProgress.with_allowance(
+        exec_s, 0.0, 0.05, now=0.02), AdaptiveAllocator(tables, 0.0, 0.8))
+    cc = (native.BandwidthMonitor(k=5, initial_bps=4e6), native.ExecutionProgress.with_allowance(
+        exec_s, 0.0, 0.05, now=0.02), to_native(AdaptiveAllocator(tables, 0.0, 0.8), native))
+    now, exec_free = 0.02, 0.0
+    choices = {id(py): [], id(cc): []}
+    for j in range(n):
+        rate_true = rng.choice([0.5e6, 2e6, 8e6, 30e6])
+        picked = []
+        for mon, prog, alloc in (py, cc):
+            w = prog.window(j, now)
+            rate = mon.estimate_bps() or 0.0
+            picked.append((alloc.choose(j, w.window_s - mon.latency_s(), rate),
+                           w.window_s, w.deadline, rate))
+        (c_py, w_py, d_py, r_py), (c_cc, w_cc, d_cc, r_cc) = picked
+        assert c_py == c_cc, f"shard {j}"
+        assert w_cc == pytest.approx(w_py, abs=1e-12) and d_cc == pytest.approx(d_py, abs=1e-12)
+        assert r_cc == pytest.approx(r_py, rel=1e-12)
+        nbytes = tables[j].by_id(c_py).nbytes
+        first = now + rng.uniform(0.001, 0.02)
+        end = first + nbytes * 8 / rate_true * rng.choice([0.0, 1.0])  # some read at once
+        begin = max(end, exec_free)
+        exec_free = begin + exec_s[j] * rng.uniform(0.8, 1.5)
+        for mon, prog, _ in (py, cc):
+            mon.record(j, nbytes, now, first, end)
+            prog.received(j, end)
+            prog.reconstructed(j, end, end + 1e-3)
+            prog.exec_started(j, begin)
+            prog.exec_ended(j, exec_free)
+        choices[id(py)].append(c_py)
+        now = end
+    assert len(set(choices[id(py)])) > 2  # the script exercised several choices

@@ -1,0 +1,210 @@
+"""The native runtime (C++ shard loop) against the Python runtime, on a real server.
+
+Same images on the same bytes, the same request contract (nothing private leaves the
+device), and the same answers to faults: a server restarted mid-edit, a corrupted body, a
+dropped connection, an origin that keeps failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import torch
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.codec.pack import Manifest, decode_config
+from sakura.dit.editing import Geometry, cached_edit
+from sakura.edge.client import PackClient, RetryPolicy
+from sakura.edge.errors import IntegrityError, ServerUnreachable
+from sakura.edge.netem import shaped
+from sakura.edge.runtime import EditOptions
+from sakura.traces import Trace
+
+from tests.edge.helpers import TEMPLATE_ID, FaultyApp, RecordingApp, Server, free_port
+from tests.edge.test_edit import PROMPT, SEED, check_timeline, exact_image
+
+TOL = 1e-4  # max abs error on the image between the runtimes (issue 18)
+
+
+def serve(world, wrap=None):
+    app = create_app(LocalStorage(world.catalog_dir))
+    return Server(wrap(app) if wrap else app)
+
+
+def test_fp16_edit_equals_the_python_runtime_and_exact(world, runtime, native_runtime):
+    req = runtime.request(PROMPT, SEED)
+    with serve(world) as server:
+        py = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "fp16")
+        nat = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "fp16")
+    assert (nat.image - py.image).abs().max().item() <= TOL
+    assert (nat.image - exact_image(world, req)).abs().max().item() <= TOL
+    assert nat.bytes == py.bytes == world.cache.fp16_bytes()
+    assert nat.configs == py.configs
+    check_timeline(nat)
+    keep = ~world.template.mask  # outside the mask: the template
+    assert torch.equal(nat.image[:, keep], world.template.image.clamp(-1, 1)[:, keep])
+
+
+def test_local_equals_the_python_runtime(world, runtime, native_runtime):
+    req = runtime.request(PROMPT, SEED)
+    py = runtime.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
+    nat = native_runtime.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
+    assert (nat.image - py.image).abs().max().item() <= TOL
+    assert nat.bytes == 0 and nat.timeline == []
+
+
+@pytest.mark.parametrize("policy", ["sakura", "intq", "cachegen"])
+def test_streamed_edit_equals_the_python_decoder_on_the_chosen_bytes(world, runtime,
+                                                                     native_runtime, policy):
+    """Whatever configurations the native allocator chose, the image is the Python cached
+    edit over the Python decoder's tensors of exactly those configurations (native lowrank
+    kernels for sakura; the Python decoder called from the reconstruct thread for the
+    others)."""
+    req = runtime.request(PROMPT, SEED)
+    with serve(world) as server:
+        nat = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, policy)
+
+        async def fetch_all():
+            async with PackClient(server.url) as client:
+                manifest = await client.manifest(TEMPLATE_ID, policy)
+                bodies = [await client.fetch_config(TEMPLATE_ID, policy, j, c,
+                                                    manifest=manifest)
+                          for j, c in enumerate(nat.configs)]
+                return manifest, bodies
+
+        manifest_d, bodies = asyncio.run(fetch_all())
+    check_timeline(nat)
+    manifest = Manifest.from_dict(manifest_d)
+    layout = manifest.layout()
+    tensors = [decode_config(manifest, j, c, b.data) for j, (c, b) in
+               enumerate(zip(nat.configs, bodies))]
+
+    class Provider:
+        def get(self, step, block):
+            j = layout.shard_of(step, block)
+            k = layout.blocks_of(j)[1].index(block)
+            return tensors[j][2 * k], tensors[j][2 * k + 1]
+
+    geo = Geometry.of(world.model, world.template)
+    ref = cached_edit(world.model, world.template, geo, Provider(), req)
+    assert (nat.image - ref).abs().max().item() <= TOL
+    assert nat.bytes == sum(len(b.data) for b in bodies)
+
+
+def test_the_server_sees_only_public_names(world, runtime, native_runtime):
+    """Every request the origin receives during a native edit is a bodiless GET of the
+    manifest or of the pack, with no header or query derived from the request."""
+    recorder = RecordingApp(create_app(LocalStorage(world.catalog_dir)))
+    req = runtime.request(PROMPT, SEED)
+    log = []
+    with Server(recorder) as server:
+        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                                  request_log=log, options=EditOptions(cache_manifests=False))
+    pack = world.manifests["sakura"]["pack_file"]
+    secrets = [PROMPT, str(SEED), "secret", "portrait", "pirate", "captain"]
+    allowed = {"host", "accept", "accept-encoding", "user-agent", "range", "if-range",
+               "if-none-match", "connection", "authorization"}
+    assert len(recorder.requests) == len(log) == 1 + len(res.timeline)
+    for entry in recorder.requests:
+        assert entry["method"] == "GET" and entry["body"] == b""
+        assert entry["path"].endswith(("/manifest.json", "/" + pack)), entry["path"]
+        assert set(entry["headers"]) <= allowed, entry["headers"]
+        text = json.dumps(entry, default=repr).lower()
+        assert not any(s.lower() in text for s in secrets)
+    ranges = [e["headers"].get("range") for e in recorder.requests[1:]]
+    assert all(r and r.startswith("bytes=") and "," not in r for r in ranges)
+
+
+def test_a_server_restart_mid_edit_is_survived(world, runtime, native_runtime):
+    req = runtime.request(PROMPT, SEED)
+    port = free_port()
+    server = Server(create_app(LocalStorage(world.catalog_dir)), port).start()
+    restarted = threading.Event()
+
+    def restart() -> None:
+        time.sleep(0.35)
+        server.stop()
+        time.sleep(0.6)
+        server.start()
+        restarted.set()
+
+    try:
+        # ~170 kB of fp16 at 1.2 Mbit/s: the edit lasts more than a second
+        with shaped(server.url, Trace.constant(1.2e6)) as (url, _link):
+            native_runtime.edit(url, TEMPLATE_ID, world.template, req, "fp16")  # manifest
+            t = threading.Thread(target=restart, daemon=True)
+            t.start()
+            res = native_runtime.edit(url, TEMPLATE_ID, world.template, req, "fp16")
+            t.join(10)
+    finally:
+        server.stop()
+    assert restarted.is_set()
+    assert (res.image - exact_image(world, req)).abs().max().item() <= TOL
+    assert sum(r["attempts"] for r in res.timeline) > len(res.timeline)  # some were retried
+
+
+def test_a_corrupted_body_is_refetched(world, runtime, native_runtime):
+    req = runtime.request(PROMPT, SEED)
+    faulty = FaultyApp(create_app(LocalStorage(world.catalog_dir)), ".pack", "corrupt")
+    with Server(faulty) as server:
+        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "fp16")
+    assert faulty.hits == 1
+    assert sum(r["refetches"] for r in res.timeline) == 1
+    assert (res.image - exact_image(world, req)).abs().max().item() <= TOL
+
+
+def test_a_dropped_body_resumes_with_a_narrower_range(world, runtime, native_runtime):
+    req = runtime.request(PROMPT, SEED)
+    recorder = RecordingApp(FaultyApp(create_app(LocalStorage(world.catalog_dir)), ".pack",
+                                      "cut"))
+    with Server(recorder) as server:
+        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "fp16")
+    assert sum(r["resumes"] for r in res.timeline) == 1
+    assert (res.image - exact_image(world, req)).abs().max().item() <= TOL
+    ranges = [e["headers"]["range"] for e in recorder.requests if "range" in e["headers"]]
+    first, *rest = [tuple(map(int, r[len("bytes="):].split("-"))) for r in ranges]
+    resumed = [r for r in rest if r[1] == first[1]]  # same end, later start
+    assert resumed and resumed[0][0] > first[0]
+
+
+def test_a_body_that_never_verifies_is_one_clear_error(world, runtime, native_runtime):
+    req = runtime.request(PROMPT, SEED)
+    faulty = FaultyApp(create_app(LocalStorage(world.catalog_dir)), ".pack", "corrupt",
+                       times=1000)
+    with Server(faulty) as server, pytest.raises(IntegrityError, match="checksum"):
+        native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "fp16")
+
+
+class Failing:
+    """ASGI wrapper answering 503 to every pack request (an origin that keeps failing)."""
+
+    def __init__(self, app):
+        self.app, self.hits = app, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].endswith(".pack"):
+            self.hits += 1
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": "overloaded"}'})
+            return
+        await self.app(scope, receive, send)
+
+
+def test_an_origin_that_keeps_failing_is_unreachable_after_the_retry_window(world, runtime,
+                                                                              native_runtime):
+    req = runtime.request(PROMPT, SEED)
+    failing = Failing(create_app(LocalStorage(world.catalog_dir)))
+    opts = EditOptions(retry=RetryPolicy(window_s=1.0, backoff_s=0.05, backoff_max_s=0.2))
+    with Server(failing) as server:
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnreachable, match="503: overloaded") as err:
+            native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "fp16",
+                                options=opts)
+        elapsed = time.monotonic() - t0
+    assert server.url in str(err.value)
+    assert failing.hits >= 3 and 1.0 <= elapsed < 20
