@@ -191,6 +191,7 @@ def run_codec_bench(
             for r in ratios} for n in codecs
     }
     unreachable: dict[str, set[str]] = {n: set() for n in codecs}
+    layout_acc: dict[str, dict[str, Any]] = {}
     dec_bytes, dec_secs = 0, 0.0
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sakura-bench-codec-") as tmp:
@@ -206,9 +207,15 @@ def run_codec_bench(
                     opts = {**opts, "rope": bt.rope}
                 codec = get_codec(base, **opts)
                 t0 = time.perf_counter()
+                metas: list[dict[str, Any]] = []
                 manifest = write_pack(tmp, f"{bt.template_id}-{name.replace('@', '-')}", cache,
-                                      codec, blocks_per_shard=blocks_per_shard, model=bt.model)
+                                      codec, blocks_per_shard=blocks_per_shard, model=bt.model,
+                                      shard_meta=metas)
                 enc_s = time.perf_counter() - t0
+                lay = layout_acc.setdefault(name, {"ranges": 0, "ratios": []})
+                lay["ranges"] = max([lay["ranges"]] + [len(c.ranges) for s in manifest.shards
+                                                       for c in s.configs])
+                lay["ratios"] += [r for meta in metas for r in meta.get("bytes_vs_pareto", [])]
                 totals[name]["fp16"] += manifest.fp16_bytes
                 totals[name]["stored"] += manifest.stored_bytes
                 totals[name]["pack"] += manifest.pack_bytes
@@ -287,11 +294,35 @@ def run_codec_bench(
         result["pack_ratio_vs_fp16"][n] = round(t["fp16"] / t["pack"], 4)
         result["stored_bytes"][n] = int(t["stored"])
     result["reconstruct_gbps"] = round(dec_bytes / dec_secs / 1e9, 4) if dec_secs > 0 else None
+    result["layout"] = layout_summary(layout_acc)
     result["per_template"] = per_template
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     result["threads"] = torch.get_num_threads()
     result["targets"] = check_targets(result)
     return result
+
+
+def layout_summary(acc: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``layout``: ranges per configuration (max over every codec's table; 1 = any origin
+    serves every configuration with one single-range GET) and ``bytes_vs_pareto``: for the
+    low-rank codecs, the bytes the embedded stream's shortest prefix needs to reach each
+    format-1 Pareto configuration's weighted error over that configuration's bytes
+    (``codec.lowrank``; ``None`` entries: the stream never reaches that error)."""
+
+    def stats(ratios: list[float | None]) -> dict[str, Any] | None:
+        vals = sorted(r for r in ratios if r is not None)
+        if not vals:
+            return None
+        mid = len(vals) // 2
+        median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+        return {"median": round(median, 4), "max": round(vals[-1], 4),
+                "mean": round(sum(vals) / len(vals), 4), "configs": len(ratios),
+                "unreached": sum(r is None for r in ratios)}
+
+    by_codec = {n: stats(a["ratios"]) for n, a in acc.items() if a["ratios"]}
+    main = by_codec.get("sakura") or next(iter(by_codec.values()), None)
+    return {"ranges_per_config": max((a["ranges"] for a in acc.values()), default=0),
+            "bytes_vs_pareto": main, "bytes_vs_pareto_by_codec": by_codec}
 
 
 def check_targets(result: dict[str, Any]) -> dict[str, bool | None]:
@@ -314,6 +345,12 @@ def check_targets(result: dict[str, Any]) -> dict[str, bool | None]:
             if s is not None and v is not None:
                 ok.append(s >= v)
         out["q05_not_worse_than_q0_at_15_50"] = all(ok) if ok else None
+    lay = result.get("layout") or {}
+    if lay:
+        out["one_range_per_config"] = lay.get("ranges_per_config") == 1
+        ratio = lay.get("bytes_vs_pareto")
+        out["prefix_layout_median_at_most_1_02"] = (ratio["median"] <= 1.02 if ratio
+                                                    else None)
     if "sakura" in storage:
         out["storage_3_06x_below_fp16"] = storage["sakura"] >= 3.06
         others = [storage[b] for b in ("intq", "cachegen") if b in storage]

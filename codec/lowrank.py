@@ -14,15 +14,16 @@ Each component (a and b rescaled to equal norms) is quantized progressively: lev
 ``bits[l] - bits[l-1]`` more bits (default 2, +2, +2, +2 = 2/4/6/8 bits) after a fixed
 signed block-Hadamard rotation (spreads outlier tokens/channels), with one fp16 step per
 group of ``group`` values chosen at level 0 and halved implicitly by every refinement.
-Levels are stored as separate groups of equally sized per-component chunks in component
-order, so a configuration ``ranks = [r0, r1, r2, r3]`` (components with at least 2, 4, 6,
-8 bits) is the header plus a prefix of each level group: at most one contiguous byte range
-per level. Layout: ``FORMAT.md``.
+A shard is stored as an embedded progressive stream (``codec.embedded``): a header,
+then coding units (one rank segment at one precision level) in greedy rate-distortion
+order, so that every configuration ``ranks = [r0, r1, r2, r3]`` (components with at least
+2, 4, 6, 8 bits) is a prefix of the stream: ONE byte range of the pack. The ablation table
+(``keep="all"``) adds fixed-precision streams whose prefixes are the uniform
+configurations. Layout: ``FORMAT.md``.
 """
 
 from __future__ import annotations
 
-import struct
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from sakura.codec import native as codec_native
 from sakura.codec.base import Codec, EncodedConfig, EncodedShard, register
+from sakura.codec.embedded import StreamHeader, rd_path, uniform_path, unit_levels
 from sakura.codec.errors import CodecError, PackError
 from sakura.codec.metrics import DEFAULT_FLOOR, normalized_importance
 from sakura.codec.quant import (
@@ -42,8 +44,14 @@ from sakura.codec.quant import (
 from sakura.codec.shards import ShardData, ShardSpec
 
 BASE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-HEADER_FMT = "<4sBBHIIH"  # magic, version, levels, matrices, N, C, group
-HEADER_MAGIC = b"SKLR"
+"""Configuration ladder of pack format 1 and of the uniform (ablation) configurations; the
+reference front ``bytes_vs_pareto`` is measured against."""
+UNIT_LADDER = (*range(1, 11), 12, 14, 16, 18, 20, 22, 24, 28, 32, 36, 40, 44, 48, 56, 64, 72,
+               80, 88, 96, 112, 128, 144, 160, 176, 192, 224, 256, 288, 320, 352, 384, 448, 512)
+"""Segment boundaries of the embedded streams' coding units (steps of at most 1/8 above
+rank 16). Measured on the catalog's caches (face-technologist, 2 blocks per shard): the
+format-1 ladder as units needs a median 1.026x the bytes of the free layout's Pareto
+configurations (mean 1.045x), this one 1.011x (mean 1.011x); encoding takes about 1.3x."""
 THIN = 1.15  # configs on the Pareto front are kept at least 15% apart in bytes
 
 
@@ -58,7 +66,8 @@ class LowRankOptions:
     level_fraction: tuple[float, ...] = (1.0, 1.0, 0.5, 0.25)
     """Fraction of r_max stored at each level (snapped down to the rank ladder)."""
     ranks: tuple[int, ...] | None = None
-    """Rank ladder (mean ranks per matrix); None: 1, 2, 3, 4, 6, 8, 12, ... up to r_max."""
+    """Rank ladder (mean ranks per matrix) of the coding units and uniform configurations;
+    None: :data:`UNIT_LADDER` for the units, :data:`BASE_LADDER` for the uniform ones."""
     group: int = 64
     """Values per quantization step (along tokens for a, along channels for b)."""
     floor: float = DEFAULT_FLOOR
@@ -114,8 +123,9 @@ class _Geometry:
     channels: int
     group: int
     bits: tuple[int, ...]
-    ladder: tuple[int, ...]
+    ladder: tuple[int, ...]  # segment boundaries of the coding units
     level_max: tuple[int, ...]  # mean rank stored per level
+    reference: tuple[int, ...] = ()  # the configuration ladder of format 1 (uniform configs)
 
     @property
     def levels(self) -> int:
@@ -136,10 +146,6 @@ class _Geometry:
         """Bytes of one component at ``level``: level 0 adds the matrix index and steps."""
         codes = packed_row_bytes(self.tokens + self.channels, self.level_bits[level])
         return codes + (1 + 2 * self.plan.groups if level == 0 else 0)
-
-    @property
-    def header_bytes(self) -> int:
-        return struct.calcsize(HEADER_FMT) + self.levels * 5
 
 
 class LowRankCodec(Codec):
@@ -175,8 +181,10 @@ class LowRankCodec(Codec):
         full = min(tokens, channels)
         r_max = o.r_max if o.r_max is not None else max(1, min(128, full // 3))
         r_max = min(r_max, full)
-        base = o.ranks if o.ranks is not None else BASE_LADDER
+        base = o.ranks if o.ranks is not None else UNIT_LADDER
         ladder = sorted({r for r in base if r <= r_max} | {r_max})
+        ref = o.ranks if o.ranks is not None else BASE_LADDER
+        reference = sorted({r for r in ref if r <= r_max} | {r_max})
         level_max = []
         for f in o.level_fraction:
             cap = f * r_max
@@ -189,6 +197,7 @@ class LowRankCodec(Codec):
             bits=tuple(o.bits),
             ladder=tuple(ladder),
             level_max=tuple(level_max),
+            reference=tuple(reference),
         )
 
     # ------------------------------------------------------------------ encode
@@ -253,42 +262,128 @@ class LowRankCodec(Codec):
             assert packed.shape[1] == g.chunk_bytes(lv)
             chunks.append(packed)
 
-        # 3. candidate configurations, their weighted errors (closed form), the table
+        # 3. candidate configurations (every staircase of the rank ladder) and their
+        # weighted errors (closed form)
         cands = self._candidates(g)
         errs = self._config_errors(shard, g, slot_m, recon_levels, cands)
         per_rank = np.array([m_count * g.chunk_bytes(lv) for lv in range(g.levels)])
-        sizes = (g.header_bytes + np.array(cands, dtype=np.int64) @ per_rank).tolist()
-        chosen = [cands[i] for i in self._select(g, cands, errs, sizes)]
-        chosen_err = [errs[cands.index(cf)] for cf in chosen]
+        data_sizes = (np.array(cands, dtype=np.int64) @ per_rank).tolist()
+        err_of = dict(zip(cands, errs))
+        size_of = dict(zip(cands, data_sizes))
 
-        # 4. units: the header, then per level one unit between successive prefix lengths
-        # that some configuration uses; components no configuration uses are not stored
-        cuts = [sorted({cf[lv] for cf in chosen if cf[lv] > 0}) for lv in range(g.levels)]
-        stored = [(cut[-1] if cut else 0) * m_count for cut in cuts]
-        header = struct.pack(HEADER_FMT, HEADER_MAGIC, 1, g.levels, m_count, n, c, g.group)
-        header += bytes(g.level_bits) + struct.pack(f"<{g.levels}I", *stored)
-        units: list[bytes] = [header]
-        unit_of: list[dict[int, int]] = []  # per level: prefix length -> its last unit
-        for lv in range(g.levels):
-            prev = 0
-            unit_of.append({})
-            for r in cuts[lv]:
-                units.append(chunks[lv][prev * m_count : r * m_count].tobytes())
-                unit_of[lv][r] = len(units) - 1
-                prev = r
+        # 4. streams: the main one in rate-distortion order, fixed-precision ones for the
+        # ablation tables; each configuration is a prefix of one stream (FORMAT.md)
+        streams: list[list[tuple[int, ...]]] = []
+        offers: list[tuple[int, int, bool]] = []  # (stream, prefix units, uniform config)
+        if self.opts.mixed:
+            streams.append(rd_path(cands, errs, data_sizes, g.ladder))
+            offers += [(0, k + 1, False) for k in range(len(streams[0]))]
+        if self.opts.keep == "all" or not self.opts.mixed:
+            for b in self.opts.uniform_bits:
+                if b not in g.bits:
+                    continue
+                top = g.bits.index(b)
+                path = uniform_path(g.ladder, top, g.levels, g.level_max[top])
+                if path:
+                    streams.append(path)
+                    offers += [(len(streams) - 1, k + 1, True) for k in range(len(path))
+                               if (k + 1) % (top + 1) == 0 and path[k][0] in g.reference]
+        heads = [StreamHeader(g.levels, m_count, n, c, g.group, g.level_bits, g.ladder,
+                              unit_levels(p)).size for p in streams]
+        chosen = self._choose(streams, offers, err_of, size_of, heads)
+
+        # 5. units: per stream its header then its units, up to the last one a
+        # configuration uses (nothing else is stored)
+        units: list[bytes] = []
         configs = []
-        for ranks, err in zip(chosen, chosen_err):
-            used = [0]
-            for lv, r in enumerate(ranks):
-                if r > 0:
-                    first = unit_of[lv][cuts[lv][0]]
-                    used += list(range(first, unit_of[lv][r] + 1))
-            top = max(lv for lv, r in enumerate(ranks) if r > 0)
-            params = {"rank": ranks[0], "bits": g.bits[top], "ranks": list(ranks)}
-            configs.append(EncodedConfig(params=params, units=used, weighted_err=err))
+        for s, path in enumerate(streams):
+            used = [k for t, k in chosen if t == s]
+            if not used:
+                continue
+            path = path[: max(used)]
+            head = StreamHeader(g.levels, m_count, n, c, g.group, g.level_bits, g.ladder,
+                                unit_levels(path))
+            base = len(units)
+            units.append(head.pack())
+            for lv, first, end in head.walk():
+                units.append(chunks[lv][first:end].tobytes())
+            for k in sorted(used):
+                ranks = path[k - 1]
+                top = max(lv for lv, r in enumerate(ranks) if r > 0)
+                params = {"rank": ranks[0], "bits": g.bits[top], "ranks": list(ranks)}
+                configs.append(EncodedConfig(params=params, units=list(range(base, base + k + 1)),
+                                             weighted_err=err_of[ranks]))
+        configs.sort(key=lambda cf: (sum(len(units[u]) for u in cf.units), cf.weighted_err))
         meta = {"components": slots, "ladder": list(g.ladder), "level_max": list(g.level_max),
-                "stored": stored}
+                "streams": sum(1 for s in range(len(streams)) if any(t == s for t, _ in chosen)),
+                "bytes_vs_pareto": self._prefix_cost(g, streams, cands, errs, data_sizes)}
         return EncodedShard(units=units, configs=configs, meta=meta)
+
+    def _choose(self, streams: list[list[tuple[int, ...]]], offers: list[tuple[int, int, bool]],
+                err_of: dict[tuple[int, ...], float], size_of: dict[tuple[int, ...], int],
+                heads: list[int]) -> list[tuple[int, int]]:
+        """The configurations of the table, as (stream, prefix units): the thinned Pareto
+        front of the offered prefixes (``keep="all"``: every uniform one too)."""
+        def key(o: tuple[int, int, bool]) -> tuple[int, float]:
+            ranks = streams[o[0]][o[1] - 1]
+            return heads[o[0]] + size_of[ranks], err_of[ranks]
+
+        pool = [o for o in offers if not o[2]] if self.opts.mixed else offers
+        front, best = [], float("inf")
+        for o in sorted(pool, key=key):
+            if key(o)[1] < best - 1e-15:
+                front.append(o)
+                best = key(o)[1]
+        keep, last = [], 0.0
+        for j, o in enumerate(front):
+            if j in (0, len(front) - 1) or key(o)[0] >= last * THIN:
+                keep.append(o)
+                last = key(o)[0]
+        if self.opts.keep == "all":
+            keep += [o for o in offers if o[2]]
+        out, seen = [], set()
+        for o in keep:  # one configuration per ranks (the main stream's when it has them)
+            ranks = streams[o[0]][o[1] - 1]
+            if ranks not in seen:
+                seen.add(ranks)
+                out.append((o[0], o[1]))
+        return out
+
+    def _prefix_cost(self, g: _Geometry, streams: list[list[tuple[int, ...]]],
+                     cands: list[tuple[int, ...]], errs: list[float], data_sizes: list[int],
+                     ) -> list[float | None]:
+        """For every configuration the free (multi-range) layout of format 1 would publish
+        (the thinned Pareto front over every staircase of its ladder), the bytes the first
+        stream's shortest prefix needs to reach its weighted error, over that
+        configuration's bytes (``None`` when no prefix reaches it). ``sakura bench codec``
+        reports these as ``layout``."""
+        if not streams:
+            return []
+        path = streams[0]
+        v1_header = 18 + 5 * g.levels  # the format-1 shard header
+        head = StreamHeader(g.levels, g.matrices, g.tokens, g.channels, g.group, g.level_bits,
+                            g.ladder, unit_levels(path)).size
+        err_of = dict(zip(cands, errs))
+        size_of = dict(zip(cands, data_sizes))
+        prefix = [(head + size_of[s], err_of[s]) for s in path]
+        sizes = [v1_header + s for s in data_sizes]
+        ref = set(g.reference) | {0}
+        order = sorted((i for i, cf in enumerate(cands) if ref.issuperset(cf)),
+                       key=lambda i: (sizes[i], errs[i]))
+        front, best = [], float("inf")
+        for i in order:
+            if errs[i] < best - 1e-15:
+                front.append(i)
+                best = errs[i]
+        out: list[float | None] = []
+        last = 0.0
+        for j, i in enumerate(front):
+            if not (j in (0, len(front) - 1) or sizes[i] >= last * THIN):
+                continue
+            last = sizes[i]
+            reach = [b for b, e in prefix if e <= errs[i] * (1 + 1e-9) + 1e-15]
+            out.append(round(min(reach) / sizes[i], 5) if reach else None)
+        return out
 
     def _candidates(self, g: _Geometry) -> list[tuple[int, ...]]:
         """All (r0 >= r1 >= ...) on the ladder within the per-level caps."""
@@ -309,34 +404,6 @@ class LowRankCodec(Codec):
 
         rec((), 0)
         return out
-
-    @staticmethod
-    def _is_uniform(ranks: tuple[int, ...]) -> bool:
-        nz = [r for r in ranks if r > 0]
-        return all(r == nz[0] for r in nz)
-
-    def _select(
-        self, g: _Geometry, cands: list[tuple[int, ...]], errs: list[float], sizes: list[int]
-    ) -> list[int]:
-        top_bits = {i: g.bits[max(lv for lv, r in enumerate(cf) if r)] for i, cf in enumerate(cands)}
-        uniform = {i for i, cf in enumerate(cands)
-                   if self._is_uniform(cf) and top_bits[i] in self.opts.uniform_bits}
-        pool = range(len(cands)) if self.opts.mixed else sorted(uniform)
-        order = sorted(pool, key=lambda i: (sizes[i], errs[i]))
-        front = []
-        best = float("inf")
-        for i in order:
-            if errs[i] < best - 1e-15:
-                front.append(i)
-                best = errs[i]
-        # thin the front: successive configs at least THIN x apart in bytes (keep the ends)
-        keep = set(uniform) if self.opts.keep == "all" else set()
-        last = 0.0
-        for j, i in enumerate(front):
-            if j in (0, len(front) - 1) or sizes[i] >= last * THIN:
-                keep.add(i)
-                last = sizes[i]
-        return sorted(keep, key=lambda i: (sizes[i], errs[i]))
 
     def _config_errors(
         self,
@@ -391,62 +458,52 @@ class LowRankCodec(Codec):
 
     # ------------------------------------------------------------------ decode
     def decode(self, params: dict[str, Any], data: bytes, spec: ShardSpec) -> list[torch.Tensor]:
-        hsize = struct.calcsize(HEADER_FMT)
-        if len(data) < hsize + 1:
-            raise PackError(f"shard {spec.index}: {len(data)} bytes is too short for a header")
-        magic, version, levels, m_count, n, c, grp = struct.unpack_from(HEADER_FMT, data, 0)
-        if magic != HEADER_MAGIC or version != 1:
-            raise PackError(f"shard {spec.index}: not a v1 low-rank shard (magic {magic!r})")
+        where = f"shard {spec.index}"
+        head = StreamHeader.parse(data, where)
+        m_count, n, c = head.matrices, head.tokens, head.channels
         if (m_count, n, c) != (spec.num_matrices, spec.tokens, spec.channels):
             raise PackError(
-                f"shard {spec.index}: header geometry {(m_count, n, c)} does not match "
+                f"{where}: header geometry {(m_count, n, c)} does not match "
                 f"{(spec.num_matrices, spec.tokens, spec.channels)}"
             )
-        level_bits = tuple(data[hsize : hsize + levels])
-        stored = struct.unpack_from(f"<{levels}I", data, hsize + levels)
-        bits = tuple(int(x) for x in np.cumsum(level_bits))
-        g = _Geometry(m_count, n, c, grp, bits, (), ())
-        if grp < 1 or grp & (grp - 1):
-            raise PackError(f"shard {spec.index}: group {grp} is not a power of two")
+        levels = head.levels
         ranks = params.get("ranks")
         if (not isinstance(ranks, list) or len(ranks) != levels
                 or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
-            raise PackError(f"shard {spec.index}: params {params} do not match {levels} levels")
-        counts = [r * m_count for r in ranks]
-        if counts[0] < 1:
-            raise PackError(f"shard {spec.index}: a configuration needs at least one component")
-        if any(k > s for k, s in zip(counts, stored)) or counts != sorted(counts, reverse=True):
-            raise PackError(f"shard {spec.index}: ranks {ranks} exceed what the pack stores")
-        need = hsize + levels * 5 + sum(k * g.chunk_bytes(lv) for lv, k in enumerate(counts))
-        if len(data) != need:
-            raise PackError(f"shard {spec.index}: {len(data)} bytes, config {params} needs {need}")
+            raise PackError(f"{where}: params {params} do not match {levels} levels")
+        if ranks[0] < 1:
+            raise PackError(f"{where}: a configuration needs at least one component")
+        try:
+            streams = head.split(data, ranks)  # checks the prefix and its length
+        except PackError as exc:
+            raise PackError(f"{where}: {exc}") from None
         native = codec_native.module() if self.use_native else None
         if native is not None:
             phasors = self._phasors(spec, torch.float32) if self.opts.rope is not None else None
             table = None if phasors is None else torch.view_as_real(phasors)
             return codec_native.decode_lowrank(data, ranks, table, self.native_threads, mod=native)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        off = hsize + levels * 5
+        bits = tuple(int(x) for x in np.cumsum(head.level_bits))
+        g = _Geometry(m_count, n, c, head.group, bits, (), ())
         quant = self._quantizer(g)
         groups = g.plan.groups
         owners = torch.zeros(0, dtype=torch.long)
         steps = torch.zeros(0, groups, dtype=torch.float16)
         codes = []
-        for lv, k in enumerate(counts):
-            size = g.chunk_bytes(lv)
+        for lv, r in enumerate(ranks):
+            k = r * m_count
             if k == 0:
                 break
-            block = buf[off : off + k * size].view(k, size)
-            off += k * size
+            size = g.chunk_bytes(lv)
+            block = torch.frombuffer(bytearray(streams[lv]), dtype=torch.uint8).view(k, size)
             if lv == 0:
                 owners = block[:, 0].long()
                 steps = block[:, 1 : 1 + 2 * groups].contiguous().view(torch.float16)
                 block = block[:, 1 + 2 * groups :]
-            codes.append(unpack_codes(block, level_bits[lv], n + c))
+            codes.append(unpack_codes(block, head.level_bits[lv], n + c))
         values = quant.decode(steps, codes)
         per_matrix = torch.bincount(owners, minlength=m_count).tolist()
         if len(per_matrix) != m_count:
-            raise PackError(f"shard {spec.index}: component owner out of range")
+            raise PackError(f"{where}: component owner out of range")
         parts = values[torch.argsort(owners, stable=True)].split(per_matrix)
         return self._frame([p[:, :n].T @ p[:, n:] for p in parts], spec, inverse=False)
 

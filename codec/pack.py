@@ -1,4 +1,4 @@
-"""Pack format v1: one immutable file per template plus its JSON manifest (``FORMAT.md``).
+"""Pack format v2: one immutable file per template plus its JSON manifest (``FORMAT.md``).
 
 ``write_pack`` encodes a :class:`~dit.cache.TemplateCache` shard by shard with a codec,
 profiles every configuration, and publishes ``<codec>-<sha16>.pack`` and
@@ -28,7 +28,7 @@ from sakura.codec.errors import PackError
 from sakura.codec.shards import ShardLayout, ShardSpec, check_layout, shard_data, shard_spec
 
 MAGIC = b"SAKP"
-VERSION = 1
+VERSION = 2  # 2: every configuration is one byte range (embedded streams)
 FORMAT = "sakura-pack"
 PREAMBLE = struct.Struct("<4sHHQI32s")  # magic, version, flags, pack bytes, header len, sha256
 ALIGN = 64
@@ -143,7 +143,8 @@ class Manifest:
             raise PackCorruptError(f"not a SAKURA manifest: format {d.get('format')!r}")
         if d.get("version") != VERSION:
             raise PackVersionError(
-                f"unsupported manifest version {d.get('version')!r} (this reader supports {VERSION})"
+                f"unsupported manifest version {d.get('version')!r} (this reader supports "
+                f"{VERSION}; rebuild the pack with this version of `sakura build`)"
             )
         need = ["template_id", "codec", "codec_options", "geometry", "model", "fp16_bytes",
                 "stored_bytes", "units", "shards"]
@@ -251,6 +252,9 @@ class Manifest:
                     raise bad(f"shard {i} config {c.id} has bad units {c.units}")
                 if c.ranges != merge_ranges([self.units[u][:2] for u in c.units]):
                     raise bad(f"shard {i} config {c.id}: ranges do not match its units")
+                if len(c.ranges) != 1:
+                    raise bad(f"shard {i} config {c.id}: {len(c.ranges)} ranges; format "
+                              f"{VERSION} serves every configuration as one range")
                 if c.bytes != sum(n for _, n in c.ranges):
                     raise bad(f"shard {i} config {c.id}: bytes != sum of range lengths")
 
@@ -306,6 +310,7 @@ def write_pack(
     compute_cost: list[float] | None = None,
     quality_fn: QualityFn | None = None,
     profile_floor: float | None = None,
+    shard_meta: list[dict[str, Any]] | None = None,
 ) -> Manifest:
     """Encode ``cache`` with ``codec`` and publish the pack and its manifest in ``path_dir``.
 
@@ -313,6 +318,8 @@ def write_pack(
     returns the output PSNR of the profiling requests with that shard decoded; without it
     ``psnr_db`` is null and the Pareto front uses the weighted error. Returns the manifest;
     the files are ``<codec>-<sha256[:16]>.pack`` and ``<template_id>.manifest.json``.
+    ``shard_meta`` (a list), when given, receives every shard's encoder notes
+    (``EncodedShard.meta``, e.g. the low-rank codecs' ``bytes_vs_pareto``).
     """
     from sakura.codec.profile import decode_ms, mark_pareto, profile_config
 
@@ -337,6 +344,8 @@ def write_pack(
         for i in range(layout.num_shards):
             sd = shard_data(cache, layout, i)
             enc = codec.encode_shard(sd)
+            if shard_meta is not None:
+                shard_meta.append(enc.meta)
             base = len(units)
             for blob in enc.units:
                 spool.write(blob)
@@ -493,7 +502,8 @@ class PackReader:
         magic, version, flags, pack_bytes, header_len, header_sha = PREAMBLE.unpack(pre)
         if version != VERSION:
             raise PackVersionError(f"{self.path}: pack version {version} is not supported "
-                                   f"(this reader supports version {VERSION})")
+                                   f"(this reader supports version {VERSION}; rebuild the "
+                                   "pack with this version of `sakura build`)")
         if flags & ~KNOWN_FLAGS:
             raise PackVersionError(f"{self.path}: unknown pack flags {flags:#x}")
         if size < pack_bytes:

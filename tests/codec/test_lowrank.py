@@ -46,6 +46,8 @@ def test_closed_form_error_matches_decode(small_cache):
 
 
 def test_layout_is_progressive(small_cache):
+    from sakura.codec.embedded import StreamHeader
+
     sd = _shard(small_cache)
     codec = get_codec("sakura", keep="all")
     enc = codec.encode_shard(sd)
@@ -56,24 +58,61 @@ def test_layout_is_progressive(small_cache):
         assert (r, 2) in uniform
         if r <= g.level_max[-1]:
             assert (r, 8) in uniform
-    # header + one prefix per precision level: at most one contiguous span per level
-    starts = {}
-    pos = 0
-    for i, u in enumerate(enc.units):
-        starts[i] = pos
-        pos += len(u)
-    for cfg in enc.configs:
-        spans = []
-        for u in cfg.units:
-            if spans and spans[-1][1] == starts[u]:
-                spans[-1][1] += len(enc.units[u])
-            else:
-                spans.append([starts[u], starts[u] + len(enc.units[u])])
-        assert len(spans) <= len(g.bits)
-        assert cfg.units[0] == 0  # the shard header
+    # every configuration is ONE contiguous run of units that starts with a stream header,
+    # and is exactly the prefix of that stream its ranks name
+    headers = [i for i, u in enumerate(enc.units) if u[:4] == b"SKLR"]
+    assert headers[0] == 0 and enc.meta["streams"] == len(headers) >= 2
+    for i, cfg in enumerate(enc.configs):
+        assert cfg.units == list(range(cfg.units[0], cfg.units[-1] + 1))
+        assert cfg.units[0] in headers
+        head = StreamHeader.parse(enc.units[cfg.units[0]])
+        assert head.prefix_units(cfg.params["ranks"]) == len(cfg.units) - 1
+        assert len(enc.config_data(i)) == head.prefix_bytes(len(cfg.units) - 1)
     # a higher rank at the same bits costs more and is no worse
     by = sorted(enc.configs, key=lambda c: enc.config_bytes(enc.configs.index(c)))
     assert by[0].weighted_err > by[-1].weighted_err
+
+
+def test_every_prefix_of_the_stream_is_a_staircase_in_rate_distortion_order(small_cache):
+    from sakura.codec.embedded import StreamHeader
+
+    sd = _shard(small_cache)
+    codec = get_codec("sakura")
+    enc = codec.encode_shard(sd)
+    assert enc.meta["streams"] == 1
+    head = StreamHeader.parse(enc.units[0])
+    counts = [0] * head.levels
+    for lv, first, end in head.walk():
+        assert first == counts[lv] and end > first
+        counts[lv] = end
+        assert all(a >= b for a, b in zip(counts, counts[1:]))  # a staircase
+    # the table's configurations are prefixes of the one stream, nested in byte order,
+    # and each further byte buys a lower error
+    prev_units, prev_err = [], float("inf")
+    for cfg in sorted(enc.configs, key=lambda c: len(c.units)):
+        assert cfg.units[: len(prev_units)] == prev_units
+        assert cfg.weighted_err < prev_err
+        prev_units, prev_err = cfg.units, cfg.weighted_err
+    # the prefix layout reaches the multi-range Pareto front's errors with few more bytes
+    ratios = [r for r in enc.meta["bytes_vs_pareto"] if r is not None]
+    assert ratios and min(ratios) >= 0.95
+    assert sorted(ratios)[len(ratios) // 2] <= 1.10
+
+
+def test_stream_header_rejects_bad_unit_orders():
+    import pytest
+    from sakura.codec import PackError
+    from sakura.codec.embedded import StreamHeader
+
+    ok = StreamHeader(2, 2, 8, 8, 4, (2, 2), (1, 2, 4), (0, 1, 0))
+    assert StreamHeader.parse(ok.pack()) == ok
+    for units in ((1,), (0, 1, 1), (0, 0, 0, 0)):  # refine before, then past the ladder
+        with pytest.raises(PackError):
+            StreamHeader.parse(StreamHeader(2, 2, 8, 8, 4, (2, 2), (1, 2, 4), units).pack())
+    with pytest.raises(PackError, match="version 1 is not supported"):
+        StreamHeader.parse(ok.pack()[:4] + b"\x01" + ok.pack()[5:])
+    with pytest.raises(PackError, match="truncated"):
+        StreamHeader.parse(ok.pack()[:-1])
 
 
 def test_exact_low_rank_is_recovered():

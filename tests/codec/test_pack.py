@@ -29,7 +29,7 @@ def test_manifest_skeleton(packs, small_cache):
     d, m = packs["sakura"]
     doc = json.loads(manifest_path(d, "tpl-small").read_text())
     assert SKELETON <= set(doc)
-    assert doc["format"] == "sakura-pack" and doc["version"] == 1
+    assert doc["format"] == "sakura-pack" and doc["version"] == 2
     assert doc["geometry"] == {"steps": 2, "blocks": 3, "tokens": small_cache.tokens,
                                "channels": 48, "heads": 4, "blocks_per_shard": 2,
                                "dtype": "fp16"}
@@ -88,7 +88,7 @@ def test_progressive_prefix_property(packs, small_cache):
         assert len(s.configs) == len(direct.configs)
         for c, dc in zip(s.configs, direct.configs):
             served = b"".join(raw[o : o + n] for o, n in c.ranges)
-            assert len(c.ranges) <= 4
+            assert len(c.ranges) == 1  # every configuration is one byte range
             assert served == direct.config_data(s.configs.index(c))
             with PackReader(d / m.pack_file) as r:
                 assert r.read_config(s.index, c.id) == served
@@ -142,10 +142,33 @@ def test_reader_rejects_wrong_magic(packs, tmp_path):
 def test_reader_rejects_wrong_version(packs, tmp_path):
     p, m = _copy(packs, tmp_path)
     data = bytearray(p.read_bytes())
-    struct.pack_into("<H", data, 4, 2)
-    p.write_bytes(bytes(data))
-    with pytest.raises(PackVersionError, match="version 2"):
-        PackReader(p)
+    for other in (1, 3):  # format 1 (several ranges per config) and a future one
+        struct.pack_into("<H", data, 4, other)
+        p.write_bytes(bytes(data))
+        with pytest.raises(PackVersionError, match=f"version {other} is not supported.*rebuild"):
+            PackReader(p)
+
+
+def test_every_config_of_every_codec_is_one_range(packs):
+    for name, (_d, m) in packs.items():
+        for s in m.shards:
+            for c in s.configs:
+                assert len(c.ranges) == 1 and c.ranges[0][1] == c.bytes, (name, s.index, c.id)
+                assert c.units == list(range(c.units[0], c.units[-1] + 1))
+    # a manifest of the old layout (two ranges) or an old version is refused clearly
+    d, m = packs["sakura"]
+    doc = json.loads(manifest_path(d, "tpl-small").read_text())
+    old = json.loads(json.dumps(doc))
+    old["version"] = 1
+    with pytest.raises(PackVersionError, match="version 1"):
+        Manifest.from_dict(old)
+    split = json.loads(json.dumps(doc))
+    cfg = next(c for s in split["shards"] for c in s["configs"] if len(c["units"]) > 1)
+    (off, n), = cfg["ranges"]
+    first = split["units"][cfg["units"][0]][1]
+    cfg["ranges"] = [[off, first], [off + first + 1, n - first]]
+    with pytest.raises(PackCorruptError):
+        Manifest.from_dict(split)
 
 
 def test_reader_rejects_corrupted_header_and_data(packs, tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from sakura.codec import native as codec_native
 from sakura.codec.base import get_codec
+from sakura.codec.embedded import StreamHeader
 from sakura.codec.errors import PackError
 from sakura.codec.lowrank import LowRankCodec
 from sakura.codec.quant import ProgressiveQuantizer, SegmentPlan, unpack_codes
@@ -95,15 +96,14 @@ def test_dequantized_factors_bit_equal_to_progressive_quantizer(native, tiny_pac
     n_len = h["tokens"] + h["channels"]
     groups = quant.plan.groups
     counts = [r * h["matrices"] for r in cfg.params["ranks"]]
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    off = 18 + 5 * h["levels"]
+    # the level streams of the prefix (units re-assembled in stream order, FORMAT.md)
+    streams = StreamHeader.parse(data).split(data, cfg.params["ranks"])
     codes = []
     for lv, k in enumerate(counts):
         if k == 0:
             break
         size = (n_len * h["level_bits"][lv] + 7) // 8 + (1 + 2 * groups if lv == 0 else 0)
-        block = buf[off: off + k * size].view(k, size)
-        off += k * size
+        block = torch.frombuffer(bytearray(streams[lv]), dtype=torch.uint8).view(k, size)
         if lv == 0:
             own = block[:, 0].numpy()
             steps = block[:, 1: 1 + 2 * groups].contiguous().view(torch.float16)
@@ -156,7 +156,8 @@ def test_bad_input_is_a_clear_error_never_a_crash(native):
     # straight into the native module: its own FormatError (a ValueError), never a crash
     cases = [
         (b"", ranks), (data[:18], ranks), (data[:-1], ranks), (data + b"\0", ranks),
-        (b"SKLR\x02" + data[5:], ranks),  # version
+        (b"SKLR\x01" + data[5:], ranks),  # format-1 stream version
+        (b"SKLR\x03" + data[5:], ranks),  # a future version
         (data[:5] + b"\0" + data[6:], ranks),  # zero levels
         (data[:16] + b"\x03\x00" + data[18:], ranks),  # group not a power of two
         (data[:18] + b"\x09" + data[19:], ranks),  # a 9-bit level
@@ -166,8 +167,24 @@ def test_bad_input_is_a_clear_error_never_a_crash(native):
     for bad, rk in cases:
         with pytest.raises(native.FormatError):
             native.decode(bad, rk, None, 1)
+    # a prefix the stream does not have (ranks of a later level without the earlier one)
+    head = StreamHeader.parse(data)
+    prefixes, counts = set(), [0] * head.levels
+    for lv, _first, end in head.walk():
+        counts[lv] = end
+        prefixes.add(tuple(c // head.matrices for c in counts))
+    other = next(s for s in ((r,) + (0,) * (head.levels - 1) for r in head.ladder)
+                 if s not in prefixes and s[0] <= ranks[0])
+    with pytest.raises(native.FormatError, match="not a prefix"):
+        native.decode(data, list(other), None, 1)
+    # a unit list that refines before it quantizes: refused when the header is parsed
+    bad_order = StreamHeader(head.levels, head.matrices, head.tokens, head.channels,
+                             head.group, head.level_bits, head.ladder,
+                             (1,) + head.unit_levels[1:]).pack()
+    with pytest.raises(native.FormatError, match="refines"):
+        native.decode(bad_order + data[head.size:], ranks, None, 1)
     # a component owned by a matrix that does not exist
-    hdr = 18 + 5 * len(ranks)
+    hdr = head.size
     evil = data[:hdr] + bytes([200]) + data[hdr + 1:]
     with pytest.raises(native.FormatError, match="matrix 200"):
         native.decode(evil, ranks, None, 1)

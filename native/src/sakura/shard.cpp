@@ -219,8 +219,10 @@ ShardHeader parse_header(const std::uint8_t* data, std::size_t size) {
   if (size < 19) {
     throw FormatError(std::to_string(size) + " bytes is too short for a header");
   }
-  if (std::memcmp(data, "SKLR", 4) != 0 || data[4] != 1) {
-    throw FormatError("not a v1 low-rank shard (bad magic or version)");
+  if (std::memcmp(data, "SKLR", 4) != 0) throw FormatError("not a low-rank shard stream (bad magic)");
+  if (data[4] != 2) {
+    throw FormatError("low-rank stream version " + std::to_string(data[4]) +
+                      " is not supported (this decoder reads version 2; rebuild the pack)");
   }
   ShardHeader h;
   h.levels = data[5];
@@ -228,7 +230,7 @@ ShardHeader parse_header(const std::uint8_t* data, std::size_t size) {
   const std::uint32_t n = read_u32(data + 8);
   const std::uint32_t c = read_u32(data + 12);
   h.group = read_u16(data + 16);
-  if (h.levels < 1) throw FormatError("header has no precision levels");
+  if (h.levels < 1 || h.levels > 15) throw FormatError("header has 0 or more than 15 levels");
   if (h.matrices < 1 || h.matrices > 255) {
     throw FormatError("header has " + std::to_string(h.matrices) + " matrices (1..255)");
   }
@@ -241,18 +243,62 @@ ShardHeader parse_header(const std::uint8_t* data, std::size_t size) {
   if (h.group < 1 || (h.group & (h.group - 1))) {
     throw FormatError("group " + std::to_string(h.group) + " is not a power of two");
   }
-  if (size < h.header_bytes()) {
+  std::size_t pos = 18;
+  if (size < pos + h.levels + 2) {
     throw FormatError(std::to_string(size) + " bytes is too short for a " +
                       std::to_string(h.levels) + "-level header");
   }
   for (int l = 0; l < h.levels; ++l) {
-    const int b = data[18 + l];
+    const int b = data[pos + l];
     if (b < 1 || b > 8) throw FormatError("level " + std::to_string(l) + " has " +
                                           std::to_string(b) + " bits (1..8)");
     h.level_bits.push_back(b);
   }
-  for (int l = 0; l < h.levels; ++l) h.stored.push_back(read_u32(data + 18 + h.levels + 4 * l));
+  pos += h.levels;
+  const int top = read_u16(data + pos);
+  pos += 2;
+  const std::size_t bitmap = (static_cast<std::size_t>(top) + 7) / 8;
+  if (top < 1 || size < pos + bitmap + 2) throw FormatError("header truncated in its rank ladder");
+  for (int r = 1; r <= top; ++r) {
+    if ((data[pos + (r - 1) / 8] >> ((r - 1) % 8)) & 1) h.ladder.push_back(r);
+  }
+  if (h.ladder.empty() || h.ladder.back() != top) {
+    throw FormatError("rank ladder bitmap does not end at its top rank");
+  }
+  pos += bitmap;
+  const int count = read_u16(data + pos);
+  pos += 2;
+  if (size < pos + (static_cast<std::size_t>(count) + 1) / 2) {
+    throw FormatError("header truncated in its unit list");
+  }
+  std::vector<int> counts(h.levels, 0), seen(h.levels, 0);
+  for (int k = 0; k < count; ++k) {
+    const int lv = (data[pos + k / 2] >> (4 * (k % 2))) & 15;
+    if (lv >= h.levels || seen[lv] >= static_cast<int>(h.ladder.size())) {
+      throw FormatError("unit " + std::to_string(k) + " is beyond the stream's levels or ladder");
+    }
+    const long long end = static_cast<long long>(h.ladder[seen[lv]]) * h.matrices;
+    if (lv && end > counts[lv - 1]) {
+      throw FormatError("unit " + std::to_string(k) + " refines components level " +
+                        std::to_string(lv - 1) + " does not hold yet");
+    }
+    h.units.push_back({lv, counts[lv], static_cast<int>(end)});
+    counts[lv] = static_cast<int>(end);
+    ++seen[lv];
+  }
+  pos += (static_cast<std::size_t>(count) + 1) / 2;
+  h.header_size = pos;
+  for (int l = 0; l < h.levels; ++l) h.stored.push_back(static_cast<std::uint32_t>(counts[l]));
   return h;
+}
+
+int prefix_units(const ShardHeader& h, const std::vector<int>& counts) {
+  std::vector<int> have(h.levels, 0);
+  for (std::size_t k = 0; k < h.units.size(); ++k) {
+    have[h.units[k].level] = h.units[k].end;
+    if (have == counts) return static_cast<int>(k) + 1;
+  }
+  throw FormatError("the ranks are not a prefix of this shard's stream");
 }
 
 std::vector<int> config_counts(const ShardHeader& h, const std::vector<int>& ranks,
@@ -262,7 +308,6 @@ std::vector<int> config_counts(const ShardHeader& h, const std::vector<int>& ran
                       std::to_string(h.levels) + " levels");
   }
   std::vector<int> counts;
-  std::size_t need = h.header_bytes();
   for (int l = 0; l < h.levels; ++l) {
     if (ranks[l] < 0 || ranks[l] > kMaxDim) throw FormatError("negative or huge rank");
     const long long k = static_cast<long long>(ranks[l]) * h.matrices;
@@ -270,9 +315,14 @@ std::vector<int> config_counts(const ShardHeader& h, const std::vector<int>& ran
       throw FormatError("ranks exceed what the pack stores or increase with precision");
     }
     counts.push_back(static_cast<int>(k));
-    need += static_cast<std::size_t>(k) * h.chunk_bytes(l);
   }
   if (counts[0] < 1) throw FormatError("a configuration needs at least one component");
+  const int units = prefix_units(h, counts);
+  std::size_t need = h.header_bytes();
+  for (int k = 0; k < units; ++k) {
+    const StreamUnit& u = h.units[k];
+    need += static_cast<std::size_t>(u.end - u.first) * h.chunk_bytes(u.level);
+  }
   if (size != need) {
     throw FormatError(std::to_string(size) + " bytes, the configuration needs " +
                       std::to_string(need));
@@ -304,12 +354,15 @@ Factors dequantize(const std::uint8_t* data, std::size_t size, const ShardHeader
     }
   }
 
-  // where each level's chunks start
-  std::vector<std::size_t> level_off(h.levels);
+  // where each component's chunk of each level is (the units of the prefix, in order)
+  std::vector<std::vector<const std::uint8_t*>> rows(h.levels);
+  for (int l = 0; l < h.levels; ++l) rows[l].reserve(counts[l]);
   std::size_t off = h.header_bytes();
-  for (int l = 0; l < h.levels; ++l) {
-    level_off[l] = off;
-    off += static_cast<std::size_t>(counts[l]) * h.chunk_bytes(l);
+  const int units = prefix_units(h, counts);
+  for (int k = 0; k < units; ++k) {
+    const StreamUnit& u = h.units[k];
+    const std::size_t chunk = h.chunk_bytes(u.level);
+    for (int r = u.first; r < u.end; ++r, off += chunk) rows[u.level].push_back(data + off);
   }
 
   std::vector<float> halves(h.levels), level_scales(h.levels);
@@ -325,7 +378,7 @@ Factors dequantize(const std::uint8_t* data, std::size_t size, const ShardHeader
   std::vector<float> steps(groups);
   for (int r = 0; r < f.rows; ++r) {
     float* acc = f.values.data() + static_cast<std::size_t>(r) * len;
-    const std::uint8_t* chunk = data + level_off[0] + static_cast<std::size_t>(r) * h.chunk_bytes(0);
+    const std::uint8_t* chunk = rows[0][r];
     f.owner[r] = chunk[0];
     if (chunk[0] >= h.matrices) {
       throw FormatError("component " + std::to_string(r) + " belongs to matrix " +
@@ -335,8 +388,8 @@ Factors dequantize(const std::uint8_t* data, std::size_t size, const ShardHeader
     accumulate<true>(chunk + 1 + 2 * groups, h.level_bits[0], len, halves[0],
                      luts[0].data(), 1.0f, acc);
     for (int l = 1; l < h.levels && r < counts[l]; ++l) {
-      accumulate<false>(data + level_off[l] + static_cast<std::size_t>(r) * h.chunk_bytes(l),
-                        h.level_bits[l], len, halves[l], luts[l].data(), level_scales[l], acc);
+      accumulate<false>(rows[l][r], h.level_bits[l], len, halves[l], luts[l].data(),
+                        level_scales[l], acc);
     }
     // exact: the +-1 sums of dyadic values fit in float32 (see codec/quant.py); then one
     // rounding for the step (constant within a piece), one for sign / sqrt(piece)

@@ -1,7 +1,8 @@
 // Reconstruction kernels of the `sakura` / `svd` low-rank codec (codec/FORMAT.md, section 3).
 //
-// decode_shard() turns the bytes of one configuration (shard header + a prefix of every
-// precision level) into the shard's M matrices [N, C] (float32), exactly as
+// decode_shard() turns the bytes of one configuration (a prefix of the shard's embedded
+// stream: the stream header, then coding units = one rank segment at one precision level,
+// in the order the header lists) into the shard's M matrices [N, C] (float32), exactly as
 // codec.lowrank.LowRankCodec.decode does in Python: progressive (bit-plane group)
 // dequantization, the signed block-Hadamard rotation back, the low-rank product A^T B per
 // matrix, and the optional RoPE rotation of the keys.
@@ -21,28 +22,45 @@ class FormatError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// One coding unit of the stream: components [first, end) at `level`.
+struct StreamUnit {
+  int level = 0;
+  int first = 0;
+  int end = 0;
+};
+
+// The stream header (codec/FORMAT.md, section 3): geometry, level bits, the rank ladder
+// and the level of every unit in stream order.
 struct ShardHeader {
   int levels = 0;
   int matrices = 0;
   int tokens = 0;    // N
   int channels = 0;  // C
   int group = 0;     // G
-  std::vector<int> level_bits;     // bits added by each level
-  std::vector<std::uint32_t> stored;  // components stored per level
+  std::vector<int> level_bits;        // bits added by each level
+  std::vector<int> ladder;            // mean-rank ladder points, increasing
+  std::vector<StreamUnit> units;      // every unit of the stream, in order
+  std::vector<std::uint32_t> stored;  // components the whole stream holds per level
+  std::size_t header_size = 0;        // bytes of the header
 
-  std::size_t header_bytes() const { return 18 + 5 * static_cast<std::size_t>(levels); }
+  std::size_t header_bytes() const { return header_size; }
   int length() const { return tokens + channels; }
   int groups() const;                        // quantization steps per component
   std::size_t chunk_bytes(int level) const;  // bytes of one component at `level`
 };
 
-// Parses and checks the header (magic, version, level bits, group, sizes).
+// Parses and checks the header (magic, version, level bits, group, sizes, ladder, and that
+// every prefix of the unit list is a staircase).
 ShardHeader parse_header(const std::uint8_t* data, std::size_t size);
 
-// Components per level (ranks[l] * M) after checking ranks against the header; throws
-// FormatError when they are not a valid configuration or `size` is not exactly its bytes.
+// Components per level (ranks[l] * M) after checking that ranks is a prefix of the stream;
+// throws FormatError when it is not, or when `size` is not exactly that prefix's bytes.
 std::vector<int> config_counts(const ShardHeader& h, const std::vector<int>& ranks,
                                std::size_t size);
+
+// Number of units of the prefix whose per-level components are `counts` (throws
+// FormatError when no prefix has them).
+int prefix_units(const ShardHeader& h, const std::vector<int>& counts);
 
 // Dequantized and rotated factors: row r = [a_r (N) | b_r (C)] of component r, owner[r] its
 // matrix. Bit-equal to codec.quant.ProgressiveQuantizer.decode.
