@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sakura.cloud.build import DEFAULT_CODECS
 from sakura.cloud.errors import ServeConfigError
 
 from sakura.argtypes import (
@@ -35,6 +34,9 @@ from sakura.argtypes import (
 from sakura.errors import UsageError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# cloud.build.DEFAULT_CODECS, not imported so that the CLI starts without the builder
+# (tests/sakura/test_cli.py checks that they agree)
+BUILD_CODECS = ("sakura", "svd", "fp16", "intq", "cachegen", "sakura-all")
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -49,8 +51,8 @@ def register(commands: Any, bench: Any) -> None:
                        help="catalog.json or its folder (default: the shipped catalog)")
     build.add_argument("--out", default="packs", metavar="DIR",
                        help="published catalog directory (default %(default)s)")
-    build.add_argument("--codecs", type=name_list, default=DEFAULT_CODECS, metavar="LIST",
-                       help=f"comma-separated codecs (default {','.join(DEFAULT_CODECS)})")
+    build.add_argument("--codecs", type=name_list, default=BUILD_CODECS, metavar="LIST",
+                       help=f"comma-separated codecs (default {','.join(BUILD_CODECS)})")
     build.add_argument("--templates", type=name_list, default=(), metavar="LIST",
                        help="comma-separated template ids (default: all)")
     build.add_argument("--weights", metavar="FILE",

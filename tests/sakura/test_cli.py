@@ -275,6 +275,25 @@ def test_json_goes_to_a_file_or_to_stdout_alone(tmp_path, capsys):
     assert code == 0 and out.splitlines()[0].split()[:2] == ["trace", "format"]
 
 
+def test_the_clis_copies_of_package_constants_agree():
+    """The cli modules name a few package constants themselves (importing them would import
+    torch or the builder at `sakura --help`); they must stay equal."""
+    from sakura.cloud.build import DEFAULT_CODECS
+    from sakura.cloud.cli import BUILD_CODECS
+    from sakura.dit.adapters.bench import KINDS
+    from sakura.dit.adapters.cli import BENCH_MODELS
+    from sakura.dit.cli import DEFAULT_TRAIN_DIR, SHIPPED_CATALOG, template_ids
+    from sakura.dit.templates import DEFAULT_CATALOG, load_catalog
+    from sakura.dit.train import TrainConfig
+    from sakura.edge.backends import BACKENDS
+    from sakura.edge.cli import BACKEND_MODULES
+
+    assert BUILD_CODECS == DEFAULT_CODECS and BENCH_MODELS == KINDS
+    assert SHIPPED_CATALOG == DEFAULT_CATALOG and template_ids() == list(load_catalog())
+    assert Path(DEFAULT_TRAIN_DIR) == Path(TrainConfig().out_dir)
+    assert set(BACKEND_MODULES) == set(BACKENDS) - {"torch"}
+
+
 def test_version(capsys):
     code, out, _ = invoke(["--version"], capsys)
     assert code == 0 and out.strip() == f"sakura {__version__}"
