@@ -294,6 +294,20 @@ def test_the_clis_copies_of_package_constants_agree():
     assert set(BACKEND_MODULES) == set(BACKENDS) - {"torch"}
 
 
+def test_bench_cli_times_every_help(tmp_path, capsys):
+    out = tmp_path / "cli.json"
+    code, printed, _ = invoke(["bench", "cli", "--json", str(out), "--repeats", "1",
+                               "--commands", ",build,bench kv"], capsys)
+    assert code == 0 and "slowest" in printed
+    doc = json.loads(out.read_text())
+    assert set(doc["commands"]) == {"sakura", "build", "bench kv"}
+    for t in doc["commands"].values():
+        assert t["wall_s_median"] >= t["cpu_s_median"] * 0.5 > 0
+    assert len(doc["loadavg_before"]) == 3 and doc["cpus"] >= 1
+    code, _, err = invoke(["bench", "cli", "--json", str(out), "--commands", "nope"], capsys)
+    assert code == 2 and "unknown command(s) nope" in err
+
+
 def test_version(capsys):
     code, out, _ = invoke(["--version"], capsys)
     assert code == 0 and out.strip() == f"sakura {__version__}"
