@@ -21,6 +21,7 @@ structurally:
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -113,6 +114,7 @@ class QnnAssignment:
 
     nodes: dict[str, int]                   # provider -> nodes
     cpu_ops: dict[str, int] = field(default_factory=dict)  # op type -> nodes on the CPU EP
+    cpu_nodes: list[str] = field(default_factory=list)     # their node names
 
     @property
     def cpu_fallback_nodes(self) -> int:
@@ -122,18 +124,46 @@ class QnnAssignment:
         return {"nodes": self.nodes, "cpu_ops": self.cpu_ops,
                 "cpu_fallback_nodes": self.cpu_fallback_nodes}
 
+    def boundary_only(self, onnx_path: Path) -> bool:
+        """Whether every node off the QNN EP is a QuantizeLinear of a graph input or a
+        DequantizeLinear of a graph output (the I/O conversion of a QDQ graph)."""
+        import onnx
+
+        graph = onnx.load(str(onnx_path), load_external_data=False).graph
+        inputs = {i.name for i in graph.input}
+        outputs = {o.name for o in graph.output}
+        by_name = {n.name: n for n in graph.node}
+        for name in self.cpu_nodes:
+            # ONNX Runtime's graph optimizer names a duplicated node "<name>_token_<k>"
+            base = re.sub(r"_token_\d+$", "", name)
+            node = by_name.get(base)
+            if node is None:
+                # a QuantizeLinear ONNX Runtime adds at session time for a float graph
+                # input that reaches quantized ops through data movement (Slice, Unsqueeze)
+                if base.endswith("_q") and base[:-2] in inputs:
+                    continue
+                return False
+            if node.op_type == "QuantizeLinear" and node.input[0] in inputs:
+                continue
+            if node.op_type == "DequantizeLinear" and node.output[0] in outputs:
+                continue
+            return False
+        return True
+
 
 def qnn_assignment(session: Any) -> QnnAssignment:
     """The graph assignment of an ONNX Runtime session created with
     ``session.record_ep_graph_assignment_info=1``."""
     nodes: Counter[str] = Counter()
     cpu: Counter[str] = Counter()
+    names: list[str] = []
     for sub in session.get_provider_graph_assignment_info():
         for node in sub.get_nodes():
             nodes[sub.ep_name] += 1
             if sub.ep_name != "QNNExecutionProvider":
                 cpu[node.op_type] += 1
-    return QnnAssignment(dict(sorted(nodes.items())), dict(sorted(cpu.items())))
+                names.append(node.name)
+    return QnnAssignment(dict(sorted(nodes.items())), dict(sorted(cpu.items())), names)
 
 
 def onnx_compute_nodes(path: Path) -> int:
@@ -141,3 +171,12 @@ def onnx_compute_nodes(path: Path) -> int:
     import onnx
 
     return len(onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def context_cpu_nodes(ctx_path: Path) -> dict[str, int]:
+    """Nodes of a compiled EP-context model other than ``EPContext`` (op type -> count):
+    what the product's session would run outside the QNN EP."""
+    import onnx
+
+    model = onnx.load(str(ctx_path), load_external_data=False)
+    return dict(Counter(n.op_type for n in model.graph.node if n.op_type != "EPContext"))
