@@ -153,9 +153,10 @@ class FittedPSNR:
     Wraps a measuring ``quality_fn`` (``cloud.psnr_profile.OutputPSNR``: one resumed edit
     per call) for ``write_pack``, which visits shards in execution order (step-major) and
     every configuration of a shard in turn. On ``sample_steps`` evenly spread steps, the
-    step's first shard is *sampled*: every ``stride``-th of its configurations is measured,
-    and any whose KV error lies more than ``margin_db`` outside the measured ones (so the
-    fit interpolates on the sampled shard and its extremes are measured).
+    step's first shard is *sampled*: a configuration is measured when no measured one of
+    the same bit width lies within ``spacing_db`` of its KV error (the first two always),
+    up to ``max_per_shard`` (so the cost is bounded by the KV-error range, not by how many
+    configurations a pack offers: ``sakura-all`` has every rank at every bit width).
     A step's model is a least-squares fit of the measured PSNR on the configuration's
     importance-weighted KV error (dB) and, when the codec has one, its bit width:
     ``psnr = a + b kv_db (+ c bits)``. Every other configuration gets the prediction of the
@@ -172,27 +173,27 @@ class FittedPSNR:
     """
 
     def __init__(self, measure: Any, layout: Any, cache: Any, *, sample_steps: int = 3,
-                 stride: int = 2, margin_db: float = 3.0, cache_dir: str | None = None,
-                 key: str = "") -> None:
+                 spacing_db: float = 3.0, max_per_shard: int = 12,
+                 cache_dir: str | None = None, key: str = "") -> None:
         import json
         from pathlib import Path
 
         from sakura.codec.shards import shard_data
 
-        if sample_steps < 1 or stride < 1:
-            raise ValueError("sample_steps and stride must be >= 1")
+        if sample_steps < 1 or max_per_shard < 2 or not spacing_db >= 0:
+            raise ValueError("sample_steps >= 1, max_per_shard >= 2 and spacing_db >= 0")
         self.measure, self.layout, self.cache = measure, layout, cache
         self._shard_data = shard_data
         steps = layout.steps
         n = min(sample_steps, steps)
         self.sampled_steps = sorted({round(i * (steps - 1) / max(1, n - 1)) for i in range(n)})
-        self.stride, self.margin_db = int(stride), float(margin_db)
+        self.spacing_db, self.max_per_shard = float(spacing_db), int(max_per_shard)
         self.points: dict[int, list[tuple[float, float | None, float]]] = {}
         self.models: dict[int, tuple[Any, float, float]] = {}
         self._seen: dict[int, int] = {}
         self._sd: tuple[int, Any] | None = None
         self.stats = {"measured": 0, "reused": 0, "fitted": 0, "sampled_steps": self.sampled_steps,
-                      "stride": self.stride}
+                      "spacing_db": self.spacing_db, "max_per_shard": self.max_per_shard}
         self._file = Path(cache_dir) / f"{key}.json" if cache_dir and key else None
         self._memo: dict[str, float] = {}
         if self._file is not None and self._file.exists():
@@ -259,10 +260,9 @@ class FittedPSNR:
         self._seen[shard] = j + 1
         kv_db, bits = self._features(shard, params, decoded)
         pts = self.points.get(step, []) if first else []
-        outside = bool(pts) and not (min(p[0] for p in pts) - self.margin_db <= kv_db
-                                     <= max(p[0] for p in pts) + self.margin_db)
-        if first and step in self.sampled_steps and (j % self.stride == 0 or len(pts) < 2
-                                                     or outside):
+        near = any(b == bits and abs(kv - kv_db) < self.spacing_db for kv, b, _ in pts)
+        if first and step in self.sampled_steps and (
+                len(pts) < 2 or (len(pts) < self.max_per_shard and not near)):
             key = f"{shard}:{json.dumps(params, sort_keys=True)}"
             if key in self._memo:
                 value = self._memo[key]

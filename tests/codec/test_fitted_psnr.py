@@ -40,7 +40,7 @@ class Truth:
 def test_fitted_profile_measures_a_few_shards_and_predicts_the_rest(cache, tmp_path):
     layout = ShardLayout(cache.steps, cache.blocks, 2)
     truth = Truth(cache, layout)
-    fitted = FittedPSNR(truth, layout, cache, sample_steps=3, stride=2,
+    fitted = FittedPSNR(truth, layout, cache, sample_steps=3, spacing_db=3.0, max_per_shard=12,
                         cache_dir=str(tmp_path / "psnr"), key="k1")
     assert fitted.sampled_steps == [0, 2, 5]  # spread over the 6 steps
     codec = get_codec("intq")
@@ -48,10 +48,9 @@ def test_fitted_profile_measures_a_few_shards_and_predicts_the_rest(cache, tmp_p
                    quality_fn=fitted)
     n_cfg = len(m.shards[0].configs)
     assert n_cfg >= 3
-    # only the first shard of each sampled step is measured: every 2nd configuration, the
-    # first two (a fit needs two points) and any far outside the measured KV errors
-    per_shard = len(set(range(0, n_cfg, 2)) | {0, 1})
-    assert 3 * per_shard <= truth.calls == fitted.stats["measured"] <= 3 * n_cfg
+    # only the first shard of each sampled step is measured (at least two configurations:
+    # a fit needs two points)
+    assert 3 * 2 <= truth.calls == fitted.stats["measured"] <= 3 * n_cfg
     assert fitted.stats["fitted"] == len(m.shards) * n_cfg - truth.calls
     errors = []
     for s in m.shards:
@@ -87,6 +86,18 @@ def test_measured_values_are_cached_per_key_and_reused(cache, tmp_path):
                quality_fn=FittedPSNR(other, layout, cache, cache_dir=str(tmp_path / "c"),
                                      key="another"))
     assert other.calls == first.calls  # another key (weights, template, codec) measures
+
+
+def test_measurements_per_sampled_shard_are_bounded_by_spacing_and_count(cache, tmp_path):
+    layout = ShardLayout(cache.steps, cache.blocks, 2)
+    truth = Truth(cache, layout)
+    fitted = FittedPSNR(truth, layout, cache, sample_steps=2, spacing_db=1000.0,
+                        max_per_shard=5)
+    write_pack(tmp_path / "s", "tpl", cache, get_codec("sakura"), blocks_per_shard=2,
+               quality_fn=fitted)
+    # one bit width within 1000 dB of anything: the two a fit needs, plus one more per
+    # other bit width at most; never more than max_per_shard
+    assert 2 * 2 <= truth.calls <= 2 * 5
 
 
 def test_the_bit_term_can_reorder_what_the_kv_error_ranks(cache, tmp_path):
