@@ -288,7 +288,8 @@ def _edit(args: argparse.Namespace) -> int:
         options.budget_rate_bps = float(stats["median_mbps"]) * 1e6
         link_info = {"mode": "paced", "trace": args.trace, "rate_mbps": args.rate,
                      "scale": args.scale, "start_s": args.start, "window_stats": stats}
-        with shaped(args.server, trace, args.start) as (url, _link):
+        with shaped(args.server, trace, args.start) as (url, link):
+            link_info.update(link.conditions())  # emulator, RTT, loss, its process and CPUs
             result = runtime.edit(url, args.template, template, req, args.policy,
                                   token=args.token, options=options)
     else:
