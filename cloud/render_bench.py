@@ -2,14 +2,24 @@
 
 Quality (``dit.regional_bench``): on the default model's evaluation prompts, regional
 execution vs full execution, uniform step reduction at equal compute and naive
-independent patches (plus regional execution inside a cached edit's mask).
+independent patches (plus regional execution inside a cached edit's mask); the paper's
+gate and partition against what they replace (``epsilon_sweep``, ``cap_only``,
+``partition_comparison``, ``alternatives``, ``probe_overhead``).
 
 Serving: the render engine with ``workers`` worker processes replays one seeded bursty
 arrival trace twice, once with every request in ``full`` mode and once in ``regional``
 mode (and, unless ``--quick``, a second time in the opposite order to cancel drift).
 The arrival rate is set from a measured full-request service time so that full execution
 is overloaded (``overload`` x its capacity): throughput then reflects service capacity
-and p90 latency reflects queueing. Ratios come from one run on one machine.
+and p90 latency reflects queueing. Then one more overloaded replay mixes priority classes
+(every third request ``high``, the others ``low``): ``priority``. Ratios come from one run
+on one machine.
+
+``adapters``: regional execution of diffusers transformers through the same engine
+(their workers load a checkpoint folder through ``dit.adapters``): seeded tiny FLUX.2 and
+SD3.5 transformers (``dit.adapters.tiny``, bench size; random weights, since no real
+checkpoint can be downloaded here), regional vs full requests of the same seeds, PSNR of
+the latents (peak = the full result's range).
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ def _config(steps: int, **kw) -> RegionalConfig:
 def serving_bench(weights: str | None, encoder, prompts: list[str], *, workers: int = 2,
                   requests: int = 8, steps: int = 20, size: int = 64,
                   cfg: RegionalConfig | None = None, overload: float = 1.5, rounds: int = 1,
-                  seed: int = 0, priority: str = "warmup_first") -> dict:
+                  seed: int = 0, priority: str = "warmup_first",
+                  priority_requests: int = 0) -> dict:
     cfg = cfg or _config(steps)
     ecfg = EngineConfig(workers=workers, weights=weights, regional=cfg, priority=priority)
     t0 = time.perf_counter()
@@ -52,6 +63,10 @@ def serving_bench(weights: str | None, encoder, prompts: list[str], *, workers: 
             for mode in order if r % 2 == 0 else order[::-1]:
                 rep = replay(eng, trace, request_factory(replace(base, mode=mode)))
                 runs[mode].append(rep)
+        mixed = None
+        if priority_requests:
+            mixed = priority_replay(eng, replace(base, mode="regional"), prompts, rate,
+                                    priority_requests, seed + 1)
         metrics = eng.metrics()
     out = {"workers": workers, "requests": requests, "rounds": rounds, "steps": steps,
            "priority": priority,
@@ -69,8 +84,94 @@ def serving_bench(weights: str | None, encoder, prompts: list[str], *, workers: 
                      "makespan_s": sum(rep.makespan_s for rep in reps) / len(reps),
                      "skipped_fraction": sum(rep.summary()["skipped_fraction"] for rep in reps)
                      / len(reps)}
+        out[mode]["quality_steps"] = sum(x.stats.get("quality_steps", 0)
+                                         for rep in reps for x in rep.results)
+        out[mode]["patches_chosen"] = sorted(x.stats["patches"] for rep in reps
+                                             for x in rep.results if x.stats["patches"])
     out["throughput_ratio_vs_full"] = out["regional"]["throughput_rps"] / out["full"]["throughput_rps"]
     out["p90_latency_ratio_vs_full"] = out["regional"]["p90_latency_s"] / out["full"]["p90_latency_s"]
+    if mixed is not None:
+        out["priority"] = mixed
+    return out
+
+
+def priority_replay(eng: RenderEngine, base: RenderRequest, prompts: list[str], rate: float,
+                    requests: int, seed: int, high_every: int = 3) -> dict:
+    """One overloaded bursty replay where every ``high_every``-th request is ``high`` and
+    the others ``low``: latency per class."""
+    trace = bursty_arrivals(requests, rate, prompts, burst=max(2, requests // 4), seed=seed)
+    order = {a.seed: i for i, a in enumerate(sorted(trace, key=lambda a: a.t))}
+
+    def make(a):
+        cls = "high" if order[a.seed] % high_every == 0 else "low"
+        return replace(base, prompt=a.prompt, seed=a.seed, priority=cls)
+
+    before = eng.metrics()
+    rep = replay(eng, trace, make)
+    after = eng.metrics()
+    out: dict = {"requests": requests, "high_every": high_every, "arrival_rate_rps": rate,
+                 "preemptions": after["preemptions"] - before["preemptions"],
+                 "kept": after["kept"] - before["kept"]}
+    for cls in ("high", "low"):
+        lat = sorted(r.latency_s for r in rep.results if r.priority == cls)
+        out[cls] = {"count": len(lat), "p50_latency_s": _percentile(lat, 50),
+                    "p90_latency_s": _percentile(lat, 90)}
+    out["high_p90_lower"] = out["high"]["p90_latency_s"] < out["low"]["p90_latency_s"]
+    return out
+
+
+def adapter_bench(kinds=("flux2", "sd3.5"), *, steps: int = 10, grid: int = 16,
+                  seeds=(0, 1), workers: int = 1, cfg: RegionalConfig | None = None) -> dict:
+    """Regional vs full requests of seeded tiny diffusers transformers (bench size, saved as
+    checkpoint folders) through the render engine; PSNR of the latents vs full."""
+    import math
+    import tempfile
+
+    from sakura.dit.adapters.base import Conditioning
+    from sakura.dit.adapters.tiny import tiny_transformer
+
+    names = {"flux2": "flux2", "sd3.5": "sd3"}
+    cfg = cfg or replace(_config(steps), patches=4)
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="sakura-adapters-") as tmp:
+        for kind in kinds:
+            model = tiny_transformer(kind, "bench", seed=0)
+            path = Path(tmp) / kind
+            model.save_pretrained(path)
+            mc = model.config
+            g = torch.Generator().manual_seed(1)
+            width = int(mc.joint_attention_dim)
+            pooled = int(mc.get("pooled_projection_dim") or 0)
+
+            def cond(tokens):
+                return Conditioning(torch.randn(1, tokens, width, generator=g),
+                                    torch.randn(1, pooled, generator=g) if pooled else None)
+
+            c, u = cond(7), cond(3)
+            ecfg = EngineConfig(workers=workers, model=names[kind], model_path=str(path),
+                                regional=cfg, quality_eps=None, max_size=1024)
+            with RenderEngine(ecfg) as eng:
+                size = grid * eng.view.unit
+                base = RenderRequest(steps=steps, size=size, guidance=2.0, cond=c, uncond=u)
+                futs = [(eng.submit(replace(base, seed=s, mode="full")),
+                         eng.submit(replace(base, seed=s, mode="regional"))) for s in seeds]
+                pairs = [(f.result(timeout=1800), r.result(timeout=1800)) for f, r in futs]
+            se = n = 0.0
+            skipped, compute, psnrs = [], [], []
+            for full, reg in pairs:
+                peak = float(full.latents.max() - full.latents.min())
+                mse = float((reg.latents - full.latents).pow(2).mean())
+                psnrs.append(10 * math.log10(peak ** 2 / mse) if mse > 0 else float("inf"))
+                se += mse / peak ** 2
+                n += 1
+                skipped.append(reg.stats["skipped_fraction"])
+                compute.append(reg.stats["compute_fraction"])
+            out[kind] = {"skipped_fraction": sum(skipped) / n,
+                         "psnr_db_vs_full": 10 * math.log10(n / se) if se > 0 else float("inf"),
+                         "compute_fraction": sum(compute) / n, "per_seed_psnr_db": psnrs,
+                         "tokens": grid * grid, "steps": steps, "requests": len(seeds),
+                         "model": f"tiny {kind} (dit.adapters.tiny, bench size, seeded random "
+                                  "weights)"}
     return out
 
 
@@ -85,7 +186,14 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
               requests: int | None = None, serve: bool = True) -> dict:
-    from sakura.dit.regional_bench import edit_bench, eps_sweep, eval_prompts, quality_bench
+    from sakura.dit.regional_bench import (
+        edit_bench,
+        eps_sweep,
+        eval_prompts,
+        paper_study,
+        quality_bench,
+        references,
+    )
     from sakura.dit.templates import load_catalog
     from sakura.dit.text import TextEncoder
     from sakura.dit.weights import load_model, metadata
@@ -103,10 +211,13 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
         "quick": quick, "weights": weights or "shipped", "train_step": meta.get("train_step"),
         "steps": steps, "size": size, "prompts": len(prompts),
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "load_average_start": list(os.getloadavg()),
         "regional_config": {k: (list(v) if isinstance(v, tuple) else v)
                             for k, v in asdict(cfg).items()},
+        "gate_eps": cfg.threshold,
     }
-    q = quality_bench(model, enc, prompts, size, steps, cfg)
+    refs = references(model, enc, prompts, size, steps)
+    q = quality_bench(model, enc, prompts, size, steps, cfg, refs=refs)
     fd = q["flashdiff"]
     out.update({
         "skipped_fraction": fd["skipped_fraction"],
@@ -124,20 +235,26 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
     })
     spec = catalog["face-technologist"]
     out["edit"] = edit_bench(model, enc, spec, steps, cfg, 1 if quick else 3)
-    if not quick:
-        out["eps_sweep"] = eps_sweep(model, enc, prompts[:4], size, steps, cfg)
+    out.update(paper_study(model, enc, refs, size, steps, cfg))
+    if not quick:  # the drift gate's own sweep on more prompts (kept from earlier runs)
+        out["eps_sweep"] = eps_sweep(model, enc, prompts[:4], size, steps,
+                                     replace(cfg, gate="drift", partition="cuts"))
     if serve:
         s = serving_bench(weights, enc, [p for _, p, _ in prompts], workers=workers,
                           requests=requests or (6 if quick else 16), steps=steps, size=size,
-                          cfg=cfg, rounds=1 if quick else 2)
+                          cfg=cfg, rounds=1 if quick else 2,
+                          priority_requests=9 if quick else 18)
         out["serving"] = s
         out["throughput_ratio_vs_full"] = s["throughput_ratio_vs_full"]
         out["p90_latency_ratio_vs_full"] = s["p90_latency_ratio_vs_full"]
+        out["priority"] = s.pop("priority")
         if not quick:  # the other priority policy, same trace shape
             out["serving_fifo"] = serving_bench(
                 weights, enc, [p for _, p, _ in prompts], workers=workers,
                 requests=requests or 16, steps=steps, size=size, cfg=cfg, rounds=2,
                 priority="fifo")
+        out["adapters"] = adapter_bench(steps=steps, workers=1)
+    out["load_average_end"] = list(os.getloadavg())
     return out
 
 
@@ -153,4 +270,4 @@ def main(json_path: str | None, quick: bool, weights: str | None = None, workers
     return 0
 
 
-__all__ = ["main", "run_bench", "serving_bench"]
+__all__ = ["adapter_bench", "main", "priority_replay", "run_bench", "serving_bench"]

@@ -10,9 +10,15 @@ prompts against full execution, and the two baselines at the same compute.
 * ``edit``: regional execution inside the masked region of a cached edit vs the cached
   edit itself (``dit.editing.cached_edit``).
 
+:func:`paper_study` measures each part of the paper's design against what it replaces:
+the gate's eps sweep, the gate against a signal-free periodic schedule of the same skipped
+fraction (cap only), the Otsu focus/context partition against a uniform grid and the
+recursive cuts at equal compute, the drift gate at equal skipped fraction (where each
+alternative wins), and what probing costs.
+
 Quality is PSNR (from the mean squared error pooled over prompts) and mean SSIM against
-full execution; compute is modelled multiply-accumulates (``compute_fraction``) and
-measured single-thread wall time.
+full execution; compute is modelled multiply-accumulates (``compute_fraction``, probes
+included) and measured single-thread wall time.
 """
 
 from __future__ import annotations
@@ -80,18 +86,16 @@ def eval_prompts(catalog: dict, per_template: int = 1, templates: int | None = N
 
 
 def quality_bench(model, encoder, prompts, size: int, steps: int, cfg: RegionalConfig,
-                  seed0: int = 100) -> dict:
-    """Every system on every prompt against full execution."""
+                  seed0: int = 100, refs: list | None = None) -> dict:
+    """Every system on every prompt against full execution (``refs``: the full runs,
+    :func:`references`, computed here when not given)."""
     unc = encoder.encode([""])
+    refs = refs or references(model, encoder, prompts, size, steps, seed0)
     acc = {k: _Acc() for k in ("flashdiff", "separate", "uniform_steps", "naive_patches")}
     per_prompt = []
     for i, (tid, prompt, guidance) in enumerate(prompts):
-        seed = seed0 + i
-        txt = encoder.encode([prompt])
-        sal = salient_token_mask(encoder.tokenizer, prompt, encoder.max_tokens)
-        t0 = time.perf_counter()
-        full = generate(model, txt, unc, size, seed, steps, guidance)
-        t_full = time.perf_counter() - t0
+        r = refs[i]
+        seed, txt, sal, full, t_full = r.seed, r.txt, r.salient, r.full, r.full_seconds
         t0 = time.perf_counter()
         ours, st = regional_generate(model, txt, unc, size, seed, steps, guidance, cfg, sal)
         t_ours = time.perf_counter() - t0
@@ -307,6 +311,72 @@ def _explicit_probe(be, t: float, x: torch.Tensor, parts) -> torch.Tensor:
     return out["mass"]
 
 
+def paper_study(model, encoder, refs: list[Reference], size: int, steps: int,
+                cfg: RegionalConfig, eps_values=(0.002, 0.005, 0.01, 0.02, 0.05),
+                drift_eps=(0.6, 0.8, 1.0, 1.4)) -> dict:
+    """The bench's ``epsilon_sweep``, ``cap_only``, ``partition_comparison``,
+    ``alternatives`` and ``probe_overhead`` (see the module doc)."""
+    from sakura.dit.regional import DEFAULT_EPS
+
+    out: dict = {}
+    sweep_rows = sweep(model, encoder, refs, size, steps, cfg, eps_values)
+    out["epsilon_sweep"] = sweep_rows
+    default = run_config(model, encoder, refs, size, steps, cfg)
+    out["default"] = {k: default[k] for k in ("psnr_db_vs_full", "ssim_vs_full",
+                                              "skipped_fraction", "compute_fraction")}
+    out["default"]["epsilon"] = cfg.threshold
+    out["cap_only"] = cap_only(model, encoder, refs, size, steps, cfg, default)
+    # partitions at equal compute: each swept, interpolated at the default's compute
+    target = default["compute_fraction"]
+    parts = {"otsu": sweep_rows}
+    for name, kind in (("uniform_grid", "grid"), ("cuts", "cuts")):
+        parts[name] = sweep(model, encoder, refs, size, steps, replace(cfg, partition=kind),
+                            eps_values[1:])
+    eq = {name: at(rows, "compute_fraction", target) for name, rows in parts.items()}
+    out["partition_comparison"] = {
+        "otsu": default["psnr_db_vs_full"],
+        "uniform_grid": eq["uniform_grid"]["psnr_db_vs_full"],
+        "cuts": eq["cuts"]["psnr_db_vs_full"],
+        "compute_fraction": target,
+        "ssim": {"otsu": default["ssim_vs_full"],
+                 **{k: eq[k]["ssim_vs_full"] for k in ("uniform_grid", "cuts")}},
+        "extrapolated": {k: eq[k]["extrapolated"] for k in ("uniform_grid", "cuts")},
+        "sweeps": {k: parts[k] for k in ("uniform_grid", "cuts")},
+        "method": "each partition swept over eps with the importance gate; PSNR linearly "
+                  "interpolated at the otsu default's compute fraction",
+    }
+    drift = sweep(model, encoder, refs, size, steps, replace(cfg, gate="drift", eps=None),
+                  drift_eps)
+    where = []
+    for row in sweep_rows:  # the drift gate at each importance-sweep point's skipped fraction
+        d = at(drift, "skipped_fraction", row["skipped_fraction"])
+        g = at(parts["uniform_grid"], "compute_fraction", row["compute_fraction"])
+        c = at(parts["cuts"], "compute_fraction", row["compute_fraction"])
+        where.append({"epsilon": row["epsilon"], "skipped_fraction": row["skipped_fraction"],
+                      "compute_fraction": row["compute_fraction"],
+                      "importance_gate_db": row["psnr_db_vs_full"],
+                      "drift_gate_db": None if d["extrapolated"] else d["psnr_db_vs_full"],
+                      "uniform_grid_db": None if g["extrapolated"] else g["psnr_db_vs_full"],
+                      "cuts_db": None if c["extrapolated"] else c["psnr_db_vs_full"]})
+    out["alternatives"] = {
+        "drift_gate_sweep": drift, "drift_gate_default_eps": DEFAULT_EPS["drift"],
+        "at_equal_points": where,
+        "method": "drift gate interpolated at each importance-sweep point's skipped "
+                  "fraction, the other partitions at its compute fraction (None: outside "
+                  "the swept range)",
+    }
+    timing = probe_timing(model, encoder, refs[0], size, steps, cfg)
+    out["probe_overhead"] = {
+        "compute_share": default["probe_compute_share"],
+        "time_share": default["probe_time_share"],
+        **timing,
+        "what": "compute_share: modelled MACs of the saliency and gate probes over all MACs "
+                "of the default runs; time_share: measured wall time of the gate probes "
+                "over the regional runs' wall time (single process, one torch thread)",
+    }
+    return out
+
+
 def edit_bench(model, encoder, spec, steps: int, cfg: RegionalConfig, requests: int = 1) -> dict:
     """Regional execution inside the masked region of a cached edit vs the cached edit."""
     tpl = replace(spec.to_template(encoder), steps=steps)
@@ -326,5 +396,5 @@ def edit_bench(model, encoder, spec, steps: int, cfg: RegionalConfig, requests: 
 
 
 __all__ = ["Reference", "at", "cap_only", "edit_bench", "eps_sweep", "eval_prompts",
-           "probe_timing", "psnr_from_mse", "quality_bench", "references", "run_config",
+           "paper_study", "probe_timing", "psnr_from_mse", "quality_bench", "references", "run_config",
            "ssim", "sweep"]
