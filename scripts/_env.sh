@@ -11,23 +11,28 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # Debian packages of the phone-side checks: the arm64 cross compiler and qemu-user
-# (edge/backends/arm64.py), pocl, a CPU OpenCL implementation (native OpenCL kernels).
-apt_pkgs="g++-aarch64-linux-gnu qemu-user pocl-opencl-icd ocl-icd-opencl-dev opencl-headers"
+# (edge/backends/arm64.py), pocl, a CPU OpenCL implementation (native OpenCL kernels);
+# libcurl and OpenSSL headers for the native runtime's receive stage (native/).
+apt_pkgs="g++-aarch64-linux-gnu qemu-user pocl-opencl-icd ocl-icd-opencl-dev opencl-headers
+  libcurl4-openssl-dev libssl-dev"
 apt_missing="$(for p in $apt_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)"
 if [ -n "$apt_missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   echo "[sakura] installing Debian packages:" $apt_missing
   apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $apt_missing
 fi
 stamp=".venv/.sakura-installed"
-want="$(find pyproject.toml native/pyproject.toml native/CMakeLists.txt native/src -type f \
+want="$(find pyproject.toml native/pyproject.toml native/CMakeLists.txt native/cmake native/src -type f \
   | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[sakura] installing the project into .venv (first run takes a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
   # [all,dev]: every extra (the model with torch==2.13.0, executorch, qnn, aihub, diffusers,
-  # s3) and the test tools, resolved in this same pip call; ./native builds the
-  # sakura_native extension (g++ >= 9, CMake >= 3.18).
-  .venv/bin/python -m pip install -q -e ".[all,dev]" ./native
+  # s3) and the test tools, resolved in this same pip call, with native/'s build tools.
+  .venv/bin/python -m pip install -q -e ".[all,dev]" "pybind11~=3.1" "scikit-build-core~=1.1"
+  # ./native builds the sakura_native extension (g++ >= 9, CMake >= 3.18) against the
+  # executorch and torch just installed (its edit runtime links the executorch wheel's C++
+  # runtime), so without build isolation.
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation ./native
   echo "$want" > "$stamp"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
