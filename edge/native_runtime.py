@@ -30,10 +30,13 @@ error says so).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,22 @@ def native_module() -> Any:
     return sakura_native
 
 
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for a block: ExecuTorch's C++ runtime logs its CPU
+    probing (``cpuinfo_utils.cpp: Failed to open midr file ...``) straight to stderr when
+    its threadpool starts, a dozen lines of no use to a user on every edit command."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def check_runtime(name: str) -> str:
     if name not in RUNTIMES:
         raise EdgeError(f"unknown runtime {name!r} (known: {', '.join(RUNTIMES)})")
@@ -120,7 +139,8 @@ class NativeEngine:
 
     def __post_init__(self) -> None:
         self.native = native_module()
-        self.native.set_graph_threads(self.threads)
+        with quiet_stderr():  # ExecuTorch's cpuinfo start-up notes on x86 (harmless)
+            self.native.set_graph_threads(self.threads)
         self.cache = ArtifactCache(Path(self.cache_dir), "native")
 
     # ------------------------------------------------------------------ geometry
@@ -140,9 +160,9 @@ class NativeEngine:
         key = (geometry, tuple(groups))
         if key not in self._loaded:
             gs = self._compiled(geometry, groups)
-            self._loaded[key] = self.native.EditGraphs(
-                str(gs.step_in), [str(p) for p in gs.groups], str(gs.step_out),
-                list(gs.group_blocks), gs.takes_cache)
+            self._loaded[key] = self._call(
+                self.native.EditGraphs, str(gs.step_in), [str(p) for p in gs.groups],
+                str(gs.step_out), list(gs.group_blocks), gs.takes_cache)
         return self._loaded[key]
 
     def _key(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]) -> ArtifactKey:
@@ -256,7 +276,7 @@ class NativeEngine:
         geometry = self.geometry(template, geo, req, full=True)
         groups = step_groups(self.model.cfg.num_blocks, self.model.cfg.num_blocks)
         graphs = self.graphs(geometry, groups)
-        x = self.native.run_full(graphs, self.inputs(template, geo, req, geometry))
+        x = self._call(self.native.run_full, graphs, self.inputs(template, geo, req, geometry))
         return self.image(template, geo, x, full=True)
 
     def resident_edit(self, template: Template, geo: Geometry, req: EditRequest,
@@ -272,8 +292,8 @@ class NativeEngine:
             raise EdgeError(f"the resident cache has {len(shards)} shards, the edit "
                             f"needs {len(plan)}")
         origin = time.monotonic() if origin is None else origin
-        x, records = self.native.run_resident(
-            graphs, self.inputs(template, geo, req, geometry), plan,
+        x, records = self._call(
+            self.native.run_resident, graphs, self.inputs(template, geo, req, geometry), plan,
             [np.ascontiguousarray(s, dtype=np.float32) for s in shards], origin)
         return self.image(template, geo, x), list(records)
 
@@ -304,14 +324,20 @@ class NativeEngine:
         groups = step_groups(self.model.cfg.num_blocks, blocks_per_shard)
         graphs = self.graphs(geometry, groups)
         inputs = self.inputs(template, geo, req, geometry)
+        x, records, requests = self._call(self.native.run_stream, graphs, inputs, stream,
+                                          allocator, monitor, progress)
+        return self.image(template, geo, x), list(records), list(requests)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A ``sakura_native`` call whose errors become the edge's user-facing ones."""
         try:
-            x, records, requests = self.native.run_stream(graphs, inputs, stream, allocator,
-                                                          monitor, progress)
+            return fn(*args)
         except self.native.FetchError as exc:
             raise fetch_error(str(exc)) from None
         except self.native.FormatError as exc:
             raise IntegrityError(f"a shard could not be decoded: {exc}") from None
-        return self.image(template, geo, x), list(records), list(requests)
+        except RuntimeError as exc:  # graphs that do not load or run (stale artifacts, ...)
+            raise EdgeError(f"native runtime: {exc}") from None
 
 
 def fetch_error(text: str) -> EdgeError:

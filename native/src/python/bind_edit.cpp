@@ -266,12 +266,18 @@ py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dic
   } else if (decode == "callback") {
     spec.decode = sakura::DecodeKind::Callback;
     auto fn = std::make_shared<py::function>(stream["callback"].cast<py::function>());
-    spec.callback = [fn](int shard, int config, const std::vector<std::uint8_t>& data, float* out) {
+    spec.callback = [fn](int shard, int config, const std::vector<std::uint8_t>& data,
+                         float* out, std::size_t count) {
       py::gil_scoped_acquire gil;
       py::bytes b(reinterpret_cast<const char*>(data.data()), data.size());
-      auto arr = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure((*fn)(shard, config, b));
-      if (!arr) throw std::runtime_error("the decode callback did not return a float32 array");
-      std::memcpy(out, arr.data(), static_cast<std::size_t>(arr.size()) * sizeof(float));
+      auto arr = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(
+          (*fn)(shard, config, b));
+      if (!arr || static_cast<std::size_t>(arr.size()) != count) {
+        throw std::runtime_error("shard " + std::to_string(shard) + ": the decoder returned " +
+                                 (arr ? std::to_string(arr.size()) : std::string("no")) +
+                                 " floats, expected " + std::to_string(count));
+      }
+      std::memcpy(out, arr.data(), count * sizeof(float));
     };
   } else {
     throw py::value_error("decode must be lowrank, fp16 or callback");

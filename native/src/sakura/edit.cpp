@@ -269,7 +269,7 @@ std::vector<float> StreamFeed::decode(int j, int config, const std::vector<std::
       half_to_float(data.data(), out.size(), out.data());
       break;
     case DecodeKind::Callback:
-      spec_.callback(j, config, data, out.data());
+      spec_.callback(j, config, data, out.data(), out.size());
       break;
   }
   return out;

@@ -87,9 +87,11 @@ class ResidentFeed final : public ShardFeed {
 
 enum class DecodeKind { LowRank, Fp16, Callback };
 
-// Python's decoder for codecs without a native one: writes 2 * blocks * U * C floats.
-using DecodeCallback =
-    std::function<void(int shard, int config, const std::vector<std::uint8_t>& data, float* out)>;
+// Python's decoder for codecs without a native one: writes `count` (2 * blocks * U * C)
+// floats to `out`, or throws.
+using DecodeCallback = std::function<void(int shard, int config,
+                                          const std::vector<std::uint8_t>& data, float* out,
+                                          std::size_t count)>;
 
 struct ConfigSource {
   FetchRequest request;    // shard, config, url, range, units
