@@ -280,9 +280,10 @@ def probe_timing(model, encoder, ref: Reference, size: int, steps: int, cfg: Reg
     fused = clock(lambda: be.probe(0, t, x, parts, cfg.probe_depth))
     explicit = clock(lambda: _explicit_probe(be, t, x, parts))
     full = clock(lambda: be.run_full(0, t, x, False, False))
-    return {"probe_fused_s": fused, "probe_explicit_s": explicit, "full_step_s": full,
-            "probe_vs_full_step": fused / full, "explicit_vs_fused": explicit / fused,
-            "repeats": repeats, "timing": "best of repeats, one torch thread"}
+    return {"size": size, "tokens": n, "probe_fused_s": fused, "probe_explicit_s": explicit,
+            "full_step_s": full, "probe_vs_full_step": fused / full,
+            "explicit_vs_fused": explicit / fused, "repeats": repeats,
+            "timing": "best of repeats, one torch thread"}
 
 
 def _explicit_probe(be, t: float, x: torch.Tensor, parts) -> torch.Tensor:
@@ -366,13 +367,17 @@ def paper_study(model, encoder, refs: list[Reference], size: int, steps: int,
                   "the swept range)",
     }
     timing = probe_timing(model, encoder, refs[0], size, steps, cfg)
+    large = probe_timing(model, encoder, refs[0], 2 * size, steps, cfg, repeats=3)
     out["probe_overhead"] = {
         "compute_share": default["probe_compute_share"],
         "time_share": default["probe_time_share"],
         **timing,
+        f"at_{2 * size}px": large,
         "what": "compute_share: modelled MACs of the saliency and gate probes over all MACs "
                 "of the default runs; time_share: measured wall time of the gate probes "
-                "over the regional runs' wall time (single process, one torch thread)",
+                "over the regional runs' wall time (single process, one torch thread); "
+                "probe_*_s: one probe, fused (indicator values through the fused kernel) "
+                "and materialised (softmax(q k^T) computed), against one full guided step",
     }
     return out
 

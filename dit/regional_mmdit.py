@@ -14,8 +14,8 @@ Packing is exactly separate execution (up to float summation order): the model m
 tokens only in attention, and the mask removes every cross-patch pair. It saves the
 per-call overhead of an eager forward, which dominates at this model size on a CPU.
 Attention mass is measured only in the *probe blocks* (default: the double-stream blocks,
-where text and image attend jointly), by the fused attention kernel with extra value
-columns (:class:`PackHook`): no attention matrix is materialised. A *probe*
+where text and image attend jointly), by one extra fused-kernel attention call whose
+values are group indicators (:func:`fused_masses`): no attention matrix is materialised. A *probe*
 (:meth:`MMDiTRegional.probe`, the importance gate's per-step signal) runs every region
 token, cond branch only, and stops the forward after the first probe block.
 """
@@ -45,6 +45,7 @@ from sakura.dit.regional import (
     PatchResult,
     ProbeDone,
     ProbeResult,
+    fused_masses,
     RegionalConfig,
     RegionalState,
     run_regional,
@@ -63,10 +64,10 @@ def mmdit_macs(cfg: MMDiTConfig, queries: int, keys: int) -> float:
 
 
 def mmdit_probe_macs(cfg: MMDiTConfig, img: int, txt: int, keys: int, last_block: int,
-                     columns: int) -> float:
-    """Multiply-accumulates of a probe forward (one branch) stopped after the attention of
-    ``last_block``: the input projections, every earlier block, the last block's q/k/v
-    projections and its attention with ``columns`` extra value columns per head."""
+                     chunks: int = 1) -> float:
+    """Multiply-accumulates of a probe forward (one branch) stopped in ``last_block``: the
+    input projections, every earlier block, the last block's q/k/v projections and its
+    mass reduction (``chunks`` attention calls with indicator values)."""
     d = cfg.hidden_size
     mlp = int(d * cfg.mlp_ratio)
     q = img + txt
@@ -77,20 +78,17 @@ def mmdit_probe_macs(cfg: MMDiTConfig, img: int, txt: int, keys: int, last_block
             macs += q * (4 * d * d + 2 * d * mlp) + attn
         else:
             macs += q * (d * (3 * d + mlp) + (d + mlp) * d) + attn
-    macs += q * 3 * d * d + 2 * q * keys * d + q * keys * columns * cfg.num_heads
+    macs += q * 3 * d * d + chunks * 2 * q * keys * d
     return float(macs)
 
 
 class PackHook(AttentionHook):
     """Attention for a packed call: fixed extra K/V, the stale context, a block mask,
     K/V recording of the image tokens and, in probe blocks, the attention mass of every
-    query on groups of keys.
-
-    The mass comes from the fused attention kernel itself: ``indicator`` ``[K, m]`` (one
-    column per group, 1 where a key belongs to it) is appended to the values, so the
-    extra output columns are ``softmax(q k^T) @ indicator`` - the per-group attention
-    mass - and no attention matrix is materialised. ``stop_after`` probe blocks, the
-    forward is cut short (:class:`ProbeDone`)."""
+    query on groups of keys (:func:`fused_masses`: one extra fused-kernel call with
+    indicator values, conditional branch only; no attention matrix). ``stop_after`` probe
+    blocks, the forward is cut short (:class:`ProbeDone`) before the block's own
+    attention output is computed."""
 
     def __init__(self, fixed: Callable[[int], list[torch.Tensor]] | None,
                  context: KVStore | None, mask: torch.Tensor | None, probe_blocks: set[int],
@@ -123,18 +121,13 @@ class PackHook(AttentionHook):
             vs.append(self.context.v[block].expand(b, -1, -1, -1))
         if len(ks) > 1:
             k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-        if block not in self.probe_blocks:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
-        d = v.shape[-1]
-        ind = self.indicator.to(v.device, v.dtype)[None, None].expand(b, v.shape[1], -1, -1)
-        out = F.scaled_dot_product_attention(q, k, torch.cat([v, ind], dim=-1),
-                                             attn_mask=self.mask)
-        mass = out[0, :, :, d:].mean(0)  # cond branch, mean over heads: [queries, m]
-        self.mass_sum = mass if self.mass_sum is None else self.mass_sum + mass
-        self.probed += 1
-        if self.stop_after is not None and self.probed >= self.stop_after:
-            raise ProbeDone
-        return out[..., :d]
+        if block in self.probe_blocks:
+            mass = fused_masses(q, k, self.indicator.to(v.device, v.dtype), self.mask)
+            self.mass_sum = mass if self.mass_sum is None else self.mass_sum + mass
+            self.probed += 1
+            if self.stop_after is not None and self.probed >= self.stop_after:
+                raise ProbeDone
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
 
 
 @dataclass
@@ -266,8 +259,9 @@ class MMDiTRegional:
                 raise RuntimeError(f"the probe reached no probe block ({sorted(self.probe_blocks)})")
             mass = (hook.mass_sum / hook.probed).float().cpu()
             last = sorted(self.probe_blocks)[hook.probed - 1]
+            chunks = -(-ind.shape[1] // self.model.cfg.head_dim)
             macs = mmdit_probe_macs(self.model.cfg, sum(sizes), len(patches) * pack.txt, keys,
-                                    last, ind.shape[1])
+                                    last, chunks)
             return _Out(None, None, None, mass, pack, macs)
         out = self.model(batch, hook)
         vel = out[1:] + self.guidance * (out[:1] - out[1:]) if bc == 2 else out
@@ -278,7 +272,8 @@ class MMDiTRegional:
         macs = 0.0
         if hook.probed:
             mass = (hook.mass_sum / hook.probed).float().cpu()
-            macs = float(bc * hook.probed * self.model.cfg.num_heads * q * keys * ind.shape[1])
+            chunks = -(-ind.shape[1] // self.model.cfg.head_dim)
+            macs = float(hook.probed * chunks * 2 * q * keys * self.model.cfg.hidden_size)
         return _Out(vel, k, v, mass, pack, macs)
 
     # -- the backend interface -------------------------------------------------------

@@ -45,18 +45,19 @@ from sakura.dit.regional import (
     ProbeResult,
     RegionalConfig,
     RegionalState,
+    fused_masses,
     run_regional,
 )
 
 
 class RegionalHook(AdapterHook):
     """:class:`AdapterHook` that also records the image K/V of every block and, in probe
-    blocks, the attention mass of the computed image queries on groups of keys (cond
-    branch, mean over heads), from the fused attention kernel: ``columns="text"`` appends
-    one value column per text key, ``"groups"`` one per group of computed image tokens
-    (``groups`` index them), so ``softmax(q k^T) @ indicator`` is the mass and no
-    attention matrix is materialised. After ``stop_after`` probe blocks the forward is
-    cut short (:class:`~dit.regional.ProbeDone`)."""
+    blocks, the attention mass of the computed image queries on groups of keys (mean over
+    heads), from one extra fused-kernel call with indicator values
+    (:func:`dit.regional.fused_masses`): ``columns="text"`` = one group per text
+    key, ``"groups"`` = the given groups of computed image tokens. No attention matrix is
+    materialised. After ``stop_after`` probe blocks the forward is cut short
+    (:class:`~dit.regional.ProbeDone`) before the block's own attention output."""
 
     def __init__(self, probe_blocks: set[int], columns: str | None = None,
                  groups: list[torch.Tensor] | None = None, stop_after: int | None = None,
@@ -99,19 +100,16 @@ class RegionalHook(AdapterHook):
             self._mask_cache[key] = build_mask(self.mode, q_segs, k_segs)
         mask = self._mask_cache[key]
         ind = self._indicator(k_segs, k.shape[2]).to(v.device, v.dtype)
-        d = v.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q, k, torch.cat([v, ind[None, None].expand(v.shape[0], v.shape[1], -1, -1)], -1),
-            attn_mask=None if mask is None else mask.to(q.device))
+        mask = None if mask is None else mask.to(q.device)
         rows = torch.cat([torch.arange(at, at + n) for at, (r, n) in
                           zip(_starts(q_segs), q_segs) if r == IMG])
-        mass = out[0, :, rows.to(q.device), d:].float().mean(0).cpu()
+        mass = fused_masses(q, k, ind, mask)[rows.to(q.device)].float().cpu()
         self.mass_sum = mass if self.mass_sum is None else self.mass_sum + mass
         self.probed += 1
         self.keys_seen = k.shape[2]
         if self.stop_after is not None and self.probed >= self.stop_after:
             raise ProbeDone
-        return out[..., :d]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _starts(segs) -> list[int]:
@@ -158,15 +156,17 @@ class AdapterRegional:
         return adapter_macs(self.adapter, queries, keys, len(self.branches), self._params)
 
     def probe_cost(self, queries: int, keys: int, last_block: int, columns: int) -> float:
-        """Modelled multiply-accumulates of a probe (one branch) stopped after the attention
-        of cache block ``last_block``: every earlier block in full, then that block's q/k/v
-        projections and its attention with ``columns`` extra value columns per head."""
+        """Modelled multiply-accumulates of a probe (one branch) stopped in cache block
+        ``last_block``: every earlier block in full, then that block's q/k/v projections
+        and its mass reduction (one fused attention call per head-dimension-wide chunk of
+        the ``columns`` indicator columns)."""
         a = self.adapter
         inner = a.heads * a.head_dim
         per_block = self._params / a.num_blocks
         attn = 2.0 * queries * keys * inner
+        chunks = -(-columns // a.head_dim)
         return (last_block * (queries * per_block + attn) + queries * 3 * inner * inner
-                + attn + queries * keys * columns * a.heads)
+                + chunks * attn)
 
     def _timestep(self, t: float) -> torch.Tensor:
         return torch.tensor(t, dtype=torch.float32) * 1000  # as the scheduler computes it
@@ -216,8 +216,9 @@ class AdapterRegional:
         out = self._call(step, t, x, torch.arange(n), None, None, "text" if probe else None)
         macs = 0.0
         if out.mass is not None:
-            macs = float(out.probed * self.adapter.heads * (n + self.text_tokens) * out.keys
-                         * out.mass.shape[1])
+            chunks = -(-out.mass.shape[1] // self.adapter.head_dim)
+            macs = float(out.probed * chunks * 2 * (n + self.text_tokens) * out.keys
+                         * self.adapter.heads * self.adapter.head_dim)
         return FullResult(out.velocity, KVStore(out.k, out.v) if want_kv else None,
                           text_attn=out.mass, img_keys=n + self.fixed_tokens, probe_macs=macs)
 
@@ -245,8 +246,9 @@ class AdapterRegional:
             keys = (n if context is not None else len(unit)) + self.fixed_tokens
             macs = 0.0
             if out.mass is not None:
-                macs = float(out.probed * self.adapter.heads * (len(unit) + self.text_tokens)
-                             * out.keys * len(members))
+                chunks = -(-len(members) // self.adapter.head_dim)
+                macs = float(out.probed * chunks * 2 * (len(unit) + self.text_tokens)
+                             * out.keys * self.adapter.heads * self.adapter.head_dim)
             for i, (p, g) in enumerate(zip(members, groups)):
                 sl = slice(int(g[0]), int(g[-1]) + 1)
                 mass = float("nan")

@@ -252,3 +252,16 @@ def test_regional_generation_with_each_gate_and_partition_runs_and_accounts_prob
         assert s.skipped_patch_steps > 0
         assert (s.probes > 0) == (gate != "periodic") == ("probe_s" in timer)
         assert s.probe_macs + s.saliency_macs == pytest.approx(s.probe_fraction * s.macs)
+
+
+def test_fused_masses_chunk_wide_indicators_and_respect_the_mask():
+    from sakura.dit.regional import fused_masses
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 10, 8, generator=g), torch.randn(2, 3, 30, 8, generator=g)
+    ind = (torch.rand(30, 20, generator=g) > 0.7).float()  # 20 groups > head dim 8: 3 chunks
+    mask = torch.rand(10, 30, generator=g) > 0.3
+    mask[:, 0] = True
+    p = ((q @ k.transpose(-1, -2)) / 8 ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+    want = (p[0] @ ind).mean(0)  # first batch row (the cond branch), mean over heads
+    assert torch.allclose(fused_masses(q, k, ind, mask), want, atol=1e-5)
