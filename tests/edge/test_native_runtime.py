@@ -208,3 +208,26 @@ def test_an_origin_that_keeps_failing_is_unreachable_after_the_retry_window(worl
         elapsed = time.monotonic() - t0
     assert server.url in str(err.value)
     assert failing.hits >= 3 and 1.0 <= elapsed < 20
+
+
+class IgnoresRange:
+    """ASGI wrapper dropping the Range header of pack requests: the origin answers 200 with
+    the whole pack, as a static server without Range support would."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].endswith(".pack"):
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                          if k.lower() not in (b"range", b"if-range")]}
+        await self.app(scope, receive, send)
+
+
+def test_an_origin_that_ignores_range_is_one_clear_error(world, runtime, native_runtime):
+    from sakura.edge.errors import OriginError
+
+    req = runtime.request(PROMPT, SEED)
+    with serve(world, IgnoresRange) as server, pytest.raises(OriginError,
+                                                             match="ignored the Range"):
+        native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")

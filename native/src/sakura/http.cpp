@@ -151,9 +151,13 @@ struct HttpReceiver::Impl {
       } else if (code == 200) {
         if (t->req.offset >= 0) {
           t->fatal = true;
-          t->abort_reason = t->req.url + ": the origin ignored the Range request (HTTP 200 "
-                            "with the whole object); serve the pack from an origin that "
-                            "supports single-range GETs";
+          t->abort_reason =
+              t->resume_from > 0 && !t->etag.empty()
+                  ? t->req.url + ": the pack changed on the origin during the edit (its "
+                                 "ETag no longer matches " + t->etag + ")"
+                  : t->req.url + ": the origin ignored the Range request (HTTP 200 with "
+                                 "the whole object); serve the pack from an origin that "
+                                 "supports single-range GETs";
           return 0;
         }
         t->buf.clear();
