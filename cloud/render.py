@@ -135,6 +135,7 @@ class EngineConfig:
     respawn: bool = True
     priority: str = "warmup_first"   # or "fifo" (cloud.render_sched)
     preempt: str = "benefit"         # or "strict" (cloud.render_sched)
+    reserve: float = 0.5             # lower-class backlog share while a higher class is open
     patch_search: bool = True        # online R search (cloud.render_policy)
     patch_candidates: tuple[int, ...] = (2, 4, 6, 8)
     quality_eps: float | None = 0.0  # the gate's eps under low load (None: no quality mode)
@@ -309,7 +310,7 @@ class RenderEngine:
         self._uncond: torch.Tensor | None = None
         self.sched = Scheduler(self.cfg.capacity_rows, self._transfer,
                                self.cfg.group_overhead_rows, self.cfg.priority,
-                               self.cfg.preempt)
+                               self.cfg.preempt, self.cfg.reserve)
         self.search = PatchCountSearch(tuple(self.cfg.patch_candidates))
         self._workers: dict[int, _Worker] = {}
         self._wid = itertools.count()
@@ -485,6 +486,7 @@ class RenderEngine:
         r = _Req(rid, rid, req, state, spec, fut, arrival, cls=class_index(req.priority),
                  searched=searched)
         self._reqs[rid] = r
+        self.sched.open_request(rid, r.cls)
         self._enqueue(r)
 
     def _set_threshold(self, r: _Req, step: int) -> None:

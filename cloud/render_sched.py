@@ -29,6 +29,11 @@ and ``s_H`` = shipping ``H``'s state to ``w`` plus the per-call overhead, all in
 rows. This is the weighted-completion-time comparison of the two orders (Smith's rule
 with a switching cost). ``preempt="strict"``: the higher class always goes first.
 
+A task already in a worker's backlog is not reordered, so while a request of a higher
+class is open, lower-class tasks may fill a worker's backlog only to ``reserve`` x the
+capacity: the rest is kept for the higher class (whose next step would otherwise wait
+for a full backlog of lower-class work at every step).
+
 Placement: each worker has a load (estimated cost of its dispatched, unfinished tasks) and
 a capacity (a short backlog, so that priorities are decided late). A task goes to the
 worker that minimises the maximum load after placing it, where placing it on a worker
@@ -134,12 +139,14 @@ class Scheduler:
 
     def __init__(self, capacity: float, transfer: Callable[[Task, int], float] | None = None,
                  group_overhead: float = 0.0, policy: str = "warmup_first",
-                 preempt: str = "benefit"):
+                 preempt: str = "benefit", reserve: float = 0.5):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}")
         if preempt not in PREEMPTION:
             raise ValueError(f"preempt must be one of {PREEMPTION}")
         self.policy, self.preempt = policy, preempt
+        self.reserve = reserve
+        self.open: dict[int, int] = {}               # open request -> its class
         self.capacity = capacity
         self.transfer = transfer or (lambda task, worker: 0.0)
         self.group_overhead = group_overhead
@@ -169,6 +176,16 @@ class Scheduler:
 
     def load(self, worker: int) -> float:
         return self.workers[worker]
+
+    def open_request(self, rid: int, cls: int) -> None:
+        """A request of class ``cls`` is admitted (it holds backlog room for its class)."""
+        self.open[rid] = cls
+
+    def _limit(self, task: Task) -> float:
+        """The backlog a task may fill: all of it, or ``reserve`` of it while a request of
+        a higher class is open."""
+        higher = any(c < task.cls for c in self.open.values())
+        return self.capacity * (self.reserve if higher else 1.0)
 
     # -- tasks -----------------------------------------------------------------------
 
@@ -246,11 +263,16 @@ class Scheduler:
             if not free:
                 break
             i, pinned = self._choose(free, open_groups)
+            limit = self._limit(self._ready[i][2])
+            eligible = [w for w in (free if pinned is None else [pinned])
+                        if self.workers[w] < limit]
+            if not eligible:
+                break  # the room left is reserved for a higher class
             unit = self._unit(i)
             task = unit[0]
             cost = sum(t.cost for t in unit)
             best = None
-            for w in (free if pinned is None else [pinned]):
+            for w in eligible:
                 key = (w, task.key.rid, task.key.step)
                 extra = 0.0 if key in open_groups else self.transfer(task, w)
                 overhead = 0.0 if key in open_groups else self.group_overhead
@@ -321,6 +343,7 @@ class Scheduler:
     def forget(self, rid: int) -> None:
         """Drop the done-set entries of a finished request (bounded memory)."""
         self.done = {k for k in self.done if k.rid != rid}
+        self.open.pop(rid, None)
 
 
 __all__ = ["CLASSES", "CLASS_WEIGHTS", "FULL", "PATCH", "POLICIES", "PREEMPTION", "PRIORITY",

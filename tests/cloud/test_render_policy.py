@@ -158,23 +158,29 @@ def test_high_priority_overtakes_low_priority_requests(weights, text_encoder):
             eng.submit(RenderRequest(prompt="x", priority="urgent"))
 
 
-def test_adapter_checkpoint_served_regionally_equals_single_process(tmp_path):
-    """A tiny seeded FLUX.2 pipeline saved as a real checkpoint folder: the engine holds a
-    weightless copy, its workers load the weights; the result equals
+@pytest.mark.parametrize("kind,name", [("flux2", "flux2"), ("sd3.5", "sd3")])
+def test_adapter_checkpoint_served_regionally_equals_single_process(tmp_path, kind, name):
+    """A tiny seeded FLUX.2 / SD3.5 pipeline saved as a real checkpoint folder: the engine
+    holds a weightless copy, its workers load the weights; the result equals
     ``dit.adapters.regional.regional_generate`` with the same gate decisions."""
     from sakura.dit.adapters.base import Conditioning, LatentRequest, LatentTemplate
     from sakura.dit.adapters.regional import regional_generate
     from sakura.dit.adapters.registry import load_adapter
     from sakura.dit.adapters.tiny import save_tiny_pipeline
 
-    path = save_tiny_pipeline("flux2", tmp_path / "flux2")
-    adapter = load_adapter("flux2", path)
+    path = save_tiny_pipeline(kind, tmp_path / kind)
+    adapter = load_adapter(name, path)
     g = torch.Generator().manual_seed(0)
     width = adapter.model.config.joint_attention_dim
-    req = LatentRequest(Conditioning(torch.randn(1, 7, width, generator=g)),
-                        Conditioning(torch.randn(1, 3, width, generator=g)), 0)
+    pooled = adapter.model.config.get("pooled_projection_dim") or 0
+
+    def cond(tokens):
+        return Conditioning(torch.randn(1, tokens, width, generator=g),
+                            torch.randn(1, pooled, generator=g) if pooled else None)
+
+    req = LatentRequest(cond(7), cond(3), 0)
     rc = RegionalConfig(warmup=2, eps=0.02, max_skips=2, patches=3)
-    cfg = EngineConfig(workers=1, model="flux2", model_path=str(path), regional=rc,
+    cfg = EngineConfig(workers=1, model=name, model_path=str(path), regional=rc,
                        quality_eps=None, max_size=256)
     size = 6 * adapter.pixels_per_token
     with RenderEngine(cfg) as eng:
@@ -196,3 +202,23 @@ def test_adapter_checkpoint_served_regionally_equals_single_process(tmp_path):
         if mode == "regional":
             assert r.stats["skipped_patch_steps"] == st.stats.skipped_patch_steps > 0
             assert r.stats["probe_steps"] == STEPS - 2
+
+
+def test_lower_classes_leave_backlog_room_while_a_higher_class_is_open():
+    s = Scheduler(capacity=100.0, reserve=0.5)
+    s.add_worker(0)
+    s.open_request(1, 2)
+    for p in range(6):
+        s.add(_task(1, 3, p, PATCH, cost=20.0, cls=2))
+    assert sum(len(g.tasks) for g in s.place()) == 5  # alone: the whole backlog (>= 100)
+    s = Scheduler(capacity=100.0, reserve=0.5)
+    s.add_worker(0)
+    s.open_request(1, 2)
+    s.open_request(2, 0)  # a high request is open (between two of its steps)
+    for p in range(6):
+        s.add(_task(1, 3, p, PATCH, cost=20.0, cls=2))
+    assert sum(len(g.tasks) for g in s.place()) == 3  # only to half the capacity
+    s.add(_task(2, 4, -2, PROBE, cost=20.0, cls=0))
+    assert [t.key.rid for g in s.place() for t in g.tasks] == [2]  # the room kept for it
+    s.forget(2)  # the high request finished: the low one may fill the backlog again
+    assert sum(len(g.tasks) for g in s.place()) == 1
