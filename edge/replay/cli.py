@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-from sakura.edge.cli import startup_fraction
+from sakura.edge.cli import runtime_arg, startup_fraction
 
 from sakura.argtypes import json_path, positive_int
 
@@ -33,6 +33,7 @@ def register(commands: Any, bench: Any) -> None:
     r.add_argument("--startup-fraction", type=startup_fraction, metavar="F",
                    help="startup allowance of the streamed edits (0 to 1; the config's "
                         "startup_fraction)")
+    runtime_arg(r, python_needs=" (the config's runtime, default native)")
     r.add_argument("--packs-dir", metavar="DIR", help="where packs are built and kept")
     r.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     r.add_argument("--threads", type=positive_int, default=1, metavar="N",
@@ -67,7 +68,7 @@ def _replay(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     cfg = load_config(args.config, quick=args.quick, starts=args.starts, regime=args.regime,
                       link=args.link, packs_dir=args.packs_dir, weights=args.weights,
-                      startup_fraction=args.startup_fraction)
+                      startup_fraction=args.startup_fraction, runtime=args.runtime)
     summary = run_replay(cfg, args.out, log=_log, progress=not args.no_progress)
     print(f"replay: {summary['ran']} runs done, {summary['skipped']} skipped (already in "
           f"{args.out}/runs.jsonl)")

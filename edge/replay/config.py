@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from sakura.edge import RUNTIMES
 from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
 
 from sakura.errors import SakuraError
@@ -68,6 +69,8 @@ class ReplayConfig:
     rtt_ms: float = 30.0
     loss: float = 0.0
     pin_cpus: bool = True
+    # the device runtime of the timed edits: "native" (C++ shard loop) or "python"
+    runtime: str = "native"
     startup_fraction: float = DEFAULT_STARTUP_FRACTION
     headline_networks: tuple[str, ...] = ("5g",)
     # sakura with a deadline of m x T (T: the measured masked execution time) on the
@@ -189,6 +192,8 @@ class ReplayConfig:
             check_startup_fraction(self.startup_fraction)
         except ValueError as exc:
             raise bad(str(exc)) from None
+        if self.runtime not in RUNTIMES:
+            raise bad(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if self.timelines not in ("all", "first"):
             raise bad(f"timelines must be 'all' or 'first', got {self.timelines!r}")
         if self.build_workers < 1:
@@ -253,6 +258,7 @@ _SCALARS: dict[str, type] = {
     "starts": int, "seed": int, "span_s": float, "prompt": int, "edit_seed": int,
     "regime": str, "regime_x": float, "regime_network": str, "link": str,
     "rtt_ms": float, "loss": float, "pin_cpus": bool, "startup_fraction": float,
+    "runtime": str,
     "packs_dir": str, "weights": str, "catalog": str, "trace_dir": str, "build_workers": int,
     "timelines": str,
 }

@@ -437,10 +437,11 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
     from sakura.edge.runtime import EdgeRuntime
 
     runtimes = {}
-    main = EdgeRuntime(model, weights_sha256=weights_sha)
+    main = EdgeRuntime(model, weights_sha256=weights_sha, runtime=cfg.runtime)
     for v in variants:
         rt = main if v == "main" else EdgeRuntime(model, encoder=main.encoder,
-                                                  weights_sha256=weights_sha)
+                                                  weights_sha256=weights_sha,
+                                                  runtime=cfg.runtime)
         rt.profiles = main.profiles  # one calibration per template (same model)
         runtimes[v] = rt
     direct = links.direct("main")
@@ -657,9 +658,10 @@ def _check_meta(out: Path, cfg: ReplayConfig, weights_sha: str) -> None:
                 f"({str(old.get('weights_sha256'))[:12]}); use another --out")
         old_cfg = old.get("config", {})
         # results from before the startup allowance existed were made without one
-        old_cfg = {"startup_fraction": 0.0, **old_cfg} if old_cfg else old_cfg
+        # ... and on the Python runtime, before the native one existed
+        old_cfg = {"startup_fraction": 0.0, "runtime": "python", **old_cfg} if old_cfg else old_cfg
         for k in ("regime_x", "regime_network", "edit_seed", "prompt", "seed", "span_s",
-                  "startup_fraction"):
+                  "startup_fraction", "runtime"):
             if k in old_cfg and old_cfg[k] != meta["config"][k]:
                 raise ReplayConfigError(
                     f"{out} holds results made with {k} = {old_cfg[k]!r}, this config has "
