@@ -444,7 +444,7 @@ def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
     assert by[("sakura-q1", 1)]["q"] == 1.0 and by[("sakura", 1)]["q"] == 0.5
     assert by[("sakura", 0)]["timeline"]["rows"]
     assert {r["trace"] for r in runs} <= {p.name for p in Path(
-        __import__("traces").require_trace_dir()).glob("lumos5g/5g/*.txt")}
+        __import__("sakura.traces", fromlist=["x"]).require_trace_dir()).glob("lumos5g/5g/*.txt")}
     # resume: nothing left to do; a lost last run is redone, nothing else
     assert run_replay(cfg, out, log=logs.append, progress=False)["ran"] == 0
     lines = rf.path.read_bytes().splitlines(keepends=True)
