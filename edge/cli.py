@@ -80,6 +80,9 @@ def register(commands: Any, bench: Any) -> None:
                    help="multiply the trace/rate by this factor (default 1)")
     p.add_argument("--out", type=png_file, required=True, metavar="FILE",
                    help="edited image (PNG); the timeline goes beside it")
+    p.add_argument("--json", type=json_path, metavar="PATH",
+                   help="also write the result (latency, bytes, stalls, configurations, "
+                        "timeline) here (- for stdout)")
     p.add_argument("--token", help="bearer token for the server")
     p.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     p.add_argument("--model", help="run a diffusers model instead of the shipped one, e.g. "
@@ -304,6 +307,8 @@ def _edit(args: argparse.Namespace) -> int:
     doc = {"template": args.template, "link": link_info, "server": args.server,
            **result.to_json()}
     tl_json = write_json(stem.with_name(stem.name + ".timeline.json"), doc)
+    if args.json:
+        write_json(Path(args.json), doc)
     tl_png = plot_timeline(result.timeline, stem.with_name(stem.name + ".timeline.png"),
                            f"{args.policy} on {args.template}") if result.timeline else None
     _print_summary(result, out, tl_json, tl_png)

@@ -105,7 +105,8 @@ def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys
                      "a tiny pirate hat", "--reference", str(ref), "--seed", "3",
                      "--rate", "20", "--out", str(out), "--weights",
                      str(root / "model.safetensors"), "--compare-exact",
-                     "--state-dir", str(tmp_path / "state")])
+                     "--state-dir", str(tmp_path / "state"),
+                     "--json", str(tmp_path / "result.json")])
     assert code == 0
     printed = capsys.readouterr().out
     for word in ("latency", "bytes", "stalls", "configs", "PSNR", "SSIM"):
@@ -114,6 +115,7 @@ def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys
 
     assert imread(out).shape == (32, 32, 3)
     doc = json.loads((tmp_path / "edit.timeline.json").read_text())
+    assert json.loads((tmp_path / "result.json").read_text()) == doc  # --json PATH
     assert doc["policy"] == "sakura" and doc["link"]["mode"] == "paced"
     assert len(doc["timeline"]) == doc["requests"] - 1 == 3 * 1  # 3 steps x 1 shard
     assert doc["psnr_db"] is not None and doc["ssim"] is not None
