@@ -308,6 +308,22 @@ def test_bench_cli_times_every_help(tmp_path, capsys):
     assert code == 2 and "unknown command(s) nope" in err
 
 
+def test_traces_stats_takes_the_named_sets_traces_list_shows(tmp_path, monkeypatch, capsys):
+    for name in ("a", "b"):
+        (tmp_path / "mahimahi").mkdir(exist_ok=True)
+        (tmp_path / "mahimahi" / f"{name}.down").write_text("".join(f"{t}\n" for t in
+                                                                    range(1, 2001)))
+    monkeypatch.setenv("SAKURA_TRACES", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "mahimahi")  # (a folder named like a set would win)
+    code, out, _ = invoke(["traces", "list", "--json", "-"], capsys)
+    assert code == 0 and json.loads(out)["sets"]["mahimahi"] == 2
+    code, out, _ = invoke(["traces", "stats", "mahimahi", "--json", "-"], capsys)
+    assert code == 0 and [r["name"] for r in json.loads(out)] == ["a.down", "b.down"]
+    code, _, err = invoke(["traces", "stats", "wifi"], capsys)
+    assert code == 1 and error_lines(err) == [
+        f"sakura: error: trace set 'wifi' is empty under {tmp_path} (wifi/*_wifi.csv)"]
+
+
 def test_version(capsys):
     code, out, _ = invoke(["--version"], capsys)
     assert code == 0 and out.strip() == f"sakura {__version__}"
