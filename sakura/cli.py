@@ -41,6 +41,13 @@ COMMAND_MODULES = (
 # enum registration: warnings of no use to a user, printed on every command otherwise.
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
+DESCRIPTION = ("SAKURA: stream compressed KV caches of diffusion-transformer edit templates\n"
+               "from the cloud to phones, and edit privately on the device.")
+EPILOG = """\
+`sakura COMMAND --help` for a command's options. Bad arguments print the usage and exit 2;
+bad input prints one `sakura: error: ...` line and exits 1. `--json PATH` writes a
+command's machine-readable result to PATH (`-`: standard output)."""
+
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE
 
@@ -54,7 +61,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sakura", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="sakura", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"sakura {__version__}",
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
