@@ -237,35 +237,38 @@ def check_edit_args(args: argparse.Namespace) -> None:
     args.runtime = resolve_runtime(args, needs)
 
 
-def fetch_template(server: str, template_id: str, token: str | None) -> Any:
-    """The template from the server's catalog entry (only its id is sent), fetched before
-    the model loads so that an unknown template or a server that is not there costs
-    nothing (the same request as ``EdgeRuntime.fetch_template``)."""
+def fetch_template_entry(server: str, template_id: str, token: str | None) -> dict[str, Any]:
+    """The template's entry in the server's catalog (only its id is sent), fetched before
+    torch or the model load, so that an unknown template or a server that is not there
+    costs nothing (the same request as ``EdgeRuntime.fetch_template``)."""
     import asyncio
 
     from sakura.edge.client import PackClient, RetryPolicy
-    from sakura.edge.templates import template_from_entry
 
     async def get() -> dict[str, Any]:
         async with PackClient(server, token=token, retry=RetryPolicy()) as client:
             return await client.template_entry(template_id)
 
-    return template_from_entry(template_id, asyncio.run(get()))
+    return asyncio.run(get())
 
 
 def _edit(args: argparse.Namespace) -> int:
     check_edit_args(args)
     out = Path(args.out)
-    _set_threads(args.threads)
     from sakura.edge.netem import trace_from_args
 
     trace = trace_from_args(args.trace, args.rate, args.scale)
-    if args.catalog:
+    entry = None if args.catalog else fetch_template_entry(args.server, args.template,
+                                                           args.token)
+    _set_threads(args.threads)
+    if entry is None:
         from sakura.dit.templates import load_catalog
 
         template = load_catalog(args.catalog)[args.template].to_device_template()
     else:
-        template = fetch_template(args.server, args.template, args.token)
+        from sakura.edge.templates import template_from_entry
+
+        template = template_from_entry(args.template, entry)
         shipped = _shipped_seed(args.template)
         if template.seed < 0 and shipped is not None:
             template.seed = shipped
