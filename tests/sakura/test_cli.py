@@ -367,6 +367,34 @@ def _blocked(modules: tuple[str, ...], argv: list[str]) -> str:
             f"from sakura.cli import main\nsys.exit(main({argv!r}))\n")
 
 
+def test_an_unknown_template_is_refused_before_torch_loads(tmp_path):
+    """`sakura edit` asks the server's catalog for the template before it imports torch or
+    loads the model (with the Python runtime; the native one checks its module first)."""
+    published = _published(tmp_path)
+    script = textwrap.dedent(f"""
+        import contextlib, io, json, sys
+        from sakura.cloud.runner import serve_in_thread
+        from sakura.cloud.server import create_app
+        from sakura.cloud.storage import LocalStorage
+        from sakura.cli import main
+        err = io.StringIO()
+        with serve_in_thread(create_app(LocalStorage({str(published)!r}))) as url:
+            with contextlib.redirect_stderr(err):
+                code = main(["edit", "--server", url, "--template", "nope", "--prompt", "p",
+                             "--out", {str(tmp_path / "o.png")!r}, "--no-state",
+                             "--runtime", "python"])
+        print(json.dumps({{"code": code, "err": err.getvalue(),
+                           "torch": "torch" in sys.modules}}))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["code"] == 1 and not doc["torch"]
+    (line,) = error_lines(doc["err"])
+    assert "unknown template 'nope'" in line
+
+
 def test_a_missing_extra_is_named(tmp_path):
     cases = [
         (("boto3", "botocore"), ["serve", "--s3-bucket", "packs"],
