@@ -30,7 +30,7 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 CATALOG_KEY = "catalog.json"
 CATALOG_VERSION = 1
 MANIFEST_FORMAT = "sakura-pack"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # pack format 2: every configuration is one byte range
 MANIFEST_NAME = "manifest.json"
 
 
@@ -138,7 +138,8 @@ def validate_manifest(
         )
     if manifest.get("version") != MANIFEST_VERSION:
         raise ManifestError(
-            f"unsupported manifest version {manifest.get('version')!r:.20} (expected {MANIFEST_VERSION})"
+            f"unsupported manifest version {manifest.get('version')!r:.20} (expected "
+            f"{MANIFEST_VERSION}; rebuild the pack with this version of `sakura build`)"
         )
     tid, cname = manifest.get("template_id"), manifest.get("codec")
     check_ids(tid, cname)
@@ -206,6 +207,11 @@ def validate_manifest(
                         f"shard {index} config {cid}: a range must be [offset, length]"
                     )
                 spans.append(check_span(rng[0], rng[1], f"shard {index} config {cid} range"))
+            if len(spans) != 1:
+                raise ManifestError(
+                    f"shard {index} config {cid}: {len(spans)} ranges; pack format "
+                    f"{MANIFEST_VERSION} serves every configuration as exactly one range"
+                )
             total = sum(length for _, length in spans)
             declared = cfg.get("bytes", total)
             if _int(declared, f"shard {index} config {cid} bytes") != total:

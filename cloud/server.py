@@ -52,7 +52,7 @@ from sakura.cloud.ranges import (
 )
 from sakura.cloud.storage import LocalStorage, ObjectReader, Storage
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
+from starlette.responses import FileResponse, Response
 
 log = logging.getLogger("sakura.cloud.server")
 
@@ -431,6 +431,58 @@ def _resolve(state: ServerState, template_id: str, codec: str, pinned: str | Non
     raise ApiError(500, f"the manifest of {template_id}/{codec} is missing from storage")
 
 
+def _manifest_response(request: Request, state: ServerState, resolved: Resolved) -> Response:
+    """The manifest bytes exactly as published (gzip when accepted), ETag the pack sha256."""
+    headers = {
+        "ETag": resolved.etag,
+        "Cache-Control": _cache_control(state, resolved.pinned),
+        "X-Sakura-Pack-File": resolved.index.pack_file,
+    }
+    early = _preconditions(request, resolved.etag, headers)
+    if early:
+        return early
+    headers["Vary"] = "Accept-Encoding"
+    body = resolved.manifest_raw
+    if _accepts_gzip(request.headers.get("accept-encoding", "")):
+        # manifests are mostly hex checksums and unit lists: gzip shrinks them several
+        # times, which is start-up latency on a slow link (packs are never compressed)
+        body = state.gzip_manifest(resolved.etag, body)
+        headers["Content-Encoding"] = "gzip"
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def _pack_file_response(request: Request, state: ServerState, resolved: Resolved) -> Response:
+    """The whole pack with Range support: Starlette's FileResponse for a local folder (206,
+    multipart, 416, If-Range), the streamed storage reader otherwise (S3)."""
+    headers = {
+        "ETag": resolved.etag,
+        "Cache-Control": _cache_control(state, resolved.pinned),
+        "X-Sakura-Pack-File": resolved.index.pack_file,
+        "X-Content-Type-Options": "nosniff",
+    }
+    if not isinstance(state.storage, LocalStorage):
+        body = Body(((0, resolved.index.pack_bytes),))
+        return _serve_body(request, state, resolved, body, resolved.etag, headers)
+    early = _preconditions(request, resolved.etag, headers)
+    if early is not None:
+        return early
+    path = state.storage.path(resolved.pack_key)
+    try:
+        st = path.stat()
+    except FileNotFoundError as exc:
+        raise ApiError(404, _gone(resolved.template_id, resolved.codec,
+                                  resolved.index.pack_file)) from exc
+    except OSError as exc:
+        log.error("cannot stat %s: %s", resolved.pack_key, exc)
+        raise ApiError(503, "storage unavailable") from exc
+    if st.st_size != resolved.index.pack_bytes:
+        log.error("pack %s has %d bytes, manifest says %d", resolved.pack_key, st.st_size,
+                  resolved.index.pack_bytes)
+        raise ApiError(500, f"the pack of {resolved.template_id}/{resolved.codec} is "
+                            "truncated or corrupt")
+    return FileResponse(path, headers=headers, media_type=OCTET, stat_result=st)
+
+
 def _gone(template_id: str, codec: str, pack_file: str) -> str:
     return (
         f"pack version {pack_file!r} of {template_id}/{codec} is not available "
@@ -725,22 +777,7 @@ def create_app(
         _c: HTTPAuthorizationCredentials | None = Security(bearer),
     ) -> Response:
         state, resolved = _resolve_request(request, template_id, codec, pack)
-        headers = {
-            "ETag": resolved.etag,
-            "Cache-Control": _cache_control(state, resolved.pinned),
-            "X-Sakura-Pack-File": resolved.index.pack_file,
-        }
-        early = _preconditions(request, resolved.etag, headers)
-        if early:
-            return early
-        headers["Vary"] = "Accept-Encoding"
-        body = resolved.manifest_raw
-        if _accepts_gzip(request.headers.get("accept-encoding", "")):
-            # manifests are mostly hex checksums and unit lists: gzip shrinks them several
-            # times, which is start-up latency on a slow link (packs are never compressed)
-            body = state.gzip_manifest(resolved.etag, body)
-            headers["Content-Encoding"] = "gzip"
-        return Response(body, media_type="application/json", headers=headers)
+        return _manifest_response(request, state, resolved)
 
     def get_pack(
         request: Request,
@@ -797,13 +834,63 @@ def create_app(
         "shard",
         "Exactly the bytes of one configuration of one shard (Range supported for resume)",
     )
+
+    # the published layout itself, as nginx or an S3 bucket serve it (what the edge reads)
+    def get_layout_catalog(
+        request: Request, _c: HTTPAuthorizationCredentials | None = Security(bearer)
+    ) -> Response:
+        return list_templates(request)
+
+    _add_get_head(
+        app,
+        "/" + layout.CATALOG_KEY,
+        get_layout_catalog,
+        "layout_catalog",
+        "catalog.json of the published layout (filtered by token scope)",
+        json_body=True,
+    )
+
+    def get_layout_file(
+        request: Request,
+        template_id: str,
+        codec: str,
+        name: str,
+        _c: HTTPAuthorizationCredentials | None = Security(bearer),
+    ) -> Response:
+        if name == layout.MANIFEST_NAME:
+            state, resolved = _resolve_request(request, template_id, codec, None)
+            return _manifest_response(request, state, resolved)
+        if name.endswith(".manifest.json"):
+            pack_file = name.removesuffix(".manifest.json") + ".pack"
+            state, resolved = _resolve_request(request, template_id, codec, pack_file)
+            return _manifest_response(request, state, resolved)
+        if layout.valid_pack_file(name):
+            state, resolved = _resolve_request(request, template_id, codec, name)
+            return _pack_file_response(request, state, resolved)
+        _check_template_id(template_id)
+        _check_codec(codec)
+        raise ApiError(404, f"no file {name[:80]!r} in the layout of {template_id}/{codec}")
+
+    _add_get_head(
+        app,
+        "/templates/{template_id}/{codec}/{name}",
+        get_layout_file,
+        "layout_file",
+        "A file of the published layout: manifest.json, <pack>.manifest.json or the "
+        "immutable pack itself (single-range GETs: Starlette FileResponse for local packs)",
+    )
     return app
 
 
-def _add_get_head(app: FastAPI, path: str, endpoint: Any, name: str, summary: str) -> None:
+def _add_get_head(
+    app: FastAPI, path: str, endpoint: Any, name: str, summary: str, json_body: bool = False
+) -> None:
     """Register ``endpoint`` for GET and HEAD with distinct OpenAPI operation ids."""
     responses: dict[int | str, dict[str, Any]] = {
-        200: {"description": "The full body", "content": {OCTET: {}}},
+        200: {
+            "description": "The full body",
+            "content": {"application/json" if json_body else OCTET: {}},
+        },
         206: {"description": "Partial content (one range, or multipart/byteranges)"},
         304: {"description": "Not modified (If-None-Match)"},
         400: {"description": "Invalid id or rejected Range header"},

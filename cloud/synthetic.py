@@ -1,9 +1,9 @@
 """Synthetic packs with valid manifests, for tests and ``sakura bench serve``.
 
 The bytes are random (seeded); the manifest follows the pack schema exactly: every shard
-has a K region and a V region, each a run of progressive units, and configuration ``j`` of a
-shard is the first ``j + 1`` units of both regions: two contiguous byte ranges, as in the
-SAKURA progressive layout. No model or codec is involved.
+is one run of progressive units and configuration ``j`` of a shard is its first ``j + 1``
+units: one contiguous byte range, as in the SAKURA embedded progressive layout
+(``codec/FORMAT.md``). No model or codec is involved.
 """
 
 from __future__ import annotations
@@ -40,38 +40,31 @@ def make_pack(
     """Write ``<directory>/<template_id>.<codec>.pack`` and return (manifest, pack path)."""
     spec = spec or SyntheticSpec()
     rng = np.random.default_rng(spec.seed)
-    unit_sizes = [spec.unit_bytes * (k + 1) for k in range(spec.configs)]
+    # two regions' worth per unit, so bodies keep the sizes of the two-range layout
+    unit_sizes = [2 * spec.unit_bytes * (k + 1) for k in range(spec.configs)]
     region = sum(unit_sizes)
-    pack_bytes = spec.shards * 2 * region
+    pack_bytes = spec.shards * region
     data = rng.integers(0, 256, size=pack_bytes, dtype=np.uint8).tobytes()
     units: list[list[Any]] = []
     shards: list[dict[str, Any]] = []
     offset = 0
     for s in range(spec.shards):
-        region_units: list[list[int]] = []  # per region, the unit indices in order
-        region_starts = []
-        for _half in range(2):
-            region_starts.append(offset)
-            indices = []
-            for size in unit_sizes:
-                units.append(
-                    [offset, size, hashlib.sha256(data[offset : offset + size]).hexdigest()]
-                )
-                indices.append(len(units) - 1)
-                offset += size
-            region_units.append(indices)
+        start = offset
+        indices = []
+        for size in unit_sizes:
+            units.append([offset, size, hashlib.sha256(data[offset : offset + size]).hexdigest()])
+            indices.append(len(units) - 1)
+            offset += size
         configs = []
         for j in range(spec.configs):
             prefix = sum(unit_sizes[: j + 1])
-            ranges = [[region_starts[0], prefix], [region_starts[1], prefix]]
-            used = region_units[0][: j + 1] + region_units[1][: j + 1]
             configs.append(
                 {
                     "id": j,
                     "params": {"rank": 4 * (j + 1), "bits": 8},
-                    "units": used,
-                    "ranges": ranges,
-                    "bytes": 2 * prefix,
+                    "units": indices[: j + 1],
+                    "ranges": [[start, prefix]],
+                    "bytes": prefix,
                     "quality": {"weighted_err": 1.0 / (j + 1), "psnr_db": 20.0 + 5 * j},
                     "pareto": True,
                 }

@@ -290,7 +290,7 @@ class LowRankCodec(Codec):
                                if (k + 1) % (top + 1) == 0 and path[k][0] in g.reference]
         heads = [StreamHeader(g.levels, m_count, n, c, g.group, g.level_bits, g.ladder,
                               unit_levels(p)).size for p in streams]
-        chosen = self._choose(streams, offers, err_of, size_of, heads)
+        chosen = self._choose(streams, offers, err_of, size_of, heads, set(g.reference))
 
         # 5. units: per stream its header then its units, up to the last one a
         # configuration uses (nothing else is stored)
@@ -321,9 +321,10 @@ class LowRankCodec(Codec):
 
     def _choose(self, streams: list[list[tuple[int, ...]]], offers: list[tuple[int, int, bool]],
                 err_of: dict[tuple[int, ...], float], size_of: dict[tuple[int, ...], int],
-                heads: list[int]) -> list[tuple[int, int]]:
+                heads: list[int], reference: set[int]) -> list[tuple[int, int]]:
         """The configurations of the table, as (stream, prefix units): the thinned Pareto
-        front of the offered prefixes (``keep="all"``: every uniform one too)."""
+        front of the offered prefixes, the main stream's uniform prefixes at the reference
+        ranks, and with ``keep="all"`` every uniform stream's configuration."""
         def key(o: tuple[int, int, bool]) -> tuple[int, float]:
             ranks = streams[o[0]][o[1] - 1]
             return heads[o[0]] + size_of[ranks], err_of[ranks]
@@ -339,6 +340,14 @@ class LowRankCodec(Codec):
             if j in (0, len(front) - 1) or key(o)[0] >= last * THIN:
                 keep.append(o)
                 last = key(o)[0]
+        # the uniform prefixes of the main stream too (few): what a fixed-bitwidth policy
+        # can choose from when no ablation streams are stored
+        for o in pool:
+            ranks = streams[o[0]][o[1] - 1]
+            nz = [r for r in ranks if r]
+            if (len(set(nz)) == 1 and nz[0] in reference
+                    and self.opts.bits[len(nz) - 1] in self.opts.uniform_bits):
+                keep.append(o)
         if self.opts.keep == "all":
             keep += [o for o in offers if o[2]]
         out, seen = [], set()

@@ -1,28 +1,48 @@
-"""The edge's HTTP client (aiohttp): catalog, manifests and shard bodies from a SAKURA server.
+"""The edge's HTTP client (aiohttp): catalog, manifests and pack byte ranges from any origin.
 
-Every request names only public things: the template id, the codec (which pack), the
-shard index, the configuration id and the pack version (``?pack=<pack_file>`` from the
-manifest, so that every shard of one edit comes from the same immutable pack even if the
-provider republishes meanwhile). Nothing derived from the user's image, prompt, mask,
-seed or embeddings is ever sent: there are no request bodies and no custom headers
-besides an optional bearer token. ``request_log`` (a list) receives a
+Every origin serves the published catalog layout (``cloud/layout.py``)::
+
+    catalog.json
+    templates/<template_id>/<codec>/manifest.json      the current manifest
+    templates/<template_id>/<codec>/<pack_file>        immutable, named by content hash
+
+so the device needs no code of ours on the other side. Three kinds of origin, chosen by the
+URL the user gives:
+
+- ``http://`` or ``https://``: ``sakura serve`` (which adds bearer auth, a token-filtered
+  catalog and metrics), nginx or any static server or CDN in front of the published folder;
+  ``token`` is sent as ``Authorization: Bearer`` when given;
+- ``s3://bucket/prefix``: an S3 bucket (or any S3-compatible store), read with presigned GET
+  URLs made locally from the standard AWS environment (credentials, ``AWS_ENDPOINT_URL``,
+  ``AWS_DEFAULT_REGION``; ``?endpoint_url=...&region=...`` in the URL override them).
+
+A shard configuration is ONE byte range of the pack (pack format 2, ``codec/FORMAT.md``), so
+:meth:`PackClient.fetch_config` is one ``GET`` of the pack URL with ``Range: bytes=a-b``. The
+pack's name holds its content hash, so a request is pinned to one version by its URL; a
+dropped body resumes with a narrower ``Range`` and ``If-Range: <the ETag the origin sent>``
+(a ``200`` answer there means the object changed: the range restarts from scratch). Every
+body is checked against the manifest (exact length and the sha256 of every unit of the
+range) before it is returned; a body that fails is fetched again, then refused
+(:class:`IntegrityError`). A ``Content-Range`` whose total is not the manifest's
+``pack_bytes`` (a truncated or replaced object), an origin that ignores ``Range`` and a
+``416`` are clear errors, never wrong bytes. :meth:`PackClient.pack_location` gives the
+plain request (URL and headers) for anyone else fetching ranges, e.g. the native receiver.
+
+Nothing derived from the user's image, prompt, mask, seed or embeddings is ever sent: only
+the template id, codec, pack name and byte ranges (which the manifest maps to shard and
+configuration), and an optional bearer token. ``request_log`` (a list) receives a
 :class:`RequestRecord` for every request actually sent, retries included.
 
-Shard bodies are verified twice: the sha256 of the whole body against the server's
-``X-Sakura-Sha256`` header (when the manifest is not known) and, when the manifest is
-given, the exact length and the sha256 of every range unit the configuration is made of
-(the manifest's ``units`` table), so a corrupted pack on the server is caught too.
-
 Manifests: with a ``manifests`` dict (the device's manifest cache, kept across edits) a
-known manifest is revalidated with ``If-None-Match: <etag>`` (the pack sha256) and a 304
-answer moves no body, as a video player keeps a stream's manifest.
+known manifest is revalidated with ``If-None-Match: <etag>`` and a 304 answer moves no body.
 
-Failures: a dropped connection or read timeout resumes the body with
-``Range: bytes=N-`` and ``If-Range: <etag>`` (a 200 answer restarts from byte 0); a
-corrupted body is refetched from scratch; 5xx / 408 / 429 answers and connection errors
-are retried with exponential backoff. After ``max_attempts`` consecutive attempts without
-progress the client raises :class:`ServerUnreachable` with the URL and the last error; a
-4xx answer raises :class:`EdgeError` with the server's message at once.
+Failures: connection errors, timeouts and ``408 / 429 / 5xx`` answers are retried with
+exponential backoff while the request makes no progress for less than
+``RetryPolicy.window_s`` (30 s by default: long enough for ``sakura serve`` to restart), or
+until ``max_attempts`` consecutive failures when that is set. Giving up names the URL the
+user gave and the last problem: :class:`ServerUnreachable` when nothing answered,
+:class:`OriginError` with the origin's own message when it answered with an error; any
+other ``4xx`` raises :class:`OriginError` at once.
 """
 
 from __future__ import annotations
@@ -30,16 +50,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 import aiohttp
-from sakura.edge.errors import EdgeError, IntegrityError, ServerUnreachable
+from sakura.edge.errors import EdgeError, IntegrityError, OriginError, ServerUnreachable
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+MANIFEST_VERSION = 2  # pack format 2 (codec/FORMAT.md): every configuration is one range
+# the published layout (cloud/layout.py; edge does not import cloud)
+CATALOG_KEY = "catalog.json"
+_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+_PACK_FILE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,95}(?:\.[a-z0-9_-]{1,32})?\.pack$")
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+PRESIGN_EXPIRES_S = 3600
 
 
 @dataclass(frozen=True)
@@ -58,7 +87,8 @@ class RetryPolicy:
 
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 10.0   # longest silence inside one response (outages)
-    max_attempts: int = 6          # consecutive attempts without progress before giving up
+    window_s: float = 30.0         # give up after this long without progress
+    max_attempts: int | None = None  # ... or after this many consecutive failed attempts
     backoff_s: float = 0.1
     backoff_max_s: float = 2.0
     max_refetch: int = 3           # refetches of a body that fails verification
@@ -66,27 +96,62 @@ class RetryPolicy:
     def delay(self, failures: int) -> float:
         return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
 
+    def exhausted(self, failures: int, since_progress_s: float) -> bool:
+        if self.max_attempts is not None and failures >= self.max_attempts:
+            return True
+        return since_progress_s >= self.window_s
+
+
+@dataclass(frozen=True)
+class PackLocation:
+    """The plain HTTP request that reads byte ranges of one pack.
+
+    ``GET url`` with ``headers`` plus ``Range: bytes=a-b`` (absolute offsets from the
+    manifest's ``ranges``) fetches any configuration; when resuming a dropped body, send
+    ``If-Range: etag`` (``None`` until a response from this origin has shown its ETag; then
+    use the one the response carried). For S3 the URL is presigned (valid
+    ``PRESIGN_EXPIRES_S``) and ``headers`` is empty; for ``sakura serve`` with auth it holds
+    the bearer token.
+    """
+
+    url: str
+    headers: dict[str, str]
+    etag: str | None = None
+
 
 @dataclass(frozen=True)
 class BodySpec:
-    """What a configuration's body must be: its length and unit (length, sha256) in order."""
+    """What a configuration's body must be: where it lies in the pack, its length and its
+    units' (length, sha256) in order."""
 
     nbytes: int
     units: tuple[tuple[int, str], ...] = ()
+    offset: int = 0
+    pack_bytes: int | None = None
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any], shard: int, config: int) -> BodySpec:
         entry = config_entry(manifest, shard, config)
         table = manifest.get("units") or []
         units = []
-        for u in entry.get("units") or []:
-            _off, length, sha = table[int(u)][:3]
-            units.append((int(length), str(sha)))
-        nbytes = int(entry["bytes"])
-        if units and sum(n for n, _ in units) != nbytes:
-            raise EdgeError(f"manifest: shard {shard} config {config}: units do not add up "
-                            f"to its {nbytes} bytes")
-        return cls(nbytes, tuple(units))
+        try:
+            for u in entry.get("units") or []:
+                _off, length, sha = table[int(u)][:3]
+                units.append((int(length), str(sha)))
+            ranges = [(int(o), int(n)) for o, n in entry.get("ranges") or []]
+            nbytes = int(entry["bytes"])
+        except (IndexError, KeyError, TypeError, ValueError) as exc:
+            raise EdgeError(f"manifest: shard {shard} config {config} is malformed: "
+                            f"{exc!r}") from None
+        if len(ranges) != 1:
+            raise EdgeError(f"manifest: shard {shard} config {config} has {len(ranges)} byte "
+                            "ranges; this client reads pack format 2 (one range each)")
+        if not units or sum(n for n, _ in units) != nbytes or ranges[0][1] != nbytes:
+            raise EdgeError(f"manifest: shard {shard} config {config}: units and range do not "
+                            f"add up to its {nbytes} bytes")
+        pack_bytes = manifest.get("pack_bytes")
+        return cls(nbytes, tuple(units), ranges[0][0],
+                   int(pack_bytes) if isinstance(pack_bytes, int) else None)
 
     def verify(self, data: bytes) -> str | None:
         """None when ``data`` is the body, else what is wrong."""
@@ -123,15 +188,9 @@ class Fetched:
     refetches: int = 0
 
 
-@dataclass
-class _Attempt:
-    progressed: bool = False
-    error: str = ""
-
-
 @dataclass(frozen=True)
 class CachedManifest:
-    """A manifest kept on the device, with the ETag (pack sha256) to revalidate it."""
+    """A manifest kept on the device, with the ETag to revalidate it."""
 
     etag: str
     data: dict[str, Any]
@@ -163,12 +222,90 @@ class _JsonGot:
 
 
 class _Retry(Exception):
-    """An answer worth retrying (5xx, 408, 429, mismatched partial content)."""
+    """An answer worth retrying (5xx, 408, 429, a resume the origin could not honour)."""
+
+    def __init__(self, message: str, answered: bool = True) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+# ---------------------------------------------------------------------------- origins
+
+
+class HttpOrigin:
+    """``sakura serve``, nginx or a CDN: the layout under one base URL."""
+
+    def __init__(self, base: str, token: str | None) -> None:
+        self.base = base.rstrip("/")
+        self.token = token
+
+    def url(self, key: str) -> str:
+        return f"{self.base}/{quote(key)}"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+
+class S3Origin:
+    """An S3 bucket prefix, read with presigned GET URLs (made locally by botocore)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if not parts.netloc:
+            raise EdgeError(f"an S3 origin is s3://bucket[/prefix], got {url[:80]!r}")
+        self.bucket = parts.netloc
+        prefix = parts.path.strip("/")
+        self.prefix = f"{prefix}/" if prefix else ""
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:  # pragma: no cover - boto3 is a dependency
+            raise EdgeError(f"an s3:// origin needs boto3 ({exc})") from None
+        endpoint = (query.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
+                    or os.environ.get("AWS_ENDPOINT_URL"))
+        region = query.get("region") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        config = Config(signature_version="s3v4",
+                        s3={"addressing_style": "path"} if endpoint else {})
+        self.client = boto3.client("s3", endpoint_url=endpoint, region_name=region,
+                                   config=config)
+
+    def url(self, key: str) -> str:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self.prefix + key},
+            ExpiresIn=PRESIGN_EXPIRES_S)
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+def manifest_key(template: str, codec: str) -> str:
+    _check_ids(template, codec)
+    return f"templates/{template}/{codec}/manifest.json"
+
+
+def pack_key(template: str, codec: str, pack_file: str) -> str:
+    _check_ids(template, codec)
+    if not isinstance(pack_file, str) or not _PACK_FILE.fullmatch(pack_file):
+        raise EdgeError(f"manifest: pack_file {str(pack_file)[:80]!r} is not a pack name")
+    return f"templates/{template}/{codec}/{pack_file}"
+
+
+def _check_ids(template: str, codec: str | None) -> None:
+    for what, value in (("template id", template), ("codec", codec)):
+        if what == "codec" and value is None:
+            continue
+        if not isinstance(value, str) or not _ID.fullmatch(value):
+            raise EdgeError(f"invalid {what} {str(value)[:80]!r}: use lower-case letters, "
+                            "digits, '-' and '_'")
+
+
+# ---------------------------------------------------------------------------- client
 
 
 @dataclass
 class PackClient:
-    """Async client of one SAKURA server. Use ``async with PackClient(url) as c: ...``."""
+    """Async client of one origin. Use ``async with PackClient(url) as c: ...``."""
 
     base_url: str
     token: str | None = None
@@ -177,11 +314,16 @@ class PackClient:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     chunk_size: int = 64 * 1024
     _session: aiohttp.ClientSession | None = field(default=None, init=False, repr=False)
+    _etags: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.base_url = self.base_url.rstrip("/")
-        if not self.base_url.startswith(("http://", "https://")):
-            raise EdgeError(f"server URL must start with http:// or https://, got "
+        self.base_url = str(self.base_url).rstrip("/")
+        if self.base_url.startswith(("http://", "https://")):
+            self.origin: HttpOrigin | S3Origin = HttpOrigin(self.base_url, self.token)
+        elif self.base_url.startswith("s3://"):
+            self.origin = S3Origin(self.base_url)
+        else:
+            raise EdgeError(f"the origin URL must start with http://, https:// or s3://, got "
                             f"{self.base_url[:80]!r}")
 
     # ------------------------------------------------------------------ session
@@ -199,10 +341,8 @@ class PackClient:
         trace.on_request_start.append(self._on_request_start)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.retry.connect_timeout_s,
                                         sock_read=self.retry.read_timeout_s)
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._session = aiohttp.ClientSession(
-            timeout=timeout, headers=headers, trace_configs=[trace],
-            connector=aiohttp.TCPConnector(limit=8))
+            timeout=timeout, trace_configs=[trace], connector=aiohttp.TCPConnector(limit=8))
 
     async def close(self) -> None:
         session, self._session = self._session, None
@@ -221,24 +361,34 @@ class PackClient:
             raise EdgeError("PackClient is not open (use `async with PackClient(...)`)")
         return self._session
 
-    # ------------------------------------------------------------------ URLs
-    def _url(self, *parts: str | int) -> str:
-        return self.base_url + "/v1/templates" + "".join(
-            "/" + quote(str(p), safe="") for p in parts)
-
     # ------------------------------------------------------------------ API
+    def pack_location(self, template: str, codec: str,
+                      manifest: Mapping[str, Any]) -> PackLocation:
+        """The plain request that reads byte ranges of ``manifest``'s pack (see
+        :class:`PackLocation`): the URL names the pack file, so it is version-pinned."""
+        key = pack_key(template, codec, manifest.get("pack_file"))  # type: ignore[arg-type]
+        url = self.origin.url(key)
+        return PackLocation(url, self.origin.headers(), self._etags.get(key))
+
     async def catalog(self) -> dict[str, Any]:
-        """The server's template catalog (``GET /v1/templates``)."""
-        got = await self._get_json(self._url())
+        """The origin's template catalog (``catalog.json``; ``sakura serve`` filters it to
+        the templates the token may see)."""
+        got = await self._get_json(CATALOG_KEY)
+        if not isinstance(got.data, dict) or not isinstance(got.data.get("templates"), dict):
+            raise EdgeError(f"{self.base_url}: catalog.json is not a SAKURA catalog")
         return got.data
 
     async def template_entry(self, template: str) -> dict[str, Any]:
-        """One template's catalog entry (``GET /v1/templates/{id}``): codecs, metadata and
-        the template assets the device needs (image, mask, steps, ...)."""
-        got = await self._get_json(self._url(template))
-        if not isinstance(got.data, dict):
-            raise EdgeError(f"{template}: the server's catalog entry is not a JSON object")
-        return got.data
+        """One template's catalog entry: codecs, metadata and the template assets the device
+        needs (image, mask, steps, ...)."""
+        _check_ids(template, None)
+        entry = (await self.catalog())["templates"].get(template)
+        if entry is None:
+            raise OriginError(f"{self.base_url}: unknown template {template!r} (not in its "
+                              "catalog, or not visible to this token)")
+        if not isinstance(entry, dict):
+            raise EdgeError(f"{template}: the catalog entry is not a JSON object")
+        return entry
 
     async def manifest(self, template: str, codec: str) -> dict[str, Any]:
         """The current manifest of a template's pack for ``codec``, checked for identity."""
@@ -249,17 +399,19 @@ class PackClient:
         manifest is revalidated (``If-None-Match``; a 304 moves no body)."""
         key = (template, codec)
         cached = self.manifests.get(key) if self.manifests is not None else None
-        got = await self._get_json(self._url(template, codec, "manifest"),
-                                   etag=cached.etag if cached else None)
+        got = await self._get_json(manifest_key(template, codec),
+                                   etag=cached.etag if cached else None,
+                                   what=f"{template}/{codec}")
         if got.not_modified and cached is not None:
             return ManifestFetch(cached.data, 0, got.start, got.first_byte, got.end, True,
                                  cached.etag)
         data = got.data
         if not isinstance(data, dict) or data.get("format") != "sakura-pack":
-            raise EdgeError(f"{template}/{codec}: the server's manifest is not a sakura-pack")
-        if data.get("version") != 1:
+            raise EdgeError(f"{template}/{codec}: the origin's manifest is not a sakura-pack")
+        if data.get("version") != MANIFEST_VERSION:
             raise EdgeError(f"{template}/{codec}: unsupported pack version "
-                            f"{data.get('version')!r} (this client reads version 1)")
+                            f"{data.get('version')!r} (this client reads version "
+                            f"{MANIFEST_VERSION}; rebuild the packs with `sakura build`)")
         if data.get("template_id") != template or data.get("codec") != codec:
             raise EdgeError(f"asked for {template}/{codec}, the manifest is for "
                             f"{data.get('template_id')}/{data.get('codec')}")
@@ -271,37 +423,40 @@ class PackClient:
     async def fetch_config(self, template: str, codec: str, shard: int, config: int, *,
                            manifest: Mapping[str, Any] | None = None,
                            progress: Callable[[int], None] | None = None) -> Fetched:
-        """The verified bytes of one configuration of one shard (see the module doc)."""
-        url = self._url(template, codec, "shards", int(shard), int(config))
-        params = {}
-        spec = None
-        if manifest is not None:
-            spec = BodySpec.from_manifest(manifest, shard, config)
-            if manifest.get("pack_file"):
-                params["pack"] = str(manifest["pack_file"])
-        return await self._fetch_body(url, params, spec, progress)
+        """The verified bytes of one configuration of one shard: one ``Range`` GET of the
+        pack (the manifest is fetched first when not given: it holds the range and the
+        checksums every body is verified against)."""
+        if manifest is None:
+            manifest = await self.manifest(template, codec)
+        spec = BodySpec.from_manifest(manifest, shard, config)
+        key = pack_key(template, codec, manifest.get("pack_file"))  # type: ignore[arg-type]
+        return await self._fetch_range(key, spec, progress)
 
     # ------------------------------------------------------------------ internals
-    async def _get_json(self, url: str, etag: str | None = None) -> _JsonGot:
+    async def _get_json(self, key: str, etag: str | None = None,
+                        what: str | None = None) -> _JsonGot:
         failures = 0
-        last = ""
-        headers = {"If-None-Match": etag} if etag else {}
-        start = time.monotonic()
+        start = last_progress = time.monotonic()
         while True:
+            url = self.origin.url(key)
+            headers = self.origin.headers()
+            if etag:
+                headers["If-None-Match"] = etag
             try:
                 async with self.session.get(url, headers=headers) as resp:
                     if resp.status == 304 and etag:
                         now = time.monotonic()
                         return _JsonGot(None, 0, start, now, now, etag, True)
                     if resp.status != 200:
-                        await self._raise_for(resp, url)
+                        await self._raise_for(resp, key, what)
                     first = time.monotonic()
                     raw = await resp.read()
                     end = time.monotonic()
                     try:
                         data = json.loads(raw)
                     except ValueError as exc:
-                        raise EdgeError(f"{url}: the server sent invalid JSON ({exc})") from exc
+                        raise EdgeError(f"{self.base_url}: {key} is not valid JSON "
+                                        f"({exc})") from None
                     # the bytes on the wire (a gzip-encoded manifest is decoded by aiohttp):
                     # the monitor's rate sample must not count the decompressed size
                     wire = resp.headers.get("Content-Length")
@@ -309,105 +464,168 @@ class PackClient:
                     return _JsonGot(data, size, start, first, end, resp.headers.get("ETag"))
             except (TimeoutError, _Retry, aiohttp.ClientError, OSError) as exc:
                 failures += 1
-                last = _describe(exc)
-                if failures >= self.retry.max_attempts:
-                    raise self._unreachable(url, failures, last) from exc
+                if self.retry.exhausted(failures, time.monotonic() - last_progress):
+                    raise self._give_up(key, failures, exc) from None
                 await asyncio.sleep(self.retry.delay(failures))
 
-    async def _raise_for(self, resp: aiohttp.ClientResponse, url: str) -> None:
+    async def _raise_for(self, resp: aiohttp.ClientResponse, key: str,
+                         what: str | None = None) -> None:
+        message = _error_message(await _read_small(resp))
+        text = f"HTTP {resp.status}" + (f": {message}" if message else "")
         if resp.status in RETRY_STATUS:
-            raise _Retry(f"HTTP {resp.status}")
-        try:
-            message = (await resp.json(content_type=None)).get("error", "")
-        except (ValueError, AttributeError, aiohttp.ClientError):
-            message = ""
-        raise EdgeError(f"{url}: HTTP {resp.status}" + (f": {message}" if message else ""))
+            raise _Retry(text)
+        if resp.status == 404:
+            subject = f"{what} is not published there" if what else f"no {key} there"
+            raise OriginError(f"{self.base_url}: {subject} ({text})")
+        if resp.status in (401, 403):
+            hint = (" (give a valid token with --token)" if isinstance(self.origin, HttpOrigin)
+                    else " (check the AWS credentials and the bucket policy)")
+            raise OriginError(f"{self.base_url}: access to {key} refused: {text}{hint}")
+        raise OriginError(f"{self.base_url}: {key}: {text}")
 
-    def _unreachable(self, url: str, attempts: int, last: str) -> ServerUnreachable:
+    def _give_up(self, key: str, attempts: int, exc: BaseException) -> EdgeError:
+        tried = f"gave up after {attempts} attempts without progress"
+        if isinstance(exc, _Retry) and exc.answered:
+            return OriginError(f"{self.base_url} answered {exc} for {key} ({tried})")
         return ServerUnreachable(
-            f"cannot reach the SAKURA server at {self.base_url} ({url}): {last} "
-            f"(gave up after {attempts} attempts without progress); check that the server is "
-            "running (`sakura serve DIR`) and the URL and network are right")
+            f"cannot reach the SAKURA server at {self.base_url}: {_describe(exc)} ({tried}); "
+            "check that the server is running (`sakura serve DIR`, or the nginx / S3 origin) "
+            "and that the URL and network are right")
 
-    async def _fetch_body(self, url: str, params: dict[str, str], spec: BodySpec | None,
-                          progress: Callable[[int], None] | None = None) -> Fetched:
+    async def _fetch_range(self, key: str, spec: BodySpec,
+                           progress: Callable[[int], None] | None = None) -> Fetched:
         buf = bytearray()
-        etag: str | None = None
-        sha: str | None = None
-        start = time.monotonic()
+        etag = self._etags.get(key)
+        start = last_progress = time.monotonic()
         first_byte: float | None = None
         failures = attempts = resumes = refetches = 0
-        last = ""
+        plain_200 = False
         while True:
             attempts += 1
-            attempt = _Attempt()
-            headers = {}
-            if buf and etag:
-                headers = {"Range": f"bytes={len(buf)}-", "If-Range": etag}
+            error: BaseException | None = None
+            lo = spec.offset + len(buf)
+            hi = spec.offset + spec.nbytes - 1
+            headers = {**self.origin.headers(), "Range": f"bytes={lo}-{hi}"}
+            resuming = bool(buf)
+            if resuming and etag:
+                headers["If-Range"] = etag
                 resumes += 1
-            elif buf:
-                buf.clear()
+            elif resuming:
+                buf.clear()  # no validator to resume against: start the range again
+                lo = spec.offset
+                headers["Range"] = f"bytes={lo}-{hi}"
+            url = self.origin.url(key)
             try:
-                async with self.session.get(url, params=params, headers=headers) as resp:
-                    if resp.status == 206 and headers:
-                        got = resp.headers.get("Content-Range", "")
-                        if not got.startswith(f"bytes {len(buf)}-"):
-                            message = f"partial content {got!r} does not resume at {len(buf)}"
+                async with self.session.get(url, headers=headers,
+                                            auto_decompress=False) as resp:
+                    if resp.status == 200:
+                        if "If-Range" in headers and not plain_200:
+                            plain_200 = True  # the object changed: restart, plain Range
                             buf.clear()
-                            raise _Retry(message)
-                    elif resp.status == 200:
-                        buf.clear()
-                    elif resp.status == 416:
-                        buf.clear()
-                        etag = None
-                        raise _Retry("range not satisfiable")
-                    else:
-                        await self._raise_for(resp, url)
+                            etag = None
+                            raise _Retry("the pack changed under a resumed range "
+                                         "(If-Range answered 200)")
+                        raise OriginError(
+                            f"{self.base_url}: the origin ignored the Range header for {key} "
+                            "(200 with the whole object); SAKURA needs an origin that serves "
+                            "byte ranges (HTTP 206)")
+                    if resp.status == 416:
+                        raise OriginError(
+                            f"{self.base_url}: {key} is shorter than its manifest says "
+                            f"(416 for bytes {lo}-{hi}, "
+                            f"{resp.headers.get('Content-Range', 'no Content-Range')}): the "
+                            "published pack is truncated")
+                    if resp.status != 206:
+                        await self._raise_for(resp, key)
+                    self._check_content_range(resp, key, lo, hi, spec)
                     etag = resp.headers.get("ETag") or etag
-                    sha = resp.headers.get("X-Sakura-Sha256") or sha
+                    if etag:
+                        self._etags[key] = etag
                     async for chunk in resp.content.iter_chunked(self.chunk_size):
                         if first_byte is None:
                             first_byte = time.monotonic()
                         buf += chunk
-                        attempt.progressed = True
+                        last_progress = time.monotonic()
+                        failures = 0
+                        if len(buf) > spec.nbytes:
+                            raise OriginError(f"{self.base_url}: {key} sent more bytes than "
+                                              f"the range {lo}-{hi} holds")
                         if progress is not None:
                             progress(len(buf))
             except (TimeoutError, _Retry, aiohttp.ClientError, OSError) as exc:
-                attempt.error = _describe(exc)
-            if not attempt.error:
+                error = exc
+            if error is None and len(buf) < spec.nbytes:
+                error = _Retry(f"short body ({len(buf)} of {spec.nbytes} bytes)", False)
+            if error is None:
                 data = bytes(buf)
-                problem = self._check(data, spec, sha)
+                problem = spec.verify(data)
                 if problem is None:
                     end = time.monotonic()
                     return Fetched(data, start, first_byte or end, end, attempts, resumes,
                                    refetches)
                 refetches += 1
                 if refetches > self.retry.max_refetch:
-                    raise IntegrityError(f"{url}: the body keeps failing verification: {problem}"
-                                         f" (after {refetches} fetches)")
+                    raise IntegrityError(f"{self.base_url}: bytes {spec.offset}-{hi} of {key} "
+                                         f"keep failing verification: {problem} (after "
+                                         f"{refetches} fetches; the published pack is "
+                                         "damaged)")
                 buf.clear()
                 etag = None
                 continue
-            last = attempt.error
-            failures = 0 if attempt.progressed else failures + 1
-            if failures >= self.retry.max_attempts:
-                raise self._unreachable(url, failures, last)
-            if failures:
-                await asyncio.sleep(self.retry.delay(failures))
+            failures += 1
+            if self.retry.exhausted(failures, time.monotonic() - last_progress):
+                raise self._give_up(key, failures, error)
+            await asyncio.sleep(self.retry.delay(failures))
 
-    @staticmethod
-    def _check(data: bytes, spec: BodySpec | None, sha: str | None) -> str | None:
-        if sha is not None and hashlib.sha256(data).hexdigest() != sha.strip().lower():
-            return "sha256 differs from X-Sakura-Sha256"
-        if spec is not None:
-            return spec.verify(data)
-        if sha is None:
-            return "the server sent no X-Sakura-Sha256 and no manifest was given"
-        return None
+    def _check_content_range(self, resp: aiohttp.ClientResponse, key: str, lo: int, hi: int,
+                             spec: BodySpec) -> None:
+        got = resp.headers.get("Content-Range", "")
+        m = _CONTENT_RANGE.match(got.strip())
+        if m is None:
+            raise OriginError(f"{self.base_url}: {key}: a 206 answer without a single-range "
+                              f"Content-Range ({got[:80]!r})")
+        first, last, total = int(m.group(1)), int(m.group(2)), m.group(3)
+        if total != "*" and spec.pack_bytes is not None and int(total) != spec.pack_bytes:
+            raise OriginError(f"{self.base_url}: {key} has {total} bytes, its manifest says "
+                              f"{spec.pack_bytes}: the published pack is truncated or was "
+                              "replaced")
+        if (first, last) != (lo, hi):
+            raise _Retry(f"asked for bytes {lo}-{hi}, the origin sent {first}-{last}")
+
+
+async def _read_small(resp: aiohttp.ClientResponse, limit: int = 8192) -> bytes:
+    try:
+        return await resp.content.read(limit)
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return b""
+
+
+def _error_message(body: bytes) -> str:
+    """The origin's own error message: ``{"error": ...}`` (sakura serve), S3's XML
+    ``<Message>``, or the first line of a short text body (nginx)."""
+    text = body.decode("utf-8", "replace").strip()
+    if not text:
+        return ""
+    try:
+        doc = json.loads(text)
+        if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+            return doc["error"][:300]
+    except ValueError:
+        pass
+    m = re.search(r"<Message>(.*?)</Message>", text, re.S)
+    if m:
+        code = re.search(r"<Code>(.*?)</Code>", text)
+        return (f"{code.group(1)}: " if code else "") + m.group(1).strip()[:300]
+    m = re.search(r"<title>(.*?)</title>", text, re.S | re.I)
+    if m:
+        return m.group(1).strip()[:300]
+    return text.splitlines()[0][:300]
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
+    if isinstance(exc, _Retry):
+        return str(exc)
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300]

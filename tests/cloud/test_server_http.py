@@ -213,8 +213,9 @@ def test_shard_resume_with_range_and_if_range(client, published):
         r.headers["x-sakura-sha256"] == sha
     )  # checksum of the whole body, for the assembled result
     assert full[:cut] + r.content == full
-    # a range crossing the boundary between the config's two pack ranges
-    boundary = manifest["shards"][1]["configs"][2]["ranges"][0][1]
+    # a range crossing the boundary between two units of the config
+    cfg = manifest["shards"][1]["configs"][2]
+    boundary = manifest["units"][cfg["units"][0]][1]
     r = client.get(shard_url(1, 2), headers={"Range": f"bytes={boundary - 5}-{boundary + 4},-3"})
     parts = parse_multipart(r.content, r.headers["content-type"])
     assert [p[1] for p in parts] == [full[boundary - 5 : boundary + 5], full[-3:]]

@@ -175,7 +175,9 @@ class RecordingApp:
 
 
 class FaultyApp:
-    """ASGI wrapper injecting faults into shard responses whose path ends with ``suffix``.
+    """ASGI wrapper injecting faults into shard responses whose path ends with ``suffix``
+    (and, with ``range_header``, whose Range header is exactly that: one configuration of a
+    pack).
 
     ``mode``: ``corrupt`` flips one body byte (the ``X-Sakura-Sha256`` header stays right);
     ``cut`` sends half the body and then drops the connection; ``rehash`` corrupts the body
@@ -183,13 +185,17 @@ class FaultyApp:
     responses are affected.
     """
 
-    def __init__(self, app: Any, suffix: str, mode: str, times: int = 1) -> None:
+    def __init__(self, app: Any, suffix: str, mode: str, times: int = 1,
+                 range_header: str | None = None) -> None:
         self.app, self.suffix, self.mode, self.remaining = app, suffix, mode, times
+        self.range_header = range_header  # only requests with exactly this Range header
         self.hits = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if (scope["type"] != "http" or self.remaining <= 0
-                or not scope["path"].endswith(self.suffix)):
+                or not scope["path"].endswith(self.suffix)
+                or (self.range_header is not None and dict(scope["headers"]).get(b"range")
+                    != self.range_header.encode())):
             await self.app(scope, receive, send)
             return
         self.remaining -= 1

@@ -1,17 +1,20 @@
-"""The pack client against the real server over real sockets: verification, refetch of
-corrupted bodies, resume of dropped ones, manifest revalidation, clear errors."""
+"""The pack client against `sakura serve` over real sockets: one single-range GET per
+configuration on the version-pinned pack URL, verification against the manifest, refetch of
+corrupted bodies, resume of dropped ones with a narrower Range, manifest revalidation, the
+retry window, clear errors. (nginx and S3 origins: tests/edge/test_client_origins.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
 from sakura.cloud.server import create_app
 from sakura.cloud.storage import LocalStorage
-from sakura.edge.client import PackClient, RetryPolicy
-from sakura.edge.errors import EdgeError, IntegrityError, ServerUnreachable
+from sakura.edge.client import PackClient, PackLocation, RetryPolicy
+from sakura.edge.errors import EdgeError, IntegrityError, OriginError, ServerUnreachable
 
 from tests.edge.helpers import (
     TEMPLATE_ID,
@@ -21,15 +24,21 @@ from tests.edge.helpers import (
     free_port,
 )
 
-FAST = RetryPolicy(connect_timeout_s=1.0, read_timeout_s=3.0, max_attempts=3,
+FAST = RetryPolicy(connect_timeout_s=1.0, read_timeout_s=3.0, window_s=1.0, max_attempts=3,
                    backoff_s=0.05, backoff_max_s=0.2)
+
+
+def pack_path(world, codec: str):
+    m = world.manifests[codec]
+    return world.catalog_dir / "templates" / TEMPLATE_ID / codec / m["pack_file"]
 
 
 def expected_body(world, codec: str, shard: int, config: int) -> bytes:
     m = world.manifests[codec]
-    pack = (world.catalog_dir / "templates" / TEMPLATE_ID / codec / m["pack_file"]).read_bytes()
+    pack = pack_path(world, codec).read_bytes()
     entry = next(c for c in m["shards"][shard]["configs"] if c["id"] == config)
-    return b"".join(pack[o : o + n] for o, n in entry["ranges"])
+    (offset, length), = entry["ranges"]
+    return pack[offset : offset + length]
 
 
 def stack(world, fault=None):
@@ -44,7 +53,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_fetch_is_verified_and_every_request_is_logged(world):
+def test_a_config_is_one_range_get_of_the_pinned_pack_and_is_verified(world):
     server, recorder, _ = stack(world)
     log = []
     with server:
@@ -54,17 +63,44 @@ def test_fetch_is_verified_and_every_request_is_logged(world):
                 m = await c.manifest(TEMPLATE_ID, "sakura")
                 cfg = m["shards"][2]["configs"][-1]["id"]
                 got = await c.fetch_config(TEMPLATE_ID, "sakura", 2, cfg, manifest=m)
-                plain = await c.fetch_config(TEMPLATE_ID, "sakura", 2, cfg)  # header sha only
+                plain = await c.fetch_config(TEMPLATE_ID, "sakura", 2, cfg)  # fetches m itself
                 return catalog, m, cfg, got, plain
         catalog, m, cfg, got, plain = run(go())
     assert TEMPLATE_ID in catalog["templates"]
     assert got.data == plain.data == expected_body(world, "sakura", 2, cfg)
     assert (got.attempts, got.resumes, got.refetches) == (1, 0, 0)
     assert got.start <= got.first_byte <= got.end
-    assert [r.method for r in log] == ["GET"] * 4
-    assert log[2].url.endswith(f"/v1/templates/{TEMPLATE_ID}/sakura/shards/2/{cfg}"
-                               f"?pack={m['pack_file']}")
-    assert len(recorder.requests) == 4
+    assert [r.method for r in log] == ["GET"] * 5
+    pack_url = f"/templates/{TEMPLATE_ID}/sakura/{m['pack_file']}"
+    ranged = [r for r in recorder.requests if "range" in r["headers"]]
+    assert [r["path"] for r in ranged] == [pack_url, pack_url]
+    (offset, length), = next(c for c in m["shards"][2]["configs"] if c["id"] == cfg)["ranges"]
+    assert ranged[0]["headers"]["range"] == f"bytes={offset}-{offset + length - 1}"
+    assert "," not in ranged[0]["headers"]["range"]  # never a multi-range request
+
+
+def test_pack_location_is_the_plain_request_any_receiver_can_send(world):
+    import urllib.request
+
+    server, _, _ = stack(world)
+    with server:
+        async def go():
+            async with PackClient(server.url) as c:
+                m = await c.manifest(TEMPLATE_ID, "fp16")
+                before = c.pack_location(TEMPLATE_ID, "fp16", m)
+                await c.fetch_config(TEMPLATE_ID, "fp16", 0, 0, manifest=m)
+                return m, before, c.pack_location(TEMPLATE_ID, "fp16", m)
+        m, before, loc = run(go())
+        assert isinstance(loc, PackLocation) and loc.url.endswith(m["pack_file"])
+        assert before.etag is None and loc.etag == f'"{m["pack_sha256"]}"'
+        cfg = m["shards"][1]["configs"][0]
+        (offset, length), = cfg["ranges"]
+        req = urllib.request.Request(loc.url, headers={
+            **loc.headers, "Range": f"bytes={offset}-{offset + length - 1}",
+            "If-Range": loc.etag})
+        with urllib.request.urlopen(req) as resp:
+            assert resp.status == 206
+            assert resp.read() == expected_body(world, "fp16", 1, cfg["id"])
 
 
 def test_manifest_is_revalidated_from_the_cache(world):
@@ -86,7 +122,7 @@ def test_manifest_is_revalidated_from_the_cache(world):
 
 
 def test_corrupted_body_is_detected_and_refetched(world):
-    server, recorder, faulty = stack(world, ("/shards/1/0", "corrupt"))
+    server, _, faulty = stack(world, (".pack", "corrupt"))
     with server:
         async def go():
             async with PackClient(server.url) as c:
@@ -98,36 +134,42 @@ def test_corrupted_body_is_detected_and_refetched(world):
     assert got.data == expected_body(world, "fp16", 1, 0)
 
 
-def test_dropped_connection_resumes_with_a_range_request(world):
-    server, recorder, faulty = stack(world, ("/shards/3/0", "cut"))
+def test_dropped_connection_resumes_with_a_narrower_range(world):
+    server, recorder, faulty = stack(world, (".pack", "cut"))
     with server:
         async def go():
             async with PackClient(server.url, retry=FAST) as c:
                 m = await c.manifest(TEMPLATE_ID, "fp16")
-                return await c.fetch_config(TEMPLATE_ID, "fp16", 3, 0, manifest=m)
-        got = run(go())
+                return m, await c.fetch_config(TEMPLATE_ID, "fp16", 3, 0, manifest=m)
+        m, got = run(go())
     body = expected_body(world, "fp16", 3, 0)
     assert got.data == body
     assert got.resumes == 1 and got.refetches == 0
-    shard_requests = [r for r in recorder.requests if r["path"].endswith("/shards/3/0")]
-    assert len(shard_requests) == 2
-    resumed = shard_requests[1]["headers"]
-    assert resumed["range"] == f"bytes={len(body) // 2}-"
-    assert resumed["if-range"].startswith('"')
+    (offset, length), = m["shards"][3]["configs"][0]["ranges"]
+    ranged = [r["headers"] for r in recorder.requests if "range" in r["headers"]]
+    assert len(ranged) == 2
+    assert ranged[0]["range"] == f"bytes={offset}-{offset + length - 1}"
+    assert ranged[1]["range"] == f"bytes={offset + length // 2}-{offset + length - 1}"
+    assert ranged[1]["if-range"] == f'"{m["pack_sha256"]}"'
 
 
-def test_corrupted_pack_is_caught_by_unit_checksums(world):
-    # the server's own sha256 header matches the corrupted bytes: only the manifest's
-    # per-unit checksums can tell, and refetching cannot help
-    server, _, faulty = stack(world, ("/shards/0/0", "rehash", 100))
-    with server:
+def test_corrupted_pack_is_refused_after_refetches(world, tmp_path):
+    import shutil
+
+    root = tmp_path / "catalog"
+    shutil.copytree(world.catalog_dir, root)
+    m = world.manifests["fp16"]
+    path = root / "templates" / TEMPLATE_ID / "fp16" / m["pack_file"]
+    data = bytearray(path.read_bytes())
+    (offset, _length), = m["shards"][0]["configs"][0]["ranges"]
+    data[offset + 10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with Server(create_app(LocalStorage(root))) as server:
         async def go():
             async with PackClient(server.url, retry=FAST) as c:
-                m = await c.manifest(TEMPLATE_ID, "fp16")
                 await c.fetch_config(TEMPLATE_ID, "fp16", 0, 0, manifest=m)
-        with pytest.raises(IntegrityError, match="unit 0 .* fails its checksum"):
+        with pytest.raises(IntegrityError, match="unit 0 .* fails its checksum.*damaged"):
             run(go())
-    assert faulty.hits == 1 + FAST.max_refetch
 
 
 def test_unknown_template_is_a_clear_error_without_retries(world):
@@ -136,27 +178,77 @@ def test_unknown_template_is_a_clear_error_without_retries(world):
         async def go():
             async with PackClient(server.url) as c:
                 await c.manifest("no-such-template", "sakura")
-        with pytest.raises(EdgeError, match="HTTP 404: unknown template 'no-such-template'"):
+        with pytest.raises(OriginError, match="HTTP 404: unknown template 'no-such-template'"):
             run(go())
     assert len(recorder.requests) == 1
 
 
-def test_unreachable_server_fails_fast_and_clearly():
+def test_unreachable_server_fails_clearly_after_its_window():
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
 
     async def go():
-        async with PackClient(url, retry=FAST) as c:
+        async with PackClient(url, retry=RetryPolicy(window_s=1.0, backoff_s=0.05,
+                                                     backoff_max_s=0.2)) as c:
             await c.manifest(TEMPLATE_ID, "sakura")
 
     with pytest.raises(ServerUnreachable) as info:
         run(go())
-    assert time.monotonic() - t0 < 5
+    assert 1.0 <= time.monotonic() - t0 < 6
     message = str(info.value)
-    assert url in message and "gave up after 3 attempts" in message
-    assert "sakura serve" in message
+    assert url in message and "cannot reach" in message and "sakura serve" in message
+
+
+def test_a_5xx_with_a_reason_is_reported_with_it_not_as_unreachable(world, tmp_path):
+    import shutil
+
+    root = tmp_path / "catalog"
+    shutil.copytree(world.catalog_dir, root)
+    m = world.manifests["fp16"]
+    path = root / "templates" / TEMPLATE_ID / "fp16" / m["pack_file"]
+    path.write_bytes(path.read_bytes()[:-100])  # truncated on disk
+    with Server(create_app(LocalStorage(root))) as server:
+        async def go():
+            async with PackClient(server.url, retry=FAST) as c:
+                await c.fetch_config(TEMPLATE_ID, "fp16", 0, 0, manifest=m)
+        with pytest.raises(OriginError) as info:
+            run(go())
+    message = str(info.value)
+    assert server.url in message and "HTTP 500" in message and "truncated or corrupt" in message
+    assert "reach" not in message
+
+
+def test_default_policy_rides_out_a_server_restart(world):
+    """The server goes away for ~3 s mid-edit and comes back on the same port: the default
+    policy (a 30 s window) waits for it and the body arrives intact."""
+    assert RetryPolicy().window_s >= 30
+    server, _, _ = stack(world)
+    server.start()
+    restarted = threading.Event()
+
+    def restart():
+        server.stop()
+        time.sleep(3.0)
+        server.start()
+        restarted.set()
+
+    try:
+        async def go():
+            async with PackClient(server.url) as c:
+                m = await c.manifest(TEMPLATE_ID, "fp16")
+                t = threading.Thread(target=restart)
+                t.start()
+                await asyncio.sleep(0.3)  # the server is down now
+                got = await c.fetch_config(TEMPLATE_ID, "fp16", 2, 0, manifest=m)
+                t.join()
+                return got
+        got = run(go())
+    finally:
+        server.stop()
+    assert restarted.is_set() and got.attempts >= 2
+    assert got.data == expected_body(world, "fp16", 2, 0)
 
 
 def test_bad_url_is_rejected():
-    with pytest.raises(EdgeError, match="http://"):
+    with pytest.raises(EdgeError, match="http://, https:// or s3://"):
         PackClient("ftp://example.com")

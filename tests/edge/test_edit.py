@@ -98,27 +98,31 @@ def test_the_server_sees_only_template_codec_shard_config(world):
     with Server(recorder) as server:
         res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                       request_log=client_log)
-    pack_files = {m["pack_file"] for m in world.manifests.values()}
+    manifest = world.manifests["sakura"]
+    pack_file = manifest["pack_file"]
     allowed_path = re.compile(
-        rf"^/v1/templates/{TEMPLATE_ID}/sakura/(manifest|shards/(\d+)/(\d+))$")
+        rf"^/templates/{TEMPLATE_ID}/sakura/(manifest\.json|{re.escape(pack_file)})$")
+    # a body request names one configuration's byte range of the pack (format 2), nothing else
+    by_range = {f"bytes={c['ranges'][0][0]}-{c['ranges'][0][0] + c['ranges'][0][1] - 1}":
+                (sh["index"], c["id"]) for sh in manifest["shards"] for c in sh["configs"]}
     allowed_headers = {"host", "accept", "accept-encoding", "user-agent", "range",
                        "if-range", "if-none-match", "connection", "authorization"}
     secrets = [PROMPT, str(SEED), "secret", "portrait", "pirate", "captain"]
     assert len(recorder.requests) == len(client_log) == 1 + len(res.timeline)
+    shards = []
     for entry in recorder.requests:
         assert entry["method"] == "GET" and entry["body"] == b""
         m = allowed_path.match(entry["path"])
         assert m, entry["path"]
-        if m.group(2) is not None:
-            assert entry["query"] in {f"pack={p}" for p in pack_files}
+        assert entry["query"] == ""
+        if m.group(1) == pack_file:
+            shards.append(by_range[entry["headers"]["range"]])
         else:
-            assert entry["query"] == ""
+            assert "range" not in entry["headers"]
         assert set(entry["headers"]) <= allowed_headers, entry["headers"]
         text = json.dumps(entry, default=repr).lower()
         for s in secrets:
             assert s.lower() not in text
-    shards = [tuple(map(int, allowed_path.match(e["path"]).groups()[1:]))
-              for e in recorder.requests[1:]]
     assert shards == [(r["shard"], r["config"]) for r in res.timeline]
     for rec in client_log:
         assert set(k.lower() for k in rec.headers) <= allowed_headers
@@ -158,8 +162,11 @@ def test_a_server_restart_mid_edit_is_survived(world):
 def test_a_corrupted_shard_response_is_refetched_in_an_edit(world):
     rt = world.runtime()
     req = rt.request(PROMPT, SEED)
-    faulty = FaultyApp(create_app(LocalStorage(world.catalog_dir)), "/fp16/shards/3/0",
-                       "corrupt")
+    # the body of shard 3 (config 0): a Range request of the fp16 pack
+    m = world.manifests["fp16"]
+    (offset, length), = m["shards"][3]["configs"][0]["ranges"]
+    faulty = FaultyApp(create_app(LocalStorage(world.catalog_dir)), m["pack_file"], "corrupt",
+                       range_header=f"bytes={offset}-{offset + length - 1}")
     with Server(faulty) as server:
         res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "fp16")
     assert faulty.hits == 1
