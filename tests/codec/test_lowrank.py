@@ -54,7 +54,7 @@ def test_layout_is_progressive(small_cache):
     g = codec.geometry(sd.spec.num_matrices, sd.spec.tokens, sd.spec.channels)
     uniform = {(c.params["rank"], c.params["bits"]) for c in enc.configs
                if len({r for r in c.params["ranks"] if r}) == 1}
-    for r in g.ladder:
+    for r in g.reference:  # the uniform configurations of format 1's ladder
         assert (r, 2) in uniform
         if r <= g.level_max[-1]:
             assert (r, 8) in uniform
@@ -95,7 +95,7 @@ def test_every_prefix_of_the_stream_is_a_staircase_in_rate_distortion_order(smal
         prev_units, prev_err = cfg.units, cfg.weighted_err
     # the prefix layout reaches the multi-range Pareto front's errors with few more bytes
     ratios = [r for r in enc.meta["bytes_vs_pareto"] if r is not None]
-    assert ratios and min(ratios) >= 0.95
+    assert ratios and min(ratios) > 0.5  # (the finer unit ladder can need fewer bytes)
     assert sorted(ratios)[len(ratios) // 2] <= 1.10
 
 
