@@ -18,6 +18,7 @@ only), or seeded synthetic caches (``--synthetic``, KV metrics only).
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 import time
@@ -194,6 +195,7 @@ def run_codec_bench(
     layout_acc: dict[str, dict[str, Any]] = {}
     dec_bytes, dec_secs = 0, 0.0
     t_start = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="sakura-bench-codec-") as tmp:
         for bt in templates:
             cache = bt.cache
@@ -297,6 +299,8 @@ def run_codec_bench(
     result["layout"] = layout_summary(layout_acc)
     result["per_template"] = per_template
     result["seconds"] = round(time.perf_counter() - t_start, 1)
+    # other processes on the machine move timings (encode_s, reconstruct_gbps), not PSNR
+    result["load_avg"] = {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}
     result["threads"] = torch.get_num_threads()
     result["targets"] = check_targets(result)
     return result
