@@ -169,9 +169,9 @@ def resolve_runtime(args: argparse.Namespace, needs_python: list[str]) -> str:
         return "python"
     runtime = args.runtime or "native"
     if runtime == "native":
-        from sakura.edge.native_runtime import native_module
+        from sakura.edge.native_status import native_module
 
-        native_module()  # NativeUnavailable (one clear line) when it is not built
+        native_module()  # one clear error when it is not built (no torch imported)
     return runtime
 
 

@@ -17,5 +17,9 @@ class IntegrityError(EdgeError):
     """A shard body kept failing verification (checksum) after all refetches."""
 
 
+class NativeUnavailable(EdgeError):
+    """The native runtime cannot run here (module not built, or a feature it lacks)."""
+
+
 class OriginError(EdgeError):
     """The origin answered, with an error (its own message is in the text)."""

@@ -57,28 +57,17 @@ from sakura.edge import RUNTIMES
 from sakura.edge.backends.base import ArtifactCache, ArtifactKey, default_cache_dir
 from sakura.edge.backends.shard import ShardGeometry, ShardModule, example_inputs
 from sakura.edge.backends.step import StepIn, StepOut, step_examples
-from sakura.edge.errors import EdgeError, IntegrityError, OriginError, ServerUnreachable
+from sakura.edge.errors import (
+    EdgeError,
+    IntegrityError,
+    NativeUnavailable,
+    OriginError,
+    ServerUnreachable,
+)
+from sakura.edge.native_status import native_module
 
 # Bump when the graphs' computation or their input/output contract changes (cache key).
 GRAPHS_FORMAT = 1
-
-
-class NativeUnavailable(EdgeError):
-    """The native runtime cannot run here (module not built, or a feature it lacks)."""
-
-
-def native_module() -> Any:
-    """``sakura_native`` with its edit runtime, or :class:`NativeUnavailable` saying why."""
-    try:
-        import sakura_native
-    except ImportError as exc:
-        raise NativeUnavailable(f"the native runtime is not built ({exc}); run "
-                                "./scripts/test or ./scripts/demo once to build it, or use "
-                                "--runtime python") from None
-    ok, why = sakura_native.edit_runtime_available()
-    if not ok:
-        raise NativeUnavailable(f"sakura_native was built without the edit runtime: {why}")
-    return sakura_native
 
 
 @contextlib.contextmanager

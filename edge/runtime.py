@@ -60,7 +60,7 @@ from sakura.edge.allocator import PolicyContext, get_policy, options_from_manife
 from sakura.edge.backends.base import BackendConfig
 from sakura.edge.backends.executor import DeviceBackend
 from sakura.edge.client import CachedManifest, PackClient, RequestRecord, RetryPolicy
-from sakura.edge.errors import EdgeError
+from sakura.edge.errors import EdgeError, NativeUnavailable
 from sakura.edge.monitor import (
     DEFAULT_STARTUP_FRACTION,
     BandwidthMonitor,
@@ -68,7 +68,7 @@ from sakura.edge.monitor import (
     check_startup_fraction,
     startup_allowance_s,
 )
-from sakura.edge.native_runtime import NativeEngine, NativeUnavailable, check_runtime
+from sakura.edge.native_runtime import NativeEngine, check_runtime
 from sakura.edge.pipeline import NetLoop, Pipeline, stats_of
 from sakura.edge.quality import psnr, ssim
 
