@@ -4,7 +4,9 @@ For each template: the template run and importance profiling (``dit``), encoding
 profiling of every codec (``codec``), then an atomic publish (``cloud.publish``): packs and
 versioned manifests under new content-addressed names first, ``catalog.json`` last. A
 failure anywhere leaves the published catalog exactly as it was; an unchanged template
-(same spec, image, mask, weights, codec options and builder version) is skipped.
+(same spec, image, mask, weights, codec options and builder version) is skipped. With
+``publish="s3://bucket/prefix"`` (``--publish``) the catalog is then uploaded to that bucket
+in the same commit order (packs and versioned manifests, then manifests, catalog.json last).
 
 The catalog entry also carries what the device needs to run an edit of the template and
 that is the provider's, not the user's: the template image and mask (PNG, base64), steps,
@@ -54,6 +56,9 @@ class BuildConfig:
     psnr_cache: str | None = None
     force: bool = False
     codec_options: dict[str, dict] = field(default_factory=dict)
+    # after building, upload the published catalog here (s3://bucket/prefix), packs first
+    # and catalog.json last (cloud.publish.publish_catalog)
+    publish: str | None = None
 
 
 @dataclass
@@ -61,6 +66,7 @@ class BuildReport:
     built: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    published: list[str] = field(default_factory=list)  # keys uploaded by --publish
 
 
 def build(cfg: BuildConfig, log=print) -> BuildReport:
@@ -189,6 +195,11 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         report.built.append(tid)
         report.seconds[tid] = time.perf_counter() - t0
         log(f"built {tid}: {len(cfg.codecs)} codecs in {report.seconds[tid]:.1f}s")
+    if cfg.publish:
+        from sakura.cloud.publish import publish_catalog
+
+        report.published = publish_catalog(out, cfg.publish)
+        log(f"published {len(report.published)} files to {cfg.publish}")
     return report
 
 

@@ -66,6 +66,9 @@ def register(commands: Any, bench: Any) -> None:
     build.add_argument("--resolution", type=positive_int, metavar="PX",
                        help="build at this resolution (ids get -PX)")
     build.add_argument("--force", action="store_true", help="rebuild unchanged templates too")
+    build.add_argument("--publish", metavar="URL",
+                       help="then upload the published catalog to this bucket: s3://bucket/"
+                            "prefix[?endpoint_url=...] (AWS credentials from the environment)")
     build.add_argument("--profile-psnr", type=nonnegative_int, default=0, metavar="N",
                        help="also profile every configuration's output PSNR against exact on "
                             "N profiling requests (slow: one edit per configuration and "
@@ -130,6 +133,12 @@ def _build(args: argparse.Namespace) -> int:
         raise SakuraError(f"unknown template id(s) {', '.join(unknown)}; the catalog has "
                           f"{', '.join(ids)}")
     check_codecs(args.codecs, "--codecs")
+    if args.publish:
+        from urllib.parse import urlparse
+
+        if urlparse(args.publish).scheme not in ("s3", "file", ""):
+            raise SakuraError(f"--publish {args.publish[:80]!r}: give s3://bucket/prefix "
+                              "(or a folder)")
     from sakura.cloud.build import BuildConfig, build
 
     cfg = BuildConfig(
@@ -144,10 +153,12 @@ def _build(args: argparse.Namespace) -> int:
         resolution=args.resolution,
         force=args.force,
         profile_psnr=args.profile_psnr,
+        publish=args.publish,
     )
     report = build(cfg)
     doc = {"built": report.built, "skipped": report.skipped,
-           "seconds": {k: round(v, 1) for k, v in report.seconds.items()}}
+           "seconds": {k: round(v, 1) for k, v in report.seconds.items()},
+           **({"published": len(report.published)} if args.publish else {})}
     if args.json:
         from sakura.output import write_json
 

@@ -418,6 +418,20 @@ def mirror_to_storage(out_dir: str | os.PathLike[str], storage: Storage) -> list
     return uploaded
 
 
+def publish_catalog(out_dir: str | os.PathLike[str], location: str) -> list[str]:
+    """Upload a published catalog to a storage URL (``s3://bucket/prefix``, optionally
+    ``?endpoint_url=...&region=...``; credentials from the standard AWS environment), in
+    publish order (:func:`mirror_to_storage`). Returns the uploaded keys."""
+    from sakura.cloud.errors import StorageError
+    from sakura.cloud.storage import open_storage
+
+    try:
+        storage = open_storage(location)
+        return mirror_to_storage(out_dir, storage)
+    except StorageError as exc:
+        raise PublishError(f"cannot publish {out_dir} to {location}: {exc}") from exc
+
+
 @dataclass
 class CatalogTransaction:
     """Publish several packs and commit them to the catalog at once.

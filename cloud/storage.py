@@ -353,6 +353,9 @@ class S3Storage(Storage):
         if prefix:
             validate_key(prefix)
         self.prefix = f"{prefix}/" if prefix else ""
+        # the standard AWS variables name a non-AWS endpoint (moto, MinIO, a CDN's S3 API)
+        endpoint_url = (endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                        or os.environ.get("AWS_ENDPOINT_URL") or None)
         self.endpoint_url = endpoint_url
         if client is None:
             import boto3

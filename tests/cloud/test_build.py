@@ -139,3 +139,40 @@ def test_profile_psnr_measures_each_configuration_against_exact(small_setup):
     with pytest.raises(PublishError, match="profile-psnr"):
         build(BuildConfig(catalog=str(root / "catalog.json"), out_dir=str(root / "neg"),
                           weights=str(weights), profile_psnr=-1), log=lambda *_: None)
+
+
+def test_build_publishes_to_an_s3_bucket_the_edge_reads(small_setup, monkeypatch):
+    """``--publish s3://bucket/prefix``: the catalog lands in the bucket (catalog.json last),
+    and the edge client reads a configuration from it with one presigned Range GET."""
+    import asyncio
+
+    from sakura.cloud.origins import MotoS3
+    from sakura.cloud.storage import S3Storage
+    from sakura.edge.client import PackClient
+
+    root, weights = small_setup
+    moto = MotoS3()
+    with moto:
+        for k, v in moto.env().items():
+            monkeypatch.setenv(k, v)
+        moto.create_bucket("packs")
+        out = root / "out-s3"
+        cfg = BuildConfig(catalog=str(root / "catalog.json"), out_dir=str(out),
+                          codecs=("fp16", "sakura"), weights=str(weights), resolution=32,
+                          publish="s3://packs/prod")
+        report = build(cfg, log=lambda *_: None)
+        assert report.published[-1] == "catalog.json"
+        local = sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                       if p.is_file() and not p.name.startswith("."))
+        assert S3Storage("packs", "prod").list() == local
+
+        async def fetch():
+            async with PackClient("s3://packs/prod") as c:
+                m = await c.manifest("car-32", "sakura")
+                cfg = m["shards"][1]["configs"][-1]
+                return m, cfg, (await c.fetch_config("car-32", "sakura", 1, cfg["id"],
+                                                     manifest=m)).data
+        m, cfg_entry, data = asyncio.run(fetch())
+    (offset, length), = cfg_entry["ranges"]
+    pack = (out / "templates" / "car-32" / "sakura" / m["pack_file"]).read_bytes()
+    assert data == pack[offset : offset + length]
