@@ -541,7 +541,8 @@ class RenderEngine:
         stats = st.stats.to_dict()
         stats.update(tasks=r.tasks, priority=r.req.priority, service_s=r.busy_s,
                      quality_steps=r.quality_steps, patches_searched=r.searched)
-        if r.searched and st.partition is not None:
+        if r.searched and st.partition is not None and not r.quality_steps:
+            # (a request run partly in the quality mode says nothing about gated cost)
             self.search.observe(st.partition.count, r.busy_s / max(1, st.steps),
                                 st.stats.reuse_error)
         res = RenderResult(r.rid, img, r.arrival, time.monotonic(), stats, r.req.mode,

@@ -131,22 +131,25 @@ def test_lone_request_runs_in_quality_mode_and_equals_full_execution(weights, te
         assert res.stats["quality_steps"] == STEPS - 2
         assert res.stats["skipped_patch_steps"] == 0
         assert float((res.image - full).abs().max()) < 1e-4
-        # R came from the online search, and the search saw the result
+        # R came from the online search
         assert res.stats["patches_searched"] and res.stats["patches"] in (2, 4, 6, 8)
         m = eng.metrics()["patch_search"]
-        assert m["choices"] == 1 and sum(m["observations"].values()) == 1
+        # a request run in the quality mode is no observation of the gated cost
+        assert m["choices"] == 1 and sum(m["observations"].values()) == 0
 
 
 def test_high_priority_overtakes_low_priority_requests(weights, text_encoder):
     _, path = weights
     cfg = EngineConfig(workers=1, weights=path, quality_eps=None, capacity_rows=50,
-                       regional=RegionalConfig(warmup=2, eps=0.01, patches=4))
+                       regional=RegionalConfig(warmup=2, eps=0.01))
     with RenderEngine(cfg, text_encoder) as eng:
         base = RenderRequest(prompt="animals & nature: dog face", steps=STEPS, size=SIZE,
                              guidance=GUIDANCE)
-        lows = [eng.submit(RenderRequest(**{**base.__dict__, "seed": i, "priority": "low"}))
-                for i in range(4)]
-        high = eng.submit(RenderRequest(**{**base.__dict__, "seed": 9, "priority": "high"}))
+        # prompts encoded first, so that the five submissions follow each other at once
+        reqs = [eng.prepare(RenderRequest(**{**base.__dict__, "seed": i, "priority": p}))
+                for i, p in enumerate(["low"] * 4 + ["high"])]
+        futs = [eng.submit(r) for r in reqs]
+        lows, high = futs[:4], futs[4]
         hr = high.result(timeout=120)
         lr = [f.result(timeout=120) for f in lows]
         # the high request arrived last but finished before every low one: from its
@@ -154,6 +157,9 @@ def test_high_priority_overtakes_low_priority_requests(weights, text_encoder):
         assert hr.finish < min(r.finish for r in lr)
         assert hr.priority == "high" and hr.stats["priority"] == "high"
         assert all(r.priority == "low" for r in lr)
+        # R came from the online search (every candidate tried first), which saw them all
+        assert sorted(r.stats["patches"] for r in [hr, *lr]) == [2, 2, 4, 6, 8]
+        assert sum(eng.metrics()["patch_search"]["observations"].values()) == 5
         with pytest.raises(RenderError, match="priority"):
             eng.submit(RenderRequest(prompt="x", priority="urgent"))
 
