@@ -293,6 +293,7 @@ class BenchSpec:
     threads: int | None = None  # torch threads the command set (recorded)
     runtime: str = "native"     # the device runtime (edge.native_runtime or edge.pipeline)
     background_load: int = 0    # busy processes run beside the edits
+    compare_python: bool = False  # also sakura and local on the Python runtime, same run
     log: Any = field(default=print)
 
 
@@ -422,30 +423,61 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
     codecs = sorted({c for c in packs.values() if c})
     asyncio.run(_prefetch_manifests(server, tid, codecs, runtime))
     manifest_bytes = {c: runtime.manifests[(tid, c)].size for c in codecs}
-    results: dict[str, list[EditResult]] = {p: [] for p in spec.policies}
+    python_side: dict[str, Any] | None = None
     with shaped(server, trace, starts[0], cpus=cpus[1] if cpus else None) as (link_url, link):
-        link.restart(starts[0])
-        runtime.edit(link_url, tid, template, req, "sakura",
-                     options=EditOptions(budget_rate_bps=scaled_median))
-        prior = runtime.last_rate_bps
-        log(f"warm-up edit done; rate prior {0 if prior is None else prior / 1e6:.2f} Mbit/s")
-        options = EditOptions(budget_rate_bps=scaled_median, initial_rate_bps=prior)
-        for start in starts:
-            for policy in spec.policies:
-                if policy == "local":
-                    res = runtime.edit(server, tid, template, req, "local")
-                else:
-                    link.restart(start)
-                    res = runtime.edit(link_url, tid, template, req, policy,
-                                       options=replace(options, pack=packs[policy]))
-                res.compare(exact)
-                results[policy].append(res)
-                log(f"  start {start:7.2f}  {policy:20s} {res.latency_s:7.3f} s  "
-                    f"{res.bytes / 1e6:7.3f} MB  stalls {res.stalls:3d}  "
-                    f"PSNR {res.psnr_db:6.2f} dB")
-                if spec.plots is not None and res.timeline:
-                    plot_timeline(res.timeline, spec.plots / f"{policy}-{start:g}.png",
-                                  f"{policy} on {tid}, {trace_path.name} @ {start:g} s")
+
+        def run_policies(rt: EdgeRuntime, policies: tuple[str, ...], reference: torch.Tensor
+                         ) -> tuple[dict[str, list[EditResult]], float | None]:
+            """A warm-up edit (the rate prior), then every policy at every start point."""
+            link.restart(starts[0])
+            rt.edit(link_url, tid, template, req, "sakura",
+                    options=EditOptions(budget_rate_bps=scaled_median))
+            prior = rt.last_rate_bps
+            log(f"{rt.runtime} runtime: warm-up edit done; rate prior "
+                f"{0 if prior is None else prior / 1e6:.2f} Mbit/s")
+            options = EditOptions(budget_rate_bps=scaled_median, initial_rate_bps=prior)
+            out: dict[str, list[EditResult]] = {p: [] for p in policies}
+            for start in starts:
+                for policy in policies:
+                    if policy == "local":
+                        res = rt.edit(server, tid, template, req, "local")
+                    else:
+                        link.restart(start)
+                        res = rt.edit(link_url, tid, template, req, policy,
+                                      options=replace(options, pack=packs[policy]))
+                    res.compare(reference)
+                    out[policy].append(res)
+                    log(f"  {rt.runtime:6s} start {start:7.2f}  {policy:20s} "
+                        f"{res.latency_s:7.3f} s  {res.bytes / 1e6:7.3f} MB  stalls "
+                        f"{res.stalls:3d}  PSNR {res.psnr_db:6.2f} dB")
+                    if spec.plots is not None and res.timeline:
+                        plot_timeline(res.timeline,
+                                      spec.plots / f"{rt.runtime}-{policy}-{start:g}.png",
+                                      f"{policy} ({rt.runtime} runtime) on {tid}, "
+                                      f"{trace_path.name} @ {start:g} s")
+            return out, prior
+
+        results, prior = run_policies(runtime, spec.policies, exact)
+        if spec.compare_python and runtime.runtime == "native":
+            # the reference runtime on the same link, packs and start points, in this run
+            py = EdgeRuntime(runtime.model, encoder=runtime.encoder,
+                             weights_sha256=runtime.weights_sha256, runtime="python")
+            asyncio.run(_prefetch_manifests(server, tid, codecs, py))
+            py.profile(tid, py.prepared(tid, template), req)
+            py_floor = resident_floor(py, server, tid, template, req, repeats=3)
+            py_res, _ = run_policies(py, tuple(p for p in ("sakura", "local")
+                                               if p in spec.policies), py_floor.image)
+            python_side = {
+                "compute_bound_s": py_floor.seconds,
+                "latency_s": {p: _median([r.latency_s for r in rs]) for p, rs in py_res.items()},
+                "exec_s": {p: _median([r.exec_s for r in rs]) for p, rs in py_res.items()},
+                "psnr_db_vs_its_exact": {p: _finite_or_inf(min(r.psnr_db for r in rs))
+                                         for p, rs in py_res.items()}}
+            if "sakura" in py_res:
+                lat = python_side["latency_s"]
+                python_side["exec_inflation"] = (python_side["exec_s"]["sakura"]
+                                                 / py_floor.shard_exec_s)
+                python_side["e2e_over_floor"] = lat["sakura"] / py_floor.seconds
 
     # the machine's load may have changed during the runs: measure the floor again
     floor_after = resident_floor(runtime, server, tid, template, req, repeats=1).seconds
@@ -454,13 +486,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
         log(f"WARNING: the compute floor moved from {floor_s:.2f} s to {floor_after:.2f} s "
             "during the runs (machine load): the regime factor and the ratios are unreliable")
 
-    def med(values: list[float]) -> float:
-        return float(torch.tensor(values, dtype=torch.float64).median())
-
-    def psnr_value(x: float | None) -> float | str | None:
-        if x is None:
-            return None
-        return "inf" if x == float("inf") else x
+    med, psnr_value = _median, _finite_or_inf
 
     exec_med = {p: med([r.exec_s for r in rs]) for p, rs in results.items()}
     doc: dict[str, Any] = {
@@ -520,7 +546,19 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
         # end to end over the compute floor (issue 18's targets: <= 1.10 and <= 1.25)
         doc["exec_inflation"] = exec_med["sakura"] / floor.shard_exec_s
         doc["e2e_over_floor"] = lat["sakura"] / floor_s
+    if python_side is not None:
+        doc["python_runtime"] = python_side
     return doc
+
+
+def _median(values: list[float]) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).median())
+
+
+def _finite_or_inf(x: float | None) -> float | str | None:
+    if x is None:
+        return None
+    return "inf" if x == float("inf") else x
 
 
 def _vs_full(results: dict[str, list[EditResult]]) -> dict[str, Any] | None:

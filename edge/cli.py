@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from sakura.edge import RUNTIMES
 from sakura.edge.allocator import POLICIES
@@ -52,6 +53,15 @@ def png_file(text: str) -> str:
     return text
 
 
+def origin_url(text: str) -> str:
+    """An origin: an http(s) URL (sakura serve, nginx, a CDN) or ``s3://bucket[/prefix]``."""
+    if text.startswith("s3://"):
+        if not urlsplit(text).netloc:
+            raise argparse.ArgumentTypeError(f"{text!r}: an S3 origin is s3://bucket[/prefix]")
+        return text.rstrip("/")
+    return http_url(text)
+
+
 def register(commands: Any, bench: Any) -> None:
     p = commands.add_parser(
         "edit", help="run one private edit on this device, streaming the template cache",
@@ -59,8 +69,11 @@ def register(commands: Any, bench: Any) -> None:
                     "by shard; the prompt, reference image and seed never leave this "
                     "machine. Every argument (and the template, in the server's catalog) "
                     "is checked before the model loads.")
-    p.add_argument("--server", type=http_url, required=True, metavar="URL",
-                   help="server URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--server", "--origin", dest="server", type=origin_url, required=True,
+                   metavar="URL",
+                   help="where the published packs are: sakura serve, nginx or a CDN "
+                        "(http://127.0.0.1:8000) or an S3 bucket (s3://bucket/prefix, AWS "
+                        "credentials and AWS_ENDPOINT_URL from the environment)")
     p.add_argument("--template", required=True, metavar="ID", help="template id")
     p.add_argument("--prompt", required=True, help="the (private) edit prompt")
     p.add_argument("--reference", metavar="IMG", help="a (private) reference image")
@@ -147,6 +160,9 @@ def register(commands: Any, bench: Any) -> None:
     b.add_argument("--background-load", type=nonnegative_int, default=0, metavar="N",
                    help="run N busy processes beside the edits (default 0), to measure "
                         "with other work on the machine; the JSON says how many")
+    b.add_argument("--compare-python", action="store_true",
+                   help="also run sakura and local on the Python runtime in the same run "
+                        "(python_runtime in the JSON)")
     b.set_defaults(func=_bench)
 
 
@@ -296,8 +312,12 @@ def _edit(args: argparse.Namespace) -> int:
                      "scale": args.scale, "start_s": args.start, "window_stats": stats}
         with shaped(args.server, trace, args.start) as (url, link):
             link_info.update(link.conditions())  # emulator, RTT, loss, its process and CPUs
-            result = runtime.edit(url, args.template, template, req, args.policy,
-                                  token=args.token, options=options)
+            try:
+                result = runtime.edit(url, args.template, template, req, args.policy,
+                                      token=args.token, options=options)
+            except EdgeError as exc:  # name the URL the user gave, not the link's proxy
+                raise type(exc)(str(exc).replace(
+                    url, f"{args.server} (through the emulated link)")) from None
     else:
         result = runtime.edit(args.server, args.template, template, req, args.policy,
                               token=args.token, options=options)
@@ -401,7 +421,7 @@ def _bench(args: argparse.Namespace) -> int:
         start_s=args.start, policies=tuple(args.policies or DEFAULT_POLICIES),
         server=args.server, catalog=args.catalog_dir, cache_dir=Path(args.cache_dir),
         weights=args.weights, runs=args.runs, threads=args.threads, runtime=runtime,
-        background_load=args.background_load,
+        background_load=args.background_load, compare_python=args.compare_python,
         plots=Path(args.plots) if args.plots else None,
         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     doc = run_bench(spec)
