@@ -219,3 +219,23 @@ def test_truncated_or_replaced_object_is_refused_never_decoded(world, tmp_path):
         path.write_bytes(data)  # repaired: served again, no restart of anything
         assert run(fetch(1, m["shards"][1]["configs"][0]["id"])).data == expected(
             world, "fp16", 1, m["shards"][1]["configs"][0]["id"])
+
+
+def test_an_edit_gives_the_same_image_from_every_origin(world, nginx, s3_env, runtime):
+    import torch
+    from sakura.edge.runtime import EditOptions
+
+    req = runtime.request("a private prompt", 7)
+    images = {}
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        for name, url in (("sakura", server.url), ("nginx", nginx), ("s3", s3_env)):
+            log = []
+            # a fixed rate budget: every origin gets the same configuration choices
+            res = runtime.edit(url, TEMPLATE_ID, world.template, req, "sakura-fixed-config",
+                               request_log=log, options=EditOptions(budget_rate_bps=20e6))
+            images[name] = (res.image, res.configs)
+            assert res.requests == len(log) == 1 + len(res.timeline)
+    ref_image, ref_configs = images["sakura"]
+    for name, (image, configs) in images.items():
+        assert configs == ref_configs, name
+        assert torch.equal(image, ref_image), name
