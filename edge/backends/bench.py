@@ -12,6 +12,10 @@ Delegation (``edge.backends.delegation``): ``xnnpack_delegated_ops_fraction`` = 
 inside XNNPACK subgraphs / all compute ops of the ExecuTorch shard graphs (ExecuTorch's
 delegation info, target 1.0); ``qnn_cpu_fallback_nodes`` = ONNX nodes ONNX Runtime gives to
 another provider than the QNN EP when fallback is allowed (target 0).
+
+Phone side (``edge.backends.phone_bench``): ``arm64`` (the native runtime cross-compiled and
+run under qemu-aarch64), ``opencl`` (GPU reconstruction vs the CPU kernels), and
+``qnn_quantized`` (w8a16 / w8a8 QDQ shard graphs on the HTP simulator, edit PSNR vs exact).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class BackendBenchSpec:
     step: int | None = None  # the step whose shard inputs are timed (default: the middle)
     qnn_options: dict[str, Any] = field(default_factory=dict)
     log: Callable[[str], None] = lambda msg: None
+    phone: bool = False                  # arm64 build + emulated run, OpenCL reconstruction
+    quantized: Sequence[str] = ()        # QDQ schemes on the HTP simulator ("w8a16", "w8a8")
+    calibration_requests: Sequence[EditRequest] = ()  # the template's profiling prompts
 
 
 class _Recording(CompiledShard):
@@ -154,7 +161,46 @@ def bench_backends(model: MMDiT, template: Template, req: EditRequest,
             log(f"  step {doc['backends'][name]['step_latency_s'] * 1e3:.1f} ms, shard err "
                 f"{doc['backends'][name]['max_abs_err']:.2e}, edit PSNR "
                 f"{doc['backends'][name]['edit_psnr_db']}")
+    if spec.phone or spec.quantized:
+        doc.update(_phone_side(model, template, run, cache, req, spec, groups,
+                               reference_edit, weights, template_id, doc))
     return doc
+
+
+def _phone_side(model: MMDiT, template: Template, run: Any, cache: Any, req: EditRequest,
+                spec: BackendBenchSpec, groups: list[tuple[int, ...]],
+                reference_edit: torch.Tensor, weights: str, template_id: str,
+                doc: dict[str, Any]) -> dict[str, Any]:
+    """The ``arm64``, ``opencl`` and ``qnn_quantized`` keys (``edge.backends.phone_bench``);
+    a part that cannot run here reports ``{"error": why}``."""
+    from sakura.edge.backends import phone_bench
+    from sakura.edge.backends.errors import BackendError
+
+    out: dict[str, Any] = {}
+    if spec.phone:
+        with tempfile.TemporaryDirectory(prefix="sakura-bench-pack-") as tmp:
+            spec.log("phone side: a sakura pack of the template's cache")
+            pack = phone_bench.build_pack(model, template, run, spec.calibration_requests,
+                                          Path(tmp) / "pack", template_id or "template",
+                                          spec.blocks_per_shard)
+            for key, fn in (("arm64", lambda: phone_bench.bench_arm64(
+                                pack, template_id or "template", log=spec.log)),
+                            ("opencl", lambda: phone_bench.bench_opencl(
+                                pack, template_id or "template", repeats=spec.repeats))):
+                try:
+                    out[key] = fn()
+                except (BackendError, ImportError) as exc:
+                    out[key] = {"error": str(exc)}
+                spec.log(f"  {key}: {out[key]}")
+    if spec.quantized:
+        q = phone_bench.bench_quantized(model, template, run, cache, req,
+                                        spec.calibration_requests, groups, spec.quantized,
+                                        reference_edit, weights, log=spec.log)
+        first = spec.quantized[0]
+        fp16 = doc["backends"].get("qnn", {}).get("edit_psnr_db")
+        out["qnn_quantized"] = {"scheme": first, "edit_psnr_db": q[first]["edit_psnr_db"],
+                                "fp16_edit_psnr_db": fp16, **q}
+    return out
 
 
 def _delegation(backend: Any, model: MMDiT, weights: str, groups: list[tuple[int, ...]],

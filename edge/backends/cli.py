@@ -30,6 +30,15 @@ def register(commands: Any, bench: Any) -> None:
                    help="timed runs per shard (median; default 5)")
     b.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch threads (default 1)")
+    b.add_argument("--phone", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the arm64 build under qemu and the OpenCL reconstruction "
+                        "(default on)")
+    b.add_argument("--quantized", nargs="*", choices=("w8a16", "w8a8"), default=["w8a16"],
+                   metavar="SCHEME", help="QDQ schemes on the HTP simulator (default w8a16; "
+                   "none: --quantized with no scheme)")
+    b.add_argument("--calibration-prompts", type=positive_int, default=2, metavar="N",
+                   help="profiling prompts whose edits calibrate the quantized graphs "
+                        "(default 2)")
     b.set_defaults(func=_bench)
 
 
@@ -63,9 +72,12 @@ def _bench(args: argparse.Namespace) -> int:
     encoder = TextEncoder(model.cfg.text_tokens)
     template = spec_t.to_template(encoder)
     req = spec_t.requests(encoder)[0]
+    profiling = spec_t.requests(encoder, "profiling")[: args.calibration_prompts]
     spec = BackendBenchSpec(backends=tuple(args.backends),
                             blocks_per_shard=args.blocks_per_shard, repeats=args.repeats,
-                            log=lambda m: print(m, file=sys.stderr, flush=True))
+                            log=lambda m: print(m, file=sys.stderr, flush=True),
+                            phone=args.phone, quantized=tuple(args.quantized),
+                            calibration_requests=profiling)
     doc = bench_backends(model, template, req, spec, template_id=tid)
     doc["weights"] = str(args.weights or DEFAULT_WEIGHTS)
     write(doc, Path(args.json))
@@ -73,5 +85,12 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"{name:11s} step {r['step_latency_s'] * 1e3:8.2f} ms  shard err "
               f"{r['max_abs_err']:.2e}  edit PSNR {r['edit_psnr_db']}  compile "
               f"{r['compile_total_s']:.2f} s  cached load {r['cached_load_total_s']:.3f} s")
+    for key in ("xnnpack_delegated_ops_fraction", "qnn_cpu_fallback_nodes", "arm64",
+                "opencl", "qnn_quantized"):
+        if key in doc:
+            value = doc[key]
+            if isinstance(value, dict):
+                value = {k: v for k, v in value.items() if not isinstance(v, (dict, list))}
+            print(f"{key}: {value}")
     print(f"wrote {args.json}")
     return 0

@@ -71,3 +71,20 @@ def test_a_wrong_tensor_is_reported(binary, shards, tmp_path):
     run = arm64.emulate(exe, "run", str(bad))
     assert run.returncode == 1
     assert '"mismatches": 1' in run.stdout
+
+
+def test_bench_opencl_key_on_the_pack(world):
+    """`sakura bench backends`'s opencl key on the same pack (pocl here)."""
+    native = pytest.importorskip("sakura_native")
+    if not native.opencl_available()[0]:
+        pytest.skip(native.opencl_available()[1])
+    from sakura.edge.backends.phone_bench import bench_opencl
+
+    path = next(p for p in world.catalog_dir.rglob("*manifest.json")
+                if Manifest.load(p).codec == "sakura")
+    doc = bench_opencl(path.parent, Manifest.load(path).template_id, shards=2, configs=3,
+                       repeats=1)
+    assert doc["configs"] == 6 and doc["device"]
+    assert doc["max_abs_err_vs_cpu"] <= 1e-5 * doc["max_abs_value"]  # measured 0
+    assert doc["gbps"] > 0 and doc["cpu_gbps"] > 0
+    assert doc["work_groups"]["dequantize"] >= 1 and len(doc["work_groups"]["product"]) == 2

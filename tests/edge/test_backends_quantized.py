@@ -99,3 +99,20 @@ def test_without_calibration_or_with_an_unknown_scheme_a_clear_error(world, setu
     empty = QnnQuantizedBackend(BackendConfig(cache_dir=tmp_path))
     with pytest.raises(BackendError, match="no calibration inputs"):
         empty.prepare(world.model, GROUPS[0], geometry)
+
+
+@pytest.mark.slow
+def test_bench_backends_phone_side_keys(world, setup):
+    """The arm64, opencl and qnn_quantized keys of `sakura bench backends` (~4 min)."""
+    from sakura.edge.backends.bench import BackendBenchSpec, bench_backends
+
+    req, _geo, _cache, _cal, cal_reqs, _backend = setup
+    doc = bench_backends(world.model, world.template, req, BackendBenchSpec(
+        backends=("torch",), blocks_per_shard=2, repeats=1, phone=True,
+        quantized=("w8a16",), calibration_requests=cal_reqs), template_id="tiny-face")
+    assert doc["arm64"]["built"] is True and doc["arm64"]["selftest"] == "ok"
+    assert doc["arm64"]["kernel"] == "neon" and doc["arm64"]["max_rel_err"] <= 1e-5
+    assert doc["opencl"]["max_abs_err_vs_cpu"] <= 1e-5 * doc["opencl"]["max_abs_value"]
+    q = doc["qnn_quantized"]
+    assert q["scheme"] == "w8a16" and q["edit_psnr_db"] >= W8A16_PSNR_DB
+    assert all(g["context_cpu_nodes"] == {} and g["boundary_only"] for g in q["w8a16"]["graphs"])
