@@ -1,18 +1,21 @@
 """``sakura bench serve``: concurrent loopback clients fetching shard configurations.
 
-Two servers run in child processes on the same synthetic pack, each on a listening socket
-the bench opened on 127.0.0.1 (race-free ephemeral ports):
+A configuration is one byte range of the pack (pack format 2), so every server gets the
+same requests: ``GET /templates/<id>/sakura/<pack_file>`` with ``Range: bytes=a-b``. Three
+servers run in child processes on the same synthetic pack, each on its own 127.0.0.1 port:
 
-* ``sakura``: the FastAPI app (:func:`cloud.server.create_app`) under uvicorn, one worker;
-  clients GET ``/v1/templates/<id>/sakura/shards/<s>/<c>``, one request per configuration.
-* ``reference``: a plain static file server (aiohttp ``FileResponse``, single-range
-  requests, sendfile) serving the pack file itself; clients fetch the same configuration's
-  byte ranges with one ``Range`` request per range (a static server has no shard endpoint).
+* ``sakura``: the FastAPI app (:func:`cloud.server.create_app`) under uvicorn, one worker,
+  serving the pack with Starlette's ``FileResponse``;
+* ``reference``: a plain aiohttp static file server (``FileResponse``, sendfile);
+* ``nginx``: the distribution's nginx with the repository's site locations
+  (``cloud/origins.py``, one worker process), the static server operators deploy.
 
-``--clients`` coroutines (default 32) each loop: pick a random (shard, config), fetch it,
-check the status and length (and the ``X-Sakura-Sha256`` checksum of every 8th body), until
-the duration (or a request cap) is reached. Reported: config fetches per second, decimal
-GB/s of body bytes, p50/p90/p99 latency per fetch, and errors (must be 0).
+``--clients`` coroutines (default 32) each loop: pick a random (shard, config), fetch its
+range, check the status, the length and (every 8th body) the sha256 of the body against the
+manifest's units, until the duration (or a request cap) is reached. Reported per server:
+config fetches per second, decimal GB/s of body bytes, p50/p90/p99 latency per fetch, and
+errors (must be 0); the top-level keys are the ``sakura`` server's, ``reference_*`` and
+``nginx_*`` the others'.
 """
 
 from __future__ import annotations
@@ -77,7 +80,13 @@ def _percentile(values: list[float], q: float) -> float:
 
 @contextlib.contextmanager
 def _child_server(kind: str, target: Path) -> Iterator[str]:
-    """Start a server child process on an inherited loopback socket; yield its base URL."""
+    """Start a server child process on a loopback port; yield its base URL."""
+    if kind == "nginx":
+        from sakura.cloud.origins import NginxOrigin
+
+        with NginxOrigin(target) as url:
+            yield url
+        return
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -140,10 +149,9 @@ class _Load:
 
 async def _run_load(
     url: str,
-    jobs: list[tuple[int, int, list[tuple[int, int]], int]],
+    jobs: list[tuple[int, int, int, int, str]],
     config: BenchConfig,
     *,
-    reference: bool,
     pack_path: str,
 ) -> tuple[_Load, float]:
     import aiohttp
@@ -158,27 +166,16 @@ async def _run_load(
         connector=connector, timeout=timeout, auto_decompress=False
     ) as session:
 
-        async def fetch(job: tuple[int, int, list[tuple[int, int]], int], verify: bool) -> int:
-            shard, cfg, ranges, nbytes = job
-            if not reference:
-                async with session.get(
-                    f"{url}/v1/templates/{TEMPLATE}/sakura/shards/{shard}/{cfg}"
-                ) as resp:
-                    body = await resp.read()
-                    if resp.status != 200 or len(body) != nbytes:
-                        raise ValueError(f"status {resp.status}, {len(body)} of {nbytes} bytes")
-                    if verify and hashlib.sha256(body).hexdigest() != resp.headers.get(
-                        "X-Sakura-Sha256"
-                    ):
-                        raise ValueError("checksum mismatch")
-                    return 1
-            for offset, length in ranges:
-                headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
-                async with session.get(f"{url}/{pack_path}", headers=headers) as resp:
-                    body = await resp.read()
-                    if resp.status != 206 or len(body) != length:
-                        raise ValueError(f"status {resp.status}, {len(body)} of {length} bytes")
-            return len(ranges)
+        async def fetch(job: tuple[int, int, int, int, str], verify: bool) -> int:
+            _shard, _cfg, offset, length, sha = job
+            headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+            async with session.get(f"{url}/{pack_path}", headers=headers) as resp:
+                body = await resp.read()
+                if resp.status != 206 or len(body) != length:
+                    raise ValueError(f"status {resp.status}, {len(body)} of {length} bytes")
+                if verify and hashlib.sha256(body).hexdigest() != sha:
+                    raise ValueError("checksum mismatch")
+            return 1
 
         async def worker(deadline: float, record: bool) -> None:
             while time.perf_counter() < deadline and load.requests < config.max_requests:
@@ -240,20 +237,24 @@ def run_bench(
             TEMPLATE
         ]
         manifest = json.loads((catalog_dir / published.versioned_manifest_key).read_text())
-        jobs = [
-            (shard["index"], cfg["id"], [tuple(r) for r in cfg["ranges"]], cfg["bytes"])
-            for shard in manifest["shards"]
-            for cfg in shard["configs"]
-        ]
         pack_rel = layout.pack_key(TEMPLATE, "sakura", published.pack_file)
+        pack = (catalog_dir / pack_rel).read_bytes()
+        jobs = []
+        for shard in manifest["shards"]:
+            for cfg in shard["configs"]:
+                (offset, length), = cfg["ranges"]
+                body_sha = hashlib.sha256(pack[offset : offset + length]).hexdigest()
+                jobs.append((shard["index"], cfg["id"], offset, length, body_sha))
         results: dict[str, Any] = {}
-        for kind in ("sakura", "reference"):
+        load_avg: dict[str, list[float]] = {}
+        for kind in ("sakura", "reference", "nginx"):
+            load_avg[kind] = [round(x, 2) for x in os.getloadavg()]
             with _child_server(kind, catalog_dir) as url:
                 load, elapsed = asyncio.run(
-                    _run_load(url, jobs, config, reference=kind == "reference", pack_path=pack_rel)
+                    _run_load(url, jobs, config, pack_path=pack_rel)
                 )
             results[kind] = _summary(load, elapsed)
-    ours, ref = results["sakura"], results["reference"]
+    ours, ref, nginx = results["sakura"], results["reference"], results["nginx"]
     mean_bytes = sum(j[3] for j in jobs) / len(jobs)
     return {
         "bench": "serve",
@@ -265,8 +266,8 @@ def run_bench(
         "p50_ms": ours["p50_ms"],
         "p90_ms": ours["p90_ms"],
         "p99_ms": ours["p99_ms"],
-        "errors": ours["errors"] + ref["errors"],
-        "first_error": ours["first_error"] or ref["first_error"],
+        "errors": ours["errors"] + ref["errors"] + nginx["errors"],
+        "first_error": ours["first_error"] or ref["first_error"] or nginx["first_error"],
         "reference_requests_per_s": ref["requests_per_s"],
         "reference_http_requests_per_s": round(ref["http_requests"] / ref["seconds"], 1)
         if ref["seconds"]
@@ -277,11 +278,23 @@ def run_bench(
         "ratio_gbytes_vs_reference": round(ours["gbytes_per_s"] / ref["gbytes_per_s"], 3)
         if ref["gbytes_per_s"]
         else None,
+        "nginx_requests_per_s": nginx["requests_per_s"],
+        "nginx_gbytes_per_s": nginx["gbytes_per_s"],
+        "nginx_p99_ms": nginx["p99_ms"],
+        "nginx_errors": nginx["errors"],
+        "ratio_gbytes_vs_nginx": round(ours["gbytes_per_s"] / nginx["gbytes_per_s"], 3)
+        if nginx["gbytes_per_s"]
+        else None,
+        "load_avg_at_start": load_avg,
         "pack_bytes": published.pack_bytes,
         "configurations": len(jobs),
         "mean_config_bytes": round(mean_bytes),
-        "server": "sakura: FastAPI app under uvicorn, 1 worker process, loop and HTTP implementation auto",
-        "reference_server": "aiohttp FileResponse (sendfile), 1 process, one Range request per config range",
+        "server": "sakura: FastAPI app under uvicorn, 1 worker process, Starlette FileResponse, "
+        "loop and HTTP implementation auto",
+        "reference_server": "aiohttp FileResponse (sendfile), 1 process",
+        "nginx_server": "nginx (distribution package) with cloud/deploy/nginx/sakura-packs.locations, "
+        "1 worker process, sendfile",
+        "request": "one single-range GET of the pack per configuration (pack format 2)",
         "units": {
             "gbytes_per_s": "1e9 body bytes per second",
             "requests_per_s": "config fetches per second",

@@ -147,11 +147,14 @@ def test_bench_serve_quick(tmp_path):
         clients=32, duration_s=0.6, warmup_s=0.2, shards=4, configs=3, unit_bytes=4096
     )
     result = run_bench(config)
-    for key in ["requests_per_s", "gbytes_per_s", "p99_ms", "errors", "reference_gbytes_per_s"]:
+    for key in ["requests_per_s", "gbytes_per_s", "p99_ms", "errors", "reference_gbytes_per_s",
+                "nginx_gbytes_per_s"]:
         assert key in result
     assert result["errors"] == 0, result["first_error"]
     assert result["clients"] == 32
-    assert result["requests"] > 0 and result["detail"]["reference"]["requests"] > 0
+    for server in ("sakura", "reference", "nginx"):  # the same single-range GETs on each
+        assert result["detail"][server]["requests"] > 0
+        assert result["detail"][server]["errors"] == 0
 
 
 def test_bench_serve_command_writes_json(tmp_path, monkeypatch):
