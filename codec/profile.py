@@ -11,6 +11,7 @@ beats on both bytes and quality (quality = ``psnr_db`` when every config has it,
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +159,8 @@ class FittedPSNR:
     up to ``max_per_shard`` (so the cost is bounded by the KV-error range, not by how many
     configurations a pack offers: ``sakura-all`` has every rank at every bit width).
     A step's model is a least-squares fit of the measured PSNR on the configuration's
-    importance-weighted KV error (dB) and, when the codec has one, its bit width:
+    importance-weighted KV error (dB) and, when the codec has one and leave-one-out
+    cross-validation on the measured points prefers it, its bit width:
     ``psnr = a + b kv_db (+ c bits)``. Every other configuration gets the prediction of the
     model of its step's nearest sampled step at or before it (the first sampled step before
     any), within [0, 200] dB (the metric's cap). Why a fit and not the KV error
@@ -221,19 +223,39 @@ class FittedPSNR:
 
     # ------------------------------------------------------------------ model
     def _fit(self, step: int) -> tuple[Any, float, float] | None:
+        """Least squares on the step's measured points: ``a + b kv_db``, or with ``+ c
+        bits`` when that predicts the points better in leave-one-out cross-validation (so
+        the bit term reorders configurations only where the measurements support it)."""
         import numpy as np
 
         pts = self.points.get(step, [])
         if len(pts) < 2:
             return None
-        use_bits = all(b is not None for _, b, _ in pts) and len({b for _, b, _ in pts}) > 1
-        x = np.array([[1.0, kv] + ([b] if use_bits else []) for kv, b, _ in pts])
         y = np.array([p for _, _, p in pts])
-        # a small ridge keeps the fit defined with few points
-        reg = 1e-3 * np.eye(x.shape[1])
-        reg[0, 0] = 0.0
-        coef = np.linalg.solve(x.T @ x + reg, x.T @ y)
-        return coef, float(y.min()), float(y.max())
+        kv = np.array([[1.0, k] for k, _, _ in pts])
+        candidates = [kv]
+        if all(b is not None for _, b, _ in pts) and len({b for _, b, _ in pts}) > 1:
+            candidates.append(np.column_stack([kv, [b for _, b, _ in pts]]))
+
+        def solve(x: Any, yy: Any) -> Any:
+            reg = 1e-3 * np.eye(x.shape[1])  # a small ridge keeps few points defined
+            reg[0, 0] = 0.0
+            return np.linalg.solve(x.T @ x + reg, x.T @ yy)
+
+        def loo(x: Any) -> float:
+            if len(y) <= x.shape[1]:
+                return math.inf
+            errs = [float(y[i] - x[i] @ solve(np.delete(x, i, 0), np.delete(y, i)))
+                    for i in range(len(y))]
+            return float(np.sqrt(np.mean(np.square(errs))))
+
+        scores = [loo(x) for x in candidates]
+        best = int(np.argmin(scores)) if any(math.isfinite(v) for v in scores) else 0
+        self.stats.setdefault("models", {})[str(step)] = {
+            "terms": ["1", "kv_db", "bits"][: candidates[best].shape[1]],
+            "loo_rmse_db": None if not math.isfinite(scores[best]) else round(scores[best], 3),
+            "points": len(pts)}
+        return solve(candidates[best], y), float(y.min()), float(y.max())
 
     def predict(self, step: int, kv_db: float, bits: float | None) -> float | None:
         s = self._sample_step(step)

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--no-full", action="store_true", help="skip the every-config reference")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=None,
+                    help="build folder to keep (up-to-date packs and the cache of measured "
+                         "PSNRs are reused by a rerun); default: a new temporary folder")
     args = ap.parse_args(argv)
 
     import torch
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
     tid = args.template
     load0 = os.getloadavg()
-    tmp = Path(tempfile.mkdtemp(prefix="psnr-gain-"))
+    tmp = args.work or Path(tempfile.mkdtemp(prefix="psnr-gain-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     methods = {"kv_error": {"psnr_fit": 0}, "fitted": {}}
     if not args.no_full:
         methods["measured"] = {"profile_psnr": 1}
