@@ -70,9 +70,13 @@ def register(commands: Any, bench: Any) -> None:
                        help="then upload the published catalog to this bucket: s3://bucket/"
                             "prefix[?endpoint_url=...] (AWS credentials from the environment)")
     build.add_argument("--profile-psnr", type=nonnegative_int, default=0, metavar="N",
-                       help="also profile every configuration's output PSNR against exact on "
+                       help="measure every configuration's output PSNR against exact on "
                             "N profiling requests (slow: one edit per configuration and "
-                            "request; default 0: importance-weighted KV error only)")
+                            "request; default 0: the fitted profile of --psnr-fit)")
+    build.add_argument("--psnr-fit", type=nonnegative_int, default=1, metavar="N",
+                       help="the default, cheap output-PSNR profile: a few sampled shards "
+                            "measured on N profiling requests, the rest fitted per step "
+                            "(codec.profile.FittedPSNR; 0: KV error only; default 1)")
     build.add_argument("--json", type=json_path, metavar="PATH",
                        help="write the build report (built, skipped, seconds) here "
                             "(- for stdout)")
@@ -153,6 +157,7 @@ def _build(args: argparse.Namespace) -> int:
         resolution=args.resolution,
         force=args.force,
         profile_psnr=args.profile_psnr,
+        psnr_fit=args.psnr_fit,
         publish=args.publish,
     )
     report = build(cfg)
