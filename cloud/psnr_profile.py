@@ -10,8 +10,9 @@ Cost: one edit per (configuration, profiling request). On the shipped model a ch
 of step ``s`` only changes steps ``s`` onwards, so the edit resumes from the exact run's
 latent at ``s`` (half an edit on average); diffusers engines re-run whole edits. A template
 with 40 shards and ~30 configurations per shard costs minutes per codec with one profiling
-request: the default build therefore profiles the importance-weighted KV error only, and
-``--profile-psnr N`` (N requests) is opt-in.
+request: ``--profile-psnr N`` (every configuration, N requests) is opt-in, and the default
+build measures a few sampled shards only and fits the rest per step
+(``codec.profile.FittedPSNR``, ``--psnr-fit``).
 """
 
 from __future__ import annotations
