@@ -14,7 +14,8 @@ URL the user gives:
   ``token`` is sent as ``Authorization: Bearer`` when given;
 - ``s3://bucket/prefix``: an S3 bucket (or any S3-compatible store), read with presigned GET
   URLs made locally from the standard AWS environment (credentials, ``AWS_ENDPOINT_URL``,
-  ``AWS_DEFAULT_REGION``; ``?endpoint_url=...&region=...`` in the URL override them).
+  ``AWS_DEFAULT_REGION``; ``?endpoint_url=...&region=...`` in the URL override them), or
+  with plain URLs when there are no credentials (a public-read bucket).
 
 A shard configuration is ONE byte range of the pack (pack format 2, ``codec/FORMAT.md``), so
 :meth:`PackClient.fetch_config` is one ``GET`` of the pack URL with ``Range: bytes=a-b``. The
@@ -259,16 +260,21 @@ class S3Origin:
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         try:
             import boto3
+            from botocore import UNSIGNED
             from botocore.config import Config
         except ImportError as exc:  # pragma: no cover - boto3 is a dependency
             raise EdgeError(f"an s3:// origin needs boto3 ({exc})") from None
         endpoint = (query.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
                     or os.environ.get("AWS_ENDPOINT_URL"))
         region = query.get("region") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        config = Config(signature_version="s3v4",
+        session = boto3.session.Session()
+        # no credentials: a public-read bucket, read with plain (unsigned) URLs
+        signed = session.get_credentials() is not None
+        self.signed = signed
+        config = Config(signature_version="s3v4" if signed else UNSIGNED,
                         s3={"addressing_style": "path"} if endpoint else {})
-        self.client = boto3.client("s3", endpoint_url=endpoint, region_name=region,
-                                   config=config)
+        self.client = session.client("s3", endpoint_url=endpoint, region_name=region,
+                                     config=config)
 
     def url(self, key: str) -> str:
         return self.client.generate_presigned_url(

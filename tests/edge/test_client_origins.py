@@ -239,3 +239,30 @@ def test_an_edit_gives_the_same_image_from_every_origin(world, nginx, s3_env, ru
     for name, (image, configs) in images.items():
         assert configs == ref_configs, name
         assert torch.equal(image, ref_image), name
+
+
+def test_a_public_bucket_is_read_without_credentials(world, s3, s3_env, monkeypatch,
+                                                     tmp_path):
+    import json as _json
+
+    async def anonymous():
+        async with PackClient(s3_env, retry=FAST) as c:
+            return await c.catalog()
+
+    _moto, storage = s3
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    # a private bucket refuses plain URLs, with a hint
+    with pytest.raises(OriginError, match="403.*credentials and the bucket policy"):
+        run(anonymous())
+    policy = {"Version": "2012-10-17", "Statement": [{
+        "Effect": "Allow", "Principal": "*", "Action": "s3:GetObject",
+        "Resource": f"arn:aws:s3:::{BUCKET}/{PREFIX}/*"}]}
+    storage.client.put_bucket_policy(Bucket=BUCKET, Policy=_json.dumps(policy))
+    entry, m, got, log = run(fetch_some(s3_env))
+    for (shard, cfg), data in got.items():
+        assert data == expected(world, "sakura", shard, cfg)
+    assert not any("X-Amz-Signature" in r.url for r in log)  # plain URLs
