@@ -17,6 +17,8 @@
 namespace sakura {
 namespace {
 
+constexpr std::size_t kTokensPerItem = 4;  // SAKURA_TOKENS in opencl_kernels.hpp
+
 void check(cl_int err, const char* what) {
   if (err != CL_SUCCESS) {
     throw std::runtime_error(std::string("OpenCL: ") + what + " failed (error " +
@@ -351,9 +353,11 @@ struct OpenCLDecoder::Impl {
     arg(prod, sizeof(cl_int), &c_i);
     arg(prod, sizeof(cl_mem), &out.mem);
     const std::size_t pairs = static_cast<std::size_t>(c + 1) / 2;
-    const std::size_t global[3] = {(pairs + tile - 1) / tile * tile,
-                                   (static_cast<std::size_t>(n) + tile - 1) / tile * tile,
-                                   static_cast<std::size_t>(M)};
+    const std::size_t rows_per_group = tile * kTokensPerItem;  // see sakura_product
+    const std::size_t global[3] = {
+        (pairs + tile - 1) / tile * tile,
+        (static_cast<std::size_t>(n) + rows_per_group - 1) / rows_per_group * tile,
+        static_cast<std::size_t>(M)};
     const std::size_t local[3] = {tile, tile, 1};
     check(clEnqueueNDRangeKernel(queue, prod, 3, nullptr, global, local, 0, nullptr, &ev_pr),
           "clEnqueueNDRangeKernel(sakura_product)");

@@ -13,11 +13,12 @@
 //   factors are bit-equal to the CPU kernels'.
 // * sakura_product: out[m, t, (2j, 2j+1)] = sum_p a[p, t] b[p, (2j, 2j+1)] over the
 //   components p of matrix m, in component order (the CPU kernels' order), with fma;
-//   work-group 16 x 16 (16 channel pairs x 16 tokens = 256 work-items; 8 x 8 where the
-//   kernel's maximum is below 256), 16-component tiles of a and b staged in local memory
-//   (2 KB + 1 KB per tile pair at 16 x 16). Each work-item owns one channel pair, so the
-//   RoPE rotation of the keys (even m) is applied in registers: re*cos - im*sin,
-//   re*sin + im*cos, unfused, as the CPU does. The output is float32 or, with
+//   work-group 16 x 16 (16 channel pairs x 16 token lanes = 256 work-items; 8 x 8 where
+//   the kernel's maximum is below 256), each work-item holding 4 tokens x 1 channel pair
+//   in registers (8 accumulators), so a group covers 64 tokens x 32 channels;
+//   16-component tiles of a (16 x 64) and b (16 x 32) staged in local memory (6 KB).
+//   Owning a channel pair, a work-item applies the RoPE rotation of the keys (even m) in
+//   registers: re*cos - im*sin, re*sin + im*cos, unfused, as the CPU does. The output is float32 or, with
 //   SAKURA_HALF_OUT, fp16 (vstore_half_rte: what an fp16 DiT graph on the NPU consumes,
 //   half the bytes).
 #pragma once
@@ -105,6 +106,8 @@ __kernel void sakura_dequantize(
 #ifndef SAKURA_TILE
 #define SAKURA_TILE 16
 #endif
+#define SAKURA_TOKENS 4  // tokens per work-item (register blocking)
+#define SAKURA_ROWS (SAKURA_TILE * SAKURA_TOKENS)
 
 __kernel void sakura_product(
     __global const float* a,          // [rows, n], grouped by matrix
@@ -118,25 +121,27 @@ __kernel void sakura_product(
     __global float* out
 #endif
     ) {
-  __local float as[SAKURA_TILE][SAKURA_TILE];       // [component][token]
+  __local float as[SAKURA_TILE][SAKURA_ROWS];       // [component][token]
   __local float bs[SAKURA_TILE][2 * SAKURA_TILE];   // [component][channel]
   const int lj = get_local_id(0);   // channel pair within the tile
-  const int lt = get_local_id(1);   // token within the tile
+  const int lt = get_local_id(1);   // token lane within the tile
   const int jp = get_global_id(0);  // channel pair
-  const int t = get_global_id(1);   // token
   const int m = get_global_id(2);   // matrix
-  const int pairs = (c + 1) / 2;  // an odd last channel is a pair's first half
+  const int pairs = (c + 1) / 2;    // an odd last channel is a pair's first half
   const int j0 = get_group_id(0) * SAKURA_TILE * 2;  // first channel of the tile
-  const int t0 = get_group_id(1) * SAKURA_TILE;
+  const int t0 = get_group_id(1) * SAKURA_ROWS;      // first token of the tile
   const int first = mstart[m];
   const int last = mstart[m + 1];
-  float s0 = 0.0f, s1 = 0.0f;
+  float s0[SAKURA_TOKENS], s1[SAKURA_TOKENS];
+  for (int i = 0; i < SAKURA_TOKENS; ++i) s0[i] = s1[i] = 0.0f;
   for (int p0 = first; p0 < last; p0 += SAKURA_TILE) {
-    // a tile: SAKURA_TILE components x SAKURA_TILE tokens; b tile: x 2 * SAKURA_TILE channels
+    // a tile: SAKURA_TILE components x SAKURA_ROWS tokens; b: x 2 * SAKURA_TILE channels
     {
       const int p = p0 + lt;
-      const int tt = t0 + lj;
-      as[lt][lj] = (p < last && tt < n) ? a[(size_t)p * n + tt] : 0.0f;
+      for (int i = 0; i < SAKURA_TOKENS; ++i) {
+        const int tt = t0 + lj + i * SAKURA_TILE;
+        as[lt][lj + i * SAKURA_TILE] = (p < last && tt < n) ? a[(size_t)p * n + tt] : 0.0f;
+      }
       const int ch = j0 + 2 * lj;
       bs[lt][2 * lj] = (p < last && ch < c) ? b[(size_t)p * c + ch] : 0.0f;
       bs[lt][2 * lj + 1] = (p < last && ch + 1 < c) ? b[(size_t)p * c + ch + 1] : 0.0f;
@@ -144,33 +149,41 @@ __kernel void sakura_product(
     barrier(CLK_LOCAL_MEM_FENCE);
     const int kmax = min(SAKURA_TILE, last - p0);
     for (int k = 0; k < kmax; ++k) {
-      const float av = as[k][lt];
-      s0 = fma(av, bs[k][2 * lj], s0);
-      s1 = fma(av, bs[k][2 * lj + 1], s1);
+      const float b0 = bs[k][2 * lj];
+      const float b1 = bs[k][2 * lj + 1];
+      for (int i = 0; i < SAKURA_TOKENS; ++i) {
+        const float av = as[k][lt + i * SAKURA_TILE];
+        s0[i] = fma(av, b0, s0[i]);
+        s1[i] = fma(av, b1, s1[i]);
+      }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
   }
-  if (t >= n || jp >= pairs) return;
-  float r0 = s0, r1 = s1;
-  if (use_rope && (m % 2) == 0) {
-    const float cs = rope[((size_t)t * pairs + jp) * 2];
-    const float sn = rope[((size_t)t * pairs + jp) * 2 + 1];
-    const float re_cs = s0 * cs;
-    const float im_sn = s1 * sn;
-    const float re_sn = s0 * sn;
-    const float im_cs = s1 * cs;
-    r0 = re_cs - im_sn;
-    r1 = re_sn + im_cs;
-  }
-  const size_t o = ((size_t)m * n + t) * c + 2 * jp;
+  if (jp >= pairs) return;
   const int second = 2 * jp + 1 < c;
+  for (int i = 0; i < SAKURA_TOKENS; ++i) {
+    const int t = t0 + lt + i * SAKURA_TILE;
+    if (t >= n) break;
+    float r0 = s0[i], r1 = s1[i];
+    if (use_rope && (m % 2) == 0) {
+      const float cs = rope[((size_t)t * pairs + jp) * 2];
+      const float sn = rope[((size_t)t * pairs + jp) * 2 + 1];
+      const float re_cs = s0[i] * cs;
+      const float im_sn = s1[i] * sn;
+      const float re_sn = s0[i] * sn;
+      const float im_cs = s1[i] * cs;
+      r0 = re_cs - im_sn;
+      r1 = re_sn + im_cs;
+    }
+    const size_t o = ((size_t)m * n + t) * c + 2 * jp;
 #ifdef SAKURA_HALF_OUT
-  vstore_half_rte(r0, o, out);
-  if (second) vstore_half_rte(r1, o + 1, out);
+    vstore_half_rte(r0, o, out);
+    if (second) vstore_half_rte(r1, o + 1, out);
 #else
-  out[o] = r0;
-  if (second) out[o + 1] = r1;
+    out[o] = r0;
+    if (second) out[o + 1] = r1;
 #endif
+  }
 }
 )CLC";
 }
