@@ -148,6 +148,20 @@ class PipelineStats:
     configs: list[int | None]
 
 
+def lookahead_wait(ahead: int, max_ahead: int, max_ahead_cap: int, until_start_s: float,
+                   horizon_s: float) -> float | None:
+    """When a shard ``ahead`` shards past the executing one may be requested: 0 (now) within
+    ``max_ahead``; beyond it, up to ``max_ahead_cap``, once its predicted execution start is
+    ``horizon_s`` away (``lookahead_rtts`` request latencies), so that with short shards
+    and long round trips the requests still go out a few round trips before they are
+    needed; None (when execution advances) otherwise. Both runtimes use this rule."""
+    if ahead <= max_ahead:
+        return 0.0
+    if ahead > max_ahead_cap or horizon_s <= 0:
+        return None
+    return max(0.0, until_start_s - horizon_s)
+
+
 def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
     """Stalls, startup, bytes and choices of an edit from its shard records (the timeline
     of either runtime: these records, or the native runtime's of the same fields)."""
@@ -178,10 +192,15 @@ class Pipeline:
                  max_ready: int = 2,
                  describe: Callable[[int, int], dict[str, Any]] | None = None,
                  config_bytes: Callable[[int, int], int] | None = None,
-                 max_inflight: int = 2,
+                 max_inflight: int = 2, lookahead_rtts: float = 0.0,
+                 max_ahead_cap: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_ahead < 1 or max_ready < 1:
             raise ValueError("max_ahead and max_ready must be >= 1")
+        # beyond max_ahead (up to max_ahead_cap) a shard may be requested once its predicted
+        # execution start is within lookahead_rtts request latencies (see lookahead_wait)
+        self.lookahead_rtts = float(lookahead_rtts)
+        self.max_ahead_cap = max(max_ahead, max_ahead_cap or max_ahead)
         self.shard_blocks = shard_blocks
         self.fetch, self.decode, self.allocate = fetch, decode, allocate
         self.monitor, self.progress = monitor, progress
@@ -255,9 +274,17 @@ class Pipeline:
         return t - self.origin
 
     # ------------------------------------------------------------------ receive
-    def _slot_free(self, shard: int) -> bool:
+    def _slot_wait(self, shard: int) -> float | None:
+        """0: ``shard`` may be requested now; t > 0: once t seconds have passed (its
+        execution comes within the lookahead horizon); None: once execution advances."""
         with self._cond:
-            return shard - self._executing <= self.max_ahead or self._error is not None
+            if self._error is not None:
+                return 0.0
+            ahead = shard - self._executing
+        now = self.clock()
+        return lookahead_wait(ahead, self.max_ahead, self.max_ahead_cap,
+                              self.progress.deadline(shard, now) - now,
+                              self.lookahead_rtts * self.monitor.latency_s())
 
     def _wake_receiver(self) -> None:
         if self._net is not None and self._slot_event is not None:
@@ -268,11 +295,14 @@ class Pipeline:
 
     async def _wait_slot(self, shard: int) -> None:
         assert self._slot_event is not None
-        while not self._slot_free(shard):
+        while (wait := self._slot_wait(shard)) != 0.0:
             self._slot_event.clear()
-            if self._slot_free(shard):
+            if (wait := self._slot_wait(shard)) == 0.0:
                 break
-            await self._slot_event.wait()
+            try:
+                await asyncio.wait_for(self._slot_event.wait(), wait)
+            except TimeoutError:
+                pass
 
     def _outstanding(self) -> int:
         return sum(max(0, f.nbytes - f.received) for f in self._inflight.values())

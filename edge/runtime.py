@@ -215,7 +215,14 @@ class EditOptions:
 
     max_ahead: int = 4          # shards fetched ahead of execution (in flight ... ready)
     max_ready: int = 2          # reconstructed shards held ahead of execution (memory)
-    max_inflight: int = 3       # pipelined requests (1: one request at a time)
+    max_inflight: int = 6       # pipelined requests (1: one request at a time)
+    # beyond max_ahead, up to max_ahead_cap shards, a shard is requested once its predicted
+    # execution start is lookahead_rtts request latencies away: with the native runtime a
+    # shard executes in ~10 ms, less than one 5G round trip, so 4 shards ahead left no time
+    # to transfer anything but the smallest configurations (edge/README.md, "Pipeline");
+    # a max_ahead above max_ahead_cap wins
+    lookahead_rtts: float = 3.0
+    max_ahead_cap: int = 16
     safety: float = 0.8         # fraction of rate x window the allocator may use
     rate_window: int = 5        # shards in the harmonic-mean rate estimate
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
@@ -245,6 +252,10 @@ class EditOptions:
         if self.deadline_s is not None and not (math.isfinite(self.deadline_s)
                                                 and self.deadline_s > 0):
             raise EdgeError(f"deadline_s must be a time > 0 s, got {self.deadline_s!r}")
+        if not (math.isfinite(self.lookahead_rtts) and self.lookahead_rtts >= 0):
+            raise EdgeError(f"lookahead_rtts must be >= 0, got {self.lookahead_rtts!r}")
+        if min(self.max_ahead, self.max_ready, self.max_inflight) < 1:
+            raise EdgeError("max_ahead, max_ready and max_inflight must be >= 1")
         return self
 
 
@@ -520,7 +531,9 @@ class EdgeRuntime:
                             monitor=monitor, progress=progress, origin=origin,
                             max_ahead=opts.max_ahead, max_ready=opts.max_ready,
                             describe=describe,
-                            config_bytes=config_bytes, max_inflight=opts.max_inflight)
+                            config_bytes=config_bytes, max_inflight=opts.max_inflight,
+                            lookahead_rtts=opts.lookahead_rtts,
+                            max_ahead_cap=opts.max_ahead_cap)
             pipe.start(net)
             try:
                 image = (self.engine.edit(prep, pipe.provider, req) if self.backend.is_torch
@@ -613,7 +626,8 @@ class EdgeRuntime:
         stream = stream_spec(
             manifest_dict, lambda shard, config: spans[(shard, config)], http=http,
             origin=origin, max_ahead=opts.max_ahead, max_ready=opts.max_ready,
-            max_inflight=opts.max_inflight, kind=decode_kind(codec_impl), decode=decode,
+            max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
+            max_ahead_cap=opts.max_ahead_cap, kind=decode_kind(codec_impl), decode=decode,
             rope=rope_table(codec_impl, int(geometry["tokens"]), int(geometry["channels"])))
         image, records, requests = self.native.streamed_edit(
             prep.template, prep.geometry, req, stream, to_native(allocator, self.native.native),

@@ -23,6 +23,8 @@ from sakura.traces import Trace
 from tests.edge.helpers import TEMPLATE_ID, FaultyApp, RecordingApp, Server, free_port
 
 PROMPT = "turn my secret portrait into a pirate captain"
+# one shard requested at a time, as execution reaches it
+ONE_AT_A_TIME = EditOptions(max_ahead=1, max_ahead_cap=1, max_inflight=1)
 SEED = 987654321
 
 
@@ -31,7 +33,8 @@ def exact_image(world, req):
     return cached_edit(world.model, world.template, geo, world.cache.to_fp16_exact(), req)
 
 
-def check_timeline(result, max_ahead=4, max_ready=2, max_inflight=3):
+def check_timeline(result, max_ahead=EditOptions.max_ahead_cap, max_ready=EditOptions.max_ready,
+                   max_inflight=EditOptions.max_inflight):
     tl = result.timeline
     assert [r["shard"] for r in tl] == list(range(len(tl)))
     for r in tl:
@@ -145,11 +148,13 @@ def test_a_server_restart_mid_edit_is_survived(world):
         restarted.set()
 
     try:
-        # ~170 kB of fp16 at 1.2 Mbit/s: the edit lasts more than a second
+        # ~170 kB of fp16 at 1.2 Mbit/s: the edit lasts more than a second; one request at
+        # a time, so that requests are sent while the server is down (the link's proxy would
+        # otherwise have read every pipelined body from the server before it stopped)
         with shaped(server.url, Trace.constant(1.2e6)) as (url, _link):
             t = threading.Thread(target=restart, daemon=True)
             t.start()
-            res = rt.edit(url, TEMPLATE_ID, world.template, req, "fp16")
+            res = rt.edit(url, TEMPLATE_ID, world.template, req, "fp16", options=ONE_AT_A_TIME)
             t.join(10)
     finally:
         server.stop()

@@ -25,7 +25,7 @@ from sakura.edge.runtime import EditOptions
 from sakura.traces import Trace
 
 from tests.edge.helpers import TEMPLATE_ID, FaultyApp, RecordingApp, Server, free_port
-from tests.edge.test_edit import PROMPT, SEED, check_timeline, exact_image
+from tests.edge.test_edit import ONE_AT_A_TIME, PROMPT, SEED, check_timeline, exact_image
 
 TOL = 1e-4  # max abs error on the image between the runtimes (issue 18)
 
@@ -138,7 +138,8 @@ def test_a_server_restart_mid_edit_is_survived(world, runtime, native_runtime):
             native_runtime.edit(url, TEMPLATE_ID, world.template, req, "fp16")  # manifest
             t = threading.Thread(target=restart, daemon=True)
             t.start()
-            res = native_runtime.edit(url, TEMPLATE_ID, world.template, req, "fp16")
+            res = native_runtime.edit(url, TEMPLATE_ID, world.template, req, "fp16",
+                                      options=ONE_AT_A_TIME)
             t.join(10)
     finally:
         server.stop()

@@ -24,6 +24,15 @@ py::object none_if_nan(double v) {
 }  // namespace
 
 void bind_allocation(py::module_& m) {
+  m.def(
+      "lookahead_wait",
+      [](int ahead, int max_ahead, int max_ahead_cap, double until_start_s, double horizon_s) {
+        return none_if_nan(sakura::lookahead_wait(ahead, max_ahead, max_ahead_cap,
+                                                  until_start_s, horizon_s));
+      },
+      py::arg("ahead"), py::arg("max_ahead"), py::arg("max_ahead_cap"),
+      py::arg("until_start_s"), py::arg("horizon_s"),
+      "0: request now; t: in t seconds; None: once execution advances (the receive rule).");
   m.def("budget_bytes", &sakura::budget_bytes, py::arg("window_s"), py::arg("rate_bps"),
         py::arg("latency_s") = 0.0, py::arg("safety") = 1.0,
         "Bytes that fit in the window at the estimated rate after the request latency.");

@@ -287,6 +287,8 @@ py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dic
   spec.options.max_ahead = stream["max_ahead"].cast<int>();
   spec.options.max_ready = stream["max_ready"].cast<int>();
   spec.options.max_inflight = stream["max_inflight"].cast<int>();
+  spec.options.lookahead_rtts = stream["lookahead_rtts"].cast<double>();
+  spec.options.max_ahead_cap = stream["max_ahead_cap"].cast<int>();
   spec.origin = stream["origin"].cast<double>();
 
   auto feed = std::make_shared<sakura::StreamFeed>(std::move(spec), allocator, monitor, progress);

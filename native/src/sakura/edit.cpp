@@ -101,6 +101,7 @@ StreamFeed::StreamFeed(StreamSpec spec, std::shared_ptr<const Allocator> allocat
     throw std::invalid_argument("max_ahead and max_ready must be >= 1");
   }
   spec_.options.max_ready = std::min(spec_.options.max_ready, spec_.options.max_ahead);
+  spec_.options.max_ahead_cap = std::max(spec_.options.max_ahead, spec_.options.max_ahead_cap);
   spec_.options.max_inflight = std::max(1, spec_.options.max_inflight);
   if (spec_.decode == DecodeKind::Callback && !spec_.callback) {
     throw std::invalid_argument("a callback decoder needs a callback");
@@ -226,13 +227,23 @@ void StreamFeed::receive_loop() {
   const int n = static_cast<int>(records_.size());
   int next = 0;
   while (true) {
-    bool slot_free;
+    int ahead;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (error_ || closing_) return;
-      slot_free = next < n && next - executing_ <= spec_.options.max_ahead;
+      ahead = next - executing_;
     }
     double wait = kPollCapS;
+    bool slot_free = false;
+    if (next < n) {
+      const double now = now_s();
+      const double slot = lookahead_wait(
+          ahead, spec_.options.max_ahead, spec_.options.max_ahead_cap,
+          progress_->deadline(next, now) - now,
+          spec_.options.lookahead_rtts * monitor_->latency_s());
+      slot_free = slot == 0.0;
+      if (!std::isnan(slot)) wait = std::min(wait, std::max(slot, 1e-3));
+    }
     if (slot_free && link_allows(&wait)) {
       issue(next++);
       continue;

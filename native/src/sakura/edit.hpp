@@ -103,7 +103,12 @@ struct StreamOptions {
   int max_ready = 2;     // reconstructed shards held ahead of execution
   int max_inflight = 3;  // pipelined requests
   int decode_threads = 1;
+  // beyond max_ahead (up to max_ahead_cap) a shard may be requested once its predicted
+  // execution start is within lookahead_rtts request latencies (lookahead_wait)
+  double lookahead_rtts = 0.0;
+  int max_ahead_cap = 0;
 };
+
 
 struct StreamSpec {
   std::vector<ShardRecord> shards;                       // shard, step, blocks

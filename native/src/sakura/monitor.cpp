@@ -17,6 +17,13 @@ std::string repr(double x) {
 }
 }  // namespace
 
+double lookahead_wait(int ahead, int max_ahead, int max_ahead_cap, double until_start_s,
+                      double horizon_s) {
+  if (ahead <= max_ahead) return 0.0;
+  if (ahead > max_ahead_cap || horizon_s <= 0) return kNoValue;
+  return std::max(0.0, until_start_s - horizon_s);
+}
+
 // ----------------------------------------------------------------------- BandwidthMonitor
 
 BandwidthMonitor::BandwidthMonitor(int k, double initial_bps, double min_body_s)

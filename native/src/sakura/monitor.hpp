@@ -108,4 +108,10 @@ class ExecutionProgress {
   mutable std::mutex mu_;
 };
 
+// When a shard `ahead` shards past the executing one may be requested: 0 (now) within
+// max_ahead; beyond it, up to max_ahead_cap, once its predicted execution start is horizon_s
+// away; NaN (when execution advances) otherwise. sakura/edge/pipeline.py, lookahead_wait.
+double lookahead_wait(int ahead, int max_ahead, int max_ahead_cap, double until_start_s,
+                      double horizon_s);
+
 }  // namespace sakura
