@@ -96,8 +96,13 @@ class TokenSet:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TokenSet | None:
         value = (os.environ if environ is None else environ).get(TOKENS_ENV)
-        if value is None or not value.strip():
+        if value is None:
             return None
+        # set but blank (e.g. an empty secret in a deployment): refuse to start without
+        # auth; unset the variable for an open API
+        if not value.strip():
+            raise AuthConfigError(f"${TOKENS_ENV} is set but holds no tokens; unset it to "
+                                  "serve without auth")
         return cls.parse(value, f"${TOKENS_ENV}")
 
     def verify(self, token: str | None) -> Grant | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from sakura.cloud.publish import (
     CatalogTransaction,
+    build_workdir,
     is_up_to_date,
     template_content_hash,
 )
@@ -70,8 +71,6 @@ class BuildReport:
 
 
 def build(cfg: BuildConfig, log=print) -> BuildReport:
-    import tempfile
-
     from sakura.codec import ShardLayout, get_codec
     from sakura.codec.pack import write_pack
     from sakura.dit.adapters.engine import load_engine
@@ -158,7 +157,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         # an engine may fill in its default steps / guidance
         device = replace(device, steps=run.cache.steps, guidance=float(prep.template.guidance))
         with (
-            tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp,
+            build_workdir(out) as tmp,
             CatalogTransaction(out) as txn,
         ):
             rope = engine.rope_option(prep)

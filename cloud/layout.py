@@ -15,6 +15,7 @@ inside the pack) and treats every other field as opaque.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class ConfigEntry:
     config: int
     ranges: tuple[tuple[int, int], ...]  # (offset, length) in the pack
     nbytes: int
+    units: tuple[int, ...] = ()  # indices into ManifestIndex.units, in body order
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,19 @@ class ManifestIndex:
     pack_bytes: int
     pack_sha256: str
     configs: Mapping[tuple[int, int], ConfigEntry]
+    units: tuple[tuple[int, int, str], ...] = ()  # (offset, length, sha256), ascending
 
     def config(self, shard: int, config: int) -> ConfigEntry | None:
         return self.configs.get((shard, config))
+
+    def units_in(self, start: int, stop: int) -> range:
+        """Indices of the units overlapping pack bytes ``[start, stop)``."""
+        offsets = [u[0] for u in self.units]
+        first = max(0, bisect.bisect_right(offsets, start) - 1)
+        while first < len(self.units) and sum(self.units[first][:2]) <= start:
+            first += 1
+        last = bisect.bisect_left(offsets, stop)
+        return range(first, max(first, last))
 
 
 def _int(value: Any, what: str) -> int:
@@ -172,10 +184,16 @@ def validate_manifest(
     units = manifest.get("units", [])
     if not isinstance(units, list):
         raise ManifestError("units must be a list")
+    table: list[tuple[int, int, str]] = []
+    end = 0
     for i, unit in enumerate(units):
-        if not isinstance(unit, (list, tuple)) or len(unit) < 2:
+        if not isinstance(unit, (list, tuple)) or len(unit) < 3:
             raise ManifestError(f"unit {i} must be [offset, length, sha256]")
-        check_span(unit[0], unit[1], f"unit {i}")
+        offset, length = check_span(unit[0], unit[1], f"unit {i}")
+        if offset < end or not isinstance(unit[2], str) or not SHA256_RE.fullmatch(unit[2]):
+            raise ManifestError(f"unit {i} overlaps the one before or lacks a sha256")
+        end = offset + length
+        table.append((offset, length, unit[2]))
     shards = manifest.get("shards")
     if not isinstance(shards, list):
         raise ManifestError("shards must be a list")
@@ -218,8 +236,16 @@ def validate_manifest(
                 raise ManifestError(
                     f"shard {index} config {cid}: bytes={declared} but its ranges hold {total}"
                 )
-            configs[(index, cid)] = ConfigEntry(index, cid, tuple(spans), total)
-    return ManifestIndex(tid, cname, pack_file, pack_bytes, sha, configs)
+            used = cfg.get("units", [])
+            if not isinstance(used, list) or not all(
+                isinstance(u, int) and not isinstance(u, bool) and 0 <= u < len(table)
+                for u in used
+            ):
+                raise ManifestError(f"shard {index} config {cid}: units must index the table")
+            if used and sum(table[u][1] for u in used) != total:
+                raise ManifestError(f"shard {index} config {cid}: units do not fill its range")
+            configs[(index, cid)] = ConfigEntry(index, cid, tuple(spans), total, tuple(used))
+    return ManifestIndex(tid, cname, pack_file, pack_bytes, sha, configs, tuple(table))
 
 
 def validate_catalog(catalog: Any) -> dict[str, Any]:

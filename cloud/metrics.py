@@ -1,7 +1,8 @@
 """A tiny Prometheus text exposition (format 0.0.4) and the ASGI middleware that feeds it.
 
 Series (labels use the route *template*, e.g. ``/v1/templates/{template_id}/{codec}/pack``,
-never the raw path, so label cardinality stays bounded):
+never the raw path, and unknown routes and methods collapse to ``other``, so label
+cardinality stays bounded whatever clients send):
 
 * ``sakura_http_requests_total{route,method,status}`` counter
 * ``sakura_http_response_bytes_total{route}`` counter: body bytes actually sent
@@ -42,6 +43,9 @@ DEFAULT_BUCKETS = (
     30.0,
 )
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# label values come from these sets or a route template only: a client cannot grow /metrics
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+OTHER = "other"
 
 
 def _escape(value: str) -> str:
@@ -178,10 +182,11 @@ class MetricsMiddleware:
             raise
         finally:
             route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
+            path = getattr(route, "path", None) or OTHER
+            method = scope.get("method", "GET")
             self.metrics.observe(
                 path,
-                scope.get("method", "GET"),
+                method if method in METHODS else OTHER,
                 int(state["status"]),
                 int(state["bytes"]),
                 time.perf_counter() - start,

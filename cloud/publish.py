@@ -31,6 +31,8 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -88,6 +90,66 @@ def template_content_hash(
 def _dump(value: Any) -> bytes:
     # compact: manifests hold thousands of unit entries and travel to every device
     return (json.dumps(value, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+BUILD_PREFIX = ".build-"
+BUILD_LOCK = ".lock"
+UNLOCKED_GRACE_S = 60.0  # a build dir younger than this may not hold its lock yet
+
+
+@contextlib.contextmanager
+def build_workdir(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
+    """A private ``.build-*`` work folder in the catalog directory (same filesystem, so
+    publishing renames), locked while the build runs and removed when it ends. Folders of
+    builds that were killed (no process holds their lock) are removed first."""
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    sweep_stale_builds(root)
+    path = Path(tempfile.mkdtemp(dir=root, prefix=BUILD_PREFIX))
+    fd = os.open(path / BUILD_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+
+
+def sweep_stale_builds(out_dir: str | os.PathLike[str], *, dry_run: bool = False,
+                       now: float | None = None) -> list[str]:
+    """Remove ``.build-*`` folders whose build is gone: their lock is free (a killed build's
+    lock dies with its process), or they have no lock and are older than a minute. A running
+    build's folder is never touched. Returns the removed folder names."""
+    now = time.time() if now is None else now
+    removed = []
+    for path in sorted(Path(out_dir).glob(BUILD_PREFIX + "*")):
+        if not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            fd = os.open(path / BUILD_LOCK, os.O_RDWR)
+        except FileNotFoundError:
+            try:
+                stale = now - path.stat().st_mtime > UNLOCKED_GRACE_S
+            except OSError:
+                continue
+            if stale:
+                if not dry_run:
+                    shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a running build holds it
+        else:
+            if not dry_run:
+                shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def read_catalog(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -190,9 +252,14 @@ def publish_pack(
     directory = Path(out_dir) / layout.template_dir(template_id, codec)
     directory.mkdir(parents=True, exist_ok=True)
     dest = directory / name
-    if not (dest.is_file() and dest.stat().st_size == size):
-        atomic_write(dest, pack_path)
-    atomic_write(directory / layout.versioned_manifest_name(name), _dump(manifest))
+    vpath = directory / layout.versioned_manifest_name(name)
+    intact = dest.is_file() and dest.stat().st_size == size and sha256_file(dest)[0] == sha
+    if not (intact and vpath.is_file()):
+        if not intact:  # absent, or damaged on disk: (re)write it
+            atomic_write(dest, pack_path)
+        atomic_write(vpath, _dump(manifest))
+    # else: this exact pack is published already (a rebuild of the same inputs); its
+    # versioned manifest is immutable once published (caches keep it forever), so it stays
     return PublishedPack(
         template_id, codec, name, sha, size, int(stored) if isinstance(stored, int) else size
     )
@@ -358,13 +425,16 @@ def collect_garbage(
     dry_run: bool = False,
 ) -> list[str]:
     """Delete packs, versioned manifests and temp files under ``templates/`` that the catalog
-    does not reference and that were retired more than ``grace_s`` seconds ago.
+    does not reference and that were retired more than ``grace_s`` seconds ago, and the work
+    folders of killed builds (:func:`sweep_stale_builds`).
 
-    Returns the removed keys. ``manifest.json`` files are never removed.
+    Returns the removed keys (build folders as ``.build-xxx/``). ``manifest.json`` files are
+    never removed.
     """
     root = Path(out_dir)
     now = time.time() if now is None else now
-    removed: list[str] = []
+    removed: list[str] = [name + "/" for name in sweep_stale_builds(root, dry_run=dry_run,
+                                                                    now=now)]
     with catalog_lock(root):
         keep = referenced_keys(read_catalog(root))
         base = root / "templates"

@@ -15,9 +15,52 @@ from typing import Any
 
 import uvicorn
 from sakura.cloud.errors import ServeConfigError
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEADER_TIMEOUT_S = 10.0
 
 
-def _config(app: Any, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Config:
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for request heads (uvicorn has none): a
+    connection that has not sent a complete request line and headers within
+    ``header_timeout_s`` of starting one (slow-header clients holding connections open) is
+    closed. Written here because neither uvicorn nor h11 offers the setting."""
+
+    header_timeout_s = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: Any = self.loop.call_later(self.header_timeout_s, self._head_timeout)
+
+    def _awaiting_head(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting_head() and self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
+        super().data_received(data)
+        if not self._awaiting_head() and self._head_timer is not None:
+            self._head_timer.cancel()  # a request head arrived in time
+            self._head_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self._awaiting_head() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def _config(app: Any, host: str, port: int, log_level: str, access_log: bool,
+            header_timeout_s: float = HEADER_TIMEOUT_S) -> uvicorn.Config:
+    protocol = HeaderTimeoutProtocol
+    if header_timeout_s != HEADER_TIMEOUT_S:
+        protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
+                        {"header_timeout_s": float(header_timeout_s)})
     return uvicorn.Config(
         app,
         host=host,
@@ -27,6 +70,7 @@ def _config(app: Any, host: str, port: int, log_level: str, access_log: bool) ->
         lifespan="off",
         timeout_graceful_shutdown=2,
         server_header=False,
+        http=protocol,
     )
 
 
@@ -54,7 +98,8 @@ def run(
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any, host: str = "127.0.0.1", *, timeout_s: float = 20.0) -> Iterator[str]:
+def serve_in_thread(app: Any, host: str = "127.0.0.1", *, timeout_s: float = 20.0,
+                    header_timeout_s: float = HEADER_TIMEOUT_S) -> Iterator[str]:
     """Run ``app`` under uvicorn in a daemon thread on an ephemeral port; yield the base URL."""
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose protocol says
     # TCP, and without it every small response waits ~40 ms for delayed ACKs
@@ -62,7 +107,7 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", *, timeout_s: float = 20.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(_config(app, host, port, "warning", False))
+    server = uvicorn.Server(_config(app, host, port, "warning", False, header_timeout_s))
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn"
     )

@@ -39,7 +39,7 @@ from sakura.cloud.auth import Grant, TokenSet, bearer_token
 from sakura.cloud.errors import ManifestError, ObjectNotFound, StorageError
 from sakura.cloud.layout import ManifestIndex
 from sakura.cloud.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from sakura.cloud.metrics import Metrics, MetricsMiddleware
+from sakura.cloud.metrics import METHODS, Metrics, MetricsMiddleware
 from sakura.cloud.ranges import (
     ByteRange,
     RangeKind,
@@ -137,28 +137,129 @@ class JsonCache:
 
 
 class HashCache:
-    """A bounded LRU of shard body sha256 values keyed by (pack sha256, shard, config)."""
+    """A bounded LRU of shard body sha256 values keyed by (pack key, storage change token,
+    shard, config): what is on storage, not what the manifest says, so a file repaired or
+    replaced on disk is hashed again."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
-        self._entries: collections.OrderedDict[tuple[str, int, int], str] = (
+        self._entries: collections.OrderedDict[tuple[str, str, int, int], str] = (
             collections.OrderedDict()
         )
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[str, int, int]) -> str | None:
+    def get(self, key: tuple[str, str, int, int]) -> str | None:
         with self._lock:
             value = self._entries.get(key)
             if value is not None:
                 self._entries.move_to_end(key)
             return value
 
-    def put(self, key: tuple[str, int, int], value: str) -> None:
+    def put(self, key: tuple[str, str, int, int], value: str) -> None:
         with self._lock:
             self._entries[key] = value
             self._entries.move_to_end(key)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
+
+
+class UnitVerifier:
+    """Checks the manifest's unit checksums on the bytes in storage before any is served.
+
+    What passed is remembered per (pack key, storage change token: inode, size and mtime
+    for a folder, the ETag in a bucket), bounded LRU: a file repaired or replaced on disk
+    has a new token and is checked again, so the repair is served without a restart, and a
+    damaged file is never vouched for (``500`` with the reason). Damaged packs are listed
+    for ``/healthz`` until a check of a newer version passes.
+    """
+
+    HEADER = -1  # the pseudo-unit of the pack's preamble and embedded header
+
+    def __init__(self, max_versions: int = 4096) -> None:
+        self.max_versions = max_versions
+        self._ok: collections.OrderedDict[tuple[str, str], set[int]] = collections.OrderedDict()
+        self._damaged: dict[str, tuple[str, str]] = {}  # pack key -> (token, reason)
+        self._lock = threading.Lock()
+
+    def damaged(self) -> list[dict[str, str]]:
+        with self._lock:
+            return [{"pack": k, "error": why} for k, (_t, why) in sorted(self._damaged.items())]
+
+    def verify(self, reader: ObjectReader, resolved: Resolved,
+               spans: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
+        """Raise :class:`ApiError` (500) unless every unit overlapping ``spans`` (pack
+        offsets, lengths) of ``reader``'s version hashes to the manifest's value."""
+        index = resolved.index
+        key = (resolved.pack_key, reader.info.etag)
+        with self._lock:
+            ok = self._ok.get(key)
+            if ok is None:
+                ok = self._ok[key] = set()
+                while len(self._ok) > self.max_versions:
+                    self._ok.popitem(last=False)
+            self._ok.move_to_end(key)
+            done = set(ok)
+        first_unit = index.units[0][0] if index.units else index.pack_bytes
+        todo = sorted({i for off, n in spans if n > 0 for i in index.units_in(off, off + n)}
+                      - done)
+        header = self.HEADER not in done and any(off < first_unit for off, n in spans if n > 0)
+        try:
+            if header:
+                self._check_header(reader, first_unit)
+                with self._lock:
+                    ok.add(self.HEADER)
+            for run in _runs(todo):
+                start = index.units[run[0]][0]
+                stop = index.units[run[-1]][0] + index.units[run[-1]][1]
+                data = reader.read_range(start, stop)
+                for i in run:
+                    off, length, sha = index.units[i]
+                    if hashlib.sha256(data[off - start : off - start + length]).hexdigest() != sha:
+                        raise _Damaged(f"unit {i} (bytes {off}-{off + length - 1}) fails its "
+                                       "checksum")
+                    with self._lock:
+                        ok.add(i)
+        except _Damaged as exc:
+            why = (f"the pack of {resolved.template_id}/{resolved.codec} is damaged: {exc}; "
+                   "it is not served until it is repaired")
+            log.error("%s (%s)", why, resolved.pack_key)
+            with self._lock:
+                self._damaged[resolved.pack_key] = (reader.info.etag, why)
+            raise ApiError(500, why) from None
+        except StorageError as exc:
+            log.error("reading %s failed: %s", resolved.pack_key, exc)
+            raise ApiError(503, "storage unavailable") from exc
+        with self._lock:
+            seen = self._damaged.get(resolved.pack_key)
+            if seen is not None and seen[0] != reader.info.etag:
+                del self._damaged[resolved.pack_key]  # a newer version passed: repaired
+
+    @staticmethod
+    def _check_header(reader: ObjectReader, first_unit: int) -> None:
+        from sakura.codec.pack import MAGIC, PREAMBLE
+
+        head = reader.read_range(0, min(first_unit, reader.size))
+        if len(head) < PREAMBLE.size or head[:4] != MAGIC:
+            raise _Damaged("the preamble is not a SAKURA pack's")
+        _magic, _version, _flags, _size, header_len, header_sha = PREAMBLE.unpack_from(head)
+        body = head[PREAMBLE.size : PREAMBLE.size + header_len]
+        if len(body) != header_len or hashlib.sha256(body).digest() != header_sha:
+            raise _Damaged("the embedded header fails its checksum")
+
+
+class _Damaged(Exception):
+    """Bytes in storage that do not match the manifest."""
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Consecutive runs of sorted unit indices (read with one storage request each)."""
+    out: list[list[int]] = []
+    for i in indices:
+        if out and out[-1][-1] == i - 1:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 @dataclass
@@ -171,6 +272,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     json_cache: JsonCache | None = None
     hashes: HashCache | None = None
+    verifier: UnitVerifier = field(default_factory=UnitVerifier)
     # gzipped manifests by ETag (a manifest version never changes), so each is compressed
     # once rather than on every request
     gzipped: collections.OrderedDict = field(default_factory=collections.OrderedDict)
@@ -433,17 +535,20 @@ def _resolve(state: ServerState, template_id: str, codec: str, pinned: str | Non
 
 def _manifest_response(request: Request, state: ServerState, resolved: Resolved) -> Response:
     """The manifest bytes exactly as published (gzip when accepted), ETag the pack sha256."""
+    gzipped = _accepts_gzip(request.headers.get("accept-encoding", ""))
+    # each content coding is its own representation with its own strong ETag
+    etag = f'"{resolved.index.pack_sha256}-gzip"' if gzipped else resolved.etag
     headers = {
-        "ETag": resolved.etag,
+        "ETag": etag,
         "Cache-Control": _cache_control(state, resolved.pinned),
         "X-Sakura-Pack-File": resolved.index.pack_file,
+        "Vary": "Accept-Encoding",
     }
-    early = _preconditions(request, resolved.etag, headers)
+    early = _preconditions(request, etag, headers)
     if early:
         return early
-    headers["Vary"] = "Accept-Encoding"
     body = resolved.manifest_raw
-    if _accepts_gzip(request.headers.get("accept-encoding", "")):
+    if gzipped:
         # manifests are mostly hex checksums and unit lists: gzip shrinks them several
         # times, which is start-up latency on a slow link (packs are never compressed)
         body = state.gzip_manifest(resolved.etag, body)
@@ -480,7 +585,28 @@ def _pack_file_response(request: Request, state: ServerState, resolved: Resolved
                   resolved.index.pack_bytes)
         raise ApiError(500, f"the pack of {resolved.template_id}/{resolved.codec} is "
                             "truncated or corrupt")
+    if request.method == "GET":
+        reader = _open_pack(state, resolved)
+        try:  # never send bytes the manifest's checksums do not vouch for
+            state.verifier.verify(reader, resolved, _requested_spans(request, resolved))
+        finally:
+            reader.close()
     return FileResponse(path, headers=headers, media_type=OCTET, stat_result=st)
+
+
+def _requested_spans(request: Request, resolved: Resolved) -> list[tuple[int, int]]:
+    """The pack bytes a GET will receive: its single or multiple ranges, else all of it."""
+    size = resolved.index.pack_bytes
+    ranges = request.headers.getlist("range")
+    if_range = request.headers.get("if-range")
+    if len(ranges) == 1 and (if_range is None or strong_match(if_range.strip(), resolved.etag)):
+        try:
+            wanted = parse_range(ranges[0], size, max_ranges=1000)
+        except RangeRejected:
+            wanted = None
+        if wanted is not None and wanted.kind is RangeKind.PARTIAL:
+            return [(r.start, r.stop - r.start) for r in wanted.ranges]
+    return [(0, size)]
 
 
 def _gone(template_id: str, codec: str, pack_file: str) -> str:
@@ -491,11 +617,27 @@ def _gone(template_id: str, codec: str, pack_file: str) -> str:
 
 
 def _accepts_gzip(accept_encoding: str) -> bool:
+    """Whether gzip is acceptable (RFC 9110 section 12.5.3): its own entry decides, else
+    ``*``; ``q=0`` means not acceptable."""
+    explicit: float | None = None
+    star: float | None = None
     for item in accept_encoding.split(","):
         name, _, params = item.strip().partition(";")
-        if name.strip().lower() in ("gzip", "*"):
-            return params.replace(" ", "").lower() not in ("q=0", "q=0.0", "q=0.00", "q=0.000")
-    return False
+        q = 1.0
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = 0.0
+        name = name.strip().lower()
+        if name in ("gzip", "x-gzip"):
+            explicit = q if explicit is None else max(explicit, q)
+        elif name == "*":
+            star = q
+    q = explicit if explicit is not None else star
+    return q is not None and q > 0
 
 
 def _cache_control(state: ServerState, immutable: bool) -> str:
@@ -620,6 +762,12 @@ def _serve_body(
     send_body = method != "HEAD" and length > 0
     needs_reader = any(not isinstance(p, bytes) for p in pieces)
     reader = _open_pack(state, resolved) if needs_reader else None
+    if reader is not None and send_body:
+        try:  # never send bytes the manifest's checksums do not vouch for
+            state.verifier.verify(reader, resolved, [p for p in pieces if isinstance(p, tuple)])
+        except BaseException:
+            reader.close()
+            raise
     return PackResponse(
         reader,
         pieces,
@@ -633,17 +781,19 @@ def _serve_body(
 def _shard_hash(
     state: ServerState, resolved: Resolved, shard: int, config: int, body: Body
 ) -> tuple[str, bytes | None]:
-    """sha256 of a shard body (cached); returns the body too when it was read to hash it."""
+    """sha256 of a shard body whose units passed their checksums (cached per version on
+    storage); returns the body too when it was read to hash it."""
     assert state.hashes is not None
-    key = (resolved.index.pack_sha256, shard, config)
-    cached = state.hashes.get(key)
-    if cached is not None:
-        return cached, None
-    digest = hashlib.sha256()
-    keep = body.size <= state.settings.buffer_limit
-    parts: list[bytes] = []
     reader = _open_pack(state, resolved)
     try:
+        state.verifier.verify(reader, resolved, body.spans)
+        key = (resolved.pack_key, reader.info.etag, shard, config)
+        cached = state.hashes.get(key)
+        if cached is not None:
+            return cached, None
+        digest = hashlib.sha256()
+        keep = body.size <= state.settings.buffer_limit
+        parts: list[bytes] = []
         for offset, length in body.segments(0, body.size):
             for chunk in reader.iter_range(offset, offset + length, state.settings.chunk_size):
                 digest.update(chunk)
@@ -706,11 +856,30 @@ def create_app(
         log.exception("unhandled error on %s", request.url.path)
         return _error(500, "internal server error")
 
-    @app.get("/healthz", tags=["operations"], summary="Liveness probe (no auth)")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    def get_head(path: str, **kwargs: Any) -> Any:
+        """Register a route for GET and HEAD (distinct OpenAPI operation ids)."""
 
-    @app.get(
+        def deco(endpoint: Any) -> Any:
+            for method in ("GET", "HEAD"):
+                app.add_api_route(path, endpoint, methods=[method],
+                                  operation_id=f"{method.lower()}_{endpoint.__name__}", **kwargs)
+            return endpoint
+
+        return deco
+
+    @get_head("/healthz", tags=["operations"],
+              summary="Health: the catalog is readable (503 otherwise); damaged packs listed "
+                      "(no auth)")
+    def healthz(request: Request) -> JSONResponse:
+        state = _state(request)
+        try:
+            _catalog(state)
+        except ApiError as exc:
+            return JSONResponse({"status": "error", "error": exc.message}, status_code=503)
+        damaged = state.verifier.damaged()
+        return JSONResponse({"status": "degraded" if damaged else "ok", "damaged": damaged})
+
+    @get_head(
         "/metrics",
         tags=["operations"],
         summary="Prometheus metrics (no auth)",
@@ -719,7 +888,7 @@ def create_app(
     def metrics(request: Request) -> Response:
         return Response(_state(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.get(
+    @get_head(
         "/v1/templates",
         tags=["catalog"],
         summary="The template catalog (catalog.json, filtered by token scope)",
@@ -739,7 +908,7 @@ def create_app(
             raw, media_type="application/json", headers=headers
         )
 
-    @app.get(
+    @get_head(
         "/v1/templates/{template_id}", tags=["catalog"], summary="One template's catalog entry"
     )
     def get_template(
@@ -764,7 +933,7 @@ def create_app(
         state = _state(request)
         return state, _resolve(state, template_id, codec, pack)
 
-    @app.get(
+    @get_head(
         "/v1/templates/{template_id}/{codec}/manifest",
         tags=["packs"],
         summary="The manifest (JSON); ETag is the quoted pack sha256",
@@ -912,7 +1081,8 @@ def _add_get_head(
 
 
 class _PathGuard:
-    """Rejects request targets with encoded slashes/backslashes/NULs or dot segments (400)."""
+    """Rejects methods other than GET and HEAD (405, or 501 for unknown ones) and request
+    targets with encoded slashes/backslashes/NULs or dot segments (400)."""
 
     _BAD_RAW = (b"%2f", b"%5c", b"%00", b"\\")
 
@@ -920,6 +1090,15 @@ class _PathGuard:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") not in ("GET", "HEAD"):
+            method = str(scope.get("method", ""))
+            response = _error(
+                405 if method in METHODS else 501,
+                f"method {method[:16]!r} is not supported: this server answers GET and HEAD",
+                {"Allow": "GET, HEAD"},
+            )
+            await response(scope, receive, send)
+            return
         if scope["type"] == "http":
             raw = (
                 scope.get("raw_path") or scope.get("path", "").encode("utf-8", "surrogateescape")

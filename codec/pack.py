@@ -68,7 +68,9 @@ class ConfigEntry:
     quality: dict[str, float | None]
     pareto: bool = False
     decode_ms: float | None = None
-    """Decode time measured when the pack was built (Pareto configs; null for the others)."""
+    """Decode time measured when the pack was built (Pareto configs; null for the others).
+    A measurement, so it is in the published manifest only, never in the pack's embedded
+    header: the same inputs build byte-identical packs."""
 
 
 @dataclass
@@ -126,7 +128,8 @@ class Manifest:
                      "configs": [{"id": c.id, "params": c.params, "units": list(c.units),
                                   "ranges": [list(r) for r in c.ranges], "bytes": c.bytes,
                                   "quality": c.quality, "pareto": c.pareto,
-                                  "decode_ms": c.decode_ms} for c in s.configs]}
+                                  **({} if embedded else {"decode_ms": c.decode_ms})}
+                                 for c in s.configs]}
                     for s in self.shards],
         )
         out.update(self.extra)

@@ -176,3 +176,28 @@ def test_build_publishes_to_an_s3_bucket_the_edge_reads(small_setup, monkeypatch
     (offset, length), = cfg_entry["ranges"]
     pack = (out / "templates" / "car-32" / "sakura" / m["pack_file"]).read_bytes()
     assert data == pack[offset : offset + length]
+
+
+def test_a_forced_rebuild_of_the_same_inputs_is_byte_identical(small_setup):
+    """Same weights, catalog and codec settings: the same pack bytes (no timings inside the
+    hashed content), so a rebuild publishes no new version and invalidates no cache; the
+    versioned manifest already published is left as it was (it is immutable)."""
+    root, weights = small_setup
+    out = root / "out-repro"
+    cfg = BuildConfig(catalog=str(root / "catalog.json"), out_dir=str(out),
+                      codecs=("fp16", "sakura", "intq"), weights=str(weights), resolution=32)
+    build(cfg, log=lambda *_: None)
+    first = json.loads((out / "catalog.json").read_text())["templates"]["car-32"]["codecs"]
+    versioned = {c: (out / "templates" / "car-32" / c /
+                     e["pack_file"].replace(".pack", ".manifest.json")).read_bytes()
+                 for c, e in first.items()}
+    build(BuildConfig(**{**cfg.__dict__, "force": True}), log=lambda *_: None)
+    second = json.loads((out / "catalog.json").read_text())["templates"]["car-32"]["codecs"]
+    for codec in first:
+        assert second[codec]["pack_sha256"] == first[codec]["pack_sha256"], codec
+        vpath = out / "templates" / "car-32" / codec / first[codec]["pack_file"].replace(
+            ".pack", ".manifest.json")
+        assert vpath.read_bytes() == versioned[codec]
+    packs = sorted(p.name for p in out.rglob("*.pack"))
+    assert len(packs) == 3  # no second version of anything
+    assert not any(p.name.startswith(".build-") for p in out.iterdir())

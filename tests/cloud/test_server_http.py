@@ -21,7 +21,7 @@ def shard_url(s: int, c: int, tid: str = "face-a") -> str:
 
 
 def test_healthz_openapi_and_docs(client):
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "damaged": []}
     spec = client.get("/openapi.json").json()
     paths = spec["paths"]
     for path in [
@@ -53,7 +53,7 @@ def test_catalog_and_template_entry(client, published):
 
 
 def test_manifest_etag_and_304(client, published):
-    r = client.get(MANIFEST)
+    r = client.get(MANIFEST, headers={"Accept-Encoding": "identity"})
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/json"
     pub = published.packs["face-a"]
@@ -61,7 +61,8 @@ def test_manifest_etag_and_304(client, published):
     assert "no-cache" in r.headers["cache-control"]
     assert r.content == (published.root / pub.manifest_key).read_bytes()
     assert r.json()["pack_file"] == pub.pack_file
-    r2 = client.get(MANIFEST, headers={"If-None-Match": f'"x", {r.headers["etag"]}'})
+    r2 = client.get(MANIFEST, headers={"If-None-Match": f'"x", {r.headers["etag"]}',
+                                       "Accept-Encoding": "identity"})
     assert r2.status_code == 304 and r2.content == b"" and r2.headers["etag"] == r.headers["etag"]
     assert client.get(MANIFEST, headers={"If-None-Match": "*"}).status_code == 304
     assert client.get(MANIFEST, headers={"If-None-Match": '"stale"'}).status_code == 200
@@ -381,7 +382,17 @@ def test_manifest_is_gzipped_when_accepted_and_identical_after_decoding(client):
     assert "content-encoding" not in plain.headers
     assert zipped.headers["content-encoding"] == "gzip"
     assert zipped.headers["vary"] == "Accept-Encoding"
-    assert zipped.headers["etag"] == plain.headers["etag"]
+    # two representations, two strong ETags; each revalidates only itself
+    assert zipped.headers["etag"] == plain.headers["etag"][:-1] + '-gzip"'
     assert zipped.content == plain.content  # decoded transparently, byte-identical
-    refused = client.get(MANIFEST, headers={"Accept-Encoding": "gzip;q=0"})
-    assert "content-encoding" not in refused.headers
+    for etag, coding, status in ((zipped, "gzip", 304), (plain, "identity", 304),
+                                 (zipped, "identity", 200), (plain, "gzip", 200)):
+        r = client.get(MANIFEST, headers={"Accept-Encoding": coding,
+                                          "If-None-Match": etag.headers["etag"]})
+        assert r.status_code == status, (coding, status)
+    for refuse in ("gzip;q=0", "*;q=0.5, gzip;q=0", "identity", "br", "gzip; q=0.000"):
+        r = client.get(MANIFEST, headers={"Accept-Encoding": refuse})
+        assert "content-encoding" not in r.headers, refuse
+    for accept in ("*", "br;q=1, *;q=0.1", "GZIP;q=0.5", "x-gzip"):
+        r = client.get(MANIFEST, headers={"Accept-Encoding": accept})
+        assert r.headers["content-encoding"] == "gzip", accept

@@ -157,7 +157,7 @@ def test_storage_failure_mid_stream_aborts_that_response_only(big):
     with pytest.raises((http.client.IncompleteRead, ConnectionError)):
         resp.read()
     conn.close()
-    assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/healthz").json() == {"status": "ok", "damaged": []}
     r = httpx.get(f"{url}{PACK}")
     assert r.status_code == 500 and "truncated" in r.json()["error"]
     assert wait_until(lambda: app.state.sakura.metrics.in_flight == 0)

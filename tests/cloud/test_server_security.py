@@ -90,7 +90,7 @@ def test_server_stays_healthy_after_garbage_requests(live):
             while sock.recv(65536):
                 pass
     status, body = raw_get(live, b"/healthz")
-    assert status == 200 and body == b'{"status":"ok"}'
+    assert status == 200 and body == b'{"status":"ok","damaged":[]}'
 
 
 # ----------------------------------------------------------------------------------- auth
@@ -174,7 +174,9 @@ def test_tokens_file_and_env(tmp_path):
     env = load_tokens(None, {"SAKURA_TOKENS": f"{ADMIN};{PARTNER} face-a"})
     assert env.verify(PARTNER).allows("face-a") and not env.verify(PARTNER).allows("tryon-b")
     assert load_tokens(None, {}) is None
-    assert load_tokens(None, {"SAKURA_TOKENS": "  "}) is None
+    # set but blank (an empty secret in a deployment): refused, never an open API
+    with pytest.raises(AuthConfigError, match="holds no tokens; unset it"):
+        load_tokens(None, {"SAKURA_TOKENS": "  "})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,586 @@
+"""`sakura bench faults`: integrity and fault tolerance on loopback, case by case.
+
+Each case builds its own small synthetic catalog (``cloud.synthetic``), runs the real server
+(uvicorn on 127.0.0.1; ``sakura serve`` in a child process where it must be killed) and the
+real edge client, injects one fault and checks the promise ``cloud/README.md`` makes:
+
+- ``repair_after_corruption``: a pack with one flipped byte is refused (500 with the reason,
+  listed by /healthz); replaced on disk by the original (copy, ``mv``), it is served again
+  without a restart, with the right ``X-Sakura-Sha256``;
+- ``corrupt_pack_served``: the server never sends a body of a damaged unit (shard endpoint
+  and pack ranges), still serves the undamaged configurations, and the client without a
+  manifest accepts no wrong byte;
+- ``metrics_cardinality``: 400 requests with random 8,000-character methods and 400 unknown
+  paths leave ``/metrics`` as it was; a 60,000-character method is refused;
+- ``restart_mid_edit``: ``sakura serve`` killed while a body streams and restarted ~6 s
+  later on the same port: the client's default policy resumes with Range, same bytes;
+- ``truncated_pack_message``: a truncated pack gives one error naming the URL the user
+  gave and the server's own message, not "unreachable";
+- ``killed_build_cleanup``: the work folder of a killed build is removed by the next one;
+  a running build's folder is left alone;
+- ``healthz_bad_catalog``: ``/healthz`` answers 503 while ``catalog.json`` is unreadable;
+- ``head_routes``: HEAD on every GET route; distinct ETags per content coding; ``q=0``;
+- ``slow_headers``: connections that trickle their request head are closed after the
+  header timeout and the server keeps answering;
+- ``reproducible_build``: the same inputs give byte-identical packs for every codec.
+
+``cases`` maps each name to ``{"ok", "detail"}``; ``wrong_bytes_accepted`` counts bodies the
+client returned that differ from the published bytes; ``crashes`` counts servers that
+stopped answering. Every case is also a test (``tests/cloud/test_faults.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TEMPLATE = "face-a"
+
+
+def register(commands: Any, bench: Any) -> None:
+    from sakura.argtypes import json_path
+
+    b = bench.add_parser(
+        "faults", help="integrity and fault tolerance of serving, case by case (loopback)",
+        description="Corrupted and repaired packs, hostile methods, a server restart mid-edit, "
+                    "truncated packs, killed builds, a bad catalog, HEAD, slow headers, "
+                    "reproducible builds: each case checked, a JSON report.")
+    b.add_argument("--json", type=json_path, required=True, metavar="PATH",
+                   help="write the result here (- for stdout)")
+    b.add_argument("--cases", metavar="LIST", help="comma-separated case names (default all)")
+    b.set_defaults(func=_main)
+
+
+@dataclass
+class Tally:
+    """What every case adds to the report's totals."""
+
+    wrong_bytes_accepted: int = 0
+    crashes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class CaseFailed(Exception):
+    """A promise did not hold (the message says which)."""
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise CaseFailed(message)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _catalog(root: Path, shards: int = 4, configs: int = 3, unit_bytes: int = 4096) -> Any:
+    from sakura.cloud.synthetic import SyntheticSpec, build_catalog
+
+    return build_catalog(root, [TEMPLATE], spec=SyntheticSpec(shards, configs, unit_bytes))[
+        TEMPLATE]
+
+
+def _manifest(root: Path, pub: Any) -> dict[str, Any]:
+    return json.loads((root / pub.versioned_manifest_key).read_text())
+
+
+@contextlib.contextmanager
+def _server(root: Path, header_timeout_s: float | None = None) -> Iterator[tuple[str, Any]]:
+    from sakura.cloud.runner import HEADER_TIMEOUT_S, serve_in_thread
+    from sakura.cloud.server import create_app
+    from sakura.cloud.storage import LocalStorage
+
+    app = create_app(LocalStorage(root))
+    with serve_in_thread(app, header_timeout_s=header_timeout_s or HEADER_TIMEOUT_S) as url:
+        yield url, app
+
+
+def _get(url: str, headers: dict[str, str] | None = None, method: str = "GET"
+         ) -> tuple[int, Any, bytes]:
+    """(status, headers (case-insensitive), body) of one request."""
+    req = urllib.request.Request(url, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read()
+
+
+def _alive(url: str, tally: Tally) -> None:
+    try:
+        status, _, _ = _get(url + "/healthz")
+    except OSError:
+        status = 0
+    if status == 0:
+        tally.crashes += 1
+        raise CaseFailed(f"the server at {url} stopped answering")
+
+
+def _fetch(url: str, manifest: dict[str, Any] | None, shard: int, config: int,
+           retry: Any = None) -> bytes:
+    from sakura.edge.client import PackClient, RetryPolicy
+
+    policy = retry or RetryPolicy(window_s=2.0, backoff_s=0.05, backoff_max_s=0.2)
+
+    async def go() -> bytes:
+        async with PackClient(url, retry=policy) as c:
+            got = await c.fetch_config(TEMPLATE, "sakura", shard, config, manifest=manifest)
+            return got.data
+
+    return asyncio.run(go())
+
+
+def _body(root: Path, pub: Any, manifest: dict[str, Any], shard: int, config: int) -> bytes:
+    pack = (root / pub.pack_key).read_bytes()
+    entry = next(c for c in manifest["shards"][shard]["configs"] if c["id"] == config)
+    (offset, length), = entry["ranges"]
+    return pack[offset : offset + length]
+
+
+def _flip(path: Path, offset: int) -> bytes:
+    data = path.read_bytes()
+    bad = bytearray(data)
+    bad[offset] ^= 0xFF
+    path.write_bytes(bytes(bad))
+    return data
+
+
+# ------------------------------------------------------------------------------- cases
+
+
+def case_repair_after_corruption(work: Path, tally: Tally) -> str:
+    root = work / "catalog"
+    pub = _catalog(root)
+    m = _manifest(root, pub)
+    pack = root / pub.pack_key
+    (offset, length), = m["shards"][1]["configs"][0]["ranges"]
+    original = _flip(pack, offset + 7)
+    with _server(root) as (url, _app):
+        shard_url = f"{url}/v1/templates/{TEMPLATE}/sakura/shards/1/0"
+        pack_url = f"{url}/templates/{TEMPLATE}/sakura/{pub.pack_file}"
+        rng = {"Range": f"bytes={offset}-{offset + length - 1}"}
+        for _ in range(2):  # two fetches while damaged (and the caches that had)
+            status, _, body = _get(shard_url)
+            check(status == 500 and b"damaged" in body, f"damaged shard answered {status}")
+            status, _, body = _get(pack_url, rng)
+            check(status == 500 and b"damaged" in body, f"damaged range answered {status}")
+        status, _, body = _get(url + "/healthz")
+        health = json.loads(body)
+        check(health["status"] == "degraded" and health["damaged"][0]["pack"] == pub.pack_key,
+              f"/healthz did not report the damaged pack: {health}")
+        # repair as an operator would: copy to a temp name, rename over it
+        tmp = pack.with_name(".repair.tmp")
+        tmp.write_bytes(original)
+        os.replace(tmp, pack)
+        want = _body(root, pub, m, 1, 0)
+        status, headers, body = _get(shard_url)
+        check(status == 200 and body == want, f"repaired shard answered {status}")
+        check(headers.get("X-Sakura-Sha256") == hashlib.sha256(want).hexdigest(),
+              "the checksum header is not the repaired body's")
+        status, _, body = _get(pack_url, rng)
+        check(status == 206 and body == want, f"repaired range answered {status}")
+        got = _fetch(url, None, 1, 0)
+        tally.wrong_bytes_accepted += got != want
+        check(got == want, "the client got other bytes after the repair")
+        health = json.loads(_get(url + "/healthz")[2])
+        check(health == {"status": "ok", "damaged": []}, f"/healthz after repair: {health}")
+        _alive(url, tally)
+    return "refused while damaged (500, /healthz degraded), served again after the mv"
+
+
+def case_corrupt_pack_served(work: Path, tally: Tally) -> str:
+    from sakura.edge.errors import EdgeError
+
+    root = work / "catalog"
+    pub = _catalog(root)
+    m = _manifest(root, pub)
+    pack = root / pub.pack_key
+    (offset, _length), = m["shards"][2]["configs"][-1]["ranges"]
+    unit = m["shards"][2]["configs"][-1]["units"][-1]
+    flip_at = m["units"][unit][0] + 3  # in the last unit of shard 2's largest config
+    original = _flip(pack, flip_at)
+    refused = served = 0
+    with _server(root) as (url, _app):
+        for shard in m["shards"]:
+            for cfg in shard["configs"]:
+                (o, n), = cfg["ranges"]
+                damaged = o <= flip_at < o + n
+                for target, headers in (
+                        (f"{url}/v1/templates/{TEMPLATE}/sakura/shards/{shard['index']}/"
+                         f"{cfg['id']}", {}),
+                        (f"{url}/templates/{TEMPLATE}/sakura/{pub.pack_file}",
+                         {"Range": f"bytes={o}-{o + n - 1}"})):
+                    status, _, body = _get(target, headers)
+                    if damaged:
+                        check(status == 500, f"a damaged range answered {status}")
+                        refused += 1
+                    else:
+                        check(status in (200, 206) and body == original[o : o + n],
+                              f"an undamaged configuration answered {status}")
+                        served += 1
+        status, _, _ = _get(f"{url}/templates/{TEMPLATE}/sakura/{pub.pack_file}")
+        check(status == 500, f"the whole damaged pack answered {status}")
+        cfg = m["shards"][2]["configs"][-1]
+        for manifest in (None, m):  # with and without a manifest in hand
+            try:
+                got = _fetch(url, manifest, 2, cfg["id"])
+            except EdgeError:
+                continue
+            tally.wrong_bytes_accepted += got != original[offset : offset + len(got)]
+            raise CaseFailed("the client returned a body of a damaged pack")
+        _alive(url, tally)
+    return f"{refused} damaged requests refused (500), {served} undamaged served"
+
+
+def case_metrics_cardinality(work: Path, tally: Tally) -> str:
+    root = work / "catalog"
+    _catalog(root)
+    rng = random.Random(0)
+    with _server(root) as (url, _app):
+        host, port = url.removeprefix("http://").split(":")
+        _get(url + "/healthz")
+        before = len(_get(url + "/metrics")[2])
+        statuses: set[int] = set()
+        for i in range(400):
+            method = "".join(rng.choice(string.ascii_uppercase) for _ in range(8000))
+            statuses.add(_raw_status(host, int(port), f"{method} /v1/templates HTTP/1.1\r\n"
+                                     f"Host: x\r\n\r\n".encode()))
+            path = f"/nope/{i}/" + "x" * 200
+            statuses.add(_get(url + path)[0])
+        huge = "M" * 60_000
+        status = _raw_status(host, int(port), f"{huge} / HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        check(status in (0, 400, 413, 414, 431, 501), f"a 60,000-character method: {status}")
+        check(200 not in statuses, f"hostile requests answered {sorted(statuses)}")
+        after = len(_get(url + "/metrics")[2])
+        check(after - before < 4000, f"/metrics grew from {before} to {after} bytes")
+        _alive(url, tally)
+    return (f"/metrics {before} -> {after} bytes after 800 hostile requests; answers "
+            f"{sorted(statuses)}; 60,000-character method: {status or 'connection closed'}")
+
+
+def _raw_status(host: str, port: int, request: bytes) -> int:
+    """Send raw bytes, return the status of the answer (0: closed without one)."""
+    with socket.create_connection((host, port), timeout=10) as s:
+        try:
+            s.sendall(request)
+            data = s.recv(4096)
+        except OSError:
+            return 0
+    try:
+        return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    except (IndexError, ValueError):
+        return 0
+
+
+@contextlib.contextmanager
+def _serve_process(root: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-m", "sakura.cli", "serve", str(root), "--port",
+                             str(port), "--no-access-log", "--log-level", "critical"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise CaseFailed("sakura serve did not start") from None
+                time.sleep(0.1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def case_restart_mid_edit(work: Path, tally: Tally) -> str:
+    import threading
+
+    from sakura.cloud.origins import free_port
+    from sakura.edge.client import PackClient, RetryPolicy
+
+    root = work / "catalog"
+    pub = _catalog(root, shards=2, configs=2, unit_bytes=1 << 20)  # a 6 MB configuration
+    m = _manifest(root, pub)
+    cfg = m["shards"][1]["configs"][-1]
+    want = _body(root, pub, m, 1, cfg["id"])
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    state: dict[str, Any] = {}
+    stack = contextlib.ExitStack()
+    with stack:
+        state["proc"] = stack.enter_context(_serve_process(root, port))
+        down = threading.Event()
+
+        def restart() -> None:
+            proc = state["proc"]
+            proc.send_signal(signal.SIGKILL)  # killed, not stopped: the body is cut
+            proc.wait()
+            down.set()
+            time.sleep(4.0)  # + the start of a new process: about 6 s without a server
+            state["proc"] = stack.enter_context(_serve_process(root, port))
+            state["back"] = time.monotonic()
+
+        def progress(n: int) -> None:
+            if n >= 256 * 1024 and "killer" not in state:
+                state["killer"] = threading.Thread(target=restart, daemon=True)
+                state["killer"].start()
+                down.wait(10)
+            time.sleep(0.002)  # a slow reader: the body is still streaming when it dies
+
+        async def go() -> Any:
+            async with PackClient(url, retry=RetryPolicy()) as c:  # the default policy
+                return await c.fetch_config(TEMPLATE, "sakura", 1, cfg["id"], manifest=m,
+                                            progress=progress)
+
+        t0 = time.monotonic()
+        got = asyncio.run(go())
+        elapsed = time.monotonic() - t0
+        state["killer"].join(30)
+        tally.wrong_bytes_accepted += got.data != want
+        check(got.data == want, "the resumed body differs")
+        check(got.resumes >= 1 and got.refetches == 0, f"resumes {got.resumes}")
+        check("back" in state and elapsed >= 4.0, "the server was not down long enough")
+    return (f"killed at {256 * 1024 // 1024} KB of {len(want) // 1024} KB, back after "
+            f"{state['back'] - t0:.1f} s; body complete in {elapsed:.1f} s with "
+            f"{got.resumes} Range resume(s), {got.attempts} attempts")
+
+
+def case_truncated_pack_message(work: Path, tally: Tally) -> str:
+    from sakura.edge.errors import OriginError
+
+    root = work / "catalog"
+    pub = _catalog(root)
+    m = _manifest(root, pub)
+    pack = root / pub.pack_key
+    pack.write_bytes(pack.read_bytes()[:-100])
+    with _server(root) as (url, _app):
+        try:
+            _fetch(url, m, 0, 0)
+        except OriginError as exc:
+            message = str(exc)
+        else:
+            raise CaseFailed("a truncated pack was served")
+        check(url in message, f"the error does not name {url}: {message}")
+        check("truncated or corrupt" in message and "HTTP 500" in message,
+              f"the server's message is missing: {message}")
+        check("reach" not in message, f"reported as unreachable: {message}")
+        _alive(url, tally)
+    return message
+
+
+def case_killed_build_cleanup(work: Path, tally: Tally) -> str:
+    from sakura.cloud.publish import build_workdir, sweep_stale_builds
+
+    root = work / "catalog"
+    root.mkdir(parents=True)
+    script = ("import os, signal, sys, time; from pathlib import Path; "
+              "from sakura.cloud.publish import build_workdir\n"
+              "with build_workdir(sys.argv[1]) as d:\n"
+              "    (Path(d) / 'half-written.pack').write_bytes(os.urandom(1 << 20))\n"
+              "    print(d, flush=True)\n"
+              "    if sys.argv[2] == 'kill': os.kill(os.getpid(), signal.SIGKILL)\n"
+              "    time.sleep(60)\n")
+    killed = subprocess.run([sys.executable, "-c", script, str(root), "kill"],
+                            capture_output=True, text=True, timeout=60)
+    dead = Path(killed.stdout.strip())
+    check(dead.is_dir(), "the killed build left no folder to clean (test setup)")
+    running = subprocess.Popen([sys.executable, "-c", script, str(root), "run"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        alive = Path(running.stdout.readline().strip())
+        with build_workdir(root) as mine:
+            check(not dead.exists(), "the next build did not remove the killed build's folder")
+            check(alive.is_dir(), "the next build removed a running build's folder")
+            check(mine.is_dir(), "no work folder")
+    finally:
+        running.kill()
+        running.wait()
+    removed = sweep_stale_builds(root)
+    check(alive.name in removed and not alive.exists(), "a killed build's folder survived")
+    left = sorted(p.name for p in root.iterdir())
+    check(not any(n.startswith(".build-") for n in left), f"left behind: {left}")
+    return f"the killed build's {dead.name} removed, a running build's kept until it died"
+
+
+def case_healthz_bad_catalog(work: Path, tally: Tally) -> str:
+    root = work / "catalog"
+    _catalog(root)
+    catalog = root / "catalog.json"
+    good = catalog.read_bytes()
+    with _server(root) as (url, _app):
+        check(_get(url + "/healthz")[0] == 200, "healthy catalog not ok")
+        catalog.write_bytes(b"{ not json")
+        status, _, body = _get(url + "/healthz")
+        check(status == 503 and b"invalid" in body, f"/healthz with a broken catalog: {status}")
+        status, _, _ = _get(f"{url}/v1/templates")
+        check(status >= 500, f"/v1 with a broken catalog: {status}")
+        catalog.write_bytes(good)
+        check(_get(url + "/healthz")[0] == 200, "/healthz did not recover")
+        _alive(url, tally)
+    return f"/healthz 503 while catalog.json is broken: {json.loads(body)['error'][:80]}"
+
+
+def case_head_routes(work: Path, tally: Tally) -> str:
+    root = work / "catalog"
+    pub = _catalog(root)
+    paths = ["/healthz", "/metrics", "/catalog.json", "/v1/templates", f"/v1/templates/{TEMPLATE}",
+             f"/v1/templates/{TEMPLATE}/sakura/manifest",
+             f"/templates/{TEMPLATE}/sakura/manifest.json",
+             f"/templates/{TEMPLATE}/sakura/{pub.pack_file}",
+             f"/v1/templates/{TEMPLATE}/sakura/pack", f"/v1/templates/{TEMPLATE}/sakura/shards/0/0"]
+    with _server(root) as (url, _app):
+        for path in paths:
+            status, headers, body = _get(url + path, method="HEAD")
+            check(status == 200 and body == b"", f"HEAD {path}: {status}")
+        manifest = f"{url}/templates/{TEMPLATE}/sakura/manifest.json"
+        plain = _get(manifest, {"Accept-Encoding": "identity"})[1]
+        zipped = _get(manifest, {"Accept-Encoding": "gzip"})[1]
+        check(plain["ETag"] != zipped["ETag"], "gzip and identity share one ETag")
+        check(zipped.get("Content-Encoding") == "gzip", "gzip not served when asked")
+        refused = _get(manifest, {"Accept-Encoding": "*;q=0.5, gzip;q=0"})[1]
+        check("Content-Encoding" not in refused, "gzip;q=0 still got gzip")
+        _alive(url, tally)
+    return f"HEAD 200 on {len(paths)} routes; ETags {plain['ETag'][-8:]} / {zipped['ETag'][-8:]}"
+
+
+def case_slow_headers(work: Path, tally: Tally) -> str:
+    root = work / "catalog"
+    _catalog(root)
+    timeout = 1.0
+    with _server(root, header_timeout_s=timeout) as (url, _app):
+        host, port = url.removeprefix("http://").split(":")
+        socks = []
+        for _ in range(20):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            socks.append(s)
+        t0 = time.monotonic()
+        closed = 0
+        while time.monotonic() - t0 < timeout + 4 and closed < len(socks):
+            closed = 0
+            for s in socks:
+                try:
+                    s.sendall(b"X-Slow: 1\r\n")  # a header line now and then, never the end
+                except OSError:
+                    closed += 1
+            time.sleep(0.25)
+        elapsed = time.monotonic() - t0
+        for s in socks:
+            s.close()
+        check(closed == len(socks), f"{len(socks) - closed} slow-header connections still open "
+                                    f"after {elapsed:.1f} s")
+        check(_get(url + "/healthz")[0] == 200, "the server stopped answering")
+        _alive(url, tally)
+    return f"20 slow-header connections closed within {elapsed:.1f} s (header timeout {timeout} s)"
+
+
+def case_reproducible_build(work: Path, tally: Tally) -> str:
+    from sakura.codec import get_codec
+    from sakura.codec.pack import write_pack
+    from sakura.codec.synthetic import synthetic_cache
+
+    cache = synthetic_cache(steps=1, blocks=2, grid=8, channels=32, heads=2, seed=5)
+    names = ("sakura", "svd", "sakura-all", "fp16", "intq", "cachegen")
+    shas = {}
+    for run in ("a", "b"):
+        for name in names:
+            m = write_pack(work / run / name, "tpl", cache, get_codec(name), blocks_per_shard=1)
+            shas.setdefault(name, []).append(m.pack_sha256)
+    differ = [n for n, (a, b) in shas.items() if a != b]
+    check(not differ, f"packs differ between two builds: {differ}")
+    return f"{len(names)} codecs: byte-identical packs from the same inputs"
+
+
+CASES: dict[str, Callable[[Path, Tally], str]] = {
+    "repair_after_corruption": case_repair_after_corruption,
+    "corrupt_pack_served": case_corrupt_pack_served,
+    "metrics_cardinality": case_metrics_cardinality,
+    "restart_mid_edit": case_restart_mid_edit,
+    "truncated_pack_message": case_truncated_pack_message,
+    "killed_build_cleanup": case_killed_build_cleanup,
+    "healthz_bad_catalog": case_healthz_bad_catalog,
+    "head_routes": case_head_routes,
+    "slow_headers": case_slow_headers,
+    "reproducible_build": case_reproducible_build,
+}
+
+
+def run_case(name: str, tally: Tally) -> dict[str, Any]:
+    """One case in its own temporary folder: ``{"ok", "detail", "seconds"}``."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"sakura-faults-{name}-") as tmp:
+        try:
+            detail, ok = CASES[name](Path(tmp), tally), True
+        except CaseFailed as exc:
+            detail, ok = str(exc), False
+        except Exception as exc:  # noqa: BLE001 - a case that breaks is a failed case
+            detail, ok = f"{type(exc).__name__}: {exc}"[:500], False
+    return {"ok": ok, "detail": detail, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def run(names: list[str] | None = None) -> dict[str, Any]:
+    import logging
+
+    tally = Tally()
+    t0 = time.perf_counter()
+    load = [round(x, 2) for x in os.getloadavg()]
+    server_log = logging.getLogger("sakura.cloud.server")
+    level = server_log.level
+    server_log.setLevel(logging.CRITICAL)  # the faults are injected: their errors are expected
+    try:
+        cases = {name: run_case(name, tally) for name in (names or list(CASES))}
+    finally:
+        server_log.setLevel(level)
+    return {
+        "bench": "faults",
+        "cases": cases,
+        "ok": all(c["ok"] for c in cases.values()),
+        "wrong_bytes_accepted": tally.wrong_bytes_accepted,
+        "crashes": tally.crashes,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "load_avg": {"start": load, "end": [round(x, 2) for x in os.getloadavg()]},
+    }
+
+
+def _main(args: argparse.Namespace) -> int:
+    from sakura.errors import UsageError
+    from sakura.output import write_json
+
+    names = None
+    if args.cases:
+        names = [n.strip() for n in args.cases.split(",") if n.strip()]
+        unknown = [n for n in names if n not in CASES]
+        if unknown:
+            raise UsageError(f"--cases: unknown {', '.join(unknown)}; known: "
+                             f"{', '.join(CASES)}")
+    result = run(names)
+    write_json(args.json, result)
+    failed = [n for n, c in result["cases"].items() if not c["ok"]]
+    if failed or result["wrong_bytes_accepted"] or result["crashes"]:
+        print(f"sakura bench faults: failed: {', '.join(failed) or 'totals'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(json.dumps(run(sys.argv[1:] or None), indent=1))
