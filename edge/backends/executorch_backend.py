@@ -9,12 +9,21 @@ inside one XNNPACK subgraph, which the tests and ``sakura bench backends`` check
 an Android phone with the ExecuTorch runtime and its XNNPACK delegate (arm64 CPU); for the
 Hexagon NPU the same exported program is lowered with ExecuTorch's QNN partitioner instead
 (needs the QAIRT SDK, not available here; see ``edge/backends/README.md``).
+
+:func:`export_dynamic` exports a graph with dynamic sizes instead (a ``ShardModule(...,
+dynamic=True)`` with ``ShardBounds.dynamic_shapes``, ``StepIn`` / ``StepOut`` with
+``step_dynamic_shapes``): one ``.pte`` for every template geometry within the bounds.
+ExecuTorch plans its memory for the upper bounds (``MethodMeta`` reports them as the
+inputs' and outputs' sizes); a caller sets inputs of the actual sizes and reads the
+outputs' actual sizes from the output tensors (``Method::set_input`` resizes the planned
+input tensor, the XNNPACK delegate resizes its outputs).
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from sakura.edge.backends.base import CompiledShard, ExecutionBackend
@@ -23,6 +32,39 @@ from sakura.edge.backends.errors import BackendError, BackendUnavailable
 from sakura.edge.backends.shard import ShardModule
 
 PTE_NAME = "shard.pte"
+
+
+def lower(module: torch.nn.Module, example: tuple[torch.Tensor, ...],
+          dynamic_shapes: Any = None) -> tuple[bytes, XnnpackDelegation]:
+    """``torch.export`` (static, or with ``dynamic_shapes``) -> XNNPACK-lowered program:
+    the ``.pte`` bytes and ExecuTorch's delegation info of the lowered graph."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackPartitioner,
+    )
+    from executorch.exir import to_edge_transform_and_lower
+
+    with torch.no_grad(), warnings.catch_warnings():
+        # the exporter's own deprecation notices (pytree LeafSpec), not ours to act on
+        warnings.simplefilter("ignore", FutureWarning)
+        exported = torch.export.export(module, example, dynamic_shapes=dynamic_shapes,
+                                       strict=False)
+        lowered = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+        delegation = xnnpack_delegation(lowered.exported_program().graph_module)
+        program = lowered.to_executorch()
+    return program.buffer, delegation
+
+
+def export_dynamic(module: torch.nn.Module, example: tuple[torch.Tensor, ...],
+                   dynamic_shapes: Any, path: Path) -> XnnpackDelegation:
+    """Write the XNNPACK-lowered ``.pte`` of ``module`` with dynamic sizes to ``path``.
+
+    ``example`` is traced (its sizes must lie inside the bounds and not be 0 or 1);
+    ``dynamic_shapes`` as ``torch.export`` takes it. Returns the delegation info (callers
+    check that nothing is left outside the delegate).
+    """
+    pte, delegation = lower(module, example, dynamic_shapes)
+    Path(path).write_bytes(pte)
+    return delegation
 
 
 class _PteShard(CompiledShard):
@@ -65,19 +107,9 @@ class ExecuTorchBackend(ExecutionBackend):
 
     def _compile(self, module: ShardModule, example: tuple[torch.Tensor, ...],
                  folder: Path) -> None:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
-            XnnpackPartitioner,
-        )
-        from executorch.exir import to_edge_transform_and_lower
-
-        with torch.no_grad(), warnings.catch_warnings():
-            # the exporter's own deprecation notices (pytree LeafSpec), not ours to act on
-            warnings.simplefilter("ignore", FutureWarning)
-            exported = torch.export.export(module, example, strict=False)
-            lowered = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
-            xnnpack_delegation(lowered.exported_program().graph_module).write(folder)
-            program = lowered.to_executorch()
-        (folder / PTE_NAME).write_bytes(program.buffer)
+        pte, delegation = lower(module, example)
+        delegation.write(folder)
+        (folder / PTE_NAME).write_bytes(pte)
 
     def delegation(self, folder: Path) -> XnnpackDelegation:
         """The delegation info recorded when ``folder``'s shard was compiled."""

@@ -37,6 +37,36 @@ replacement:
   "safe" softmax) and the ``expand`` of the cache over the batch: the attention written
   with ``bmm`` and ``softmax``, the cache's scores computed with the heads as the bmm batch
   and the queries of every batch row stacked, so the cache is never expanded.
+
+``dynamic=True`` (always delegable) writes the same function once more so that ONE compiled
+graph serves every template geometry of a (model, B, T, block group): it is exported with
+the masked tokens M and the cached tokens U as dynamic sizes (:class:`ShardBounds`) and
+XNNPACK runs it at any M, U within the bounds. Two things stand in the static form's way:
+
+* ``torch.export`` with a dynamic M fails ("Constraints violated (m)! ... guard
+  min(80 + 16*m, 240 + 48*m) == (80 + 16*m)"): a tensor whose token size is ``T + m``
+  (the ``cat`` of the text and image queries, or of the text and image rows of a single
+  block) viewed with its batch and head dims merged (``q.reshape(b * h, n, d)``) gets the
+  stride ``Min(h*n*d, n*d)``; torch's ``Min`` does not simplify affine sizes, so tracing
+  records the contiguity check as a guard the constraint solver then cannot prove;
+* ExecuTorch 1.4.1's XNNPACK partitioner takes no ``slice_copy`` with a dynamic input or
+  output (``SliceCopyConfig``), no ``view_copy`` with a symbolic size or two inferred ones
+  (``ViewCopyConfig``) and no ``cat`` whose inputs are one tensor twice (``CatConfig``
+  counts distinct inputs), so every ``x[:, :t]`` / ``x[:, t:]`` of a ``T + M`` token axis,
+  the ``cos[:t]`` of the RoPE tables and the qkv split of a ``[B, M, 3D]`` tensor would
+  leave the delegate.
+
+So in the dynamic form the text and the image tokens are never put on one token axis:
+each group (text: T rows, static; image: M rows) is computed on its own (the qkv and
+``linear1`` weights split into one linear per output, so nothing is sliced), only the keys
+and values are concatenated (``[text, image, cache]``; the cache repeated over the batch
+rows by a product with ones, exact) and each group's queries attend over them with one
+softmax. Reshapes name the one dynamic size as -1, reshapes after a permute go through
+``contiguous()`` (else the decomposition writes the symbolic size into the view). The RoPE
+tables of the text tokens are constants of the graph (they depend on the model and T only);
+the ``cos`` / ``sin`` inputs hold the M image tokens' rows. With ``block_causal`` attention
+the text queries attend to the text keys only (causal), as ``dit.attention.build_mask``
+says, which the group split computes without any dynamic mask.
 """
 
 from __future__ import annotations
@@ -69,6 +99,51 @@ class ShardGeometry:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ShardBounds:
+    """The shapes one dynamic shard graph serves (``ShardModule(..., dynamic=True)``).
+
+    Any split of the ``tokens`` image tokens into M masked and U cached ones with
+    ``1 <= M, U <= tokens - 1`` (the edit with nothing cached, M = tokens, has no cache
+    inputs and keeps its static graph). ExecuTorch plans memory for the upper bounds.
+    """
+
+    batch: int
+    txt: int
+    tokens: int  # N, the template's image tokens (M + U = N)
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.txt < 1 or self.tokens < 3:
+            raise ValueError(f"bounds need batch, txt >= 1 and tokens >= 3, got {self}")
+
+    def describe(self) -> str:
+        return f"b{self.batch}-t{self.txt}-n{self.tokens}-dynamic"
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def example(self) -> ShardGeometry:
+        """The geometry traced at export: sizes inside the bounds, not 0 or 1 (which torch
+        would specialize on) and different from each other."""
+        m = max(2, self.tokens // 5)
+        u = self.tokens - m
+        if u == m:
+            m, u = m - 1, u + 1
+        return ShardGeometry(self.batch, self.txt, m, u)
+
+    def contains(self, geometry: ShardGeometry) -> bool:
+        return (geometry.batch == self.batch and geometry.txt == self.txt
+                and 1 <= geometry.img < self.tokens and 1 <= geometry.cached < self.tokens)
+
+    def dynamic_shapes(self, blocks: tuple[int, ...]) -> tuple:
+        """``torch.export``'s ``dynamic_shapes`` for the graph's inputs (same order)."""
+        from torch.export import Dim
+
+        m = Dim("masked", min=1, max=self.tokens - 1)
+        u = Dim("cached", min=1, max=self.tokens - 1)
+        return ({}, {1: m}, {}, {}, {0: m}, {0: m}, tuple({0: u} for _ in range(2 * len(blocks))))
 
 
 def input_names(blocks: tuple[int, ...]) -> list[str]:
@@ -112,11 +187,38 @@ def _explicit_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + norm.eps) * norm.weight
 
 
+def free_shape(shape) -> list[int]:
+    """``shape`` with its dynamic (symbolic, while exporting) size written as -1.
+
+    XNNPACK lowers a reshape only when every size is a constant and at most one is
+    inferred; outside an export every size is an int and this is ``list(shape)``.
+    """
+    out = [d if isinstance(d, int) else -1 for d in shape]
+    if out.count(-1) > 1:
+        raise ValueError(f"a reshape with more than one dynamic size: {tuple(shape)}")
+    return out
+
+
 def _mean_last(x: torch.Tensor) -> torch.Tensor:
     """``x.mean(-1, keepdim=True)`` as XNNPACK's mean (4-D input, dims 2 and 3, keepdim)."""
     *lead, c = x.shape
-    rows = math.prod(lead)
-    return x.reshape(1, rows, 1, c).mean((2, 3), keepdim=True).reshape(*lead, 1)
+    return x.reshape(1, -1, 1, c).mean((2, 3), keepdim=True).reshape(free_shape((*lead, 1)))
+
+
+def _split_linear(lin: nn.Linear, sizes: list[int]) -> list[nn.Linear]:
+    """One linear per output block of ``lin`` (rows of its weight): ``lin(x).split(sizes,
+    -1)`` without slicing the ``[.., M, sum(sizes)]`` output."""
+    out, start = [], 0
+    for n in sizes:
+        part = nn.Linear(lin.in_features, n, bias=lin.bias is not None,
+                         device=lin.weight.device, dtype=lin.weight.dtype)
+        with torch.no_grad():
+            part.weight.copy_(lin.weight[start:start + n])
+            if lin.bias is not None:
+                part.bias.copy_(lin.bias[start:start + n])
+        out.append(part.requires_grad_(False))
+        start += n
+    return out
 
 
 def _rope_matrices(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,11 +239,14 @@ class ShardModule(nn.Module):
 
     def __init__(self, model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry,
                  explicit_rms: bool = False, sigmoid_gelu: bool = False,
-                 delegable: bool = False):
+                 delegable: bool = False, dynamic: bool = False):
         super().__init__()
         self.sigmoid_gelu = sigmoid_gelu
         # True: XNNPACK-lowerable operators only (module docstring); same function
-        self.delegable = delegable
+        self.delegable = delegable or dynamic
+        # True: the form exported with dynamic M / U (module docstring); ``geometry`` is
+        # then the traced example, ``cos`` / ``sin`` hold the image tokens' rows only
+        self.dynamic = dynamic
         # False: the model's own RMSNorm (bit-exact with dit); True: see _explicit_rms_norm
         self.explicit_rms = explicit_rms
         cfg = model.cfg
@@ -151,19 +256,27 @@ class ShardModule(nn.Module):
             raise ValueError(f"block {blocks[-1]} outside the model's {cfg.num_blocks}")
         self.blocks = tuple(blocks)
         self.geometry = geometry
-        self.input_shapes = expected_shapes(model, self.blocks, geometry)
+        self.input_shapes = expected_shapes(model, self.blocks, geometry, dynamic)
         self.heads = cfg.num_heads
         self.num_double = cfg.double_blocks
         self.double_mod_img = model.double_mod_img
         self.double_mod_txt = model.double_mod_txt
         self.single_mod = model.single_mod
-        self.layers = nn.ModuleList(
-            model.double_stream[b] if b < cfg.double_blocks
-            else model.single_stream[b - cfg.double_blocks] for b in blocks)
+        layers = [model.double_stream[b] if b < cfg.double_blocks
+                  else model.single_stream[b - cfg.double_blocks] for b in blocks]
         layout = Layout(txt=geometry.txt, img=geometry.img)
         q_segs = layout.query_segments()
         mask = build_mask(cfg.attention_mode, q_segs, q_segs + [(CACHE, geometry.cached)])
         self.has_mask = mask is not None
+        if dynamic:
+            # the blocks' fused qkv / linear1 weights are not registered: the exported
+            # program holds the split linears only
+            self.parts = nn.ModuleList(self._dynamic_parts(cfg, b, blk)
+                                       for b, blk in zip(self.blocks, layers))
+            self._delegable_constants(cfg, None)
+            self._dynamic_constants(model, geometry, mask)
+            return
+        self.layers = nn.ModuleList(layers)
         if mask is not None:
             self.register_buffer("mask", mask, persistent=False)
         if delegable:
@@ -177,7 +290,7 @@ class ShardModule(nn.Module):
                   "attn_scale": torch.full((1,), cfg.head_dim ** -0.5),
                   "gelu_c": torch.full((1,), 0.044715),
                   "gelu_k": torch.full((1,), 2.0 * math.sqrt(2.0 / math.pi))}
-        eps = {m.eps for layer in self.layers for m in layer.modules() if hasattr(m, "eps")
+        eps = {m.eps for m in self.modules() if hasattr(m, "eps")
                and isinstance(getattr(m, "weight", None), nn.Parameter)}
         if len(eps) > 1:
             raise ValueError(f"the delegable graph assumes one RMSNorm eps, got {eps}")
@@ -186,6 +299,47 @@ class ShardModule(nn.Module):
             consts["mask_bias"] = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
         for name, value in consts.items():
             self.register_buffer(name, value, persistent=False)
+
+    def _dynamic_parts(self, cfg, b: int, blk: nn.Module) -> nn.ModuleDict:
+        """The modules of block ``b`` the dynamic graph uses (fused weights split)."""
+        d, parts = cfg.hidden_size, nn.ModuleDict()
+        if b < cfg.double_blocks:
+            for s in ("txt", "img"):
+                for name, lin in zip("qkv", _split_linear(getattr(blk, f"{s}_qkv"), [d] * 3)):
+                    parts[f"{s}_{name}"] = lin
+                for name in ("qnorm", "knorm", "proj", "mlp"):
+                    parts[f"{s}_{name}"] = getattr(blk, f"{s}_{name}")
+        else:
+            sizes = [d, d, d, blk.mlp_hidden]
+            for name, lin in zip(("q", "k", "v", "mlp_in"), _split_linear(blk.linear1, sizes)):
+                parts[name] = lin
+            for name in ("qnorm", "knorm", "linear2"):
+                parts[name] = getattr(blk, name)
+        return parts
+
+    def _dynamic_constants(self, model: MMDiT, geometry: ShardGeometry,
+                           mask: torch.Tensor | None) -> None:
+        """The text tokens' RoPE tables, the batch repeat of the cache, the text mask."""
+        t, hd = geometry.txt, model.cfg.head_dim
+        ang = model.angles(model.text_positions(t)).float()
+        for name, table in (("txt_cos", ang.cos()), ("txt_sin", ang.sin())):
+            self.register_buffer(name, F.linear(table, self.rope_e).reshape(t, 1, hd),
+                                 persistent=False)
+        self.register_buffer("batch_ones", torch.ones(geometry.batch, 1, 1, 1),
+                             persistent=False)
+        # Which keys each group's queries see, from the same mask the static graph uses:
+        # image queries must see every key; text queries every key or the text keys only.
+        self.txt_sees_txt_only = False
+        if mask is None:
+            return
+        txt_rows, img_rows = mask[:t], mask[t:]
+        if not bool(img_rows.all()) or bool(txt_rows[:, t:].any()):
+            raise ValueError(f"a dynamic shard graph needs image queries that see every key "
+                             f"and text queries that see no image key "
+                             f"({model.cfg.attention_mode} attention does not)")
+        self.txt_sees_txt_only = True
+        bias = torch.zeros(t, t).masked_fill(~txt_rows[:, :t], float("-inf"))
+        self.register_buffer("txt_bias", bias, persistent=False)
 
     def _gelu(self, x: torch.Tensor) -> torch.Tensor:
         if self.delegable:  # tanh-GELU as x * sigmoid(2y), constants as tensors
@@ -310,9 +464,119 @@ class ShardModule(nn.Module):
         out = blk.linear2(torch.cat([attn, self._gelu(mlp_in)], dim=-1))
         return txt + mods["txt"][2] * out[:, :t], img + mods["img"][2] * out[:, t:]
 
+    # -- the dynamic form (module docstring): text and image tokens as separate groups --
+
+    def _token_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, n, H*d] -> [B, n, H, d]`` (a view)."""
+        b, n, c = x.shape
+        return x.reshape(free_shape((b, n, self.heads, c // self.heads)))
+
+    def _batch_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, n, H, d] -> [B*H, n, d]``, the bmm batch of the attention."""
+        b, n, h, d = x.shape
+        return x.permute(0, 2, 1, 3).contiguous().reshape(free_shape((b * h, n, d)))
+
+    def _merge_batch_heads(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        """``[B*H, n, d] -> [B, n, H*d]``."""
+        bh, n, d = x.shape
+        h = bh // batch
+        x = x.reshape(free_shape((batch, h, n, d))).permute(0, 2, 1, 3).contiguous()
+        return x.reshape(free_shape((batch, n, h * d)))
+
+    def _cache_heads(self, c: torch.Tensor, batch: int) -> torch.Tensor:
+        """Cached K or V ``[U, H*d] -> [B*H, U, d]``, the same rows for every batch row."""
+        u, dim = c.shape
+        x = c.reshape(free_shape((1, u, self.heads, dim // self.heads)))
+        return self._batch_heads(x * self.batch_ones if batch > 1 else x)
+
+    def _rope_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> torch.Tensor:
+        """RoPE of ``x [B, n, H, d]`` with tables ``[n, 1, d]`` (see ``_rope``)."""
+        rot = F.linear(x.reshape(-1, x.shape[-1]), self.rope_r).reshape(free_shape(x.shape))
+        return x * cos + rot * sin
+
+    def _qk(self, lin, norm, h, tables) -> torch.Tensor:
+        return self._batch_heads(self._rope_rows(self._norm(norm, self._token_heads(lin(h))),
+                                                 *tables))
+
+    def _attend_groups(self, q: dict, k: dict, v: dict, k_cache, v_cache) -> dict:
+        """Each group's queries ``[B*H, n, d]`` over the keys ``[text, image, cache]``."""
+        keys = [k["txt"], k["img"]] + ([k_cache] if k_cache is not None else [])
+        values = [v["txt"], v["img"]] + ([v_cache] if v_cache is not None else [])
+        keys_t = torch.cat(keys, dim=1).transpose(1, 2)
+        values = torch.cat(values, dim=1)
+        out = {}
+        for g in ("txt", "img"):
+            qs = q[g] * self.attn_scale
+            if g == "txt" and self.txt_sees_txt_only:  # block_causal: causal text prefix
+                s = torch.bmm(qs, k["txt"].transpose(1, 2)) + self.txt_bias
+                out[g] = torch.bmm(torch.softmax(s, dim=-1), v["txt"])
+            else:
+                out[g] = torch.bmm(torch.softmax(torch.bmm(qs, keys_t), dim=-1), values)
+        return out
+
+    def _double_groups(self, parts, x: dict, mods: dict, tables: dict, k_cache, v_cache
+                       ) -> dict:
+        batch = x["txt"].shape[0]
+        q, k, v = {}, {}, {}
+        for g in ("txt", "img"):
+            mod = mods[g]
+            h = self._modulate(self._layer_norm(x[g]), mod[0], mod[1])
+            q[g] = self._qk(parts[f"{g}_q"], parts[f"{g}_qnorm"], h, tables[g])
+            k[g] = self._qk(parts[f"{g}_k"], parts[f"{g}_knorm"], h, tables[g])
+            v[g] = self._batch_heads(self._token_heads(parts[f"{g}_v"](h)))
+        attn = self._attend_groups(q, k, v, k_cache, v_cache)
+        new = {}
+        for g in ("txt", "img"):
+            mod, mlp = mods[g], parts[f"{g}_mlp"]
+            y = x[g] + mod[2] * parts[f"{g}_proj"](self._merge_batch_heads(attn[g], batch))
+            h = self._modulate(self._layer_norm(y), mod[3], mod[4])
+            new[g] = y + mod[5] * mlp[2](self._gelu(mlp[0](h)))
+        return new
+
+    def _single_groups(self, parts, x: dict, mods: dict, tables: dict, k_cache, v_cache
+                       ) -> dict:
+        batch = x["txt"].shape[0]
+        q, k, v, mlp_in = {}, {}, {}, {}
+        for g in ("txt", "img"):
+            h = self._modulate(self._layer_norm(x[g]), mods[g][0], mods[g][1])
+            q[g] = self._qk(parts["q"], parts["qnorm"], h, tables[g])
+            k[g] = self._qk(parts["k"], parts["knorm"], h, tables[g])
+            v[g] = self._batch_heads(self._token_heads(parts["v"](h)))
+            mlp_in[g] = parts["mlp_in"](h)
+        attn = self._attend_groups(q, k, v, k_cache, v_cache)
+        return {g: x[g] + mods[g][2] * parts["linear2"](torch.cat(
+                    [self._merge_batch_heads(attn[g], batch), self._gelu(mlp_in[g])], dim=-1))
+                for g in ("txt", "img")}
+
+    def _forward_dynamic(self, txt, img, vec_txt, vec_img, cos, sin, kv):
+        hd = self.rope_e.shape[0]
+        tables = {"txt": (self.txt_cos, self.txt_sin),
+                  "img": tuple(F.linear(t, self.rope_e).reshape(free_shape((t.shape[0], 1, hd)))
+                               for t in (cos, sin))}
+        x, batch, d = {"txt": txt, "img": img}, txt.shape[0], vec_txt.shape[-1]
+        dmods = smods = None
+        for i, (b, parts) in enumerate(zip(self.blocks, self.parts)):
+            k_cache, v_cache = ((self._cache_heads(kv[2 * i], batch),
+                                 self._cache_heads(kv[2 * i + 1], batch)) if kv
+                                else (None, None))
+            if b < self.num_double:
+                if dmods is None:
+                    dmods = {"txt": self._split(self.double_mod_txt(vec_txt), [d] * 6),
+                             "img": self._split(self.double_mod_img(vec_img), [d] * 6)}
+                x = self._double_groups(parts, x, dmods, tables, k_cache, v_cache)
+            else:
+                if smods is None:
+                    smods = {"txt": self._split(self.single_mod(vec_txt), [d] * 3),
+                             "img": self._split(self.single_mod(vec_img), [d] * 3)}
+                x = self._single_groups(parts, x, smods, tables, k_cache, v_cache)
+        return x["txt"], x["img"]
+
     def forward(self, txt: torch.Tensor, img: torch.Tensor, vec_txt: torch.Tensor,
                 vec_img: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 *kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.dynamic:
+            return self._forward_dynamic(txt, img, vec_txt, vec_img, cos, sin, kv)
         dmods = smods = None
         for i, (b, blk) in enumerate(zip(self.blocks, self.layers)):
             # geometry.cached == 0: the whole model on every token, no cache inputs
@@ -333,12 +597,13 @@ class ShardModule(nn.Module):
 
 
 def example_inputs(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry,
-                   seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Seeded random inputs of the graph's shapes (for export, checks and the bench)."""
+                   seed: int = 0, dynamic: bool = False) -> tuple[torch.Tensor, ...]:
+    """Seeded random inputs of the graph's shapes (for export, checks and the bench);
+    ``dynamic``: the RoPE tables of the image tokens only (``ShardModule(dynamic=True)``)."""
     g = torch.Generator().manual_seed(seed)
     d, hd = model.cfg.hidden_size, model.cfg.head_dim
     b, t, m, u = geometry.batch, geometry.txt, geometry.img, geometry.cached
-    ang = torch.rand(t + m, hd // 2, generator=g) * 6.0
+    ang = torch.rand(m if dynamic else t + m, hd // 2, generator=g) * 6.0
     args = [torch.randn(b, t, d, generator=g), torch.randn(b, m, d, generator=g),
             torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g),
             ang.cos(), ang.sin()]
@@ -347,9 +612,10 @@ def example_inputs(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometr
     return tuple(args)
 
 
-def expected_shapes(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry
-                    ) -> list[tuple[int, ...]]:
+def expected_shapes(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry,
+                    dynamic: bool = False) -> list[tuple[int, ...]]:
     d, hd = model.cfg.hidden_size, model.cfg.head_dim
     b, t, m, u = geometry.batch, geometry.txt, geometry.img, geometry.cached
-    shapes = [(b, t, d), (b, m, d), (b, 1, d), (b, 1, d), (t + m, hd // 2), (t + m, hd // 2)]
+    rope = (m if dynamic else t + m, hd // 2)
+    shapes = [(b, t, d), (b, m, d), (b, 1, d), (b, 1, d), rope, rope]
     return shapes + [(u, d)] * (2 * len(blocks) if u else 0)
