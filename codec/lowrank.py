@@ -24,6 +24,7 @@ configurations. Layout: ``FORMAT.md``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -396,23 +397,7 @@ class LowRankCodec(Codec):
 
     def _candidates(self, g: _Geometry) -> list[tuple[int, ...]]:
         """All (r0 >= r1 >= ...) on the ladder within the per-level caps."""
-        out: list[tuple[int, ...]] = []
-
-        def rec(prefix: tuple[int, ...], lv: int) -> None:
-            if lv == g.levels:
-                out.append(prefix)
-                return
-            bound = prefix[-1] if prefix else g.level_max[0]
-            opts = [r for r in g.ladder if r <= min(bound, g.level_max[lv])]
-            if lv > 0:
-                opts = [0] + opts
-            for r in opts:
-                if lv > 0 and prefix[-1] == 0 and r > 0:
-                    continue
-                rec(prefix + (r,), lv + 1)
-
-        rec((), 0)
-        return out
+        return _staircases(g.ladder, g.level_max)
 
     def _config_errors(
         self,
@@ -543,6 +528,31 @@ class LowRankCodec(Codec):
 
     def rank_key(self, params: dict[str, Any]) -> float:
         return float(sum(r * b for r, b in zip(params.get("ranks", []), self.opts.bits)))
+
+
+@functools.lru_cache(maxsize=16)
+def _staircases(ladder: tuple[int, ...], level_max: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every staircase (r0 >= r1 >= ..., zeros only after the first level) on the ladder
+    within the per-level caps; the same for every shard of a geometry, so built once (tens
+    of thousands with the unit ladder). Callers must not modify the list."""
+    out: list[tuple[int, ...]] = []
+    levels = len(level_max)
+
+    def rec(prefix: tuple[int, ...], lv: int) -> None:
+        if lv == levels:
+            out.append(prefix)
+            return
+        bound = prefix[-1] if prefix else level_max[0]
+        opts = [r for r in ladder if r <= min(bound, level_max[lv])]
+        if lv > 0:
+            opts = [0] + opts
+        for r in opts:
+            if lv > 0 and prefix[-1] == 0 and r > 0:
+                continue
+            rec(prefix + (r,), lv + 1)
+
+    rec((), 0)
+    return out
 
 
 @register("sakura")
