@@ -24,6 +24,7 @@ from sakura.edge.quality import psnr
 GROUPS = step_groups(4, 2)
 PROMPT, SEED = "a private prompt that must stay on the device", 4242
 W8A16_PSNR_DB = 55.0  # whole 4-step edit vs exact; measured 69.6 dB (fp16 HTP: 86.4 dB)
+HTP_VS_CPU_EP_DB = 40.0  # shard output SQNR, HTP vs the CPU EP; measured 47.3 / 51.4 dB
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,19 @@ def test_w8a16_shards_compile_for_the_htp_and_edit_close_to_exact(world, setup):
     a = ex.shard(geometry, blocks).run(*xs)
     b = fp16.prepare(world.model, blocks, geometry, ex.weights).run(*xs)
     assert max(float((x - y).abs().max()) for x, y in zip(a, b)) > 0
+    # and the HTP runs the QDQ graph as ONNX Runtime's CPU EP defines it (the Concat
+    # inputs requantized: without that the HTP's Concat mixed encodings)
+    import onnxruntime as ort
+
+    folder = backend.cache.lookup(backend.key(world.model, ex.weights, blocks, geometry))
+    cpu = ort.InferenceSession(str(backend.qdq_path(folder)),
+                               providers=["CPUExecutionProvider"]).run(
+        None, {n: x.numpy() for n, x in zip(input_names(blocks), xs)})
+    for htp, ref in zip(a, cpu):
+        ref = torch.from_numpy(ref).double()
+        sqnr = 10 * torch.log10((ref ** 2).sum() / ((htp.double() - ref) ** 2).sum())
+        print(f"HTP vs CPU EP on the QDQ graph: {float(sqnr):.1f} dB")
+        assert sqnr >= HTP_VS_CPU_EP_DB, float(sqnr)
 
 
 def test_without_calibration_or_with_an_unknown_scheme_a_clear_error(world, setup, tmp_path):
