@@ -191,11 +191,15 @@ class LocalStorage(Storage):
             raise UnsafeKey(f"storage key {key[:80]!r} resolves outside the storage root")
         return path
 
+    @staticmethod
+    def token(st: os.stat_result) -> str:
+        """The change token of a file's version: inode, size and mtime."""
+        return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+
     def _info(self, key: str, st: os.stat_result) -> ObjectInfo:
         if not stat_mod.S_ISREG(st.st_mode):
             raise ObjectNotFound(f"{key!r} is not a file")
-        token = f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
-        return ObjectInfo(key, st.st_size, token, st.st_mtime)
+        return ObjectInfo(key, st.st_size, self.token(st), st.st_mtime)
 
     def stat(self, key: str) -> ObjectInfo:
         path = self.path(key)
