@@ -1,4 +1,5 @@
-"""``sakura bench backends --json PATH``: torch vs ExecuTorch vs QNN HTP on shard graphs."""
+"""``sakura bench backends --json PATH``: torch vs ExecuTorch vs QNN HTP on shard graphs;
+``sakura bench dynamic --json PATH``: one dynamic-shape ExecuTorch graph vs the static ones."""
 
 from __future__ import annotations
 
@@ -40,6 +41,77 @@ def register(commands: Any, bench: Any) -> None:
                    help="profiling prompts whose edits calibrate the quantized graphs "
                         "(default 2)")
     b.set_defaults(func=_bench)
+
+    d = bench.add_parser(
+        "dynamic", help="one dynamic-shape ExecuTorch graph vs the static graphs",
+        description="Compile the shard and step graphs of one catalog template static and "
+                    "with dynamic M/U, time both interleaved, compare both with torch, and "
+                    "run the dynamic graphs at every catalog template's geometry.")
+    d.add_argument("--json", type=json_path, required=True, metavar="PATH",
+                   help="write the results here (- for stdout)")
+    d.add_argument("--template", metavar="ID", default="face-technologist",
+                   help="catalog template (default face-technologist)")
+    d.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
+    d.add_argument("--blocks-per-shard", type=positive_int, default=4, metavar="N",
+                   help="blocks per shard graph (default 4, as sakura build)")
+    d.add_argument("--repeats", type=positive_int, default=20, metavar="N",
+                   help="timed runs per graph (median; default 20)")
+    d.add_argument("--threads", type=positive_int, default=1, metavar="N",
+                   help="ExecuTorch and torch threads (default 1)")
+    d.set_defaults(func=_bench_dynamic)
+
+
+def _bench_dynamic(args: argparse.Namespace) -> int:
+    from sakura.dit.cli import check_file, check_template
+    from sakura.edge.cli import BACKEND_MODULES
+
+    from sakura.extras import require
+
+    check_template(args.template)
+    check_file(args.weights, "--weights")
+    require(*BACKEND_MODULES["executorch"], what="the executorch backend")
+    from sakura.dit.editing import Geometry
+    from sakura.dit.templates import load_catalog
+    from sakura.dit.text import TextEncoder
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
+    from sakura.edge.backends.dynamic_bench import bench_dynamic
+    from sakura.edge.backends.executor import edit_geometry
+
+    from sakura.output import write_json
+
+    model = load_model(Path(args.weights) if args.weights else DEFAULT_WEIGHTS)
+    catalog = load_catalog()
+    if args.template not in catalog:
+        raise BackendError(f"template {args.template!r} is not in the catalog "
+                           f"(known: {', '.join(catalog)})")
+    encoder = TextEncoder(model.cfg.text_tokens)
+    others = {}
+    for tid, spec in catalog.items():
+        t = spec.to_template(encoder)
+        others[tid] = edit_geometry(model, t, Geometry.of(model, t), spec.requests(encoder)[0])
+    spec = catalog[args.template]
+    template = spec.to_template(encoder)
+    doc = bench_dynamic(model, template, spec.requests(encoder)[0], others,
+                        blocks_per_shard=args.blocks_per_shard, repeats=args.repeats,
+                        threads=args.threads, template_id=args.template,
+                        log=lambda m: print(m, file=sys.stderr, flush=True))
+    doc["weights"] = str(args.weights or DEFAULT_WEIGHTS)
+    write_json(args.json, doc, indent=1)
+    for r in doc["shards"]:
+        s, d = r["static"], r["dynamic"]
+        print(f"blocks {r['blocks'][0]}-{r['blocks'][-1]}: latency static "
+              f"{s['latency_s'] * 1e3:.2f} ms, dynamic {d['latency_s'] * 1e3:.2f} ms "
+              f"(x{r['dynamic_over_static_latency']:.3f}); compile static "
+              f"{s['compile_s']:.1f} s, dynamic {d['compile_s']:.1f} s; max abs err static "
+              f"{s['max_abs_err']:.2e}, dynamic {d['max_abs_err']:.2e} (outputs up to "
+              f"{r['max_abs_output']:.1f})")
+    for tid, r in doc["other_geometries"].items():
+        if r["in_bounds"]:
+            print(f"{tid}: m={r['geometry']['img']} dynamic max abs err "
+                  f"{r['max_abs_err']:.2e}")
+    print(f"load average {doc['load_average_start']} -> {doc['load_average_end']}")
+    print(f"wrote {args.json}")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
