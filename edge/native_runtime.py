@@ -55,8 +55,8 @@ from sakura.dit.editing import (
 from sakura.dit.model import MMDiT, patchify
 from sakura.edge import RUNTIMES
 from sakura.edge.backends.base import ArtifactCache, ArtifactKey, default_cache_dir
-from sakura.edge.backends.shard import ShardGeometry, ShardModule, example_inputs
-from sakura.edge.backends.step import StepIn, StepOut, step_examples
+from sakura.edge.backends.shard import ShardBounds, ShardGeometry, ShardModule, example_inputs
+from sakura.edge.backends.step import StepIn, StepOut, step_dynamic_shapes, step_examples
 from sakura.edge.errors import (
     EdgeError,
     IntegrityError,
@@ -105,6 +105,7 @@ class GraphSet:
     step_out: Path
     group_blocks: tuple[int, ...]
     takes_cache: bool
+    dynamic: bool = False  # exported with dynamic M / U: the RoPE inputs hold image rows only
 
 
 def step_groups(blocks: int, blocks_per_shard: int) -> list[tuple[int, ...]]:
@@ -123,7 +124,12 @@ class NativeEngine:
     weights_sha256: str
     cache_dir: Path = field(default_factory=default_cache_dir)
     threads: int = 1
+    # cached edits through graphs exported with dynamic M / U (edge/backends/shard.py): one
+    # compile per (weights, resolution, batch, text tokens, block groups) serves every
+    # template; False: one static compile per template geometry
+    dynamic: bool = True
     _loaded: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False)
+    _supported: dict[ShardBounds, bool] = field(default_factory=dict, init=False, repr=False)
     compiles: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -144,67 +150,106 @@ class NativeEngine:
                              cached=0 if full else len(geo.unmasked))
 
     # ------------------------------------------------------------------ graphs
+    def shape_of(self, geometry: ShardGeometry) -> ShardGeometry | ShardBounds:
+        """What the graphs of ``geometry`` are compiled for: its bounds when it runs on
+        dynamic graphs (a cached edit whose attention the dynamic form supports), else
+        the geometry itself."""
+        if not self.dynamic or geometry.cached == 0:
+            return geometry
+        bounds = ShardBounds(geometry.batch, geometry.txt, geometry.img + geometry.cached)
+        if bounds not in self._supported:
+            try:  # block-causal masks the dynamic form cannot split fall back to static
+                ShardModule(self.model, (0,), bounds.example(), dynamic=True)
+                self._supported[bounds] = True
+            except ValueError:
+                self._supported[bounds] = False
+        return bounds if self._supported[bounds] else geometry
+
     def graphs(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]) -> Any:
         """The loaded ``sakura_native.EditGraphs`` (compiled and cached on first use)."""
-        key = (geometry, tuple(groups))
+        return self._graph_set(geometry, groups)[1]
+
+    def _graph_set(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]
+                   ) -> tuple[GraphSet, Any]:
+        shape = self.shape_of(geometry)
+        key = (shape, tuple(groups))
         if key not in self._loaded:
-            gs = self._compiled(geometry, groups)
-            self._loaded[key] = self._call(
+            gs = self._compiled(shape, groups)
+            self._loaded[key] = (gs, self._call(
                 self.native.EditGraphs, str(gs.step_in), [str(p) for p in gs.groups],
-                str(gs.step_out), list(gs.group_blocks), gs.takes_cache)
+                str(gs.step_out), list(gs.group_blocks), gs.takes_cache))
         return self._loaded[key]
 
-    def _key(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]) -> ArtifactKey:
+    def _key(self, geometry: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
+             ) -> ArtifactKey:
         from sakura.edge.backends.executorch_backend import ExecuTorchBackend
 
         arch = hashlib.sha256(json.dumps(self.model.cfg.to_dict(), sort_keys=True).encode())
         version = (f"{ExecuTorchBackend().version()}-graphs{GRAPHS_FORMAT}-groups"
                    + "_".join(f"{g[0]}-{g[-1]}" for g in groups))
-        return ArtifactKey(self.weights_sha256, arch.hexdigest(), geometry,
+        return ArtifactKey(self.weights_sha256, arch.hexdigest(), geometry,  # type: ignore[arg-type]
                            tuple(b for g in groups for b in g), "native", version)
 
-    def _compiled(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]) -> GraphSet:
-        from sakura.edge.backends.executorch_backend import PTE_NAME, ExecuTorchBackend
+    def _compiled(self, shape: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
+                  ) -> GraphSet:
+        from sakura.edge.backends.executorch_backend import (
+            PTE_NAME,
+            ExecuTorchBackend,
+            export_dynamic,
+        )
 
-        key = self._key(geometry, groups)
+        dynamic = isinstance(shape, ShardBounds)
+        key = self._key(shape, groups)
         folder = self.cache.lookup(key)
         if folder is None:
             backend = ExecuTorchBackend()
             backend.check_available()
             model = self.model
+            # what the graphs are traced with: the geometry, or one inside the bounds
+            traced = shape.example() if dynamic else shape
+            step_shapes = step_dynamic_shapes(shape.tokens) if dynamic else {}
 
             def build(tmp: Path) -> None:
-                ex = step_examples(model, geometry.batch, geometry.img)
-                parts: list[tuple[str, torch.nn.Module, tuple]] = [
-                    ("step_in", StepIn(model, geometry.batch), ex["step_in"]),
-                    ("step_out", StepOut(model, geometry.batch), ex["step_out"])]
+                ex = step_examples(model, traced.batch, traced.img)
+                parts: list[tuple[str, torch.nn.Module, tuple, Any]] = [
+                    ("step_in", StepIn(model, traced.batch), ex["step_in"],
+                     step_shapes.get("step_in")),
+                    ("step_out", StepOut(model, traced.batch), ex["step_out"],
+                     step_shapes.get("step_out"))]
                 for i, blocks in enumerate(groups):
-                    module = ShardModule(model, blocks, geometry, backend.explicit_rms,
-                                         backend.sigmoid_gelu, delegable=backend.delegable)
+                    module = ShardModule(model, blocks, traced, backend.explicit_rms,
+                                         backend.sigmoid_gelu, delegable=backend.delegable,
+                                         dynamic=dynamic)
                     parts.append((f"group{i}", module,
-                                  example_inputs(model, blocks, geometry)))
-                for name, module, example in parts:
+                                  example_inputs(model, blocks, traced, dynamic=dynamic),
+                                  shape.dynamic_shapes(blocks) if dynamic else None))
+                for name, module, example, dims in parts:
                     (tmp / name).mkdir()
-                    backend._compile(module.eval(), example, tmp / name)
+                    if dims is None:
+                        backend._compile(module.eval(), example, tmp / name)
+                    else:
+                        export_dynamic(module.eval(), example, dims, tmp / name / PTE_NAME)
 
             try:
                 folder = self.cache.publish(key, build)
             except EdgeError:
                 raise
             except Exception as exc:  # noqa: BLE001 - exporter internals
-                raise EdgeError(f"compiling the native graphs ({geometry.describe()}) failed: "
+                raise EdgeError(f"compiling the native graphs ({shape.describe()}) failed: "
                                 f"{type(exc).__name__}: {exc}") from exc
             self.compiles += 1
         return GraphSet(folder / "step_in" / PTE_NAME,
                         tuple(folder / f"group{i}" / PTE_NAME for i in range(len(groups))),
                         folder / "step_out" / PTE_NAME, tuple(len(g) for g in groups),
-                        geometry.cached > 0)
+                        dynamic or shape.cached > 0, dynamic)
 
     # ------------------------------------------------------------------ request set-up
     @torch.inference_mode()
     def inputs(self, template: Template, geo: Geometry, req: EditRequest,
-               geometry: ShardGeometry) -> dict[str, Any]:
-        """The tensors of one edit (see the module docstring); ``full``: every token."""
+               geometry: ShardGeometry, dynamic: bool = False) -> dict[str, Any]:
+        """The tensors of one edit (see the module docstring); ``full``: every token;
+        ``dynamic``: for dynamic graphs, whose text RoPE tables are constants (``cos`` and
+        ``sin`` hold the image tokens' rows only)."""
         model = self.model
         full = geometry.cached == 0
         ts = edit_schedule(template)
@@ -219,8 +264,8 @@ class NativeEngine:
             vt.append(vec_ref if model.cfg.attention_mode == "block_causal" else vec)
         x = edit_start(model, template, req.seed)
         pos = geo.pos if full else geo.pos[geo.masked]
-        angles = torch.cat([model.angles(model.text_positions(geometry.txt)),
-                            model.angles(pos)])
+        angles = model.angles(pos) if dynamic else torch.cat(
+            [model.angles(model.text_positions(geometry.txt)), model.angles(pos)])
         doc = {
             "steps": template.steps,
             "x": _f32(x if full else x[:, geo.masked]),
@@ -275,14 +320,15 @@ class NativeEngine:
         floor, ``exact``): (image, per-shard records with exec times)."""
         geometry = self.geometry(template, geo, req)
         groups = step_groups(self.model.cfg.num_blocks, blocks_per_shard)
-        graphs = self.graphs(geometry, groups)
+        gs, graphs = self._graph_set(geometry, groups)
         plan = [{"step": s, "blocks": list(g)} for s in range(template.steps) for g in groups]
         if len(shards) != len(plan):
             raise EdgeError(f"the resident cache has {len(shards)} shards, the edit "
                             f"needs {len(plan)}")
         origin = time.monotonic() if origin is None else origin
         x, records = self._call(
-            self.native.run_resident, graphs, self.inputs(template, geo, req, geometry), plan,
+            self.native.run_resident, graphs,
+            self.inputs(template, geo, req, geometry, gs.dynamic), plan,
             [np.ascontiguousarray(s, dtype=np.float32) for s in shards], origin)
         return self.image(template, geo, x), list(records)
 
@@ -311,8 +357,8 @@ class NativeEngine:
         """The streamed edit (``sakura_native.run_stream``): (image, records, requests)."""
         geometry = self.geometry(template, geo, req)
         groups = step_groups(self.model.cfg.num_blocks, blocks_per_shard)
-        graphs = self.graphs(geometry, groups)
-        inputs = self.inputs(template, geo, req, geometry)
+        gs, graphs = self._graph_set(geometry, groups)
+        inputs = self.inputs(template, geo, req, geometry, gs.dynamic)
         x, records, requests = self._call(self.native.run_stream, graphs, inputs, stream,
                                           allocator, monitor, progress)
         return self.image(template, geo, x), list(records), list(requests)

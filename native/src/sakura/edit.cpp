@@ -73,6 +73,10 @@ const float* ResidentFeed::acquire(int shard) {
   return shards_[shard].data();
 }
 
+std::int64_t ResidentFeed::matrix_floats() const {
+  return static_cast<std::int64_t>(shards_.at(0).size() / (2 * records_.at(0).blocks.size()));
+}
+
 void ResidentFeed::finish() {
   if (current_ >= 0 && std::isnan(records_[current_].exec_end)) {
     records_[current_].exec_end = now_s() - origin_;
@@ -385,32 +389,34 @@ void EditGraphs::check() const {
   if (!step_in || !step_out || groups.empty() || group_blocks.size() != groups.size()) {
     throw std::runtime_error("an edit needs step_in, step_out and one graph per block group");
   }
-  const auto& img = step_in->outputs().at(0);
+  const auto& img = step_in->outputs().at(0).sizes;  // [B, M, D]
+  if (step_in->inputs().size() != 1 || img.size() != 3) {
+    throw std::runtime_error(step_in->path() + ": expected x [1, M, P] -> img [B, M, D]");
+  }
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const auto& in = groups[g]->inputs();
     const std::size_t want = 6 + (takes_cache ? 2 * group_blocks[g] : 0);
-    if (in.size() != want) {
+    if (in.size() != want || groups[g]->outputs().size() != 2) {
       throw std::runtime_error(groups[g]->path() + ": " + std::to_string(in.size()) +
-                               " inputs, expected " + std::to_string(want));
+                               " inputs, expected " + std::to_string(want) + " and 2 outputs");
     }
-    if (in[1].sizes != img.sizes || groups[g]->outputs().size() != 2 ||
-        groups[g]->outputs()[1].sizes != img.sizes || groups[g]->outputs()[0].sizes != in[0].sizes) {
-      throw std::runtime_error(groups[g]->path() + ": token shapes disagree with step_in " +
-                               img.describe());
+    const auto& gi = in[1].sizes;
+    if (gi.size() != 3 || gi[0] != img[0] || gi[2] != img[2] || in[0].sizes.size() != 3 ||
+        in[0].sizes[0] != img[0] || groups[g]->outputs()[1].sizes != gi ||
+        groups[g]->outputs()[0].sizes != in[0].sizes) {
+      throw std::runtime_error(groups[g]->path() + ": token shapes disagree with step_in's " +
+                               step_in->outputs().at(0).describe());
     }
-    if (takes_cache) {
-      for (std::size_t i = 6; i < in.size(); ++i) {
-        if (in[i].sizes != in[6].sizes) {
-          throw std::runtime_error(groups[g]->path() + ": cache inputs of different shapes");
-        }
+    for (std::size_t i = 6; i < in.size(); ++i) {
+      if (in[i].sizes != in[6].sizes) {
+        throw std::runtime_error(groups[g]->path() + ": cache inputs of different shapes");
       }
     }
   }
   const auto& out_in = step_out->inputs();
-  if (out_in.size() != 5 || out_in[0].sizes != img.sizes ||
-      out_in[2].sizes != step_in->inputs().at(0).sizes ||
-      step_out->outputs().at(0).sizes != out_in[2].sizes) {
-    throw std::runtime_error(step_out->path() + ": shapes disagree with step_in");
+  if (out_in.size() != 5 || out_in[0].sizes.size() != 3 || out_in[0].sizes[0] != img[0] ||
+      out_in[2].sizes.size() != 3 || step_out->outputs().size() != 1) {
+    throw std::runtime_error(step_out->path() + ": expected (img, vec, x, dt, guidance) -> x");
   }
 }
 
@@ -425,64 +431,86 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed*
   const int steps = in.steps;
   const std::size_t groups = graphs.groups.size();
   const auto& g0 = graphs.groups[0]->inputs();
-  const std::int64_t x_n = graphs.step_in->inputs()[0].numel();
-  const std::int64_t img_n = graphs.step_in->outputs()[0].numel();
-  const std::int64_t txt_n = g0[0].numel();
-  const std::int64_t vec_n = g0[2].numel();
-  const std::int64_t cache_n = graphs.takes_cache ? g0[6].numel() : 0;
-  check_size(in.x, x_n, "x");
+  // actual sizes: the latent's token count M (a dynamic graph takes any M within its bound)
+  const auto& x_bound = graphs.step_in->inputs()[0].sizes;  // [1, M, P]
+  const std::int64_t P = x_bound[2];
+  if (in.x.empty() || in.x.size() % P) throw std::invalid_argument("x is not [1, M, P]");
+  const std::int64_t M = static_cast<std::int64_t>(in.x.size()) / P;
+  const std::int64_t B = g0[1].sizes[0], D = g0[1].sizes[2];
+  const std::vector<std::int64_t> x_sizes{1, M, P}, img_sizes{B, M, D};
+  const std::vector<std::int64_t>& txt_sizes = g0[0].sizes;
+  const std::vector<std::int64_t>& vec_sizes = g0[2].sizes;
+  const std::int64_t half = g0[4].sizes[1];
+  const std::int64_t txt_n = g0[0].numel(), vec_n = g0[2].numel();
   check_size(in.txt, txt_n, "txt");
   check_size(in.vec_txt, steps * vec_n, "vec_txt");
   check_size(in.vec_img, steps * vec_n, "vec_img");
-  check_size(in.cos, g0[4].numel(), "cos");
-  check_size(in.sin, g0[5].numel(), "sin");
   check_size(in.dt, steps, "dt");
+  if (in.cos.size() != in.sin.size() || in.cos.empty() || in.cos.size() % half) {
+    throw std::invalid_argument("cos and sin must be [rows, head_dim / 2] each");
+  }
+  const std::vector<std::int64_t> rope_sizes{static_cast<std::int64_t>(in.cos.size()) / half,
+                                             half};
+  std::vector<std::int64_t> kv_sizes;
+  if (graphs.takes_cache) {
+    const std::int64_t C = g0[6].sizes[1];
+    const std::int64_t mf = feed->matrix_floats();
+    if (mf <= 0 || mf % C) throw std::invalid_argument("cache matrices are not [U, C]");
+    kv_sizes = {mf / C, C};
+  }
   if (!in.pinned.empty()) {
-    const std::int64_t p = graphs.step_in->inputs()[0].sizes.back();
-    check_size(in.pin_x0, x_n, "pin_x0");
-    check_size(in.pin_noise, x_n, "pin_noise");
+    check_size(in.pin_x0, M * P, "pin_x0");
+    check_size(in.pin_noise, M * P, "pin_noise");
     check_size(in.t, steps, "t");
     for (auto tok : in.pinned) {
-      if (tok < 0 || (tok + 1) * p > x_n) throw std::invalid_argument("pinned token out of range");
+      if (tok < 0 || tok >= M) throw std::invalid_argument("pinned token out of range");
     }
   }
 
-  std::vector<float> x = in.x, x_next(x_n), img(img_n), img_next(img_n), txt(txt_n),
-                     txt_next(txt_n);
+  std::vector<float> x = in.x, x_next(x.size()), img(B * M * D), img_next(img.size()),
+                     txt(txt_n), txt_next(txt_n);
+  const std::vector<std::int64_t> one{1};
   const float guidance = in.guidance;
-  if (feed) feed->start();
-  for (int s = 0; s < steps; ++s) {
-    if (cancel.load()) {
-      if (feed) feed->cancel();
-      throw Cancelled();
-    }
-    if (!in.pinned.empty()) {
-      const std::int64_t p = graphs.step_in->inputs()[0].sizes.back();
-      const float t = in.t[s];
-      for (auto tok : in.pinned) {
-        for (std::int64_t c = tok * p; c < (tok + 1) * p; ++c) {
-          x[c] = (1 - t) * in.pin_x0[c] + t * in.pin_noise[c];
+  try {
+    if (feed) feed->start();
+    for (int s = 0; s < steps; ++s) {
+      if (cancel.load()) throw Cancelled();
+      if (!in.pinned.empty()) {
+        const float t = in.t[s];
+        for (auto tok : in.pinned) {
+          for (std::int64_t c = tok * P; c < (tok + 1) * P; ++c) {
+            x[c] = (1 - t) * in.pin_x0[c] + t * in.pin_noise[c];
+          }
         }
       }
-    }
-    graphs.step_in->run({x.data()}, {img.data()});
-    std::copy(in.txt.begin(), in.txt.end(), txt.begin());
-    const float* vt = in.vec_txt.data() + s * vec_n;
-    const float* vi = in.vec_img.data() + s * vec_n;
-    for (std::size_t g = 0; g < groups; ++g) {
-      std::vector<const float*> args = {txt.data(), img.data(), vt, vi, in.cos.data(),
-                                        in.sin.data()};
-      if (graphs.takes_cache) {
-        const float* kv = feed->acquire(static_cast<int>(s * groups + g));
-        for (int m = 0; m < 2 * graphs.group_blocks[g]; ++m) args.push_back(kv + m * cache_n);
+      graphs.step_in->run({{x.data(), x_sizes}}, {img.data()});
+      std::copy(in.txt.begin(), in.txt.end(), txt.begin());
+      const float* vt = in.vec_txt.data() + s * vec_n;
+      const float* vi = in.vec_img.data() + s * vec_n;
+      for (std::size_t g = 0; g < groups; ++g) {
+        std::vector<GraphInput> args = {{txt.data(), txt_sizes}, {img.data(), img_sizes},
+                                        {vt, vec_sizes}, {vi, vec_sizes},
+                                        {in.cos.data(), rope_sizes}, {in.sin.data(), rope_sizes}};
+        if (graphs.takes_cache) {
+          const float* kv = feed->acquire(static_cast<int>(s * groups + g));
+          const std::int64_t n = kv_sizes[0] * kv_sizes[1];
+          for (int m = 0; m < 2 * graphs.group_blocks[g]; ++m) {
+            args.push_back({kv + m * n, kv_sizes});
+          }
+        }
+        graphs.groups[g]->run(args, {txt_next.data(), img_next.data()});
+        txt.swap(txt_next);
+        img.swap(img_next);
       }
-      graphs.groups[g]->run(args, {txt_next.data(), img_next.data()});
-      txt.swap(txt_next);
-      img.swap(img_next);
+      const float dt = in.dt[s];
+      graphs.step_out->run({{img.data(), img_sizes}, {vi, vec_sizes}, {x.data(), x_sizes},
+                            {&dt, one}, {&guidance, one}},
+                           {x_next.data()});
+      x.swap(x_next);
     }
-    const float dt = in.dt[s];
-    graphs.step_out->run({img.data(), vi, x.data(), &dt, &guidance}, {x_next.data()});
-    x.swap(x_next);
+  } catch (...) {
+    if (feed) feed->cancel();
+    throw;
   }
   if (feed) feed->finish();
   return x;

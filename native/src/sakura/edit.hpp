@@ -68,6 +68,7 @@ class ShardFeed {
   virtual void finish() {}
   virtual void cancel() {}
   virtual std::vector<ShardRecord> records() const = 0;
+  virtual std::int64_t matrix_floats() const = 0;  // U * C of each K or V matrix
 };
 
 class ResidentFeed final : public ShardFeed {
@@ -77,6 +78,7 @@ class ResidentFeed final : public ShardFeed {
   const float* acquire(int shard) override;
   void finish() override;
   std::vector<ShardRecord> records() const override { return records_; }
+  std::int64_t matrix_floats() const override;
 
  private:
   std::vector<std::vector<float>> shards_;
@@ -134,6 +136,7 @@ class StreamFeed final : public ShardFeed {
   void finish() override;
   void cancel() override;
   std::vector<ShardRecord> records() const override;
+  std::int64_t matrix_floats() const override { return spec_.matrix_floats; }
   std::vector<RequestLogEntry> request_log() { return http_.take_log(); }
 
  private:
@@ -163,7 +166,8 @@ class StreamFeed final : public ShardFeed {
   std::thread receive_thread_, reconstruct_thread_;
 };
 
-// The compiled graphs of one edit geometry, loaded once and reused for every edit.
+// The compiled graphs of one edit geometry (or, exported with dynamic sizes, of every
+// geometry within their bounds), loaded once and reused for every edit.
 struct EditGraphs {
   std::unique_ptr<CompiledGraph> step_in;   // (x [1, M, P]) -> img [B, M, D]
   std::vector<std::unique_ptr<CompiledGraph>> groups;  // (txt, img, vec_txt, vec_img, cos,
@@ -172,7 +176,7 @@ struct EditGraphs {
   std::vector<int> group_blocks;            // blocks per group
   bool takes_cache = true;                  // groups read K/V (false: full edits)
 
-  void check() const;  // shapes agree between graphs; throws std::runtime_error
+  void check() const;  // inputs, outputs and batch/width agree; throws std::runtime_error
 };
 
 struct EditInputs {
@@ -180,7 +184,7 @@ struct EditInputs {
   std::vector<float> x;                  // latent entering step 0
   std::vector<float> txt;                // [B, T, D] text tokens after txt_in
   std::vector<float> vec_txt, vec_img;   // [S, B, 1, D]
-  std::vector<float> cos, sin;           // [T + M, head_dim / 2]
+  std::vector<float> cos, sin;           // [T + M, head_dim / 2] (dynamic graphs: [M, ...])
   std::vector<float> dt;                 // [S]
   float guidance = 1.0f;
   // full edits: before every step the tokens `pinned` get (1 - t) x0 + t e

@@ -143,8 +143,8 @@ CompiledGraph::CompiledGraph(const std::string& path) : path_(path) {
 
 CompiledGraph::~CompiledGraph() = default;
 
-void CompiledGraph::run(const std::vector<const float*>& inputs,
-                        const std::vector<float*>& outputs) {
+std::vector<std::vector<std::int64_t>> CompiledGraph::run(const std::vector<GraphInput>& inputs,
+                                                          const std::vector<float*>& outputs) {
   if (inputs.size() != inputs_.size() || outputs.size() != outputs_.size()) {
     throw std::runtime_error(path_ + ": called with " + std::to_string(inputs.size()) +
                              " inputs / " + std::to_string(outputs.size()) + " outputs, wants " +
@@ -153,24 +153,37 @@ void CompiledGraph::run(const std::vector<const float*>& inputs,
   }
   auto& method = *impl_->method;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    std::vector<::executorch::aten::SizesType> sizes(inputs_[i].sizes.begin(),
-                                                     inputs_[i].sizes.end());
-    auto tensor = ::executorch::extension::from_blob(const_cast<float*>(inputs[i]), sizes,
+    const auto& want = inputs_[i].sizes;
+    const auto& got = inputs[i].sizes;
+    bool fits = got.size() == want.size();
+    for (std::size_t d = 0; fits && d < got.size(); ++d) fits = got[d] >= 1 && got[d] <= want[d];
+    if (!fits) {
+      TensorSpec g{got};
+      throw std::runtime_error(path_ + ": input " + std::to_string(i) + " of shape " +
+                               g.describe() + " does not fit the graph's " +
+                               inputs_[i].describe());
+    }
+    std::vector<::executorch::aten::SizesType> sizes(got.begin(), got.end());
+    auto tensor = ::executorch::extension::from_blob(const_cast<float*>(inputs[i].data), sizes,
                                                      ScalarType::Float);
-    check(method.set_input(et::EValue(*tensor), i), path_ + ": input " + std::to_string(i));
+    check(method.set_input(et::EValue(*tensor), i),
+          path_ + ": input " + std::to_string(i) + " (shape not accepted)");
   }
   check(method.execute(), path_ + ": execution failed");
+  std::vector<std::vector<std::int64_t>> shapes;
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     const et::EValue& out = method.get_output(i);
     if (!out.isTensor()) throw std::runtime_error(path_ + ": output is not a tensor");
     const auto& t = out.toTensor();
-    if (t.numel() != outputs_[i].numel()) {
+    if (t.numel() > outputs_[i].numel()) {
       throw std::runtime_error(path_ + ": output " + std::to_string(i) + " has " +
-                               std::to_string(t.numel()) + " values, expected " +
+                               std::to_string(t.numel()) + " values, more than its bound " +
                                std::to_string(outputs_[i].numel()));
     }
     std::memcpy(outputs[i], t.const_data_ptr<float>(), sizeof(float) * t.numel());
+    shapes.emplace_back(t.sizes().begin(), t.sizes().end());
   }
+  return shapes;
 }
 
 int set_graph_threads(int threads) {

@@ -2,10 +2,13 @@
 // execute stage of the native runtime. Python exports the graphs (sakura.edge.native_graphs)
 // and hands their paths over; nothing here touches Python.
 //
-// Inputs and outputs are float32 tensors of the static shapes the program was exported
-// with (checked at load time and on every run). `run` copies the inputs into the
-// program's planned memory, executes, and copies the outputs out, so a caller may reuse its
-// buffers freely. A CompiledGraph is not thread-safe; each is used by the execute stage only.
+// Inputs and outputs are float32 tensors. A program exported with static shapes takes
+// exactly those; one exported with dynamic sizes (edge/backends/shard.py, `dynamic=True`)
+// reports its upper bounds as the shapes and takes any sizes within them: `run` gets every
+// input's actual sizes, sets them (Method::set_input resizes the planned input tensor),
+// executes, and copies each output out with the size it came out with (the XNNPACK
+// delegate resizes its outputs). A CompiledGraph is not thread-safe; each is used by the
+// execute stage only.
 #pragma once
 
 #include <cstdint>
@@ -16,9 +19,15 @@
 namespace sakura {
 
 struct TensorSpec {
-  std::vector<std::int64_t> sizes;
+  std::vector<std::int64_t> sizes;  // the exported shape (upper bounds when dynamic)
   std::int64_t numel() const;
   std::string describe() const;
+};
+
+// One input: its data and actual sizes.
+struct GraphInput {
+  const float* data;
+  std::vector<std::int64_t> sizes;
 };
 
 class CompiledGraph {
@@ -34,8 +43,10 @@ class CompiledGraph {
   const std::vector<TensorSpec>& outputs() const { return outputs_; }
   const std::string& path() const { return path_; }
 
-  // inputs[i] holds inputs()[i].numel() floats; outputs[i] receives outputs()[i].numel().
-  void run(const std::vector<const float*>& inputs, const std::vector<float*>& outputs);
+  // outputs[i] has room for outputs()[i].numel() floats; returns the outputs' actual sizes.
+  // Throws std::runtime_error for an input whose rank differs or that exceeds the bounds.
+  std::vector<std::vector<std::int64_t>> run(const std::vector<GraphInput>& inputs,
+                                             const std::vector<float*>& outputs);
 
  private:
   struct Impl;
