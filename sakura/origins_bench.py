@@ -12,8 +12,9 @@ any one request: 1 means every shard configuration was one single-range GET), ``
 ``identical_images``: the fixed-configuration edit (the same configuration choices on
 every origin) gives bit-identical images.
 
-The catalog is ``--packs DIR`` (a published catalog holding the template's ``sakura`` pack)
-or, by default, built for the one template into a temporary folder first (minutes).
+The catalog is ``--packs DIR`` (a published catalog holding the template's ``sakura`` and
+``fp16`` packs) or, by default, built for the one template into a temporary folder first
+(minutes on an idle machine).
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def run(template_id: str, packs: str | None, trace_path: str | None, rate: float
         else:
             catalog = Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="sakura-bench-origins-")))
-            build(BuildConfig(out_dir=str(catalog), codecs=("sakura",),
+            build(BuildConfig(out_dir=str(catalog), codecs=("sakura", "fp16"),
                               templates=(template_id,)), log=lambda *_: None)
         runtime = EdgeRuntime(load_engine(None), state_dir=None)
         sakura_url = stack.enter_context(_sakura_serve(catalog))
