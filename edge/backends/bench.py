@@ -21,6 +21,7 @@ run under qemu-aarch64), ``opencl`` (GPU reconstruction vs the CPU kernels), and
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -109,6 +110,7 @@ def bench_backends(model: MMDiT, template: Template, req: EditRequest,
         "blocks_per_shard": spec.blocks_per_shard, "groups": [list(g) for g in groups],
         "steps": template.steps, "timed_step": step, "repeats": spec.repeats,
         "torch_threads": torch.get_num_threads(), "weights_sha256": weights,
+        "loadavg_at_start": list(os.getloadavg()),
         "backends": {}}
     for name in spec.backends:
         log(f"backend {name}")
@@ -161,6 +163,7 @@ def bench_backends(model: MMDiT, template: Template, req: EditRequest,
             log(f"  step {doc['backends'][name]['step_latency_s'] * 1e3:.1f} ms, shard err "
                 f"{doc['backends'][name]['max_abs_err']:.2e}, edit PSNR "
                 f"{doc['backends'][name]['edit_psnr_db']}")
+    doc["loadavg_after_backends"] = list(os.getloadavg())  # 2 shared cores: timings move
     if spec.phone or spec.quantized:
         doc.update(_phone_side(model, template, run, cache, req, spec, groups,
                                reference_edit, weights, template_id, doc))
