@@ -115,8 +115,8 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                 "codec_options": cfg.codec_options,
                 "blocks_per_shard": cfg.blocks_per_shard,
                 **({"profile_psnr": cfg.profile_psnr} if cfg.profile_psnr else {}),
-                **({"psnr_fit": cfg.psnr_fit} if cfg.psnr_fit and not cfg.profile_psnr
-                   else {}),
+                **({"psnr_fit": cfg.psnr_fit, "psnr_fit_version": _fitted_version()}
+                   if cfg.psnr_fit and not cfg.profile_psnr else {}),
                 **({} if cfg.model is None else {"model": cfg.model,
                                                  "weights": engine.weights_id}),
             },
@@ -202,20 +202,29 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
     return report
 
 
+def _fitted_version() -> int:
+    from sakura.codec.profile import FittedPSNR
+
+    return FittedPSNR.VERSION
+
+
 def _quality_fn(cfg: BuildConfig, measure, codec, layout, cache, content: str,
                 stats: dict[str, dict]):
     """The ``quality_fn`` of one codec's pack: every configuration measured
-    (``profile_psnr``), the fitted profile (``psnr_fit``, default), or none (a codec with
-    one configuration per shard has nothing to rank)."""
+    (``profile_psnr``: FP16 included, which proves the exact reference measures 200 dB),
+    the fitted profile (``psnr_fit``, default), or none (FP16 under the fit: one
+    configuration per shard has nothing to rank)."""
     import hashlib
     import json
     import os
 
-    if measure is None or codec.name == "fp16":
+    if measure is None:
         return None
     if cfg.profile_psnr:
         stats[codec.name] = {"mode": "measured", "requests": cfg.profile_psnr}
         return measure
+    if codec.name == "fp16":
+        return None
     from sakura.codec.profile import FittedPSNR
 
     cache_dir = cfg.psnr_cache or os.path.join(
@@ -223,7 +232,7 @@ def _quality_fn(cfg: BuildConfig, measure, codec, layout, cache, content: str,
                                                        "sakura"), "psnr")
     key = hashlib.sha256(json.dumps([content, codec.name, codec.options, cfg.psnr_fit],
                                     sort_keys=True, default=str).encode()).hexdigest()[:32]
-    fitted = FittedPSNR(measure, layout, cache, cache_dir=cache_dir, key=key)
+    fitted = FittedPSNR(measure, layout, cache, codec, cache_dir=cache_dir, key=key)
     stats[codec.name] = {"mode": "fitted", "requests": cfg.psnr_fit, **fitted.stats}
     fitted.stats = stats[codec.name]  # the pack writer's calls update the catalog entry
     return fitted

@@ -149,33 +149,43 @@ def shard_curve(manifest: Any, shard: int, metric: str | None = None) -> list[tu
 
 
 class FittedPSNR:
-    """A cheap output-PSNR profile: measure a subset, fit a model per step, predict the rest.
+    """A cheap output-PSNR profile: measure a subset, fit a model per step, predict all.
 
-    Wraps a measuring ``quality_fn`` (``cloud.psnr_profile.OutputPSNR``: one resumed edit
-    per call) for ``write_pack``, which visits shards in execution order (step-major) and
-    every configuration of a shard in turn. On ``sample_steps`` evenly spread steps, the
-    step's first shard is *sampled*: a configuration is measured when no measured one of
-    the same bit width lies within ``spacing_db`` of its KV error (the first two always),
-    up to ``max_per_shard`` (so the cost is bounded by the KV-error range, not by how many
-    configurations a pack offers: ``sakura-all`` has every rank at every bit width).
-    A step's model is a least-squares fit of the measured PSNR on the configuration's
-    importance-weighted KV error (dB) and, when the codec has one and leave-one-out
-    cross-validation on the measured points prefers it, its bit width:
-    ``psnr = a + b kv_db (+ c bits)``. Every other configuration gets the prediction of the
-    model of its step's nearest sampled step at or before it (the first sampled step before
-    any), within [0, 200] dB (the metric's cap). Why a fit and not the KV error
-    alone: the allocator ranks a shard's configurations by quality, and a monotone map of
-    the KV error ranks them exactly as the KV error does; the bit width term is what can
-    reorder them (quantisation noise and rank truncation with the same KV error do not cost
-    the image the same).
+    A ``quality_fn`` for ``write_pack`` wrapping a measuring one
+    (``cloud.psnr_profile.OutputPSNR``: one resumed edit per call). Before the first
+    configuration is profiled, on ``sample_steps`` evenly spread steps the step's first
+    shard is encoded with ``codec`` and some of its configurations are measured: per bit
+    width the ones with the smallest and the largest KV error and between them any at least
+    ``spacing_db`` from those already chosen, at most ``max_per_shard`` (so the cost is
+    bounded by the KV-error range, not by how many configurations a pack offers:
+    ``sakura-all`` has every rank at every bit width). A step's model is a least-squares
+    fit of the measured PSNR on the configuration's importance-weighted KV error (dB) and,
+    when the codec has one, at least 6 points are measured and leave-one-out
+    cross-validation on them prefers it, its bit width: ``psnr = a + b kv_db (+ c bits)``;
+    a negative ``b`` (noise: a more faithful cache never makes a worse image) falls back to
+    the mean, so ties are ranked by the KV error. **Every** configuration,
+    measured ones included, gets its model's prediction (the model of the nearest sampled
+    step at or before its step), within [0, 200] dB: the measurement of one changed shard
+    is noisy (a bigger configuration can measure lower), and a noisy value in the manifest
+    would make the Pareto front drop a shard's large configurations for good. Why a fit and
+    not the KV error alone: the allocator ranks a shard's configurations by quality, and a
+    monotone map of the KV error ranks them exactly as the KV error does; the bit-width term
+    is what can reorder them (quantisation noise and rank truncation with the same KV error
+    need not cost the image the same). A codec with one configuration per shard gets no
+    profile (nothing to rank).
 
-    ``cache_dir``: measured values are kept in ``<cache_dir>/<key>.json`` per
-    (``key``: weights, template content, codec and options: the caller's hash) and reused by
-    the next build of the same pack. ``stats`` says what was measured, fitted and reused.
+    ``cache_dir``: measured values are kept in ``<cache_dir>/<key>.json`` per ``key`` (the
+    caller's hash of weights, template content, codec and options) and reused by the next
+    build of the same pack. ``stats`` says what was measured, reused and fitted, and each
+    step model's terms and leave-one-out error.
     """
 
-    def __init__(self, measure: Any, layout: Any, cache: Any, *, sample_steps: int = 3,
-                 spacing_db: float = 3.0, max_per_shard: int = 12,
+    #: bump when the profile's values change for the same measurements (part of the
+    #: builder's content hash, so up-to-date packs are rebuilt)
+    VERSION = 2
+
+    def __init__(self, measure: Any, layout: Any, cache: Any, codec: Any, *,
+                 sample_steps: int = 3, spacing_db: float = 3.0, max_per_shard: int = 12,
                  cache_dir: str | None = None, key: str = "") -> None:
         import json
         from pathlib import Path
@@ -184,18 +194,20 @@ class FittedPSNR:
 
         if sample_steps < 1 or max_per_shard < 2 or not spacing_db >= 0:
             raise ValueError("sample_steps >= 1, max_per_shard >= 2 and spacing_db >= 0")
-        self.measure, self.layout, self.cache = measure, layout, cache
+        self.measure, self.layout, self.cache, self.codec = measure, layout, cache, codec
         self._shard_data = shard_data
         steps = layout.steps
         n = min(sample_steps, steps)
         self.sampled_steps = sorted({round(i * (steps - 1) / max(1, n - 1)) for i in range(n)})
         self.spacing_db, self.max_per_shard = float(spacing_db), int(max_per_shard)
         self.points: dict[int, list[tuple[float, float | None, float]]] = {}
-        self.models: dict[int, tuple[Any, float, float]] = {}
-        self._seen: dict[int, int] = {}
+        self.models: dict[int, Any] = {}
+        self._prepared = False
         self._sd: tuple[int, Any] | None = None
-        self.stats = {"measured": 0, "reused": 0, "fitted": 0, "sampled_steps": self.sampled_steps,
-                      "spacing_db": self.spacing_db, "max_per_shard": self.max_per_shard}
+        self.stats: dict[str, Any] = {
+            "measured": 0, "reused": 0, "fitted": 0, "sampled_steps": self.sampled_steps,
+            "spacing_db": self.spacing_db, "max_per_shard": self.max_per_shard,
+            "version": self.VERSION}
         self._file = Path(cache_dir) / f"{key}.json" if cache_dir and key else None
         self._memo: dict[str, float] = {}
         if self._file is not None and self._file.exists():
@@ -206,20 +218,70 @@ class FittedPSNR:
                 self._memo = {}
 
     # ------------------------------------------------------------------ features
-    def _features(self, shard: int, params: dict[str, Any], decoded: list[Any]
+    def _features(self, sd: Any, params: dict[str, Any], decoded: list[Any]
                   ) -> tuple[float, float | None]:
-        if self._sd is None or self._sd[0] != shard:
-            self._sd = (shard, self._shard_data(self.cache, self.layout, shard))
-        sd = self._sd[1]
         err = weighted_rel_error(sd.matrices, [t.float() for t in decoded], sd.importance)
         bits = params.get("bits")
         if isinstance(bits, (list, tuple)):
             bits = sum(bits) / len(bits) if bits else None
         return err_to_db(err), None if bits is None else float(bits)
 
-    def _sample_step(self, step: int) -> int | None:
+    def _sample_step(self, step: int) -> int:
         earlier = [s for s in self.sampled_steps if s <= step]
-        return earlier[-1] if earlier else None
+        return earlier[-1] if earlier else self.sampled_steps[0]
+
+    # ------------------------------------------------------------------ measuring
+    def _choose(self, feats: list[tuple[float, float | None]]) -> list[int]:
+        """Which configurations of a sampled shard to measure (see the class doc)."""
+        groups: dict[Any, list[int]] = {}
+        for j, (_, b) in enumerate(feats):
+            groups.setdefault(b, []).append(j)
+        chosen: list[int] = []
+        for js in groups.values():  # the extremes of every bit width first
+            js.sort(key=lambda j: feats[j][0])
+            chosen += [js[0]] + ([js[-1]] if len(js) > 1 else [])
+        for js in groups.values():
+            for j in js:
+                if len(chosen) >= self.max_per_shard:
+                    break
+                if j not in chosen and all(feats[c][1] != feats[j][1] or
+                                           abs(feats[c][0] - feats[j][0]) >= self.spacing_db
+                                           for c in chosen):
+                    chosen.append(j)
+        return sorted(chosen[: max(2, self.max_per_shard)])
+
+    def prepare(self) -> FittedPSNR:
+        """Measure the sampled shards and fit every step's model (once)."""
+        import json
+
+        if self._prepared:
+            return self
+        self._prepared = True
+        for step in self.sampled_steps:
+            shard = step * self.layout.shards_per_step
+            sd = self._shard_data(self.cache, self.layout, shard)
+            enc = self.codec.encode_shard(sd)
+            if len(enc.configs) < 2:
+                continue
+            decoded = [self.codec.decode(c.params, enc.config_data(j), sd.spec)
+                       for j, c in enumerate(enc.configs)]
+            feats = [self._features(sd, c.params, d) for c, d in zip(enc.configs, decoded)]
+            for j in self._choose(feats):
+                params = enc.configs[j].params
+                key = f"{shard}:{json.dumps(params, sort_keys=True)}"
+                if key in self._memo:
+                    value = self._memo[key]
+                    self.stats["reused"] += 1
+                else:
+                    value = float(self.measure(shard, params, decoded[j]))
+                    self._memo[key] = value
+                    self.stats["measured"] += 1
+                    self._save()
+                self.points.setdefault(step, []).append((*feats[j], value))
+            fit = self._fit(step)
+            if fit is not None:
+                self.models[step] = fit[0]
+        return self
 
     # ------------------------------------------------------------------ model
     def _fit(self, step: int) -> tuple[Any, float, float] | None:
@@ -234,7 +296,11 @@ class FittedPSNR:
         y = np.array([p for _, _, p in pts])
         kv = np.array([[1.0, k] for k, _, _ in pts])
         candidates = [kv]
-        if all(b is not None for _, b, _ in pts) and len({b for _, b, _ in pts}) > 1:
+        # the bit term needs twice as many points as terms for its cross-validation to mean
+        # anything (with one configuration per bit width, as intq has, it would interpolate
+        # the noise)
+        if (all(b is not None for _, b, _ in pts) and len({b for _, b, _ in pts}) > 1
+                and len(pts) >= 6):
             candidates.append(np.column_stack([kv, [b for _, b, _ in pts]]))
 
         def solve(x: Any, yy: Any) -> Any:
@@ -251,22 +317,21 @@ class FittedPSNR:
 
         scores = [loo(x) for x in candidates]
         best = int(np.argmin(scores)) if any(math.isfinite(v) for v in scores) else 0
+        coef = solve(candidates[best], y)
+        if coef[1] < 0:
+            # a more faithful cache never predicts a worse image: noise; fall back to the
+            # mean (ties are then ranked by the KV error, as without a profile)
+            best, coef = 0, np.array([float(y.mean()), 0.0])
         self.stats.setdefault("models", {})[str(step)] = {
             "terms": ["1", "kv_db", "bits"][: candidates[best].shape[1]],
             "loo_rmse_db": None if not math.isfinite(scores[best]) else round(scores[best], 3),
-            "points": len(pts)}
-        return solve(candidates[best], y), float(y.min()), float(y.max())
+            "points": len(pts), "kv_slope": round(float(coef[1]), 3)}
+        return coef, float(y.min()), float(y.max())
 
     def predict(self, step: int, kv_db: float, bits: float | None) -> float | None:
-        s = self._sample_step(step)
-        if s is None:
-            s = self.sampled_steps[0]
-        if s not in self.models:
-            fit = self._fit(s)
-            if fit is None:
-                return None
-            self.models[s] = fit
-        coef, _, _ = self.models[s]
+        coef = self.models.get(self._sample_step(step))
+        if coef is None:
+            return None
         value = coef[0] + coef[1] * kv_db
         if len(coef) > 2 and bits is not None:
             value += coef[2] * bits
@@ -274,30 +339,11 @@ class FittedPSNR:
 
     # ------------------------------------------------------------------ quality_fn
     def __call__(self, shard: int, params: dict[str, Any], decoded: list[Any]) -> float | None:
-        import json
-
+        self.prepare()
         step, _ = self.layout.blocks_of(shard)
-        first = shard == step * self.layout.shards_per_step
-        j = self._seen.get(shard, 0)
-        self._seen[shard] = j + 1
-        kv_db, bits = self._features(shard, params, decoded)
-        pts = self.points.get(step, []) if first else []
-        near = any(b == bits and abs(kv - kv_db) < self.spacing_db for kv, b, _ in pts)
-        if first and step in self.sampled_steps and (
-                len(pts) < 2 or (len(pts) < self.max_per_shard and not near)):
-            key = f"{shard}:{json.dumps(params, sort_keys=True)}"
-            if key in self._memo:
-                value = self._memo[key]
-                self.stats["reused"] += 1
-            else:
-                value = float(self.measure(shard, params, decoded))
-                self._memo[key] = value
-                self.stats["measured"] += 1
-                self._save()
-            self.points.setdefault(step, []).append((kv_db, bits, value))
-            self.models.pop(step, None)
-            return round(value, 3)
-        predicted = self.predict(step, kv_db, bits)
+        if self._sd is None or self._sd[0] != shard:
+            self._sd = (shard, self._shard_data(self.cache, self.layout, shard))
+        predicted = self.predict(step, *self._features(self._sd[1], params, decoded))
         if predicted is None:
             return None  # one configuration per shard (nothing to rank): no profile
         self.stats["fitted"] += 1

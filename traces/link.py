@@ -294,6 +294,11 @@ class PacedLink(LinkEmulator):
         """Downstream bytes the link released in the monotonic wall-clock window."""
         return self.delivery.delivered_between(wall0, wall1)
 
+    def set_impairment(self, impairment: Impairment) -> None:
+        """Delay and loss from now on (connections opened from now on)."""
+        self.impairment = impairment
+        self._loss = LossModel(impairment.loss, impairment.seed)
+
     # ------------------------------------------------------------------ forwarding
     def _chunk_size(self) -> int:
         if not self.shaped:

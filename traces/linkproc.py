@@ -255,6 +255,11 @@ class PacedLinkProcess(LinkEmulator):
         self.schedule.restart(start_s, at=at)
         self._call("restart", start_s, at)
 
+    def set_impairment(self, impairment: Impairment) -> None:
+        """Delay and loss for the connections opened from now on (applied on return)."""
+        self._call("set_impairment", impairment)
+        self.impairment = impairment
+
 
 # ---------------------------------------------------------------------------- child
 
@@ -335,6 +340,9 @@ def _apply(link: PacedLink, op: str, args: tuple[Any, ...]) -> Any:
         return list(link.delivery.times), list(link.delivery.cum_bytes)
     elif op == "delivered_between":
         return link.delivered_between(*args)
+    elif op == "set_impairment":
+        link.set_impairment(args[0])
+        return None
     elif op == "stop":
         return None
     else:

@@ -489,6 +489,12 @@ class KernelShapedLink(LinkEmulator):
         with self._cond:
             self._cond.notify_all()
 
+    def set_impairment(self, impairment: Impairment) -> None:
+        """Delay and loss of the delay stage from now on (new connections)."""
+        self.impairment = impairment
+        for relay in self._relays:
+            relay.set_impairment(impairment)
+
     def conditions(self) -> dict[str, Any]:
         """What a record states about this link (the delay counts only with a delay stage)."""
         staged = bool(self._relays)

@@ -11,7 +11,6 @@ runtime works without executorch / onnxruntime-qnn installed.
 from __future__ import annotations
 
 import importlib
-
 from typing import TYPE_CHECKING
 
 from sakura.edge.backends.errors import BackendError, BackendUnavailable, GeometryMismatch

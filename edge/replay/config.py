@@ -24,6 +24,7 @@ REGIMES = ("matched", "profile")
 QUICK_STARTS = 10
 QUICK_OTHER_STARTS = 3
 LINKS = ("paced", "kernel")
+RTT_SCALES = ("matched", "none")
 
 
 class ReplayConfigError(SakuraError):
@@ -67,6 +68,9 @@ class ReplayConfig:
     regime_network: str = "5g"
     link: str = "paced"
     rtt_ms: float = 30.0
+    # matched: the link's RTT is rtt_ms x T / the phone's masked execution time (regime
+    # matching scales time as well as rates); none: rtt_ms as it is
+    rtt_scale: str = "matched"
     loss: float = 0.0
     pin_cpus: bool = True
     # the device runtime of the timed edits: "native" (C++ shard loop) or "python"
@@ -176,6 +180,9 @@ class ReplayConfig:
             raise bad(f"link must be one of {', '.join(LINKS)}, got {self.link!r}")
         if not (0 <= self.rtt_ms <= 10_000):
             raise bad(f"rtt_ms must be in [0, 10000] ms, got {self.rtt_ms}")
+        if self.rtt_scale not in RTT_SCALES:
+            raise bad(f"rtt_scale must be one of {', '.join(RTT_SCALES)}, got "
+                      f"{self.rtt_scale!r}")
         if not (0 <= self.loss < 0.5):
             raise bad(f"loss must be a rate in [0, 0.5), got {self.loss}")
         if not self.regime_x > 0 or not self.span_s > 0:
@@ -257,7 +264,7 @@ def _scalar(value: Any, kind: type, key: str, source: str) -> Any:
 _SCALARS: dict[str, type] = {
     "starts": int, "seed": int, "span_s": float, "prompt": int, "edit_seed": int,
     "regime": str, "regime_x": float, "regime_network": str, "link": str,
-    "rtt_ms": float, "loss": float, "pin_cpus": bool, "startup_fraction": float,
+    "rtt_ms": float, "rtt_scale": str, "loss": float, "pin_cpus": bool, "startup_fraction": float,
     "runtime": str,
     "packs_dir": str, "weights": str, "catalog": str, "trace_dir": str, "build_workers": int,
     "timelines": str,

@@ -343,11 +343,16 @@ def conditions(runs: list[dict[str, Any]], templates: dict[str, dict[str, Any]],
         per_net[n] = min(per_net.get(n, k), k)
     head = [v for n, v in per_net.items() if n in nets]
     rtts = sorted({float(r["rtt_ms"]) for r in runs if r.get("rtt_ms") is not None})
+    link_rtts = {r["template"]: float(r["link_rtt_ms"]) for r in runs
+                 if r.get("link_rtt_ms") is not None}
+    scales = sorted({str(r["rtt_scale"]) for r in runs if r.get("rtt_scale")})
     losses = sorted({float(r.get("loss") or 0.0) for r in runs if "rtt_ms" in r})
     links = sorted({str(r.get("link")) for r in runs if r.get("link")})
     cpus = next((r["cpus"] for r in runs if r.get("cpus")), None)
     return {
         "rtt_ms": (rtts[0] if len(rtts) == 1 else rtts) if rtts else 0.0,
+        "rtt_scale": scales[0] if len(scales) == 1 else scales,
+        "link_rtt_ms": link_rtts,
         "loss": (losses[0] if len(losses) == 1 else losses) if losses else 0.0,
         "link": links[0] if len(links) == 1 else links,
         "cpus": cpus,
@@ -769,7 +774,12 @@ def _conditions_text(c: dict[str, Any]) -> str:
     cpus = c.get("cpus") or {}
     pin = (f"device on CPU(s) {cpus.get('device')}, server and link on {cpus.get('network')}"
            if cpus.get("device") else "not pinned")
-    return (f"Link: `{c.get('link')}`, round trip {rtt_s}, loss {loss_s}; CPUs: {pin}; "
+    lr = c.get("link_rtt_ms") or {}
+    scaled = ""
+    if c.get("rtt_scale") == "matched" and lr:
+        scaled = (" (time-scaled like the rates, `rtt_scale: matched`: the link carried "
+                  + ", ".join(f"{t} {v:.1f} ms" for t, v in sorted(lr.items())) + ")")
+    return (f"Link: `{c.get('link')}`, round trip {rtt_s}{scaled}, loss {loss_s}; CPUs: {pin}; "
             f"start points per (template, network) cell: at least "
             f"{c.get('starts_per_cell')} on the headline networks "
             f"({', '.join(f'{n} {k}' for n, k in sorted(c.get('starts_per_cell_by_network', {}).items()))}).")

@@ -272,6 +272,7 @@ class Links:
         split = split_cpus() if cfg.pin_cpus else None
         self.device_cpus, self.network_cpus = split if split else (None, None)
         self._own_affinity: set[int] | None = None
+        self._rtt_applied: float | None = self.impairment.rtt_ms
         self.servers: dict[str, Any] = {}
         self.links: dict[str, Any] = {}
         self.urls: dict[str, str] = {}
@@ -306,11 +307,24 @@ class Links:
         return self
 
     def conditions(self) -> dict[str, Any]:
-        """What every record states about the network path and the CPUs."""
+        """What every record states about the network path and the CPUs (``rtt_ms``: the
+        network's round trip; the link's, after ``rtt_scale``, is ``link_rtt_ms``)."""
         return {"link": self.kind, "rtt_ms": self.impairment.rtt_ms,
-                "loss": self.impairment.loss,
+                "rtt_scale": self.cfg.rtt_scale, "loss": self.impairment.loss,
                 "cpus": {"device": sorted(self.device_cpus or []),
                          "network": sorted(self.network_cpus or [])}}
+
+    def set_rtt(self, rtt_ms: float) -> None:
+        """Every link carries this round trip from now on (new connections)."""
+        from dataclasses import replace
+
+        if self._rtt_applied == rtt_ms:
+            return
+        imp = replace(self.impairment, rtt_ms=float(rtt_ms))
+        for link in self.links.values():
+            if hasattr(link, "set_impairment"):
+                link.set_impairment(imp)
+        self._rtt_applied = rtt_ms
 
     def _paced(self, v: str) -> None:
         from sakura.traces import Trace
@@ -481,18 +495,21 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
             "regime_median_mbps": regime_median_bps / 1e6,
             "scaled_median_mbps": regime_median_bps * factor / 1e6,
             "storage_bytes": storage, "shard_exec_s": list(calib.predicted_exec_s),
+            "rtt_ms": cfg.rtt_ms, "rtt_scale": cfg.rtt_scale,
             "packs": packs_of, "allocation_quality": {
                 c: allocation_quality_of(main.manifests[(tid, c)].data)
                 for c in sorted({c for c in packs_of.values() if c})
                 if (tid, c) in main.manifests},
             "load1": os.getloadavg()[0], "time": time.time(),
         }
+        stored["link_rtt_ms"] = link_rtt_ms(cfg, stored)
         results.append(stored)
         if cfg.regime == "matched":
             log(f"{tid}: T = {floor_s:.3f} s masked, local {full_res.latency_s:.3f} s, FP16 "
                 f"{fp16_bytes / 1e6:.2f} MB; {cfg.regime_network} pooled median "
                 f"{regime_median_bps / 1e6:.1f} Mbit/s x {factor:.4g} (FP16 at the median = "
-                f"{cfg.regime_x:g} x T)")
+                f"{cfg.regime_x:g} x T); link RTT {stored['link_rtt_ms']:.1f} ms "
+                f"({cfg.rtt_ms:g} ms, rtt_scale {cfg.rtt_scale})")
     return TemplateState(tid, stored, template, req, exact, full_res.image, runtimes, packs_of)
 
 
@@ -521,7 +538,23 @@ def _base_record(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Lin
             "sakura" if r.variant != "main" else st.packs[r.policy]),
         "factor": t["factor"], "startup_fraction": cfg.startup_fraction,
         "deadline_s": _deadline(r, t, cfg), **links.conditions(),
+        "link_rtt_ms": link_rtt_ms(cfg, t),
     }
+
+
+def link_rtt_ms(cfg: ReplayConfig, t: dict[str, Any]) -> float:
+    """The round trip the link carries for template record ``t``: ``rtt_ms``, or with
+    ``rtt_scale: matched`` in the matched regime ``rtt_ms x T / T_phone`` (T_phone: the
+    device profile's masked execution time at the template's token mask ratio), so that a
+    round trip weighs against this host's execution what it weighs against the phone's, as
+    regime matching does for the transfer time."""
+    if cfg.regime != "matched" or cfg.rtt_scale == "none" or not t.get("masked_exec_s"):
+        return float(cfg.rtt_ms)
+    from sakura.edge.replay.profile import DeviceProfile
+
+    prof = DeviceProfile(**{k: v for k, v in vars(cfg.profile).items()})
+    phone = prof.masked_total_s(float(t["token_mask_ratio"]))
+    return float(cfg.rtt_ms) * float(t["masked_exec_s"]) / phone if phone > 0 else cfg.rtt_ms
 
 
 def _deadline(r: PlannedRun, t: dict[str, Any], cfg: ReplayConfig) -> float | None:
@@ -553,6 +586,7 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
         options = EditOptions(budget_rate_bps=prior, initial_rate_bps=prior,
                               pack=rec["pack"], startup_fraction=cfg.startup_fraction,
                               deadline_s=rec["deadline_s"])
+        links.set_rtt(rec["link_rtt_ms"])
         with links.client(r.variant):
             url = links.shaped(r.variant, trace, r.start.start_s)
             res = rt.edit(url, r.template, st.template, st.req, r.policy, options=options)
@@ -578,7 +612,8 @@ def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
     rec = _base_record(r, st, cfg, links)
     rec["profile"] = prof.name
     # the link is modelled: one request latency before the first body, no loss
-    rec.update(link="modelled", rtt_ms=prof.request_latency_s * 1000.0, loss=0.0)
+    rec.update(link="modelled", rtt_ms=prof.request_latency_s * 1000.0,
+               link_rtt_ms=prof.request_latency_s * 1000.0, rtt_scale="none", loss=0.0)
     if r.policy == "local":
         rec.update({"latency_s": prof.local_s, "bytes": 0, "real_bytes": 0, "stalls": 0,
                     "stall_s": 0.0, "startup_s": 0.0, "exec_s": prof.local_s,
@@ -661,7 +696,7 @@ def _check_meta(out: Path, cfg: ReplayConfig, weights_sha: str) -> None:
         # ... and on the Python runtime, before the native one existed
         old_cfg = {"startup_fraction": 0.0, "runtime": "python", **old_cfg} if old_cfg else old_cfg
         for k in ("regime_x", "regime_network", "edit_seed", "prompt", "seed", "span_s",
-                  "startup_fraction", "runtime"):
+                  "startup_fraction", "runtime", "rtt_ms", "rtt_scale", "loss"):
             if k in old_cfg and old_cfg[k] != meta["config"][k]:
                 raise ReplayConfigError(
                     f"{out} holds results made with {k} = {old_cfg[k]!r}, this config has "

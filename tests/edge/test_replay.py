@@ -24,6 +24,9 @@ def test_default_and_quick_config():
     assert cfg.starts == 100 and cfg.regime == "matched" and cfg.regime_x == 10.0
     assert len(cfg.policies) == 8 and cfg.profile.local_s == 13.0
     assert cfg.rtt_ms == 30.0 and cfg.loss == 0.0 and cfg.deadlines == (2.0, 3.0, 4.0)
+    assert cfg.rtt_scale == "matched" and load_config(rtt_scale="none").rtt_scale == "none"
+    with pytest.raises(ReplayConfigError, match="rtt_scale"):
+        load_config(rtt_scale="phone")
     q = load_config(quick=True)
     assert q.quick and len(q.networks) == 2
     assert all(len(ts) == 1 for ts in q.workloads.values())
@@ -430,6 +433,13 @@ def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
     assert all(r["link"] == "paced" and "cpus" in r for r in runs)
     point = next(r for r in runs if r["policy"] == "sakura-d3")
     t0 = next(iter(rf.templates().values()))
+    # rtt_scale: matched: the link carries 30 ms x T / the phone's masked execution time
+    from sakura.edge.replay.profile import DeviceProfile
+
+    phone = DeviceProfile(**vars(cfg.profile)).masked_total_s(t0["token_mask_ratio"])
+    assert all(r["link_rtt_ms"] == pytest.approx(30.0 * t0["masked_exec_s"] / phone)
+               for r in runs) and t0["link_rtt_ms"] < 30.0
+    assert {r["rtt_scale"] for r in runs} == {"matched"}
     assert point["deadline_s"] == pytest.approx(3.0 * t0["masked_exec_s"])
     assert point["runtime_policy"] == "sakura" and point["pack"] == "sakura"
     t = next(iter(rf.templates().values()))

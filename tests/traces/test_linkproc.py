@@ -205,3 +205,14 @@ def test_shaped_serves_http_through_the_child_with_rtt() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_round_trip_changes_live_for_new_connections(echo: tuple[str, int]) -> None:
+    with PacedLinkProcess(Trace.constant(50 * MB), echo,
+                          impairment=Impairment(rtt_ms=100.0)) as link:
+        _, before = _round_trips(link.address, 1)
+        link.set_impairment(Impairment(rtt_ms=400.0))
+        assert link.conditions()["rtt_ms"] == 400.0
+        _, after = _round_trips(link.address, 2)
+    assert 0.1 <= before[0] < 0.1 + 3.0
+    assert all(0.4 <= t < 0.4 + 3.0 for t in after), after
