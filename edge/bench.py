@@ -294,6 +294,7 @@ class BenchSpec:
     runtime: str = "native"     # the device runtime (edge.native_runtime or edge.pipeline)
     background_load: int = 0    # busy processes run beside the edits
     compare_python: bool = False  # also sakura and local on the Python runtime, same run
+    reconstruct: str = "cpu"    # the native runtime's reconstruct stage (cpu or opencl)
     log: Any = field(default=print)
 
 
@@ -430,12 +431,14 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
                          ) -> tuple[dict[str, list[EditResult]], float | None]:
             """A warm-up edit (the rate prior), then every policy at every start point."""
             link.restart(starts[0])
+            stage = spec.reconstruct if rt.runtime == "native" else "cpu"
             rt.edit(link_url, tid, template, req, "sakura",
-                    options=EditOptions(budget_rate_bps=scaled_median))
+                    options=EditOptions(budget_rate_bps=scaled_median, reconstruct=stage))
             prior = rt.last_rate_bps
             log(f"{rt.runtime} runtime: warm-up edit done; rate prior "
                 f"{0 if prior is None else prior / 1e6:.2f} Mbit/s")
-            options = EditOptions(budget_rate_bps=scaled_median, initial_rate_bps=prior)
+            options = EditOptions(budget_rate_bps=scaled_median, initial_rate_bps=prior,
+                                  reconstruct=stage)
             out: dict[str, list[EditResult]] = {p: [] for p in policies}
             for start in starts:
                 for policy in policies:
@@ -493,6 +496,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
         "bench": "edit",
         "quick": spec.quick,
         "runtime": runtime.runtime,
+        "reconstruct": spec.reconstruct if runtime.runtime == "native" else "cpu",
         "background_load": spec.background_load,
         "cpus": ({"device": sorted(cpus[0]), "server_and_link": sorted(cpus[1])}
                  if cpus else None),

@@ -130,6 +130,7 @@ def register(commands: Any, bench: Any) -> None:
                    help="compiled shard graphs are cached here (default "
                         "$XDG_CACHE_HOME/sakura/compiled)")
     runtime_arg(p)
+    reconstruct_arg(p)
     p.set_defaults(func=_edit)
 
     b = bench.add_parser(
@@ -157,6 +158,7 @@ def register(commands: Any, bench: Any) -> None:
     b.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch threads of the device (default 1), the same for every system")
     runtime_arg(b, python_needs="")
+    reconstruct_arg(b)
     b.add_argument("--background-load", type=nonnegative_int, default=0, metavar="N",
                    help="run N busy processes beside the edits (default 0), to measure "
                         "with other work on the machine; the JSON says how many")
@@ -171,6 +173,20 @@ def runtime_arg(p: Any, python_needs: str = " (diffusers models, reference image
     p.add_argument("--runtime", choices=RUNTIMES, default=None,
                    help="device runtime: native (default: the shard loop in C++, "
                         f"sakura_native) or python (the reference pipeline){python_needs}")
+
+
+def reconstruct_arg(p: Any) -> None:
+    p.add_argument("--reconstruct", default="cpu", metavar="cpu|opencl[:DEVICE]",
+                   type=reconstruct_stage,
+                   help="where the native runtime decodes sakura/svd shards: cpu (default, "
+                        "SIMD kernels) or opencl (the GPU path; here pocl on the CPU); "
+                        "DEVICE picks an OpenCL device by name")
+
+
+def reconstruct_stage(text: str) -> str:
+    if text != "cpu" and text != "opencl" and not text.startswith("opencl:"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, opencl or opencl:DEVICE")
+    return text
 
 
 def resolve_runtime(args: argparse.Namespace, needs_python: list[str]) -> str:
@@ -251,6 +267,9 @@ def check_edit_args(args: argparse.Namespace) -> None:
                                       (f"--backend {args.backend}", args.backend != "torch"))
              if asked]
     args.runtime = resolve_runtime(args, needs)
+    if args.reconstruct != "cpu" and args.runtime != "native":
+        raise EdgeError(f"--reconstruct {args.reconstruct} is a stage of the native runtime; "
+                        f"this edit runs on the {args.runtime} runtime")
 
 
 def fetch_template_entry(server: str, template_id: str, token: str | None) -> dict[str, Any]:
@@ -303,6 +322,7 @@ def _edit(args: argparse.Namespace) -> int:
     reference = load_image(args.reference, template.size) if args.reference else None
     req = runtime.request(args.prompt, args.seed, reference)
     options = EditOptions(max_ahead=args.max_ahead, pack=args.pack,
+                          reconstruct=args.reconstruct,
                           startup_fraction=args.startup_fraction)
     link_info: dict[str, Any] = {"mode": "direct"}
     if trace is not None:
@@ -422,6 +442,7 @@ def _bench(args: argparse.Namespace) -> int:
         server=args.server, catalog=args.catalog_dir, cache_dir=Path(args.cache_dir),
         weights=args.weights, runs=args.runs, threads=args.threads, runtime=runtime,
         background_load=args.background_load, compare_python=args.compare_python,
+        reconstruct=args.reconstruct,
         plots=Path(args.plots) if args.plots else None,
         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     doc = run_bench(spec)

@@ -385,7 +385,8 @@ def fetch_error(text: str) -> EdgeError:
 
 def stream_spec(manifest: Mapping[str, Any], locate: Callable[[int, int], dict[str, Any]],
                 *, http: dict[str, Any], origin: float, max_ahead: int, max_ready: int,
-                max_inflight: int, lookahead_rtts: float, max_ahead_cap: int, kind: str,
+                max_inflight: int, lookahead_rtts: float, max_ahead_cap: int,
+                reconstruct: str, kind: str,
                 decode: Callable[[int, int, bytes], np.ndarray],
                 rope: np.ndarray | None) -> dict[str, Any]:
     """What ``run_stream`` needs from the manifest: per shard and configuration the request
@@ -413,6 +414,7 @@ def stream_spec(manifest: Mapping[str, Any], locate: Callable[[int, int], dict[s
             "matrix_floats": int(geometry["tokens"]) * int(geometry["channels"]),
             "max_ahead": max_ahead, "max_ready": max_ready, "max_inflight": max_inflight,
             "lookahead_rtts": lookahead_rtts, "max_ahead_cap": max_ahead_cap,
+            "reconstruct": reconstruct,
             "origin": origin}
 
 

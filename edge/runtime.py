@@ -223,6 +223,9 @@ class EditOptions:
     # a max_ahead above max_ahead_cap wins
     lookahead_rtts: float = 3.0
     max_ahead_cap: int = 16
+    # where the native runtime decodes sakura/svd shards: "cpu" (SIMD kernels) or "opencl"
+    # ("opencl:NAME" picks a device by name; pocl on this machine, an Adreno on a phone)
+    reconstruct: str = "cpu"
     safety: float = 0.8         # fraction of rate x window the allocator may use
     rate_window: int = 5        # shards in the harmonic-mean rate estimate
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
@@ -256,6 +259,9 @@ class EditOptions:
             raise EdgeError(f"lookahead_rtts must be >= 0, got {self.lookahead_rtts!r}")
         if min(self.max_ahead, self.max_ready, self.max_inflight) < 1:
             raise EdgeError("max_ahead, max_ready and max_inflight must be >= 1")
+        if self.reconstruct != "cpu" and not self.reconstruct.startswith("opencl"):
+            raise EdgeError(f"reconstruct must be cpu or opencl[:device], got "
+                            f"{self.reconstruct!r}")
         return self
 
 
@@ -434,6 +440,9 @@ class EdgeRuntime:
         """Run one edit of ``template`` (served as ``template_id`` at ``server``)."""
         pol = get_policy(policy)
         opts = (options or EditOptions()).check()
+        if opts.reconstruct != "cpu" and self.runtime != "native":
+            raise EdgeError("reconstruct opencl is a stage of the native runtime "
+                            "(--runtime native)")
         prep = self.prepared(template_id, template)
         if pol.codec is None:
             if not self.backend.is_torch:
@@ -627,7 +636,8 @@ class EdgeRuntime:
             manifest_dict, lambda shard, config: spans[(shard, config)], http=http,
             origin=origin, max_ahead=opts.max_ahead, max_ready=opts.max_ready,
             max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
-            max_ahead_cap=opts.max_ahead_cap, kind=decode_kind(codec_impl), decode=decode,
+            max_ahead_cap=opts.max_ahead_cap, reconstruct=opts.reconstruct,
+            kind=decode_kind(codec_impl), decode=decode,
             rope=rope_table(codec_impl, int(geometry["tokens"]), int(geometry["channels"])))
         image, records, requests = self.native.streamed_edit(
             prep.template, prep.geometry, req, stream, to_native(allocator, self.native.native),

@@ -57,16 +57,29 @@ def test_local_equals_the_python_runtime(world, runtime, native_runtime):
     assert nat.bytes == 0 and nat.timeline == []
 
 
-@pytest.mark.parametrize("policy", ["sakura", "intq", "cachegen"])
+def opencl() -> str:
+    """The OpenCL reconstruct stage (pocl on this machine, installed by scripts/_env.sh)."""
+    import sakura_native
+
+    ok, why = sakura_native.opencl_available()
+    assert ok, f"no OpenCL device: {why}"
+    return "opencl"
+
+
+@pytest.mark.parametrize("policy,stage", [("sakura", "cpu"), ("sakura", "opencl"),
+                                          ("intq", "cpu"), ("cachegen", "cpu")])
 def test_streamed_edit_equals_the_python_decoder_on_the_chosen_bytes(world, runtime,
-                                                                     native_runtime, policy):
+                                                                     native_runtime, policy,
+                                                                     stage):
     """Whatever configurations the native allocator chose, the image is the Python cached
     edit over the Python decoder's tensors of exactly those configurations (native lowrank
-    kernels for sakura; the Python decoder called from the reconstruct thread for the
-    others)."""
+    kernels for sakura, on the CPU or through OpenCL; the Python decoder called from the
+    reconstruct thread for the others)."""
     req = runtime.request(PROMPT, SEED)
+    opts = EditOptions(reconstruct=opencl() if stage == "opencl" else "cpu")
     with serve(world) as server:
-        nat = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, policy)
+        nat = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, policy,
+                                  options=opts)
 
         async def fetch_all():
             async with PackClient(server.url) as client:

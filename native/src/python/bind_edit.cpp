@@ -288,6 +288,7 @@ py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dic
   spec.options.max_ready = stream["max_ready"].cast<int>();
   spec.options.max_inflight = stream["max_inflight"].cast<int>();
   spec.options.lookahead_rtts = stream["lookahead_rtts"].cast<double>();
+  spec.reconstruct = stream["reconstruct"].cast<std::string>();
   spec.options.max_ahead_cap = stream["max_ahead_cap"].cast<int>();
   spec.origin = stream["origin"].cast<double>();
 

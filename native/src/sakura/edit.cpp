@@ -8,6 +8,9 @@
 #include <stdexcept>
 
 #include "sakura/shard.hpp"
+#ifdef SAKURA_HAVE_OPENCL
+#include "sakura/opencl_decode.hpp"
+#endif
 
 namespace sakura {
 
@@ -109,6 +112,10 @@ StreamFeed::StreamFeed(StreamSpec spec, std::shared_ptr<const Allocator> allocat
   spec_.options.max_inflight = std::max(1, spec_.options.max_inflight);
   if (spec_.decode == DecodeKind::Callback && !spec_.callback) {
     throw std::invalid_argument("a callback decoder needs a callback");
+  }
+  if (spec_.reconstruct != "cpu" && spec_.reconstruct.rfind("opencl", 0) != 0) {
+    throw std::invalid_argument("reconstruct must be cpu or opencl[:device], got " +
+                                spec_.reconstruct);
   }
 }
 
@@ -271,8 +278,23 @@ std::vector<float> StreamFeed::decode(int j, int config, const std::vector<std::
                           std::to_string(matrices));
       }
       const float* rope = spec_.rope.empty() ? nullptr : spec_.rope.data();
-      decode_shard(data.data(), data.size(), spec_.configs[j].at(config).ranks, rope,
-                   out.data(), spec_.options.decode_threads);
+      const auto& ranks = spec_.configs[j].at(config).ranks;
+      if (spec_.reconstruct == "cpu") {
+        decode_shard(data.data(), data.size(), ranks, rope, out.data(),
+                     spec_.options.decode_threads);
+      } else {
+#ifdef SAKURA_HAVE_OPENCL
+        if (!gpu_) {  // built once, in the reconstruct thread that uses it
+          const auto colon = spec_.reconstruct.find(':');
+          gpu_ = std::make_shared<OpenCLDecoder>(
+              colon == std::string::npos ? "" : spec_.reconstruct.substr(colon + 1));
+        }
+        static_cast<OpenCLDecoder*>(gpu_.get())->decode(data.data(), data.size(), ranks,
+                                                        rope, out.data());
+#else
+        throw std::runtime_error("this build has no OpenCL reconstruction (--reconstruct cpu)");
+#endif
+      }
       break;
     }
     case DecodeKind::Fp16:

@@ -114,6 +114,9 @@ struct StreamOptions {
 
 struct StreamSpec {
   std::vector<ShardRecord> shards;                       // shard, step, blocks
+  // LowRank decoding on "cpu" (the SIMD kernels) or "opencl" (sakura/opencl_decode.hpp, the
+  // Adreno path; an OpenCL device name substring may follow: "opencl:pthread")
+  std::string reconstruct = "cpu";
   std::vector<std::map<int, ConfigSource>> configs;      // per shard: config id -> source
   HttpOptions http;
   DecodeKind decode = DecodeKind::LowRank;
@@ -164,6 +167,7 @@ class StreamFeed final : public ShardFeed {
   bool closing_ = false;
   std::atomic<bool> cancelled_{false};
   std::thread receive_thread_, reconstruct_thread_;
+  std::shared_ptr<void> gpu_;  // the reconstruct thread's OpenCL decoder (when used)
 };
 
 // The compiled graphs of one edit geometry (or, exported with dynamic sizes, of every
