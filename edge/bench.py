@@ -35,8 +35,9 @@ from sakura.dit.editing import EditRequest, Template
 from sakura.edge.allocator import ABLATION_PACK, ABLATIONS, POLICIES
 from sakura.edge.client import PackClient
 from sakura.edge.errors import EdgeError
-from sakura.edge.netem import shaped
+from sakura.edge.netem import matched_rtt_ms, shaped
 from sakura.edge.runtime import EdgeRuntime, EditOptions, EditResult
+from sakura.traces.impair import DEFAULT_RTT_MS
 
 DEFAULT_POLICIES = ("local", "fp16", "intq", "cachegen", "svd", "sakura",
                     "sakura-fixed-config", "sakura-fixed-bits")
@@ -162,13 +163,13 @@ async def _fetch_all(server: str, template_id: str, codec: str) -> tuple[dict, l
         return manifest, bodies
 
 
-async def _catalog_codecs(server: str, template_id: str) -> set[str]:
+async def _catalog_entry(server: str, template_id: str) -> dict[str, Any]:
     async with PackClient(server) as client:
         catalog = await client.catalog()
     entry = catalog.get("templates", {}).get(template_id)
     if entry is None:
         raise EdgeError(f"the server at {server} does not serve template {template_id!r}")
-    return set(entry.get("codecs", {}))
+    return entry
 
 
 async def _prefetch_manifests(server: str, template_id: str, codecs: list[str],
@@ -252,7 +253,11 @@ def regime_factor(fp16_bytes: int, masked_exec_s: float, median_bps: float,
 
 # shared with `sakura replay` (edge/replay)
 ResidentCache = _Resident
-catalog_codecs = _catalog_codecs
+
+
+async def catalog_codecs(server: str, template_id: str) -> set[str]:
+    """The codecs ``server`` offers for ``template_id``."""
+    return set((await _catalog_entry(server, template_id)).get("codecs", {}))
 
 
 def policy_packs(offered: set[str], policies, template_id: str) -> dict[str, str | None]:
@@ -295,6 +300,8 @@ class BenchSpec:
     background_load: int = 0    # busy processes run beside the edits
     compare_python: bool = False  # also sakura and local on the Python runtime, same run
     reconstruct: str = "cpu"    # the native runtime's reconstruct stage (cpu or opencl)
+    rtt_ms: float = DEFAULT_RTT_MS  # the network's round trip
+    rtt_scale: str = "matched"  # matched: the link carries rtt_ms x T / T_phone; none: rtt_ms
     log: Any = field(default=print)
 
 
@@ -420,25 +427,36 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
     # Device state as on a phone that has used the template before: manifests cached
     # (revalidated per edit), and a rate prior from a warm-up edit over the same link; every
     # policy starts from that same prior.
-    packs = policy_packs(asyncio.run(_catalog_codecs(server, tid)), spec.policies, tid)
+    entry = asyncio.run(_catalog_entry(server, tid))
+    packs = policy_packs(set(entry.get("codecs", {})), spec.policies, tid)
     codecs = sorted({c for c in packs.values() if c})
     asyncio.run(_prefetch_manifests(server, tid, codecs, runtime))
     manifest_bytes = {c: runtime.manifests[(tid, c)].size for c in codecs}
     python_side: dict[str, Any] | None = None
-    with shaped(server, trace, starts[0], cpus=cpus[1] if cpus else None) as (link_url, link):
+    ratio = float(entry.get("token_mask_ratio") or 0.0)
+    link_rtt = (matched_rtt_ms(spec.rtt_ms, floor_s, ratio) if spec.rtt_scale == "matched"
+                else float(spec.rtt_ms))
+    log(f"link round trip {link_rtt:.2f} ms ({spec.rtt_ms:g} ms, rtt_scale {spec.rtt_scale}: "
+        f"{'x T / the phone profile masked execution' if spec.rtt_scale == 'matched' else 'as is'})")
+    with shaped(server, trace, starts[0], rtt_ms=link_rtt,
+                cpus=cpus[1] if cpus else None) as (link_url, link):
 
         def run_policies(rt: EdgeRuntime, policies: tuple[str, ...], reference: torch.Tensor
                          ) -> tuple[dict[str, list[EditResult]], float | None]:
             """A warm-up edit (the rate prior), then every policy at every start point."""
             link.restart(starts[0])
             stage = spec.reconstruct if rt.runtime == "native" else "cpu"
+            # the native pipeline's receive and reconstruct threads on the network's core
+            # (the phone's modem and GPU), execution alone on the device's
+            io_cpus = tuple(sorted(cpus[1])) if cpus and rt.runtime == "native" else None
             rt.edit(link_url, tid, template, req, "sakura",
-                    options=EditOptions(budget_rate_bps=scaled_median, reconstruct=stage))
+                    options=EditOptions(budget_rate_bps=scaled_median, reconstruct=stage,
+                                        pipeline_cpus=io_cpus))
             prior = rt.last_rate_bps
             log(f"{rt.runtime} runtime: warm-up edit done; rate prior "
                 f"{0 if prior is None else prior / 1e6:.2f} Mbit/s")
             options = EditOptions(budget_rate_bps=scaled_median, initial_rate_bps=prior,
-                                  reconstruct=stage)
+                                  reconstruct=stage, pipeline_cpus=io_cpus)
             out: dict[str, list[EditResult]] = {p: [] for p in policies}
             for start in starts:
                 for policy in policies:
@@ -498,7 +516,9 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
         "runtime": runtime.runtime,
         "reconstruct": spec.reconstruct if runtime.runtime == "native" else "cpu",
         "background_load": spec.background_load,
-        "cpus": ({"device": sorted(cpus[0]), "server_and_link": sorted(cpus[1])}
+        "cpus": ({"device": sorted(cpus[0]), "server_and_link": sorted(cpus[1]),
+                  "pipeline_threads": (sorted(cpus[1]) if runtime.runtime == "native"
+                                       else sorted(cpus[0]))}
                  if cpus else None),
         "template": tid,
         "prompt": prompt,
@@ -520,7 +540,11 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
             "fp16_bytes": fp16_bytes,
             "masked_exec_s": floor_s,
             "fp16_at_median_s": fp16_bytes * 8.0 / scaled_median,
+            "token_mask_ratio": ratio,
         },
+        "rtt_ms": spec.rtt_ms,
+        "rtt_scale": spec.rtt_scale,
+        "link_rtt_ms": link_rtt,
         "compute_bound_s": floor_s,
         "compute_bound_shard_exec_s": floor.shard_exec_s,
         "compute_bound_after_s": floor_after,

@@ -165,6 +165,11 @@ def register(commands: Any, bench: Any) -> None:
     b.add_argument("--compare-python", action="store_true",
                    help="also run sakura and local on the Python runtime in the same run "
                         "(python_runtime in the JSON)")
+    b.add_argument("--rtt-ms", type=nonnegative_float, default=30.0, metavar="MS",
+                   help="the network's round trip (default 30 ms, a 5G RTT)")
+    b.add_argument("--rtt-scale", choices=("matched", "none"), default="matched",
+                   help="matched (default): the link carries RTT x T / the phone profile's "
+                        "masked execution, time scaled like the rates; none: the RTT as is")
     b.set_defaults(func=_bench)
 
 
@@ -442,7 +447,7 @@ def _bench(args: argparse.Namespace) -> int:
         server=args.server, catalog=args.catalog_dir, cache_dir=Path(args.cache_dir),
         weights=args.weights, runs=args.runs, threads=args.threads, runtime=runtime,
         background_load=args.background_load, compare_python=args.compare_python,
-        reconstruct=args.reconstruct,
+        reconstruct=args.reconstruct, rtt_ms=args.rtt_ms, rtt_scale=args.rtt_scale,
         plots=Path(args.plots) if args.plots else None,
         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     doc = run_bench(spec)

@@ -2,11 +2,13 @@
 
 :class:`BandwidthMonitor` keeps one sample per shard transfer (bytes, request start, first
 body byte, end) and estimates throughput as the harmonic mean of the last ``k`` body rates,
-as adaptive video streaming does (robust to short bursts that overstate the rate), plus the
+as adaptive video streaming does (robust to short bursts that overstate the rate), with the
+prior rate (if any) standing for the samples still missing from the ``k``, plus the
 per-request latency (median of recent times to first byte). A body that arrived in less
 than ``min_body_s`` (one read, or a burst the link had saved up) gives no rate, only a
-lower bound (``8 n`` over the time from the request to the body's end, at least
-``min_body_s``): such bodies newer than the last informative sample
+lower bound (``8 n`` over the time from the request to the body's end less one round trip,
+the smallest time to first byte of the other transfers, and at least ``min_body_s``): such
+bodies newer than the last informative sample
 can only raise the estimate, so after a slow spell the estimate climbs back as the
 configurations grow instead of staying stuck at the smallest one.
 
@@ -101,19 +103,25 @@ class BandwidthMonitor:
             samples = list(self.samples)
         informative = [s for s in samples if self._informative(s)][-self.k:]
         if informative:
-            estimate: float | None = len(informative) / sum(1.0 / s.rate_bps
-                                                            for s in informative)
+            # the prior stands for the samples still missing from a full window: two bodies
+            # that came in a saved-up burst at the start of an edit (97 Mbit/s on a 17
+            # Mbit/s link) would otherwise replace a sound prior outright
+            prior = (self.k - len(informative)) if self.initial_bps else 0
+            estimate: float | None = (len(informative) + prior) / (
+                sum(1.0 / s.rate_bps for s in informative)
+                + (prior / self.initial_bps if prior else 0.0))
             newer = [s for s in samples if s.end > informative[-1].end
                      and not self._informative(s)]
         else:
             estimate = self.initial_bps
             newer = samples
-        bound = self._lower_bound(newer[-self.k:])
+        bound = self._lower_bound(newer[-self.k:], samples)
         if bound is not None and (estimate is None or bound > estimate):
             return bound
         return estimate
 
-    def _lower_bound(self, fast: list[TransferSample]) -> float | None:
+    def _lower_bound(self, fast: list[TransferSample], samples: list[TransferSample]
+                     ) -> float | None:
         """A body of ``n`` bytes that arrived in less than ``min_body_s`` proves a rate of
         at least ``8 n / min_body_s``: after a slow spell, when only the smallest
         configurations fit, their fast arrivals lift the estimate step by step (each
@@ -123,8 +131,17 @@ class BandwidthMonitor:
         # the bytes crossed the link between the request and the body's end: a body read in
         # one go may have waited in the socket buffer (a saved-up burst), so its body time
         # alone proves nothing (a 22 KB shard read at once "proved" 87 Mbit/s on a 12 Mbit/s
-        # link and sized the next shards 7x too large)
-        return max(8.0 * s.nbytes / max(self.min_body_s, s.end - s.start) for s in fast)
+        # link and sized the next shards 7x too large). Less one round trip, the smallest
+        # time to first byte of the *other* transfers (the request's way out and the first
+        # byte's way back carry none of the body; the body's own first byte may have waited
+        # behind the burst): without it, on a 30 ms link a 1 KB configuration proved 0.26
+        # Mbit/s, the next choice was 1 KB again and the estimate never left the smallest
+        # configuration of a 20 Mbit/s link
+        def round_trip(s: TransferSample) -> float:
+            return min((o.latency_s for o in samples if o is not s), default=0.0)
+
+        return max(8.0 * s.nbytes / max(self.min_body_s, s.end - s.start - round_trip(s))
+                   for s in fast)
 
     def latency_s(self) -> float:
         """Median time to first byte of the last ``k`` transfers (0 before any)."""

@@ -36,7 +36,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +130,9 @@ class NativeEngine:
     dynamic: bool = True
     _loaded: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False)
     _supported: dict[ShardBounds, bool] = field(default_factory=dict, init=False, repr=False)
+    # the per-step modulation vectors of a schedule (no request in them): ~8 ms per edit
+    _vecs: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict,
+                                                              init=False, repr=False)
     compiles: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -255,13 +258,17 @@ class NativeEngine:
         ts = edit_schedule(template)
         b = geometry.batch
         txt = torch.cat([req.txt, req.txt_uncond]) if b == 2 else req.txt
-        vt, vi = [], []
-        for s in range(template.steps):
-            t = ts[s].reshape(1).expand(b)
-            vec = model.vec(t)
-            vec_ref = model.vec(torch.zeros_like(t))
-            vi.append(vec)
-            vt.append(vec_ref if model.cfg.attention_mode == "block_causal" else vec)
+        key = (tuple(float(v) for v in ts[: template.steps]), b)
+        if key not in self._vecs:
+            vt, vi = [], []
+            for s in range(template.steps):
+                t = ts[s].reshape(1).expand(b)
+                vec = model.vec(t)
+                vec_ref = model.vec(torch.zeros_like(t))
+                vi.append(vec)
+                vt.append(vec_ref if model.cfg.attention_mode == "block_causal" else vec)
+            self._vecs[key] = (_f32(torch.stack(vt)), _f32(torch.stack(vi)))
+        vec_txt, vec_img = self._vecs[key]
         x = edit_start(model, template, req.seed)
         pos = geo.pos if full else geo.pos[geo.masked]
         angles = model.angles(pos) if dynamic else torch.cat(
@@ -270,7 +277,7 @@ class NativeEngine:
             "steps": template.steps,
             "x": _f32(x if full else x[:, geo.masked]),
             "txt": _f32(model.txt_in(txt)),
-            "vec_txt": _f32(torch.stack(vt)), "vec_img": _f32(torch.stack(vi)),
+            "vec_txt": vec_txt, "vec_img": vec_img,
             "cos": _f32(angles.cos()), "sin": _f32(angles.sin()),
             "dt": _f32(torch.stack([ts[s + 1] - ts[s] for s in range(template.steps)])),
             "guidance": float(template.guidance),
@@ -371,7 +378,8 @@ class NativeEngine:
             raise fetch_error(str(exc)) from None
         except self.native.FormatError as exc:
             raise IntegrityError(f"a shard could not be decoded: {exc}") from None
-        except RuntimeError as exc:  # graphs that do not load or run (stale artifacts, ...)
+        except (RuntimeError, ValueError) as exc:  # graphs that do not load or run (stale
+            # artifacts, ...), options the machine cannot honour (pipeline_cpus)
             raise EdgeError(f"native runtime: {exc}") from None
 
 
@@ -383,31 +391,39 @@ def fetch_error(text: str) -> EdgeError:
     return cls(message or text)
 
 
-def stream_spec(manifest: Mapping[str, Any], locate: Callable[[int, int], dict[str, Any]],
-                *, http: dict[str, Any], origin: float, max_ahead: int, max_ready: int,
-                max_inflight: int, lookahead_rtts: float, max_ahead_cap: int,
-                reconstruct: str, kind: str,
-                decode: Callable[[int, int, bytes], np.ndarray],
-                rope: np.ndarray | None) -> dict[str, Any]:
-    """What ``run_stream`` needs from the manifest: per shard and configuration the request
-    (``locate(shard, config)`` -> ``{"url", "offset", "length"}``), the unit checksums and
-    the ranks; the decoder ``kind`` (:func:`decode_kind`; ``callback``: the Python
-    ``decode``)."""
+def stream_shards(manifest: Mapping[str, Any], url: str) -> list[dict[str, Any]]:
+    """The shard table of ``run_stream`` from a format-2 manifest whose pack is at ``url``:
+    per shard and configuration its one byte range, the unit lengths and checksums and the
+    ranks (a function of the manifest and the URL only, so callers memoise it)."""
     table = manifest.get("units") or []
-    geometry = manifest["geometry"]
     shards = []
     for s in sorted(manifest["shards"], key=lambda s: int(s["index"])):
         configs = []
         for c in s["configs"]:
-            loc = locate(int(s["index"]), int(c["id"]))
+            (offset, length), = c["ranges"]
             units = [(int(table[int(u)][1]), str(table[int(u)][2])) for u in c.get("units", [])]
-            entry = {"id": int(c["id"]), **loc, "units": units}
+            entry = {"id": int(c["id"]), "url": url, "offset": int(offset),
+                     "length": int(length), "units": units}
             ranks = (c.get("params") or {}).get("ranks")
             if ranks is not None:
                 entry["ranks"] = [int(r) for r in ranks]
             configs.append(entry)
         shards.append({"step": int(s["step"]), "blocks": [int(b) for b in s["blocks"]],
                        "configs": configs})
+    return shards
+
+
+def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
+                http: dict[str, Any], origin: float, max_ahead: int, max_ready: int,
+                max_inflight: int, lookahead_rtts: float, max_ahead_cap: int,
+                reconstruct: str, kind: str,
+                decode: Callable[[int, int, bytes], np.ndarray],
+                rope: np.ndarray | None,
+                pipeline_cpus: Sequence[int] | None = None) -> dict[str, Any]:
+    """What ``run_stream`` needs: the shard table (``sakura_native.StreamTable`` of
+    :func:`stream_shards`), the HTTP
+    settings, the pipeline's limits and the decoder ``kind`` (:func:`decode_kind`;
+    ``callback``: the Python ``decode``)."""
     return {"shards": shards, "http": http, "decode": kind,
             "callback": decode if kind == "callback" else None,
             "rope": rope if kind == "lowrank" else None,
@@ -415,6 +431,7 @@ def stream_spec(manifest: Mapping[str, Any], locate: Callable[[int, int], dict[s
             "max_ahead": max_ahead, "max_ready": max_ready, "max_inflight": max_inflight,
             "lookahead_rtts": lookahead_rtts, "max_ahead_cap": max_ahead_cap,
             "reconstruct": reconstruct,
+            "pipeline_cpus": None if pipeline_cpus is None else [int(c) for c in pipeline_cpus],
             "origin": origin}
 
 

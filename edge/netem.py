@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from sakura.edge.errors import EdgeError
@@ -42,6 +43,25 @@ def shaped(server_url: str, trace: Trace, start_s: float = 0.0, *,
                           cpus=cpus) as link:
         path = urlsplit(server_url).path.rstrip("/")
         yield f"http://127.0.0.1:{link.port}{path}", link
+
+
+def matched_rtt_ms(rtt_ms: float, masked_exec_s: float, token_mask_ratio: float,
+                   profile: Any = None) -> float:
+    """The round trip a regime-matched link carries: ``rtt_ms x T / T_phone``.
+
+    Regime matching scales the trace so that the FP16 cache takes ``regime_x`` times this
+    host's masked execution ``T`` at the median, as it takes on the phone: time is scaled,
+    not only rates. A network round trip is scaled the same way, by ``T`` over the phone's
+    masked execution at the template's token mask ratio (``profile``: an
+    ``edge.replay.config.ProfileSpec``, default the paper's phone), so that a 30 ms 5G
+    round trip weighs against this host's ~10 ms shards what it weighs against the
+    phone's ~100 ms ones. Unscaled, every shard request would cost three shard times."""
+    from sakura.edge.replay.config import ProfileSpec
+    from sakura.edge.replay.profile import DeviceProfile
+
+    spec = profile if profile is not None else ProfileSpec()
+    phone = DeviceProfile(**dict(vars(spec))).masked_total_s(float(token_mask_ratio))
+    return float(rtt_ms) * float(masked_exec_s) / phone if phone > 0 else float(rtt_ms)
 
 
 def trace_from_args(trace_path: str | None, rate_mbps: float | None, scale: float = 1.0

@@ -226,6 +226,11 @@ class EditOptions:
     # where the native runtime decodes sakura/svd shards: "cpu" (SIMD kernels) or "opencl"
     # ("opencl:NAME" picks a device by name; pocl on this machine, an Adreno on a phone)
     reconstruct: str = "cpu"
+    # CPUs of the native runtime's receive and reconstruct threads (None: the caller's).
+    # On a phone they are the modem's DMA and the GPU, never the execution unit; on a host
+    # with few cores, giving them other cores than execution's keeps receiving and decoding
+    # from slowing execution (the benches give them the server and link's core)
+    pipeline_cpus: tuple[int, ...] | None = None
     safety: float = 0.8         # fraction of rate x window the allocator may use
     rate_window: int = 5        # shards in the harmonic-mean rate estimate
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
@@ -262,6 +267,12 @@ class EditOptions:
         if self.reconstruct != "cpu" and not self.reconstruct.startswith("opencl"):
             raise EdgeError(f"reconstruct must be cpu or opencl[:device], got "
                             f"{self.reconstruct!r}")
+        if self.pipeline_cpus is not None:
+            cpus = tuple(self.pipeline_cpus)
+            if not cpus or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                   for c in cpus):
+                raise EdgeError(f"pipeline_cpus must be CPU numbers >= 0, got "
+                                f"{self.pipeline_cpus!r}")
         return self
 
 
@@ -298,6 +309,10 @@ class EdgeRuntime:
         self.last_rate_origin: str | None = None  # scheme://host:port it was measured on
         self.last_rate_at: float | None = None    # time.time() when it was measured
         self._saved: dict[str, str] = {}  # manifest file -> etag already on disk
+        # what an edit derives from a manifest (the parsed form, the native stream's shard
+        # table), per (template, codec), for the ETag it was derived from: parsing a
+        # 1000-configuration manifest costs ~50 ms, paid before the first shard request
+        self._derived: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
         self._prepared: dict[str, tuple[Template, Prepared]] = {}
         self._load_state()
 
@@ -480,7 +495,9 @@ class EdgeRuntime:
         try:
             got = net.run(client.manifest_fetch(template_id, codec))
             manifest_dict, raw_len = got.data, got.size
-            manifest = self._check_manifest(manifest_dict, prep)
+            derived = self._derived_of(template_id, codec, got.etag)
+            manifest = derived.get("manifest") or self._check_manifest(manifest_dict, prep)
+            derived["manifest"] = manifest
             warning = self.model_warning(manifest_dict)
             layout = manifest.layout()
             exec_s = profile.shard_times(layout)
@@ -529,8 +546,8 @@ class EdgeRuntime:
                         ).with_allowance(exec_s, origin, allowance, now=time.monotonic())
             if native is not None:
                 image, timeline = self._native_streamed(
-                    client, template_id, codec, manifest_dict, codec_impl, prep, req,
-                    allocator, monitor, progress, origin, opts, log, describe)
+                    client, template_id, codec, manifest_dict, manifest, codec_impl, prep,
+                    req, allocator, monitor, progress, origin, opts, log, describe, derived)
                 latency = time.monotonic() - origin
                 self._remember_rate(server, monitor.estimate_bps())
                 self.save_state()
@@ -602,22 +619,28 @@ class EdgeRuntime:
                 self.native.calibrate(prep.template, prep.geometry, req, bps))
         return self.profiles[key]
 
+    def _derived_of(self, template_id: str, codec: str, etag: str | None) -> dict[str, Any]:
+        """The memo of what was derived from the manifest with ``etag`` (a fresh one for a
+        new ETag, or none: an origin without ETags gets nothing memoised)."""
+        key = (template_id, codec)
+        held = self._derived.get(key)
+        if etag and held is not None and held[0] == etag:
+            return held[1]
+        fresh: dict[str, Any] = {}
+        if etag:
+            self._derived[key] = (etag, fresh)
+        return fresh
+
     def _native_streamed(self, client: PackClient, template_id: str, codec: str,
-                         manifest_dict: dict[str, Any], codec_impl: Any, prep: Prepared,
-                         req: Any, allocator: Any, monitor: Any, progress: Any,
-                         origin: float, opts: EditOptions, log: list[RequestRecord],
-                         describe: Any) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+                         manifest_dict: dict[str, Any], manifest: Manifest, codec_impl: Any,
+                         prep: Prepared, req: Any, allocator: Any, monitor: Any,
+                         progress: Any, origin: float, opts: EditOptions,
+                         log: list[RequestRecord], describe: Any, derived: dict[str, Any]
+                         ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
         from sakura.edge.allocator import to_native
-        from sakura.edge.native_runtime import decode_kind, rope_table, stream_spec
+        from sakura.edge.native_runtime import decode_kind, rope_table, stream_shards, stream_spec
 
         where = client.pack_location(template_id, codec, manifest_dict)
-        spans = {}
-        for s in manifest_dict["shards"]:
-            for c in s["configs"]:
-                (offset, length), = c["ranges"]
-                spans[(int(s["index"]), int(c["id"]))] = {"url": where.url, "offset": int(offset),
-                                                          "length": int(length)}
-        manifest = Manifest.from_dict(manifest_dict)
 
         def decode(shard: int, config: int, data: bytes) -> Any:
             tensors = decode_config(manifest, shard, config, data, codec_impl)
@@ -632,13 +655,20 @@ class EdgeRuntime:
                 "max_connections": opts.max_inflight,
                 "headers": [f"{k}: {v}" for k, v in where.headers.items()],
                 "display_url": client.base_url}
+        shards = derived.get(("shards", where.url))
+        if shards is None:
+            shards = derived[("shards", where.url)] = self.native.native.StreamTable(
+                stream_shards(manifest_dict, where.url))
+        if "rope" not in derived:
+            derived["rope"] = rope_table(codec_impl, int(geometry["tokens"]),
+                                         int(geometry["channels"]))
         stream = stream_spec(
-            manifest_dict, lambda shard, config: spans[(shard, config)], http=http,
+            shards, geometry, http=http,
             origin=origin, max_ahead=opts.max_ahead, max_ready=opts.max_ready,
             max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
             max_ahead_cap=opts.max_ahead_cap, reconstruct=opts.reconstruct,
-            kind=decode_kind(codec_impl), decode=decode,
-            rope=rope_table(codec_impl, int(geometry["tokens"]), int(geometry["channels"])))
+            kind=decode_kind(codec_impl), decode=decode, rope=derived["rope"],
+            pipeline_cpus=opts.pipeline_cpus)
         image, records, requests = self.native.streamed_edit(
             prep.template, prep.geometry, req, stream, to_native(allocator, self.native.native),
             monitor, progress, int(geometry["blocks_per_shard"]))

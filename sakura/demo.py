@@ -96,10 +96,11 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     from sakura.edge.cli import resolve_runtime, startup_fraction_arg
     from sakura.edge.client import PackClient
-    from sakura.edge.netem import shaped
+    from sakura.edge.netem import matched_rtt_ms, shaped
     from sakura.edge.runtime import EdgeRuntime, EditOptions
     from sakura.edge.timeline import plot_timeline
     from sakura.errors import SakuraError
+    from sakura.traces.impair import DEFAULT_RTT_MS
 
     runtime_name = resolve_runtime(args, [])
     # the device runtime's process settings (edge/README.md): one torch thread, and a short
@@ -139,7 +140,8 @@ def run_demo(args: argparse.Namespace) -> int:
             async with PackClient(server.url) as client:
                 return (await client.catalog())["templates"][args.template]
 
-        template = device_template(asyncio.run(entry()))
+        catalog_entry = asyncio.run(entry())
+        template = device_template(catalog_entry)
         req = runtime.request(prompt, seed=args.seed)
         if runtime_name == "native":
             print("      native runtime: compiled graphs for this template's geometry are "
@@ -160,9 +162,17 @@ def run_demo(args: argparse.Namespace) -> int:
               "execution)")
         if note:
             print(f"      note: {note}")
+        rtt = matched_rtt_ms(DEFAULT_RTT_MS, floor_s,
+                             float(catalog_entry.get("token_mask_ratio") or 0.0))
+        print(f"      link round trip {rtt:.1f} ms: a {DEFAULT_RTT_MS:g} ms 5G round trip "
+              "scaled like the rates (x the masked execution here / the phone's)")
         results = {}
-        with shaped(server.url, trace, args.start, cpus=network_cpus) as (link_url, link):
-            opts = EditOptions(budget_rate_bps=scaled, initial_rate_bps=scaled, **startup)
+        with shaped(server.url, trace, args.start, rtt_ms=rtt,
+                    cpus=network_cpus) as (link_url, link):
+            io_cpus = (tuple(sorted(network_cpus)) if network_cpus and runtime_name == "native"
+                       else None)  # receive + reconstruct beside the link: the modem and GPU
+            opts = EditOptions(budget_rate_bps=scaled, initial_rate_bps=scaled,
+                               pipeline_cpus=io_cpus, **startup)
             for policy in ("sakura", "fp16"):
                 link.restart(args.start)
                 results[policy] = runtime.edit(link_url, args.template, template, req, policy,

@@ -544,17 +544,14 @@ def _base_record(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Lin
 
 def link_rtt_ms(cfg: ReplayConfig, t: dict[str, Any]) -> float:
     """The round trip the link carries for template record ``t``: ``rtt_ms``, or with
-    ``rtt_scale: matched`` in the matched regime ``rtt_ms x T / T_phone`` (T_phone: the
-    device profile's masked execution time at the template's token mask ratio), so that a
-    round trip weighs against this host's execution what it weighs against the phone's, as
-    regime matching does for the transfer time."""
+    ``rtt_scale: matched`` in the matched regime ``rtt_ms x T / T_phone``
+    (``edge.netem.matched_rtt_ms``)."""
     if cfg.regime != "matched" or cfg.rtt_scale == "none" or not t.get("masked_exec_s"):
         return float(cfg.rtt_ms)
-    from sakura.edge.replay.profile import DeviceProfile
+    from sakura.edge.netem import matched_rtt_ms
 
-    prof = DeviceProfile(**{k: v for k, v in vars(cfg.profile).items()})
-    phone = prof.masked_total_s(float(t["token_mask_ratio"]))
-    return float(cfg.rtt_ms) * float(t["masked_exec_s"]) / phone if phone > 0 else cfg.rtt_ms
+    return matched_rtt_ms(cfg.rtt_ms, float(t["masked_exec_s"]),
+                          float(t["token_mask_ratio"]), cfg.profile)
 
 
 def _deadline(r: PlannedRun, t: dict[str, Any], cfg: ReplayConfig) -> float | None:
@@ -583,9 +580,13 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
     else:
         trace = load_start_trace(r.start, root).scaled(float(st.record["factor"]))
         prior = past_median_bps(trace, r.start.start_s)
+        # the native pipeline's receive and reconstruct threads beside the server and link
+        # (the phone's modem and GPU), execution alone on the device CPUs
+        io_cpus = (tuple(sorted(links.network_cpus))
+                   if links.network_cpus and cfg.runtime == "native" else None)
         options = EditOptions(budget_rate_bps=prior, initial_rate_bps=prior,
                               pack=rec["pack"], startup_fraction=cfg.startup_fraction,
-                              deadline_s=rec["deadline_s"])
+                              deadline_s=rec["deadline_s"], pipeline_cpus=io_cpus)
         links.set_rtt(rec["link_rtt_ms"])
         with links.client(r.variant):
             url = links.shaped(r.variant, trace, r.start.start_s)

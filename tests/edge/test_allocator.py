@@ -172,6 +172,18 @@ def test_rate_estimate_is_harmonic_mean_of_recent_body_rates(impl):
     assert mon.bytes_total() == 4_000_000
 
 
+def test_the_prior_stands_for_the_samples_missing_from_the_window(impl):
+    """Two bodies from a saved-up burst at an edit's start do not replace a sound prior:
+    until k bodies are in, the prior counts for the missing ones."""
+    mon = impl.BandwidthMonitor(k=5, min_body_s=0.002, initial_bps=20e6)
+    mon.record(0, 100_000, 0.0, 0.01, 0.018)          # 100 Mbit/s (a burst)
+    mon.record(1, 100_000, 0.02, 0.03, 0.038)
+    assert mon.estimate_bps() == pytest.approx(5 / (2 / 100e6 + 3 / 20e6))  # 26 Mbit/s
+    for j in range(2, 7):                              # a full window: measured only
+        mon.record(j, 100_000, j * 0.1, j * 0.1 + 0.01, j * 0.1 + 0.05)
+    assert mon.estimate_bps() == pytest.approx(20e6)
+
+
 def test_small_bodies_do_not_drive_the_estimate(impl):
     mon = impl.BandwidthMonitor(k=4, min_body_s=0.002)
     mon.record(None, 100_000, 0.0, 0.01, 0.11)       # manifest: 8 Mbit/s
@@ -209,6 +221,22 @@ def test_a_body_read_at_once_proves_only_its_request_time(impl):
     mon = impl.BandwidthMonitor(k=3, min_body_s=0.002, initial_bps=1e6)
     mon.record(0, 21_800, 0.0, 0.0115, 0.0120)
     assert mon.estimate_bps() == pytest.approx(8 * 21_800 / 0.012)  # 14.5, not 87 Mbit/s
+
+
+def test_fast_bodies_on_a_long_round_trip_prove_their_bytes_less_the_round_trip(impl):
+    """On a 30 ms link, 1 KB bodies that arrive in one read prove 8 n over their request
+    time less the round trip (the others' smallest time to first byte), floored at
+    min_body_s: not 8 n / 31 ms (0.26 Mbit/s), which kept choosing 1 KB configurations on
+    a 20 Mbit/s link."""
+    mon = impl.BandwidthMonitor(k=3, min_body_s=0.002)
+    mon.record(0, 1000, 0.0, 0.0300, 0.0304)
+    # alone, its own first byte may have waited behind a burst: no round trip subtracted
+    assert mon.estimate_bps() == pytest.approx(8 * 1000 / 0.0304)
+    mon.record(1, 1000, 0.01, 0.0405, 0.0410)
+    # each less the other's 30 ms time to first byte (30.5 ms): 1 ms and 0.4 ms, floored
+    assert mon.estimate_bps() == pytest.approx(8 * 1000 / 0.002)
+    mon.record(2, 30_000, 0.02, 0.0600, 0.0610)       # 29 KB of it came 10 ms after 30 ms
+    assert mon.estimate_bps() == pytest.approx(8 * 30_000 / (0.041 - 0.0300))
 
 
 def test_deadlines_follow_execution_progress(impl):

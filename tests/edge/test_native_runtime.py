@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -19,7 +20,7 @@ from sakura.cloud.storage import LocalStorage
 from sakura.codec.pack import Manifest, decode_config
 from sakura.dit.editing import Geometry, cached_edit
 from sakura.edge.client import PackClient, RetryPolicy
-from sakura.edge.errors import IntegrityError, ServerUnreachable
+from sakura.edge.errors import EdgeError, IntegrityError, ServerUnreachable
 from sakura.edge.netem import shaped
 from sakura.edge.runtime import EditOptions
 from sakura.traces import Trace
@@ -67,16 +68,20 @@ def opencl() -> str:
 
 
 @pytest.mark.parametrize("policy,stage", [("sakura", "cpu"), ("sakura", "opencl"),
-                                          ("intq", "cpu"), ("cachegen", "cpu")])
+                                          ("sakura", "cpu-pinned"), ("intq", "cpu"),
+                                          ("cachegen", "cpu")])
 def test_streamed_edit_equals_the_python_decoder_on_the_chosen_bytes(world, runtime,
                                                                      native_runtime, policy,
                                                                      stage):
     """Whatever configurations the native allocator chose, the image is the Python cached
     edit over the Python decoder's tensors of exactly those configurations (native lowrank
-    kernels for sakura, on the CPU or through OpenCL; the Python decoder called from the
-    reconstruct thread for the others)."""
+    kernels for sakura, on the CPU or through OpenCL, with the pipeline threads on a CPU of
+    their own or not; the Python decoder called from the reconstruct thread for the
+    others)."""
     req = runtime.request(PROMPT, SEED)
-    opts = EditOptions(reconstruct=opencl() if stage == "opencl" else "cpu")
+    opts = EditOptions(reconstruct=opencl() if stage == "opencl" else "cpu",
+                       pipeline_cpus=((max(os.sched_getaffinity(0)),)
+                                      if stage == "cpu-pinned" else None))
     with serve(world) as server:
         nat = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, policy,
                                   options=opts)
@@ -106,6 +111,15 @@ def test_streamed_edit_equals_the_python_decoder_on_the_chosen_bytes(world, runt
     ref = cached_edit(world.model, world.template, geo, Provider(), req)
     assert (nat.image - ref).abs().max().item() <= TOL
     assert nat.bytes == sum(len(b.data) for b in bodies)
+
+
+def test_pipeline_cpus_that_do_not_exist_are_one_clear_error(world, runtime, native_runtime):
+    with pytest.raises(EdgeError, match="pipeline_cpus must be CPU numbers"):
+        EditOptions(pipeline_cpus=(-1,))
+    req = runtime.request(PROMPT, SEED)
+    with serve(world) as server, pytest.raises(EdgeError, match="pipeline_cpus: (cannot run|no CPU)"):
+        native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                            options=EditOptions(pipeline_cpus=(os.cpu_count() + 64,)))
 
 
 def test_the_server_sees_only_public_names(world, runtime, native_runtime):

@@ -18,7 +18,7 @@ SHARDS = [(0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [2, 3])]
 
 def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_s=0.0,
          max_inflight=2, max_ready=2, allowance_s=0.0, shards=SHARDS, lookahead_rtts=0.0,
-         max_ahead_cap=None):
+         max_ahead_cap=None, initial_bps=8e6):
     origin = time.monotonic()
     decisions = []
 
@@ -44,7 +44,7 @@ def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_
         return shard % 2
 
     pipe = Pipeline(shards, fetch=fetch, decode=decode, allocate=allocate,
-                    monitor=BandwidthMonitor(initial_bps=8e6),
+                    monitor=BandwidthMonitor(initial_bps=initial_bps),
                     progress=ExecutionProgress.with_allowance([exec_s] * len(shards), origin,
                                                               allowance_s, now=origin),
                     origin=origin,
@@ -135,7 +135,10 @@ def test_requests_are_pipelined_behind_the_previous_body(max_inflight):
     # 60 ms to the first byte, 40 ms bodies: one request at a time idles the link for a
     # round trip per shard; pipelined, the next request goes out while a body arrives
     with NetLoop() as net:
-        pipe, _ = make([0.04] * 4, latency_s=0.06, exec_s=0.0, max_inflight=max_inflight)
+        # (a prior that matches the scripted bodies, 0.2 Mbit/s: the prior counts until five
+        # bodies are in, and an 8 Mbit/s one would send shards 1 and 2 together)
+        pipe, _ = make([0.04] * 4, latency_s=0.06, exec_s=0.0, max_inflight=max_inflight,
+                       initial_bps=0.2e6)
         pipe.start(net)
         execute(pipe, exec_s=0.0)
         pipe.finish()

@@ -231,32 +231,46 @@ sakura::HttpOptions http_options(const py::dict& d) {
 }
 
 // The streamed edit: (latent, records, requests).
+// The shard table of a streamed edit: what run_stream needs from the manifest, converted once
+// per manifest (``StreamTable(shards)``) and reused by every edit of that pack: converting a
+// ~1000-configuration table with its unit checksums costs tens of ms, paid before the first
+// request otherwise.
+struct StreamTable {
+  std::vector<sakura::ShardRecord> shards;
+  std::vector<std::map<int, sakura::ConfigSource>> configs;
+
+  explicit StreamTable(const py::list& items) : shards(shard_records(items)) {
+    for (const auto& item : items) {
+      std::map<int, sakura::ConfigSource> by_id;
+      for (const auto& c : item.cast<py::dict>()["configs"].cast<py::list>()) {
+        auto cd = c.cast<py::dict>();
+        sakura::ConfigSource src;
+        src.request.config = cd["id"].cast<int>();
+        src.request.url = cd["url"].cast<std::string>();
+        src.request.offset = cd["offset"].cast<std::int64_t>();
+        src.request.length = cd["length"].cast<std::int64_t>();
+        for (const auto& u : cd["units"].cast<py::list>()) {
+          auto pair = u.cast<py::tuple>();
+          src.request.units.push_back(
+              {pair[0].cast<std::int64_t>(), sha_bytes(pair[1].cast<std::string>())});
+        }
+        if (cd.contains("ranks")) src.ranks = cd["ranks"].cast<std::vector<int>>();
+        by_id[src.request.config] = std::move(src);
+      }
+      configs.push_back(std::move(by_id));
+    }
+  }
+};
+
 py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dict& stream,
                      std::shared_ptr<sakura::Allocator> allocator,
                      std::shared_ptr<sakura::BandwidthMonitor> monitor,
                      std::shared_ptr<sakura::ExecutionProgress> progress) {
   sakura::EditInputs in = edit_inputs(inputs);
   sakura::StreamSpec spec;
-  const py::list shards = stream["shards"];
-  spec.shards = shard_records(shards);
-  for (const auto& item : shards) {
-    std::map<int, sakura::ConfigSource> configs;
-    for (const auto& c : item.cast<py::dict>()["configs"].cast<py::list>()) {
-      auto cd = c.cast<py::dict>();
-      sakura::ConfigSource src;
-      src.request.config = cd["id"].cast<int>();
-      src.request.url = cd["url"].cast<std::string>();
-      src.request.offset = cd["offset"].cast<std::int64_t>();
-      src.request.length = cd["length"].cast<std::int64_t>();
-      for (const auto& u : cd["units"].cast<py::list>()) {
-        auto pair = u.cast<py::tuple>();
-        src.request.units.push_back({pair[0].cast<std::int64_t>(), sha_bytes(pair[1].cast<std::string>())});
-      }
-      if (cd.contains("ranks")) src.ranks = cd["ranks"].cast<std::vector<int>>();
-      configs[src.request.config] = std::move(src);
-    }
-    spec.configs.push_back(std::move(configs));
-  }
+  const auto table = stream["shards"].cast<std::shared_ptr<StreamTable>>();
+  spec.shards = table->shards;
+  spec.configs = table->configs;
   spec.http = http_options(stream["http"]);
   const std::string decode = stream["decode"].cast<std::string>();
   if (decode == "lowrank") {
@@ -289,6 +303,9 @@ py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dic
   spec.options.max_inflight = stream["max_inflight"].cast<int>();
   spec.options.lookahead_rtts = stream["lookahead_rtts"].cast<double>();
   spec.reconstruct = stream["reconstruct"].cast<std::string>();
+  if (stream.contains("pipeline_cpus") && !stream["pipeline_cpus"].is_none()) {
+    spec.pipeline_cpus = stream["pipeline_cpus"].cast<std::vector<int>>();
+  }
   spec.options.max_ahead_cap = stream["max_ahead_cap"].cast<int>();
   spec.origin = stream["origin"].cast<double>();
 
@@ -349,6 +366,12 @@ void bind_edit(py::module_& m) {
            py::arg("takes_cache") = true,
            "Load the compiled graphs (.pte) of one edit geometry.")
       .def_property_readonly("shapes", &PyEditGraphs::shapes);
+
+  py::class_<StreamTable, std::shared_ptr<StreamTable>>(m, "StreamTable")
+      .def(py::init<const py::list&>(), py::arg("shards"),
+           "The shard table of a streamed edit (a list of {step, blocks, configs: [{id, url, "
+           "offset, length, units: [(length, sha256 hex)], ranks?}]}), converted once.")
+      .def("__len__", [](const StreamTable& t) { return t.shards.size(); });
 
   m.def("run_full", &run_full, py::arg("graphs"), py::arg("inputs"),
         "A full (no-cache) edit; returns the final latent (flat float32).");

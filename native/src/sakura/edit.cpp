@@ -6,6 +6,10 @@
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
+#ifdef __linux__
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #include "sakura/shard.hpp"
 #ifdef SAKURA_HAVE_OPENCL
@@ -17,6 +21,28 @@ namespace sakura {
 namespace {
 
 constexpr double kPollCapS = 0.05;  // longest poll while waiting for a slot or a transfer
+
+// Pin the calling thread to ``cpus`` (none: unchanged).
+void pin_this_thread(const std::vector<int>& cpus) {
+#ifdef __linux__
+  if (cpus.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) {
+    if (c < 0 || c >= CPU_SETSIZE) {
+      throw std::invalid_argument("pipeline_cpus: no CPU " + std::to_string(c));
+    }
+    CPU_SET(c, &set);
+  }
+  const int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  if (rc != 0) {
+    throw std::invalid_argument("pipeline_cpus: cannot run the pipeline threads on those CPUs (" +
+                                std::string(std::strerror(rc)) + ")");
+  }
+#else
+  (void)cpus;
+#endif
+}
 
 void check_size(const std::vector<float>& v, std::int64_t want, const char* what) {
   if (static_cast<std::int64_t>(v.size()) != want) {
@@ -127,6 +153,7 @@ StreamFeed::~StreamFeed() {
 void StreamFeed::start() {
   receive_thread_ = std::thread([this] {
     try {
+      pin_this_thread(spec_.pipeline_cpus);
       receive_loop();
     } catch (...) {
       fail(std::current_exception());
@@ -134,6 +161,7 @@ void StreamFeed::start() {
   });
   reconstruct_thread_ = std::thread([this] {
     try {
+      pin_this_thread(spec_.pipeline_cpus);
       reconstruct_loop();
     } catch (...) {
       fail(std::current_exception());

@@ -124,6 +124,10 @@ struct StreamSpec {
   std::vector<float> rope;  // LowRank keys: [N, C/2, 2] cos/sin, or empty
   std::int64_t matrix_floats = 0;  // N * C
   StreamOptions options;
+  // CPUs of the receive and reconstruct threads (empty: the caller's); on a phone they are
+  // the modem's DMA and the GPU, never the execution unit, so a host with few cores gives
+  // them other cores than execution's (Linux; ignored elsewhere)
+  std::vector<int> pipeline_cpus;
   double origin = 0;
 };
 

@@ -39,12 +39,20 @@ TransferSample BandwidthMonitor::record(int shard, std::int64_t nbytes, double s
   return s;
 }
 
-double BandwidthMonitor::lower_bound(const std::vector<TransferSample>& fast) const {
+double BandwidthMonitor::lower_bound(const std::vector<TransferSample>& fast,
+                                     const std::vector<TransferSample>& samples) const {
   // a body read in one go may have waited in the socket buffer: it proves its bytes only
-  // over the time from its request to its end (edge/monitor.py, _lower_bound)
+  // over the time from its request to its end, less one round trip: the smallest time to
+  // first byte of the other transfers (edge/monitor.py, _lower_bound)
   double best = kNoValue;
   for (const auto& s : fast) {
-    const double r = 8.0 * static_cast<double>(s.nbytes) / std::max(min_body_s_, s.end - s.start);
+    double round_trip = kNoValue;
+    for (const auto& o : samples) {
+      const bool same = o.shard == s.shard && o.start == s.start && o.end == s.end;
+      if (!same && (!has(round_trip) || o.latency_s() < round_trip)) round_trip = o.latency_s();
+    }
+    const double r = 8.0 * static_cast<double>(s.nbytes) /
+                     std::max(min_body_s_, s.end - s.start - (has(round_trip) ? round_trip : 0.0));
     if (!has(best) || r > best) best = r;
   }
   return best;
@@ -66,9 +74,12 @@ double BandwidthMonitor::estimate_bps() const {
   double estimate;
   std::vector<TransferSample> newer;
   if (!informative.empty()) {
-    double inv = 0;
+    // the prior stands for the samples still missing from a full window (edge/monitor.py)
+    const bool prior = has(initial_bps_) && initial_bps_ > 0;
+    const double missing = prior ? static_cast<double>(k_) - informative.size() : 0.0;
+    double inv = missing > 0 ? missing / initial_bps_ : 0.0;
     for (const auto& s : informative) inv += 1.0 / s.rate_bps();
-    estimate = static_cast<double>(informative.size()) / inv;
+    estimate = (static_cast<double>(informative.size()) + missing) / inv;
     const double last_end = informative.back().end;
     for (const auto& s : samples) {
       if (s.end > last_end && !this->informative(s)) newer.push_back(s);
@@ -78,7 +89,7 @@ double BandwidthMonitor::estimate_bps() const {
     newer = samples;
   }
   if (newer.size() > static_cast<std::size_t>(k_)) newer.erase(newer.begin(), newer.end() - k_);
-  const double bound = lower_bound(newer);
+  const double bound = lower_bound(newer, samples);
   if (has(bound) && (!has(estimate) || bound > estimate)) return bound;
   return estimate;
 }

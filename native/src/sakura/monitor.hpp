@@ -3,8 +3,10 @@
 // same tests against both). Times are seconds on one monotonic clock; "no value" is NaN.
 //
 // BandwidthMonitor: one sample per transfer; the estimate is the harmonic mean of the last k
-// informative body rates (bodies of at least min_body_s), raised to what newer fast bodies
-// prove (8 n over their request-to-end time, at least min_body_s); the latency is the median
+// informative body rates (bodies of at least min_body_s; the prior, if any, stands for the
+// samples missing from the k), raised to what newer fast bodies
+// prove (8 n over their request-to-end time less the smallest time to first byte of the
+// other transfers, at least min_body_s); the latency is the median
 // time to first byte of the last k transfers.
 //
 // ExecutionProgress: calibrated execution time per shard, corrected online by the
@@ -48,7 +50,8 @@ class BandwidthMonitor {
 
  private:
   bool informative(const TransferSample& s) const { return s.end - s.first_byte >= min_body_s_; }
-  double lower_bound(const std::vector<TransferSample>& fast) const;
+  double lower_bound(const std::vector<TransferSample>& fast,
+                     const std::vector<TransferSample>& samples) const;
 
   int k_;
   double initial_bps_, min_body_s_;
