@@ -457,6 +457,10 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
                 f"{0 if prior is None else prior / 1e6:.2f} Mbit/s")
             options = EditOptions(budget_rate_bps=scaled_median, initial_rate_bps=prior,
                                   reconstruct=stage, pipeline_cpus=io_cpus)
+            for policy in policies:  # every pack's manifest and shard table, as for sakura
+                if policy != "local":
+                    rt.warm(link_url, tid, template, policy,
+                            options=replace(options, pack=packs[policy]))
             out: dict[str, list[EditResult]] = {p: [] for p in policies}
             for start in starts:
                 for policy in policies:

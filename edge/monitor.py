@@ -1,16 +1,21 @@
 """Bandwidth and execution-progress bookkeeping for the allocator.
 
-:class:`BandwidthMonitor` keeps one sample per shard transfer (bytes, request start, first
-body byte, end) and estimates throughput as the harmonic mean of the last ``k`` body rates,
-as adaptive video streaming does (robust to short bursts that overstate the rate), with the
-prior rate (if any) standing for the samples still missing from the ``k``, plus the
-per-request latency (median of recent times to first byte). A body that arrived in less
-than ``min_body_s`` (one read, or a burst the link had saved up) gives no rate, only a
-lower bound (``8 n`` over the time from the request to the body's end less one round trip,
-the smallest time to first byte of the other transfers, and at least ``min_body_s``): such
-bodies newer than the last informative sample
-can only raise the estimate, so after a slow spell the estimate climbs back as the
-configurations grow instead of staying stuck at the smallest one.
+:class:`BandwidthMonitor` keeps one sample per transfer (bytes, request start, first body
+byte, end) and estimates throughput as the bytes of the last ``k`` transfers over the time
+the link was busy with them: the length of the union of their intervals, each from when
+its bytes could start to cross the link (its request plus one round trip, the smallest time
+to first byte of the other transfers, and no later than its first byte) to its end. Why not
+a mean of per-body rates, as adaptive video streaming does with one transfer at a time:
+with requests pipelined and overlapping, and a link that saves up a little capacity while
+idle (a 20 ms burst on the paced link, a cellular scheduler's grant), bodies of 20-30 KB
+arrived in 2 ms and "proved" 50-120 Mbit/s on a 20 Mbit/s link, the next shards were sized
+for that and stalled; over the union, a burst's bytes are paid for by the time around them.
+Until ``k`` transfers are in, the prior rate (if any) stands for the missing ones, so two
+bursty first bodies do not replace a sound prior. A window whose busy time is under
+``min_body_s`` (one read each) cannot be timed: ``8 n / min_body_s`` is only a lower bound
+and never lowers the prior, and after a slow spell such quick arrivals of the smallest
+configurations lift the estimate step by step, like a slow start. The per-request latency
+is the median of recent times to first byte.
 
 :class:`ExecutionProgress` knows the measured execution time of every shard (a calibration,
 corrected online by the ratio of measured to predicted times), when each shard arrived,
@@ -92,56 +97,36 @@ class BandwidthMonitor:
             self.samples.append(sample)
         return sample
 
-    def _informative(self, s: TransferSample) -> bool:
-        return s.end - s.first_byte >= self.min_body_s
-
     def estimate_bps(self) -> float | None:
-        """Harmonic mean of the last ``k`` informative body rates, raised to what fast
-        bodies since the newest informative one prove (see :meth:`_lower_bound`); the
-        prior (``initial_bps``, may be None) before any informative sample."""
+        """Bytes over busy time of the last ``k`` transfers (see the module docstring);
+        the prior (``initial_bps``, may be None) before any transfer and, until ``k`` are
+        in, for the missing ones; transfers too quick to time only raise the prior."""
         with self._lock:
             samples = list(self.samples)
-        informative = [s for s in samples if self._informative(s)][-self.k:]
-        if informative:
-            # the prior stands for the samples still missing from a full window: two bodies
-            # that came in a saved-up burst at the start of an edit (97 Mbit/s on a 17
-            # Mbit/s link) would otherwise replace a sound prior outright
-            prior = (self.k - len(informative)) if self.initial_bps else 0
-            estimate: float | None = (len(informative) + prior) / (
-                sum(1.0 / s.rate_bps for s in informative)
-                + (prior / self.initial_bps if prior else 0.0))
-            newer = [s for s in samples if s.end > informative[-1].end
-                     and not self._informative(s)]
-        else:
-            estimate = self.initial_bps
-            newer = samples
-        bound = self._lower_bound(newer[-self.k:], samples)
-        if bound is not None and (estimate is None or bound > estimate):
-            return bound
-        return estimate
+        prior = self.initial_bps
+        if not samples:
+            return prior
+        window = samples[-self.k:]
+        busy, reach = 0.0, -math.inf
+        for begin, end in sorted((self._begin(s, samples), s.end) for s in window):
+            if end > reach:
+                busy += end - max(begin, reach)
+                reach = end
+        measured = 8.0 * sum(s.nbytes for s in window) / max(busy, self.min_body_s)
+        if busy < self.min_body_s:  # too quick to time: a lower bound
+            return measured if not prior or measured > prior else prior
+        missing = self.k - len(window) if prior else 0
+        if missing <= 0 or measured <= 0:
+            return measured
+        return (len(window) + missing) / (len(window) / measured + missing / prior)
 
-    def _lower_bound(self, fast: list[TransferSample], samples: list[TransferSample]
-                     ) -> float | None:
-        """A body of ``n`` bytes that arrived in less than ``min_body_s`` proves a rate of
-        at least ``8 n / min_body_s``: after a slow spell, when only the smallest
-        configurations fit, their fast arrivals lift the estimate step by step (each
-        choice a little larger), like a slow start, instead of leaving it stuck."""
-        if not fast:
-            return None
-        # the bytes crossed the link between the request and the body's end: a body read in
-        # one go may have waited in the socket buffer (a saved-up burst), so its body time
-        # alone proves nothing (a 22 KB shard read at once "proved" 87 Mbit/s on a 12 Mbit/s
-        # link and sized the next shards 7x too large). Less one round trip, the smallest
-        # time to first byte of the *other* transfers (the request's way out and the first
-        # byte's way back carry none of the body; the body's own first byte may have waited
-        # behind the burst): without it, on a 30 ms link a 1 KB configuration proved 0.26
-        # Mbit/s, the next choice was 1 KB again and the estimate never left the smallest
-        # configuration of a 20 Mbit/s link
-        def round_trip(s: TransferSample) -> float:
-            return min((o.latency_s for o in samples if o is not s), default=0.0)
-
-        return max(8.0 * s.nbytes / max(self.min_body_s, s.end - s.start - round_trip(s))
-                   for s in fast)
+    @staticmethod
+    def _begin(s: TransferSample, samples: list[TransferSample]) -> float:
+        """When ``s``'s bytes could start to cross the link: its request plus one round
+        trip (the smallest time to first byte of the *other* transfers: its own may have
+        waited behind other bodies), and no later than its first byte."""
+        round_trip = min((o.latency_s for o in samples if o is not s), default=0.0)
+        return min(s.first_byte, s.start + round_trip)
 
     def latency_s(self) -> float:
         """Median time to first byte of the last ``k`` transfers (0 before any)."""

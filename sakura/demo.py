@@ -173,6 +173,8 @@ def run_demo(args: argparse.Namespace) -> int:
                        else None)  # receive + reconstruct beside the link: the modem and GPU
             opts = EditOptions(budget_rate_bps=scaled, initial_rate_bps=scaled,
                                pipeline_cpus=io_cpus, **startup)
+            for policy in ("sakura", "fp16"):  # a phone that has used the template before
+                runtime.warm(link_url, args.template, template, policy, options=opts)
             for policy in ("sakura", "fp16"):
                 link.restart(args.start)
                 results[policy] = runtime.edit(link_url, args.template, template, req, policy,

@@ -159,22 +159,38 @@ def test_policies_registry():
 # ----------------------------------------------------------------------------- monitor
 
 
-def test_rate_estimate_is_harmonic_mean_of_recent_body_rates(impl):
+def test_rate_estimate_is_bytes_over_busy_time_of_recent_transfers(impl):
     mon = impl.BandwidthMonitor(k=3, min_body_s=0.0)
     assert mon.estimate_bps() is None
-    # body rates 8, 4, 8 Mbit/s (1 MB in 1, 2, 1 s)
+    # 1 MB bodies in 1, 2, 1 s after 50 ms to the first byte: 3 MB over 4 s busy (for equal
+    # sizes, the harmonic mean of the body rates 8, 4, 8 Mbit/s)
     for i, body_s in enumerate([1.0, 2.0, 1.0]):
         mon.record(i, 1_000_000, 10.0 * i, 10.0 * i + 0.05, 10.0 * i + 0.05 + body_s)
     assert mon.estimate_bps() == pytest.approx(3 / (1 / 8e6 + 1 / 4e6 + 1 / 8e6))
     assert mon.latency_s() == pytest.approx(0.05)
-    mon.record(3, 1_000_000, 40.0, 40.0, 40.5)  # 16 Mbit/s; the oldest drops out
-    assert mon.estimate_bps() == pytest.approx(3 / (1 / 4e6 + 1 / 8e6 + 1 / 16e6))
+    mon.record(3, 1_000_000, 40.0, 40.05, 40.55)  # 16 Mbit/s; the oldest drops out
+    assert mon.estimate_bps() == pytest.approx(8 * 3_000_000 / 3.5)
     assert mon.bytes_total() == 4_000_000
+    # two transfers sharing the link (parallel requests): 2 MB in the same second is 16
+    # Mbit/s, not two bodies of 8 Mbit/s each
+    mon.record(4, 1_000_000, 50.0, 50.05, 51.05)
+    mon.record(5, 1_000_000, 50.0, 50.05, 51.05)
+    assert mon.estimate_bps() == pytest.approx(8 * 3_000_000 / 1.5)
+
+
+def test_small_bodies_do_not_drive_the_estimate(impl):
+    mon = impl.BandwidthMonitor(k=4, min_body_s=0.002)
+    mon.record(None, 100_000, 0.0, 0.01, 0.11)       # manifest: 8 Mbit/s
+    mon.record(0, 500, 1.0, 1.01, 1.0101)            # one read: adds its bytes, no time
+    assert mon.estimate_bps() == pytest.approx(8 * 100_500 / 0.1001)
+    only_small = impl.BandwidthMonitor(min_body_s=0.002, initial_bps=1e6)
+    only_small.record(0, 500, 0.0, 0.0, 0.001)
+    assert only_small.estimate_bps() == pytest.approx(2e6)  # 500 B in < 2 ms: at least
 
 
 def test_the_prior_stands_for_the_samples_missing_from_the_window(impl):
     """Two bodies from a saved-up burst at an edit's start do not replace a sound prior:
-    until k bodies are in, the prior counts for the missing ones."""
+    until k transfers are in, the prior counts for the missing ones."""
     mon = impl.BandwidthMonitor(k=5, min_body_s=0.002, initial_bps=20e6)
     mon.record(0, 100_000, 0.0, 0.01, 0.018)          # 100 Mbit/s (a burst)
     mon.record(1, 100_000, 0.02, 0.03, 0.038)
@@ -184,59 +200,50 @@ def test_the_prior_stands_for_the_samples_missing_from_the_window(impl):
     assert mon.estimate_bps() == pytest.approx(20e6)
 
 
-def test_small_bodies_do_not_drive_the_estimate(impl):
-    mon = impl.BandwidthMonitor(k=4, min_body_s=0.002)
-    mon.record(None, 100_000, 0.0, 0.01, 0.11)       # manifest: 8 Mbit/s
-    mon.record(0, 500, 1.0, 1.001, 1.001)            # one read: at least 2 Mbit/s
-    assert mon.estimate_bps() == pytest.approx(8e6)  # a lower bound below: no change
-    only_small = impl.BandwidthMonitor(min_body_s=0.002, initial_bps=1e6)
-    only_small.record(0, 500, 0.0, 0.0, 0.001)
-    assert only_small.estimate_bps() == pytest.approx(2e6)  # 500 B in < 2 ms
-
-
 def test_fast_small_bodies_lift_a_stale_low_estimate(impl):
     """After a slow spell only the smallest configurations fit; when the link recovers
     their quick arrivals raise the estimate, which lets larger ones through."""
     mon = impl.BandwidthMonitor(k=3, min_body_s=0.002)
-    mon.record(0, 20_000, 0.0, 0.01, 0.41)           # slow: 0.4 Mbit/s
-    assert mon.estimate_bps() == pytest.approx(0.4e6)
+    mon.record(0, 20_000, 0.0, 0.01, 0.41)           # slow: 0.39 Mbit/s from the request
+    assert mon.estimate_bps() == pytest.approx(8 * 20_000 / 0.41)
     t = 1.0
     sizes = []
     size = 500
     for j in range(1, 6):                            # the link is fast again
         mon.record(j, size, t, t + 0.001, t + 0.0012)
+        sizes.append(size)
         t += 0.01
         budget = mon.estimate_bps() / 8 * 0.01       # what a 10 ms window would allow
         size = max(size, int(min(budget, 200_000)))
-        sizes.append(size)
     assert mon.estimate_bps() > 10e6
-    assert sizes == sorted(sizes) and sizes[-1] > 20 * sizes[0] / 2
-    mon.record(9, 50_000, t, t + 0.001, t + 0.101)    # an informative slow sample again
-    assert mon.estimate_bps() == pytest.approx(2 / (1 / 0.4e6 + 1 / 4e6))
+    assert sizes == sorted(sizes) and sizes[-1] > 20 * sizes[0]
+    mon.record(9, 50_000, t, t + 0.001, t + 0.101)    # a transfer that can be timed again
+    assert mon.estimate_bps() == pytest.approx(8 * (sizes[-2] + sizes[-1] + 50_000) / 0.1004)
 
 
 def test_a_body_read_at_once_proves_only_its_request_time(impl):
     """A 21.8 KB shard whose body sat in the socket buffer arrives in one read: the link
-    carried it between the request (12 ms earlier) and the end, not in the 2 ms floor."""
+    carried it between the request (12 ms earlier) and the end, not in the 0.5 ms of the
+    read (87 Mbit/s); with a prior, it is one of the k samples."""
     mon = impl.BandwidthMonitor(k=3, min_body_s=0.002, initial_bps=1e6)
     mon.record(0, 21_800, 0.0, 0.0115, 0.0120)
-    assert mon.estimate_bps() == pytest.approx(8 * 21_800 / 0.012)  # 14.5, not 87 Mbit/s
+    measured = 8 * 21_800 / 0.012                                  # 14.5 Mbit/s
+    assert mon.estimate_bps() == pytest.approx(3 / (1 / measured + 2 / 1e6))
 
 
 def test_fast_bodies_on_a_long_round_trip_prove_their_bytes_less_the_round_trip(impl):
-    """On a 30 ms link, 1 KB bodies that arrive in one read prove 8 n over their request
-    time less the round trip (the others' smallest time to first byte), floored at
-    min_body_s: not 8 n / 31 ms (0.26 Mbit/s), which kept choosing 1 KB configurations on
-    a 20 Mbit/s link."""
+    """On a 30 ms link, 1 KB bodies that arrive in one read count from their request plus
+    the round trip (the others' smallest time to first byte): not 8 n / 31 ms (0.26
+    Mbit/s), which kept choosing 1 KB configurations on a 20 Mbit/s link."""
     mon = impl.BandwidthMonitor(k=3, min_body_s=0.002)
     mon.record(0, 1000, 0.0, 0.0300, 0.0304)
-    # alone, its own first byte may have waited behind a burst: no round trip subtracted
+    # alone, its own first byte may have waited behind a burst: its whole request time
     assert mon.estimate_bps() == pytest.approx(8 * 1000 / 0.0304)
     mon.record(1, 1000, 0.01, 0.0405, 0.0410)
-    # each less the other's 30 ms time to first byte (30.5 ms): 1 ms and 0.4 ms, floored
-    assert mon.estimate_bps() == pytest.approx(8 * 1000 / 0.002)
-    mon.record(2, 30_000, 0.02, 0.0600, 0.0610)       # 29 KB of it came 10 ms after 30 ms
-    assert mon.estimate_bps() == pytest.approx(8 * 30_000 / (0.041 - 0.0300))
+    # 0.4 ms and 1 ms past the round trip: too quick to time, at least 2 KB in 2 ms
+    assert mon.estimate_bps() == pytest.approx(8 * 2000 / 0.002)
+    mon.record(2, 30_000, 0.02, 0.0600, 0.0610)       # 29 KB more came 11 ms after 30 ms
+    assert mon.estimate_bps() == pytest.approx(8 * 32_000 / (0.0004 + 0.001 + 0.011))
 
 
 def test_deadlines_follow_execution_progress(impl):

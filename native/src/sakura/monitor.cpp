@@ -39,23 +39,16 @@ TransferSample BandwidthMonitor::record(int shard, std::int64_t nbytes, double s
   return s;
 }
 
-double BandwidthMonitor::lower_bound(const std::vector<TransferSample>& fast,
-                                     const std::vector<TransferSample>& samples) const {
-  // a body read in one go may have waited in the socket buffer: it proves its bytes only
-  // over the time from its request to its end, less one round trip: the smallest time to
-  // first byte of the other transfers (edge/monitor.py, _lower_bound)
-  double best = kNoValue;
-  for (const auto& s : fast) {
-    double round_trip = kNoValue;
-    for (const auto& o : samples) {
-      const bool same = o.shard == s.shard && o.start == s.start && o.end == s.end;
-      if (!same && (!has(round_trip) || o.latency_s() < round_trip)) round_trip = o.latency_s();
+double BandwidthMonitor::begin_of(std::size_t i, const std::vector<TransferSample>& samples) {
+  // its request plus one round trip (the others' smallest time to first byte), no later than
+  // its first byte (edge/monitor.py, _begin)
+  double round_trip = kNoValue;
+  for (std::size_t j = 0; j < samples.size(); ++j) {
+    if (j != i && (!has(round_trip) || samples[j].latency_s() < round_trip)) {
+      round_trip = samples[j].latency_s();
     }
-    const double r = 8.0 * static_cast<double>(s.nbytes) /
-                     std::max(min_body_s_, s.end - s.start - (has(round_trip) ? round_trip : 0.0));
-    if (!has(best) || r > best) best = r;
   }
-  return best;
+  return std::min(samples[i].first_byte, samples[i].start + (has(round_trip) ? round_trip : 0.0));
 }
 
 double BandwidthMonitor::estimate_bps() const {
@@ -64,34 +57,31 @@ double BandwidthMonitor::estimate_bps() const {
     std::lock_guard<std::mutex> lock(mu_);
     samples = samples_;
   }
-  std::vector<TransferSample> informative;
-  for (const auto& s : samples) {
-    if (this->informative(s)) informative.push_back(s);
+  const bool prior = has(initial_bps_) && initial_bps_ > 0;
+  if (samples.empty()) return initial_bps_;
+  // bytes of the last k transfers over the union of their busy intervals (edge/monitor.py)
+  const std::size_t n = samples.size();
+  const std::size_t from = n > static_cast<std::size_t>(k_) ? n - k_ : 0;
+  std::vector<std::pair<double, double>> spans;
+  std::int64_t nbytes = 0;
+  for (std::size_t i = from; i < n; ++i) {
+    spans.emplace_back(begin_of(i, samples), samples[i].end);
+    nbytes += samples[i].nbytes;
   }
-  if (informative.size() > static_cast<std::size_t>(k_)) {
-    informative.erase(informative.begin(), informative.end() - k_);
-  }
-  double estimate;
-  std::vector<TransferSample> newer;
-  if (!informative.empty()) {
-    // the prior stands for the samples still missing from a full window (edge/monitor.py)
-    const bool prior = has(initial_bps_) && initial_bps_ > 0;
-    const double missing = prior ? static_cast<double>(k_) - informative.size() : 0.0;
-    double inv = missing > 0 ? missing / initial_bps_ : 0.0;
-    for (const auto& s : informative) inv += 1.0 / s.rate_bps();
-    estimate = (static_cast<double>(informative.size()) + missing) / inv;
-    const double last_end = informative.back().end;
-    for (const auto& s : samples) {
-      if (s.end > last_end && !this->informative(s)) newer.push_back(s);
+  std::sort(spans.begin(), spans.end());
+  double busy = 0.0, reach = -std::numeric_limits<double>::infinity();
+  for (const auto& [begin, end] : spans) {
+    if (end > reach) {
+      busy += end - std::max(begin, reach);
+      reach = end;
     }
-  } else {
-    estimate = initial_bps_;
-    newer = samples;
   }
-  if (newer.size() > static_cast<std::size_t>(k_)) newer.erase(newer.begin(), newer.end() - k_);
-  const double bound = lower_bound(newer, samples);
-  if (has(bound) && (!has(estimate) || bound > estimate)) return bound;
-  return estimate;
+  const double measured = 8.0 * static_cast<double>(nbytes) / std::max(busy, min_body_s_);
+  if (busy < min_body_s_) return (!prior || measured > initial_bps_) ? measured : initial_bps_;
+  const double m = static_cast<double>(n - from);
+  const double missing = prior ? static_cast<double>(k_) - m : 0.0;
+  if (missing <= 0 || measured <= 0) return measured;
+  return (m + missing) / (m / measured + missing / initial_bps_);
 }
 
 double BandwidthMonitor::latency_s() const {

@@ -2,12 +2,11 @@
 // sakura/edge/monitor.py (same rules, same numbers; tests/edge/test_allocator.py runs the
 // same tests against both). Times are seconds on one monotonic clock; "no value" is NaN.
 //
-// BandwidthMonitor: one sample per transfer; the estimate is the harmonic mean of the last k
-// informative body rates (bodies of at least min_body_s; the prior, if any, stands for the
-// samples missing from the k), raised to what newer fast bodies
-// prove (8 n over their request-to-end time less the smallest time to first byte of the
-// other transfers, at least min_body_s); the latency is the median
-// time to first byte of the last k transfers.
+// BandwidthMonitor: one sample per transfer; the estimate is the bytes of the last k
+// transfers over the union of their busy intervals (each from its request plus the others'
+// smallest time to first byte, no later than its first byte, to its end), the prior standing
+// for transfers missing from the k; a window busy for less than min_body_s only raises the
+// prior; the latency is the median time to first byte of the last k transfers.
 //
 // ExecutionProgress: calibrated execution time per shard, corrected online by the
 // exponentially averaged ratio measured / predicted; predicts each shard's execution start
@@ -49,9 +48,7 @@ class BandwidthMonitor {
   int k() const { return k_; }
 
  private:
-  bool informative(const TransferSample& s) const { return s.end - s.first_byte >= min_body_s_; }
-  double lower_bound(const std::vector<TransferSample>& fast,
-                     const std::vector<TransferSample>& samples) const;
+  static double begin_of(std::size_t i, const std::vector<TransferSample>& samples);
 
   int k_;
   double initial_bps_, min_body_s_;
