@@ -83,6 +83,10 @@ class ShardOptions:
     shard: int
     options: list[ConfigOption]
     compute_cost: float = 1.0
+    # configurations off the Pareto front (not offered to the adaptive policy), kept for
+    # policies that restrict the set: the best 4-bit configurations need not be on the
+    # mixed front, and fixed-bits found none in a shard of the sakura-all pack
+    dominated: list[ConfigOption] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.options:
@@ -104,7 +108,7 @@ class ShardOptions:
         return self.options[0]
 
     def filtered(self, keep: Callable[[ConfigOption], bool]) -> ShardOptions:
-        kept = [o for o in self.options if keep(o)]
+        kept = [o for o in self.options + self.dominated if keep(o)]
         if not kept:
             raise EdgeError(f"shard {self.shard}: no configuration matches the policy")
         return ShardOptions(self.shard, kept, self.compute_cost)
@@ -134,9 +138,11 @@ def options_from_manifest(manifest: Mapping[str, Any], pareto_only: bool = True
                 id=int(c["id"]), nbytes=int(c["bytes"]), params=dict(c.get("params") or {}),
                 psnr_db=_float(q.get("psnr_db")), weighted_err=_float(q.get("weighted_err")),
                 pareto=bool(c.get("pareto", True))))
+        dominated: list[ConfigOption] = []
         if pareto_only and any(o.pareto for o in opts):
-            opts = [o for o in opts if o.pareto]
-        out.append(ShardOptions(int(s["index"]), opts, float(s.get("compute_cost", 1.0))))
+            opts, dominated = ([o for o in opts if o.pareto], [o for o in opts if not o.pareto])
+        out.append(ShardOptions(int(s["index"]), opts, float(s.get("compute_cost", 1.0)),
+                                dominated))
     return out
 
 

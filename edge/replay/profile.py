@@ -86,8 +86,11 @@ class SimResult:
 
 
 def scaled_tables(tables: list[ShardOptions], k: float) -> list[ShardOptions]:
-    return [ShardOptions(t.shard, [replace(o, nbytes=max(1, int(round(o.nbytes * k))))
-                                   for o in t.options], t.compute_cost) for t in tables]
+    def scaled(options: list[Any]) -> list[Any]:
+        return [replace(o, nbytes=max(1, int(round(o.nbytes * k)))) for o in options]
+
+    return [ShardOptions(t.shard, scaled(t.options), t.compute_cost, scaled(t.dominated))
+            for t in tables]
 
 
 def simulate(policy: str, tables: list[ShardOptions], exec_s: list[float], trace: Trace,

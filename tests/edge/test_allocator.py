@@ -147,6 +147,20 @@ def test_fixed_bits_policy_only_uses_that_bitwidth():
     assert alloc.choose(0, 1.0, 8e9) == 1      # mixed precision is excluded
 
 
+def test_fixed_bits_finds_its_configurations_off_the_pareto_front():
+    """In the sakura-all pack the mixed front may hold no 4-bit configuration of a shard;
+    the fixed-bits ablation still gets that shard's 4-bit ones (the adaptive policy still
+    sees the front only)."""
+    m = manifest(1)
+    for c in m["shards"][0]["configs"]:
+        c["pareto"] = c["params"]["bits"] != 4
+    tables = options_from_manifest(m)
+    assert {o.bits for o in tables[0].options} == {2, 8}
+    alloc = get_policy("sakura-fixed-bits").build(PolicyContext(
+        tables=tables, exec_s=[0.01], safety=1.0, options={"bits": 4}))
+    assert alloc.choose(0, 1.0, 8e9) == 4 and alloc.choose(0, 1e-6, 8e6) == 2
+
+
 def test_policies_registry():
     assert get_policy("local").codec is None
     assert get_policy("sakura-fixed-config").codec == "sakura"
