@@ -94,7 +94,7 @@ class ShardOptions:
         self.options = rank_by_quality(self.options)
 
     def by_id(self, config: int) -> ConfigOption:
-        for o in self.options:
+        for o in self.options + self.dominated:
             if o.id == config:
                 return o
         raise EdgeError(f"shard {self.shard} has no configuration {config}")

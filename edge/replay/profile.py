@@ -101,7 +101,7 @@ def simulate(policy: str, tables: list[ShardOptions], exec_s: list[float], trace
     """One streamed edit on the simulated clock (t = 0: the edit starts). ``deadline_s``
     replaces the startup allowance by ``deadline - execution`` (as the runtime does)."""
     big = scaled_tables(tables, k)
-    real = {(t.shard, o.id): o.nbytes for t in tables for o in t.options}
+    real = {(t.shard, o.id): o.nbytes for t in tables for o in t.options + t.dominated}
     allocator = get_policy(policy).build(PolicyContext(
         tables=big, exec_s=exec_s, latency_s=0.0, budget_rate_bps=prior_bps, safety=safety))
     monitor = BandwidthMonitor(5, prior_bps)

@@ -159,6 +159,7 @@ def test_fixed_bits_finds_its_configurations_off_the_pareto_front():
     alloc = get_policy("sakura-fixed-bits").build(PolicyContext(
         tables=tables, exec_s=[0.01], safety=1.0, options={"bits": 4}))
     assert alloc.choose(0, 1.0, 8e9) == 4 and alloc.choose(0, 1e-6, 8e6) == 2
+    assert tables[0].by_id(4).nbytes == 20_000  # the byte size of a choice off the front
 
 
 def test_policies_registry():
