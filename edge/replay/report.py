@@ -338,7 +338,7 @@ def conditions(runs: list[dict[str, Any]], templates: dict[str, dict[str, Any]],
     main = [r for r in runs if is_main(r)]
     cells = group(main, "template", "network", "policy")
     per_net: dict[str, int] = {}
-    for (t, n, p), rs in cells.items():
+    for (_t, n, _p), rs in cells.items():
         k = len({r["start_index"] for r in rs})
         per_net[n] = min(per_net.get(n, k), k)
     head = [v for n, v in per_net.items() if n in nets]
