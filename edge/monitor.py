@@ -46,7 +46,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MIN_BODY_S = 5e-4  # floor of a body duration when computing a rate
 # Startup allowance: the fraction of the edit's predicted execution time by which execution
 # may start later than the shards start streaming, so that the first shards go at better
 # configurations (0: none). Chosen on the demo: docs/RESULTS.md, "Startup allowance".
@@ -66,15 +65,6 @@ class TransferSample:
     @property
     def latency_s(self) -> float:
         return max(0.0, self.first_byte - self.start)
-
-    @property
-    def body_s(self) -> float:
-        return max(MIN_BODY_S, self.end - self.first_byte)
-
-    @property
-    def rate_bps(self) -> float:
-        """Body throughput in bits per second."""
-        return 8.0 * self.nbytes / self.body_s
 
 
 class BandwidthMonitor:

@@ -456,8 +456,6 @@ class EdgeRuntime:
         shard table built. An app calls it when the user opens a template, so that the edit
         starts streaming at once (the benches and the demo call it before the timed edits:
         a phone that has used the template before)."""
-        from sakura.edge.native_runtime import rope_table, stream_shards
-
         pol = get_policy(policy)
         opts = (options or EditOptions()).check()
         if pol.codec is None:
@@ -475,14 +473,9 @@ class EdgeRuntime:
         with NetLoop() as net:
             got, where = net.run(fetch())
         derived = self._derived_of(template_id, codec, got.etag)
-        manifest = derived.get("manifest") or self._check_manifest(got.data, prep)
-        derived["manifest"] = manifest
-        if self.runtime == "native" and ("shards", where.url) not in derived:
-            derived[("shards", where.url)] = self.native.native.StreamTable(
-                stream_shards(got.data, where.url))
-            geometry = got.data["geometry"]
-            derived["rope"] = rope_table(manifest.make_codec(), int(geometry["tokens"]),
-                                         int(geometry["channels"]))
+        manifest = self._derived_manifest(derived, got.data, prep)
+        if self.runtime == "native":
+            self._derived_stream(derived, got.data, manifest, where.url)
         self.save_state()
 
     def edit(self, server: str, template_id: str, template: Template, req: EditRequest,
@@ -533,8 +526,7 @@ class EdgeRuntime:
             got = net.run(client.manifest_fetch(template_id, codec))
             manifest_dict, raw_len = got.data, got.size
             derived = self._derived_of(template_id, codec, got.etag)
-            manifest = derived.get("manifest") or self._check_manifest(manifest_dict, prep)
-            derived["manifest"] = manifest
+            manifest = self._derived_manifest(derived, manifest_dict, prep)
             warning = self.model_warning(manifest_dict)
             layout = manifest.layout()
             exec_s = profile.shard_times(layout)
@@ -668,6 +660,28 @@ class EdgeRuntime:
             self._derived[key] = (etag, fresh)
         return fresh
 
+    def _derived_manifest(self, derived: dict[str, Any], manifest_dict: dict[str, Any],
+                          prep: Prepared) -> Manifest:
+        """The parsed and checked manifest, from ``derived`` or made and kept there."""
+        if "manifest" not in derived:
+            derived["manifest"] = self._check_manifest(manifest_dict, prep)
+        return derived["manifest"]
+
+    def _derived_stream(self, derived: dict[str, Any], manifest_dict: dict[str, Any],
+                        manifest: Manifest, url: str) -> tuple[Any, Any]:
+        """The native stream's shard table for the pack at ``url`` and the keys' RoPE
+        table, from ``derived`` or made and kept there."""
+        from sakura.edge.native_runtime import rope_table, stream_shards
+
+        if ("shards", url) not in derived:
+            derived[("shards", url)] = self.native.native.StreamTable(
+                stream_shards(manifest_dict, url))
+        if "rope" not in derived:
+            geometry = manifest_dict["geometry"]
+            derived["rope"] = rope_table(manifest.make_codec(), int(geometry["tokens"]),
+                                         int(geometry["channels"]))
+        return derived[("shards", url)], derived["rope"]
+
     def _native_streamed(self, client: PackClient, template_id: str, codec: str,
                          manifest_dict: dict[str, Any], manifest: Manifest, codec_impl: Any,
                          prep: Prepared, req: Any, allocator: Any, monitor: Any,
@@ -675,7 +689,7 @@ class EdgeRuntime:
                          log: list[RequestRecord], describe: Any, derived: dict[str, Any]
                          ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
         from sakura.edge.allocator import to_native
-        from sakura.edge.native_runtime import decode_kind, rope_table, stream_shards, stream_spec
+        from sakura.edge.native_runtime import decode_kind, stream_spec
 
         where = client.pack_location(template_id, codec, manifest_dict)
 
@@ -692,19 +706,13 @@ class EdgeRuntime:
                 "max_connections": opts.max_inflight,
                 "headers": [f"{k}: {v}" for k, v in where.headers.items()],
                 "display_url": client.base_url}
-        shards = derived.get(("shards", where.url))
-        if shards is None:
-            shards = derived[("shards", where.url)] = self.native.native.StreamTable(
-                stream_shards(manifest_dict, where.url))
-        if "rope" not in derived:
-            derived["rope"] = rope_table(codec_impl, int(geometry["tokens"]),
-                                         int(geometry["channels"]))
+        shards, rope = self._derived_stream(derived, manifest_dict, manifest, where.url)
         stream = stream_spec(
             shards, geometry, http=http,
             origin=origin, max_ahead=opts.max_ahead, max_ready=opts.max_ready,
             max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
             max_ahead_cap=opts.max_ahead_cap, reconstruct=opts.reconstruct,
-            kind=decode_kind(codec_impl), decode=decode, rope=derived["rope"],
+            kind=decode_kind(codec_impl), decode=decode, rope=rope,
             pipeline_cpus=opts.pipeline_cpus)
         image, records, requests = self.native.streamed_edit(
             prep.template, prep.geometry, req, stream, to_native(allocator, self.native.native),

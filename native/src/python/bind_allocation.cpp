@@ -45,9 +45,7 @@ void bind_allocation(py::module_& m) {
       .def_readonly("start", &sakura::TransferSample::start)
       .def_readonly("first_byte", &sakura::TransferSample::first_byte)
       .def_readonly("end", &sakura::TransferSample::end)
-      .def_property_readonly("latency_s", &sakura::TransferSample::latency_s)
-      .def_property_readonly("body_s", &sakura::TransferSample::body_s)
-      .def_property_readonly("rate_bps", &sakura::TransferSample::rate_bps);
+      .def_property_readonly("latency_s", &sakura::TransferSample::latency_s);
 
   py::class_<sakura::BandwidthMonitor, std::shared_ptr<sakura::BandwidthMonitor>>(
       m, "BandwidthMonitor")

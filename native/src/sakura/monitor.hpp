@@ -24,7 +24,6 @@
 namespace sakura {
 
 constexpr double kNoValue = std::numeric_limits<double>::quiet_NaN();
-constexpr double kMinBodyS = 5e-4;  // floor of a body duration when computing a rate
 
 struct TransferSample {
   int shard = -1;  // -1: not a shard (the manifest)
@@ -32,8 +31,6 @@ struct TransferSample {
   double start = 0, first_byte = 0, end = 0;
 
   double latency_s() const { return std::max(0.0, first_byte - start); }
-  double body_s() const { return std::max(kMinBodyS, end - first_byte); }
-  double rate_bps() const { return 8.0 * static_cast<double>(nbytes) / body_s(); }
 };
 
 class BandwidthMonitor {
