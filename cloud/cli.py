@@ -24,6 +24,7 @@ from sakura.cloud.errors import ServeConfigError
 
 from sakura.argtypes import (
     http_url,
+    json_out,
     json_path,
     name_list,
     nonnegative_int,
@@ -112,8 +113,7 @@ def register(commands: Any, bench: Any) -> None:
         description="Benchmark the shard endpoint against a plain static file server on the "
                     "same pack.",
     )
-    bench_serve.add_argument("--json", type=json_path, required=True, metavar="PATH",
-                             help="write the result here (- for stdout)")
+    json_out(bench_serve, help="write the result here (- for stdout)")
     bench_serve.add_argument("--quick", action="store_true", help="small pack, 2 s per server")
     bench_serve.add_argument("--clients", type=positive_int, default=32, metavar="N",
                              help="concurrent clients (default 32)")

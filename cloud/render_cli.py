@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from sakura.argtypes import (
-    json_path,
+    json_out,
     nonnegative_float,
     nonnegative_int,
     port,
@@ -134,8 +134,7 @@ def register(commands: Any, bench: Any) -> None:
         help="regional execution vs full / uniform steps / naive patches; render engine load",
         description="Quality of FlashDiff regional execution on the evaluation prompts and "
                     "throughput / p90 latency of the render engine under a bursty load.")
-    b.add_argument("--json", type=json_path, metavar="PATH",
-                   help="write the result JSON here (- for stdout)")
+    json_out(b, help="write the result JSON here (- for stdout)", required=False)
     b.add_argument("--quick", action="store_true", help="2 prompts, 10 steps, 6 requests")
     b.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     b.add_argument("--workers", type=positive_int, default=2, metavar="N",
@@ -178,6 +177,5 @@ def register(commands: Any, bench: Any) -> None:
                      help="execution mode (default regional)")
     rep.add_argument("--request-priority", default="normal", choices=["high", "normal", "low"],
                      help="priority class of the replayed requests (default normal)")
-    rep.add_argument("--json", type=json_path, metavar="PATH",
-                     help="write the latency/throughput summary here (- for stdout)")
+    json_out(rep, help="write the latency/throughput summary here (- for stdout)", required=False)
     rep.set_defaults(func=_replay)

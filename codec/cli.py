@@ -16,7 +16,7 @@ from typing import Any
 
 from sakura.codec.errors import PackError
 
-from sakura.argtypes import json_path, positive_int
+from sakura.argtypes import json_out, positive_int
 from sakura.errors import UsageError
 
 CURRENT_MANIFEST = "manifest.json"  # cloud.layout.MANIFEST_NAME (codec knows nothing of cloud)
@@ -159,8 +159,7 @@ def register(commands, bench) -> None:
     b = bench.add_parser("codec", help="codecs at ~5x/15x/50x vs FP16: bytes, KV error, edit PSNR",
                          description="Every codec at about 5x, 15x and 50x below FP16: bytes, "
                                      "importance-weighted KV error and edit PSNR.")
-    b.add_argument("--json", type=json_path, required=True, metavar="PATH",
-                   help="write the results here (- for stdout)")
+    json_out(b)
     b.add_argument("--quick", action="store_true",
                    help="one template, 6 steps, 1 profiling and 2 evaluation requests (< 60 s)")
     src = b.add_mutually_exclusive_group()
@@ -190,7 +189,6 @@ def register(commands, bench) -> None:
                         "catalog such as `sakura build --out`, or a write_pack folder)")
     i.add_argument("--template", metavar="ID", help="template id, when TARGET holds several")
     i.add_argument("--codec", metavar="NAME", help="codec, when TARGET holds several")
-    i.add_argument("--json", type=json_path, metavar="PATH",
-                   help="also write the manifest JSON here (- for stdout)")
+    json_out(i, help="also write the manifest JSON here (- for stdout)", required=False)
     i.add_argument("--verify", action="store_true", help="check every checksum")
     i.set_defaults(func=_inspect)

@@ -25,6 +25,7 @@ from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
 
 from sakura.argtypes import (
     http_url,
+    json_out,
     json_path,
     nonnegative_float,
     nonnegative_int,
@@ -138,8 +139,7 @@ def register(commands: Any, bench: Any) -> None:
         description="Run every policy on the same edit over the same paced trace window; "
                     "the trace is scaled so that the FP16 cache at its median rate takes "
                     "10x the masked execution time.")
-    b.add_argument("--json", type=json_path, required=True, metavar="PATH",
-                   help="write the results here (- for stdout)")
+    json_out(b)
     b.add_argument("--quick", action="store_true", help="one start point (under a minute)")
     b.add_argument("--template", metavar="ID", help="template (default: the first one)")
     b.add_argument("--trace", metavar="PATH", help="trace file (default: the first 5G trace)")

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sakura.argtypes import json_path, positive_int
+from sakura.argtypes import json_out, positive_int
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -21,8 +21,7 @@ def register(commands: Any, bench: Any) -> None:
         description="Decode every configuration of a sample of shards with the Python and "
                     "the native decoder (1 thread each, and native with --threads), check "
                     "they agree, and time a pipeline of no-op stages.")
-    p.add_argument("--json", type=json_path, metavar="PATH",
-                   help="write the results here (- for stdout)")
+    json_out(p, required=False)
     p.add_argument("--pack", metavar="DIR", help="a sakura/svd pack directory (default: a "
                    "synthetic cache at the shipped model's geometry)")
     p.add_argument("--template", metavar="ID", help="template id of the pack's manifest")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = [
@@ -110,6 +111,13 @@ def json_path(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("give a file path, or - for standard output")
     return text
+
+
+def json_out(parser: Any, help: str = "write the results here (- for stdout)",
+             required: bool = True) -> None:
+    """The ``--json PATH`` option of a command that writes a JSON result (``-``: stdout)."""
+    parser.add_argument("--json", type=json_path, required=required, metavar="PATH",
+                        help=help)
 
 
 def name_list(text: str) -> tuple[str, ...]:

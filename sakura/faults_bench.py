@@ -56,15 +56,14 @@ TEMPLATE = "face-a"
 
 
 def register(commands: Any, bench: Any) -> None:
-    from sakura.argtypes import json_path
+    from sakura.argtypes import json_out
 
     b = bench.add_parser(
         "faults", help="integrity and fault tolerance of serving, case by case (loopback)",
         description="Corrupted and repaired packs, hostile methods, a server restart mid-edit, "
                     "truncated packs, killed builds, a bad catalog, HEAD, slow headers, "
                     "reproducible builds: each case checked, a JSON report.")
-    b.add_argument("--json", type=json_path, required=True, metavar="PATH",
-                   help="write the result here (- for stdout)")
+    json_out(b, help="write the result here (- for stdout)")
     b.add_argument("--cases", metavar="LIST", help="comma-separated case names (default all)")
     b.set_defaults(func=_main)
 

@@ -37,15 +37,14 @@ BUCKET = "sakura-bench"
 
 
 def register(commands: Any, bench: Any) -> None:
-    from sakura.argtypes import json_path
+    from sakura.argtypes import json_out
 
     b = bench.add_parser(
         "origins", help="one edit streamed from sakura serve, nginx and S3 (moto) alike",
         description="The same edit (one template, one trace window) against three real "
                     "origins of one published catalog: bytes, requests, ranges per request, "
                     "PSNR, errors, and identical images for the same choices.")
-    b.add_argument("--json", type=json_path, required=True, metavar="PATH",
-                   help="write the result here (- for stdout)")
+    json_out(b, help="write the result here (- for stdout)")
     b.add_argument("--template", default=DEFAULT_TEMPLATE, metavar="ID",
                    help=f"catalog template (default {DEFAULT_TEMPLATE})")
     b.add_argument("--packs", metavar="DIR",

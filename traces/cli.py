@@ -21,7 +21,7 @@ from sakura.traces.catalog import TRACE_SETS, default_trace_dir, find_trace_file
 from sakura.traces.errors import TraceError
 from sakura.traces.formats import load_trace
 
-from sakura.argtypes import json_path, positive_float
+from sakura.argtypes import json_out, positive_float
 from sakura.output import write_json
 
 _COLUMNS = (
@@ -47,8 +47,7 @@ def register(commands: Any, bench: Any) -> None:
                                        "recursively) or named sets (see `sakura traces list`).")
     stats.add_argument("paths", nargs="+", metavar="PATH",
                        help="trace files, folders, or named sets such as 5g, lte, wifi")
-    stats.add_argument("--json", type=json_path, metavar="PATH",
-                       help="write the rows as JSON here (- for stdout) instead of a table")
+    json_out(stats, help="write the rows as JSON here (- for stdout) instead of a table", required=False)
     stats.add_argument("--window", type=positive_float, default=1.0, metavar="S",
                        help="window in s (default 1)")
     stats.add_argument("--label", help="only slices with this network label (e.g. 5G)")
@@ -57,8 +56,7 @@ def register(commands: Any, bench: Any) -> None:
     stats.set_defaults(func=_cmd_stats)
 
     lst = sub.add_parser("list", help="where the traces are and the named sets")
-    lst.add_argument("--json", type=json_path, metavar="PATH",
-                     help="write the folder and sets as JSON here (- for stdout)")
+    json_out(lst, help="write the folder and sets as JSON here (- for stdout)", required=False)
     lst.set_defaults(func=_cmd_list)
 
     mm = sub.add_parser("mahimahi", help="write a (scaled or mixed) trace as a Mahimahi "
@@ -77,8 +75,7 @@ def register(commands: Any, bench: Any) -> None:
     link.add_argument(
         "paths", nargs="*", metavar="PATH", help="trace files or the trace folder (default)"
     )
-    link.add_argument("--json", type=json_path, metavar="PATH",
-                      help="write the full JSON report here (- for stdout)")
+    json_out(link, help="write the full JSON report here (- for stdout)", required=False)
     link.add_argument("--quick", action="store_true", help="3 traces, one window each")
     link.add_argument("--window", type=positive_float, default=2.0, metavar="S",
                       help="window in s (default 2)")

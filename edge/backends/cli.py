@@ -11,7 +11,7 @@ from typing import Any
 from sakura.edge.backends import BACKENDS as NAMES
 from sakura.edge.backends.errors import BackendError
 
-from sakura.argtypes import json_path, positive_int
+from sakura.argtypes import json_out, positive_int
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -19,8 +19,7 @@ def register(commands: Any, bench: Any) -> None:
         "backends", help="shard latency, error vs torch, compile vs cached load per backend",
         description="Compile the shard graphs of one catalog template for every backend, "
                     "time them, compare their outputs and a whole edit with torch.")
-    b.add_argument("--json", type=json_path, required=True, metavar="PATH",
-                   help="write the results here (- for stdout)")
+    json_out(b)
     b.add_argument("--template", metavar="ID", help="catalog template (default: the first)")
     b.add_argument("--backends", nargs="+", choices=NAMES, default=list(NAMES),
                    metavar="B", help=f"backends (default all: {', '.join(NAMES)})")
@@ -47,8 +46,7 @@ def register(commands: Any, bench: Any) -> None:
         description="Compile the shard and step graphs of one catalog template static and "
                     "with dynamic M/U, time both interleaved, compare both with torch, and "
                     "run the dynamic graphs at every catalog template's geometry.")
-    d.add_argument("--json", type=json_path, required=True, metavar="PATH",
-                   help="write the results here (- for stdout)")
+    json_out(d)
     d.add_argument("--template", metavar="ID", default="face-technologist",
                    help="catalog template (default face-technologist)")
     d.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")

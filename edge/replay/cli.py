@@ -11,7 +11,7 @@ from typing import Any
 
 from sakura.edge.cli import runtime_arg, startup_fraction
 
-from sakura.argtypes import json_path, positive_int
+from sakura.argtypes import json_out, positive_int
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -47,8 +47,7 @@ def register(commands: Any, bench: Any) -> None:
         description="Write DIR/report.md and DIR/figures/*.png from DIR/runs.jsonl; "
                     "--json PATH also writes the headline ratios and their targets.")
     p.add_argument("dir", metavar="DIR", help="a `sakura replay` results folder")
-    p.add_argument("--json", type=json_path, metavar="PATH",
-                   help="write the headline ratios here (- for stdout)")
+    json_out(p, help="write the headline ratios here (- for stdout)", required=False)
     p.add_argument("--out", metavar="DIR", help="write the report here (default: DIR)")
     p.set_defaults(func=_report)
 
