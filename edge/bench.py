@@ -302,6 +302,9 @@ class BenchSpec:
     reconstruct: str = "cpu"    # the native runtime's reconstruct stage (cpu or opencl)
     rtt_ms: float = DEFAULT_RTT_MS  # the network's round trip
     rtt_scale: str = "matched"  # matched: the link carries rtt_ms x T / T_phone; none: rtt_ms
+    # where the native receive/reconstruct threads run: "network" (the server and link's
+    # CPUs, the phone's modem and GPU) or "device" (beside execution, to measure the cost)
+    pipeline_cpus: str = "network"
     log: Any = field(default=print)
 
 
@@ -448,7 +451,8 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
             stage = spec.reconstruct if rt.runtime == "native" else "cpu"
             # the native pipeline's receive and reconstruct threads on the network's core
             # (the phone's modem and GPU), execution alone on the device's
-            io_cpus = tuple(sorted(cpus[1])) if cpus and rt.runtime == "native" else None
+            io_cpus = (tuple(sorted(cpus[1])) if cpus and rt.runtime == "native"
+                       and spec.pipeline_cpus == "network" else None)
             rt.edit(link_url, tid, template, req, "sakura",
                     options=EditOptions(budget_rate_bps=scaled_median, reconstruct=stage,
                                         pipeline_cpus=io_cpus))
@@ -522,6 +526,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
         "background_load": spec.background_load,
         "cpus": ({"device": sorted(cpus[0]), "server_and_link": sorted(cpus[1]),
                   "pipeline_threads": (sorted(cpus[1]) if runtime.runtime == "native"
+                                       and spec.pipeline_cpus == "network"
                                        else sorted(cpus[0]))}
                  if cpus else None),
         "template": tid,

@@ -167,6 +167,10 @@ def register(commands: Any, bench: Any) -> None:
                         "(python_runtime in the JSON)")
     b.add_argument("--rtt-ms", type=nonnegative_float, default=30.0, metavar="MS",
                    help="the network's round trip (default 30 ms, a 5G RTT)")
+    b.add_argument("--pipeline-cpus", choices=("network", "device"), default="network",
+                   help="where the native receive and reconstruct threads run: network "
+                        "(default: the server and link's CPU, as a phone's modem and GPU) or "
+                        "device (beside execution, to measure what that costs)")
     b.add_argument("--rtt-scale", choices=("matched", "none"), default="matched",
                    help="matched (default): the link carries RTT x T / the phone profile's "
                         "masked execution, time scaled like the rates; none: the RTT as is")
@@ -448,6 +452,7 @@ def _bench(args: argparse.Namespace) -> int:
         weights=args.weights, runs=args.runs, threads=args.threads, runtime=runtime,
         background_load=args.background_load, compare_python=args.compare_python,
         reconstruct=args.reconstruct, rtt_ms=args.rtt_ms, rtt_scale=args.rtt_scale,
+        pipeline_cpus=args.pipeline_cpus,
         plots=Path(args.plots) if args.plots else None,
         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     doc = run_bench(spec)
