@@ -191,7 +191,9 @@ class _Req:
     future: Future
     arrival: float
     pending: dict[int, tuple[PatchResult, int]] = field(default_factory=dict)
+    # the last patch step that wrote K/V, and its writes (token ids, k, v, worker)
     last: tuple[int, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]]] | None = None
+    kv_since: int = 0            # the K/V store is unchanged since the start of this step
     seen: set[int] = field(default_factory=set)   # workers holding its backend
     tasks: int = 0
     cls: int = 1
@@ -324,6 +326,7 @@ class RenderEngine:
         self._ctx = None
         self.deaths = 0
         self.respawned = 0
+        self.syncs: collections.Counter[str] = collections.Counter()  # K/V sync kinds sent
         # outputs applied, in order (bounded; tests check there is no duplicate)
         self.applied: collections.deque[TaskKey] = collections.deque(maxlen=100_000)
         self.loop_error: BaseException | None = None
@@ -420,6 +423,7 @@ class RenderEngine:
                 "affinity_hits": s.affinity_hits, "preemptions": s.preemptions,
                 "kept": s.kept, "worker_deaths": self.deaths,
                 "respawned": self.respawned, "active_requests": len(self._reqs),
+                "kv_syncs": {k: self.syncs[k] for k in ("none", "delta", "snapshot")},
                 "patch_search": self.search.to_dict()}
 
     # -- requests --------------------------------------------------------------------
@@ -520,8 +524,7 @@ class RenderEngine:
             return
         d = st.decide(s)
         if not d.active_ids():  # every patch skipped: the step is the reused velocities
-            st.apply_patches(s, {})
-            r.last = (s, {})
+            st.apply_patches(s, {})  # the store is unchanged: r.last and kv_since stay
             self._enqueue(r)
             return
         for p in d.active_ids():
@@ -568,12 +571,24 @@ class RenderEngine:
     # -- placement and messages ------------------------------------------------------
 
     def _sync_kind(self, r: _Req, step: int, wid: int) -> str:
+        """How worker ``wid``'s replica is brought to the start of ``step``: ``none`` (it
+        is there), ``delta`` (its version is the last K/V-writing step, whose writes from
+        other workers it is sent, or later: then only its version moves on, since steps
+        where every patch was skipped change nothing) or ``snapshot``."""
         version = self._replica.get(wid, {}).get(r.rid)
+        if version is None or version > step:
+            return "snapshot"
         if version == step:
             return "none"
-        if version == step - 1 and r.last is not None and r.last[0] == step - 1:
+        if version >= r.kv_since or (r.last is not None and r.last[0] == version):
             return "delta"
         return "snapshot"
+
+    def _delta_writes(self, r: _Req, wid: int) -> list:
+        version = self._replica[wid][r.rid]
+        if r.last is None or r.last[0] != version:
+            return []
+        return [(o[0], o[1], o[2]) for o in r.last[1].values() if o[3] != wid]
 
     def _transfer(self, task: Task, wid: int) -> float:
         r = self._reqs.get(task.key.rid)
@@ -586,8 +601,7 @@ class RenderEngine:
         if kind == "none":
             return 0.0
         if kind == "delta":
-            _, outs = r.last
-            return w * sum(len(o[0]) for o in outs.values() if o[3] != wid)
+            return w * sum(len(o[0]) for o in self._delta_writes(r, wid))
         return w * r.state.n
 
     def _send(self, g: Group) -> None:
@@ -616,12 +630,12 @@ class RenderEngine:
                            patches=[(k.patch, _np(st.partition.patches[k.patch])) for k in keys])
             if ctx:
                 kind = self._sync_kind(r, s, g.worker)
+                self.syncs[kind] += 1
                 if kind == "snapshot":
                     payload["sync"] = ("snapshot", s, _np(st.store.k), _np(st.store.v))
                 elif kind == "delta":
-                    _, outs = r.last
-                    payload["sync"] = ("delta", s, [(o[0], o[1], o[2]) for o in outs.values()
-                                                     if o[3] != g.worker])
+                    payload["sync"] = ("delta", self._replica[g.worker][r.rid], s,
+                                       self._delta_writes(r, g.worker))
                 self._replica[g.worker][r.rid] = s
         w.send(("run", payload))
         r.seen.add(g.worker)
@@ -691,7 +705,8 @@ class RenderEngine:
                              f["img_keys"], f["probe_macs"])
             st.apply_full(s, res)
             self.applied.append(keys[0])
-            r.last = None
+            if kv is not None:
+                r.last, r.kv_since = None, s + 1
             self._enqueue(r)
             return
         want = {k.patch for k in fresh}
@@ -708,6 +723,7 @@ class RenderEngine:
             parts = st.partition.patches
             r.last = (s, {p: (_np(parts[p]), _np(pr.k), _np(pr.v), wid)
                           for p, (pr, wid) in r.pending.items()})
+            r.kv_since = s + 1
             r.pending = {}
             st.apply_patches(s, results)
             self._enqueue(r)

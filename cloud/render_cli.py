@@ -122,10 +122,16 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _bench_flashdiff(args: argparse.Namespace) -> int:
     _check_weights(args)
+    from sakura.cloud.render import EngineConfig
+    from sakura.dit.model import MMDiTConfig
+
+    unit, top = MMDiTConfig.patch_size, EngineConfig.max_size
+    if args.serve_size % unit or not 2 * unit <= args.serve_size <= top:
+        raise SakuraError(f"--serve-size: must be a multiple of {unit} in {2 * unit}..{top}")
     from sakura.cloud.render_bench import main
 
     return main(args.json, args.quick, args.weights, args.workers, args.requests,
-                serve=not args.no_serve)
+                serve=not args.no_serve, serve_size=args.serve_size)
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -135,13 +141,16 @@ def register(commands: Any, bench: Any) -> None:
         description="Quality of FlashDiff regional execution on the evaluation prompts and "
                     "throughput / p90 latency of the render engine under a bursty load.")
     json_out(b, help="write the result JSON here (- for stdout)", required=False)
-    b.add_argument("--quick", action="store_true", help="2 prompts, 10 steps, 6 requests")
+    b.add_argument("--quick", action="store_true", help="2 prompts, 10 steps, 8 requests")
     b.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     b.add_argument("--workers", type=positive_int, default=2, metavar="N",
                    help="render worker processes (default 2)")
     b.add_argument("--requests", type=positive_int, metavar="N",
                    help="requests in the arrival trace")
     b.add_argument("--no-serve", action="store_true", help="skip the render-engine part")
+    b.add_argument("--serve-size", type=positive_int, default=128, metavar="PX",
+                   help="image size of the serving replays (default 128; the quality runs "
+                        "use 64, and the replays are repeated there)")
     b.set_defaults(func=_bench_flashdiff)
 
     render = commands.add_parser("render", help="FlashDiff cloud render engine",

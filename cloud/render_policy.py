@@ -11,7 +11,9 @@ per request. Here every finished regional request reports
   quality signal available online (no full-execution reference exists while serving).
 
 :class:`PatchCountSearch` keeps those per candidate R. It first tries every candidate
-``trials`` times (round robin), then picks the R with the smallest
+``trials`` times (round robin; once by default: under concurrent arrivals the choices are
+handed out before any request finishes, so each extra trial round spends another
+len(candidates) requests on exploration), then picks the R with the smallest
 
     score(R) = service(R) / min_R service(R) * (1 + quality_weight * reuse_error(R))
 
@@ -34,7 +36,7 @@ class PatchCountSearch:
     """Online choice of the patch count R (see the module doc)."""
 
     candidates: tuple[int, ...] = (2, 4, 6, 8)
-    trials: int = 2
+    trials: int = 1
     explore_every: int = 8
     quality_weight: float = 1.0
     window: int = 16                      # observations kept per candidate (recent ones)

@@ -15,8 +15,10 @@ dangling handle):
 The worker keeps a *replica* of each request's K/V store (the stale context of patch
 tasks) at a version = the step whose start it reflects, and a stash of the patch outputs
 it computed itself. The engine either says nothing (the replica is current), sends a
-*delta* (the previous step's outputs computed elsewhere: the worker adds its stash and
-the delta and advances one step), or a full *snapshot*. Writes are disjoint token sets,
+*delta* ``(since, version, writes)`` (the outputs of step ``since`` computed elsewhere;
+the worker adds its own stash of that step and the writes and moves to ``version``, which
+may be several steps on, since a step where every patch was skipped writes nothing), or a
+full *snapshot*. Writes are disjoint token sets,
 so the result does not depend on the order they are applied in.
 """
 
@@ -103,11 +105,11 @@ class _Worker:
             _, version, k, v = sync
             self.replicas[rid] = Replica(_t(k).clone(), _t(v).clone(), version)
         elif sync is not None and sync[0] == "delta":
-            _, version, writes = sync
+            _, since, version, writes = sync
             rep = self.replicas.get(rid)
-            if rep is None or rep.version != version - 1:
-                raise ResyncNeeded(f"request {rid}: replica not at step {version - 1}")
-            for idx, k, v in rep.stash.pop(version - 1, []):
+            if rep is None or rep.version != since:
+                raise ResyncNeeded(f"request {rid}: replica not at step {since}")
+            for idx, k, v in rep.stash.pop(since, []):
                 rep.write(idx, k, v)
             for idx, k, v in writes:
                 rep.write(idx, k, v)

@@ -35,7 +35,10 @@ from sakura.dit.sampler import generate
 
 
 @dataclass
-class _Acc:
+class ImageAccumulator:
+    """Pooled squared error, mean SSIM, skipped and compute fractions of images against
+    their references."""
+
     se: float = 0.0
     count: int = 0
     ssim: float = 0.0
@@ -91,7 +94,7 @@ def quality_bench(model, encoder, prompts, size: int, steps: int, cfg: RegionalC
     :func:`references`, computed here when not given)."""
     unc = encoder.encode([""])
     refs = refs or references(model, encoder, prompts, size, steps, seed0)
-    acc = {k: _Acc() for k in ("flashdiff", "separate", "uniform_steps", "naive_patches")}
+    acc = {k: ImageAccumulator() for k in ("flashdiff", "separate", "uniform_steps", "naive_patches")}
     per_prompt = []
     for i, (tid, prompt, guidance) in enumerate(prompts):
         r = refs[i]
@@ -141,7 +144,7 @@ def eps_sweep(model, encoder, prompts, size: int, steps: int, cfg: RegionalConfi
                       generate(model, txt, unc, size, seed0 + i, steps, guidance)))
     rows = []
     for eps in eps_values:
-        a = _Acc()
+        a = ImageAccumulator()
         for i, (txt, guidance, sal, full) in enumerate(fulls):
             img, st = regional_generate(model, txt, unc, size, seed0 + i, steps, guidance,
                                         replace(cfg, eps=eps), sal)
@@ -184,7 +187,7 @@ def run_config(model, encoder, refs: list[Reference], size: int, steps: int,
     cfg)`` may adapt it per prompt) -> pooled PSNR / mean SSIM vs full, skipped and compute
     fractions, the probes' modelled share and measured wall-time share."""
     unc = encoder.encode([""])
-    a = _Acc()
+    a = ImageAccumulator()
     probe_share = probe_s = total_s = 0.0
     rows = []
     for i, r in enumerate(refs):
@@ -386,7 +389,7 @@ def edit_bench(model, encoder, spec, steps: int, cfg: RegionalConfig, requests: 
     """Regional execution inside the masked region of a cached edit vs the cached edit."""
     tpl = replace(spec.to_template(encoder), steps=steps)
     run = template_run(model, tpl)
-    a = _Acc()
+    a = ImageAccumulator()
     reqs = spec.requests(encoder, "evaluation")[:requests]
     for req, prompt in zip(reqs, spec.evaluation_prompts):
         exact = cached_edit(model, tpl, run.geometry, run.cache, req)

@@ -153,6 +153,40 @@ def test_gang_tasks_of_a_joint_step_go_to_one_worker():
 # ----------------------------------------------------------------------------- trace
 
 
+def test_kv_sync_moves_a_replica_across_steps_that_wrote_nothing():
+    """A step where every patch was skipped writes no K/V, so a worker whose replica is
+    at the last writing step gets a delta (its version moves on several steps), not the
+    whole store; a replica older than the last write needs the snapshot."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from sakura.cloud.render_worker import Replica, ResyncNeeded, _Worker
+
+    idx = np.array([0, 1])
+    one = np.ones((1, 1, 1, 2, 1), dtype=np.float32)
+    others = (idx, one, one, 1)
+    # request 7: patches ran at step 3 (worker 0 and worker 1 wrote), steps 4-5 skipped all
+    r = SimpleNamespace(rid=7, kv_since=4, last=(3, {0: others}))
+    eng = SimpleNamespace(_replica={0: {7: 3}, 1: {7: 4}, 2: {7: 2}, 3: {}})
+    kind = lambda wid, step=6: RenderEngine._sync_kind(eng, r, step, wid)  # noqa: E731
+    assert kind(0) == "delta"      # at the last writing step: its stash + worker 1's writes
+    assert kind(1) == "delta"      # already past it: only the version moves
+    assert kind(2) == "snapshot"   # misses step 3's writes
+    assert kind(3) == "snapshot"   # holds nothing
+    assert kind(0, step=3) == "none"
+    assert [w[0].tolist() for w in RenderEngine._delta_writes(eng, r, 0)] == [[0, 1]]
+    assert RenderEngine._delta_writes(eng, r, 1) == []
+
+    w = _Worker(model=None)
+    k = torch.zeros(1, 1, 1, 4, 1)
+    own = (np.array([2]), torch.full((1, 1, 1, 1, 1), 2.0), torch.full((1, 1, 1, 1, 1), 2.0))
+    w.replicas[7] = Replica(k.clone(), k.clone(), 3, {3: [own]})
+    rep = w.sync(7, 6, ("delta", 3, 6, [others[:3]]))
+    assert rep.version == 6 and rep.k.flatten().tolist() == [1.0, 1.0, 2.0, 0.0]
+    with pytest.raises(ResyncNeeded):  # a delta from a step the replica is not at
+        w.sync(7, 8, ("delta", 5, 8, []))
+
+
 def test_arrival_traces_are_seeded_and_have_the_requested_rate(tmp_path):
     prompts = ["a", "b", "c"]
     b1 = bursty_arrivals(400, rate=4.0, prompts=prompts, burst=5, seed=3)
