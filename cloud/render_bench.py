@@ -185,12 +185,9 @@ def adapter_bench(kinds=("flux2", "sd3.5"), *, steps: int = 10, grid: int = 16,
             g = torch.Generator().manual_seed(1)
             width = int(mc.joint_attention_dim)
             pooled = int(mc.get("pooled_projection_dim") or 0)
-
-            def cond(tokens):
-                return Conditioning(torch.randn(1, tokens, width, generator=g),
-                                    torch.randn(1, pooled, generator=g) if pooled else None)
-
-            c, u = cond(7), cond(3)
+            c, u = (Conditioning(torch.randn(1, tokens, width, generator=g),
+                                 torch.randn(1, pooled, generator=g) if pooled else None)
+                    for tokens in (7, 3))
             ecfg = EngineConfig(workers=workers, model=names[kind], model_path=str(path),
                                 regional=cfg, quality_eps=None, max_size=1024)
             with RenderEngine(ecfg) as eng:

@@ -305,7 +305,6 @@ def _explicit_probe(be, t: float, x: torch.Tensor, parts) -> torch.Tensor:
             out["mass"] = torch.stack([p[T + i][:, T + i].sum() for i in parts])
             raise ProbeDone
 
-    n = x.shape[0]
     batch = TokenBatch(img=x[None], img_pos=be.pos, txt=be.txt[:1], t=torch.full((1,), t))
     try:
         with torch.no_grad():

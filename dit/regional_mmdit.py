@@ -45,9 +45,9 @@ from sakura.dit.regional import (
     PatchResult,
     ProbeDone,
     ProbeResult,
-    fused_masses,
     RegionalConfig,
     RegionalState,
+    fused_masses,
     run_regional,
 )
 from sakura.dit.sampler import noise_like, schedule

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from sakura.dit.adapters.base import (
     AdapterGeometry,
     AdapterHook,
@@ -34,7 +35,6 @@ from sakura.dit.adapters.base import (
     LatentTemplate,
     ModelAdapter,
 )
-import torch.nn.functional as F
 from sakura.dit.attention import CACHE, IMG, TXT, KVSegment, Layout, build_mask
 from sakura.dit.cache import KVProvider
 from sakura.dit.regional import (
@@ -249,7 +249,7 @@ class AdapterRegional:
                 chunks = -(-len(members) // self.adapter.head_dim)
                 macs = float(out.probed * chunks * 2 * (len(unit) + self.text_tokens)
                              * out.keys * self.adapter.heads * self.adapter.head_dim)
-            for i, (p, g) in enumerate(zip(members, groups)):
+            for i, (_, g) in enumerate(zip(members, groups)):
                 sl = slice(int(g[0]), int(g[-1]) + 1)
                 mass = float("nan")
                 if out.mass is not None:

@@ -9,8 +9,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from sakura.cli import build_parser
 from sakura.cloud.origins import DEPLOY, NGINX_LOCATIONS, NGINX_SITE, nginx_binary
+
+from sakura.cli import build_parser
 
 
 def test_nginx_accepts_the_site_as_installed(tmp_path: Path):

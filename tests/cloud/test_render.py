@@ -157,9 +157,9 @@ def test_kv_sync_moves_a_replica_across_steps_that_wrote_nothing():
     """A step where every patch was skipped writes no K/V, so a worker whose replica is
     at the last writing step gets a delta (its version moves on several steps), not the
     whole store; a replica older than the last write needs the snapshot."""
-    import numpy as np
     from types import SimpleNamespace
 
+    import numpy as np
     from sakura.cloud.render_worker import Replica, ResyncNeeded, _Worker
 
     idx = np.array([0, 1])
