@@ -8,7 +8,8 @@ gate and partition against what they replace (``epsilon_sweep``, ``cap_only``,
 
 Serving: the render engine with ``workers`` worker processes replays one seeded bursty
 arrival trace of ``serve_size`` (128 px, 1,024 tokens) requests twice, once with every request in ``full`` mode and once in ``regional``
-mode (and, unless ``--quick``, a second time in the opposite order to cancel drift).
+mode, then a second time in the opposite order (this host's speed drifts by up to 30%
+within minutes; the two orders cancel a linear drift).
 The arrival rate is set from a measured full-request service time to ``overload`` (3) x
 full execution's capacity, so that *both* modes are overloaded: throughput then reflects
 service capacity, not the arrival rate, and p90 latency reflects queueing. (At 1.5x, the
@@ -282,7 +283,7 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
     if serve:
         s = serving_bench(weights, enc, [p for _, p, _ in prompts], workers=workers,
                           requests=requests or (8 if quick else 16), steps=steps,
-                          size=serve_size, cfg=cfg, rounds=1 if quick else 2,
+                          size=serve_size, cfg=cfg, rounds=2,
                           priority_requests=9 if quick else 18)
         out["serving"] = s
         out["throughput_ratio_vs_full"] = s["throughput_ratio_vs_full"]
@@ -292,7 +293,7 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
             out[f"serving_{size}px"] = serving_bench(
                 weights, enc, [p for _, p, _ in prompts], workers=workers,
                 requests=requests or (8 if quick else 16), steps=steps, size=size, cfg=cfg,
-                rounds=1 if quick else 2)
+                rounds=2)
         if not quick:  # the other priority policy, same trace shape
             out["serving_fifo"] = serving_bench(
                 weights, enc, [p for _, p, _ in prompts], workers=workers,
