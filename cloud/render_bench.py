@@ -7,9 +7,9 @@ gate and partition against what they replace (``epsilon_sweep``, ``cap_only``,
 ``partition_comparison``, ``alternatives``, ``probe_overhead``).
 
 Serving: the render engine with ``workers`` worker processes replays one seeded bursty
-arrival trace of ``serve_size`` (128 px, 1,024 tokens) requests twice, once with every request in ``full`` mode and once in ``regional``
-mode, then a second time in the opposite order (this host's speed drifts by up to 30%
-within minutes; the two orders cancel a linear drift).
+arrival trace of ``serve_size`` (128 px, 1,024 tokens) requests, once with every request
+in ``full`` mode and once in ``regional`` mode, then again in the opposite order (this
+host's speed drifts by up to 30% within minutes; the two orders cancel a linear drift).
 The arrival rate is set from a measured full-request service time to ``overload`` (3) x
 full execution's capacity, so that *both* modes are overloaded: throughput then reflects
 service capacity, not the arrival rate, and p90 latency reflects queueing. (At 1.5x, the
@@ -19,13 +19,12 @@ mode is off in these replays, so every gated step runs at the default threshold;
 from the online search, whose exploration (each candidate once) is spent on untimed
 warm-up requests first, as on a server that has been running. ``regional`` also reports
 PSNR / SSIM of each served image against the full replay's image of the same arrival.
-``serving_64px``: the same replays at the quality runs' 64 px (256 tokens), where a step
-of the default model is ~0.05 s per branch on one core, so the engine's per-message and
-per-call costs (K/V shipped through pipes, the gate's probe round trip, the engine
-process's own CPU on the same two cores) weigh against what skipping saves. Then
-one more overloaded replay mixes priority classes
-(every third request ``high``, the others ``low``): ``priority``. Ratios come from one run
-on one machine.
+Then one more overloaded replay mixes priority classes (every third request ``high``,
+the others ``low``): ``priority``. ``serving_64px``: the same full/regional replays at the
+quality runs' 64 px (256 tokens), where a step of the default model is ~0.05 s per branch
+on one core, so the engine's per-message and per-call costs (K/V shipped through pipes,
+the gate's probe round trip, the engine process's own CPU on the same two cores) weigh
+more against what skipping saves. Ratios come from one run on one machine.
 
 ``adapters``: regional execution of diffusers transformers through the same engine
 (their workers load a checkpoint folder through ``dit.adapters``): seeded tiny FLUX.2 and
