@@ -167,6 +167,7 @@ INPUT_ERRORS = [
     (["replay", "{tmp}/missing.yaml", "--out", "{tmp}/o"], "does not exist"),
     (["report", "{tmp}/nothing"], "not a replay results folder"),
     (["render", "replay", "--weights", "{tmp}/missing.safetensors"], "--weights: no such file"),
+    (["bench", "flashdiff", "--serve-size", "130"], "--serve-size: must be a multiple of 4"),
 ]
 
 
