@@ -76,6 +76,14 @@ class RenderError(SakuraError):
     """A render request is invalid or failed."""
 
 
+def size_problem(size: int, unit: int, max_size: int) -> str | None:
+    """What is wrong with an image size for a model of ``unit`` pixels per token and an
+    engine of ``max_size``, or None."""
+    if size % unit or not unit * 2 <= size <= max_size:
+        return f"must be a multiple of {unit} in {2 * unit}..{max_size}"
+    return None
+
+
 @dataclass
 class RenderRequest:
     """One text-to-image request. ``mode``: ``regional`` (FlashDiff, active patches of a
@@ -448,8 +456,9 @@ class RenderEngine:
         if not 1 <= req.steps <= self.cfg.max_steps:
             raise RenderError(f"steps must be in 1..{self.cfg.max_steps}")
         u = self.view.unit
-        if req.size % u or not u * 2 <= req.size <= self.cfg.max_size:
-            raise RenderError(f"size must be a multiple of {u} in {2 * u}..{self.cfg.max_size}")
+        problem = size_problem(req.size, u, self.cfg.max_size)
+        if problem:
+            raise RenderError(f"size {problem}")
         if req.patches is not None and not 1 <= req.patches <= (req.size // u) ** 2:
             raise RenderError("patches must be between 1 and the token count")
         if self.view.kind == "adapter":

@@ -8,8 +8,8 @@ gate and partition against what they replace (``epsilon_sweep``, ``cap_only``,
 
 Serving: the render engine with ``workers`` worker processes replays one seeded bursty
 arrival trace of ``serve_size`` (128 px, 1,024 tokens) requests, once with every request
-in ``full`` mode and once in ``regional`` mode, then again in the opposite order (this
-host's speed drifts by up to 30% within minutes; the two orders cancel a linear drift).
+in ``full`` mode and once in ``regional`` mode, then again in the opposite order (the
+host's speed drifts between replays; the two orders cancel a linear drift).
 The arrival rate is set from a measured full-request service time to ``overload`` (3) x
 full execution's capacity, so that *both* modes are overloaded: throughput then reflects
 service capacity, not the arrival rate, and p90 latency reflects queueing. (At 1.5x, the
@@ -21,8 +21,8 @@ warm-up requests first, as on a server that has been running. ``regional`` also 
 PSNR / SSIM of each served image against the full replay's image of the same arrival.
 Then one more overloaded replay mixes priority classes (every third request ``high``,
 the others ``low``): ``priority``. ``serving_64px``: the same full/regional replays at the
-quality runs' 64 px (256 tokens), where a step of the default model is ~0.05 s per branch
-on one core, so the engine's per-message and per-call costs (K/V shipped through pipes,
+quality runs' 64 px (256 tokens), where a full request is ~5x cheaper than at 128 px
+(``full_request_service_s`` of the two), so the engine's per-message and per-call costs (K/V shipped through pipes,
 the gate's probe round trip, the engine process's own CPU on the same two cores) weigh
 more against what skipping saves. Ratios come from one run on one machine.
 
@@ -39,6 +39,7 @@ import json
 import os
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -280,24 +281,18 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
         out["eps_sweep"] = eps_sweep(model, enc, prompts[:4], size, steps,
                                      replace(cfg, gate="drift", partition="cuts"))
     if serve:
-        s = serving_bench(weights, enc, [p for _, p, _ in prompts], workers=workers,
-                          requests=requests or (8 if quick else 16), steps=steps,
-                          size=serve_size, cfg=cfg, rounds=2,
-                          priority_requests=9 if quick else 18)
+        replays = partial(serving_bench, weights, enc, [p for _, p, _ in prompts],
+                          workers=workers, requests=requests or (8 if quick else 16),
+                          steps=steps, cfg=cfg, rounds=2)
+        s = replays(size=serve_size, priority_requests=9 if quick else 18)
         out["serving"] = s
         out["throughput_ratio_vs_full"] = s["throughput_ratio_vs_full"]
         out["p90_latency_ratio_vs_full"] = s["p90_latency_ratio_vs_full"]
         out["priority"] = s.pop("priority")
         if serve_size != size:  # the same replay at the quality runs' size
-            out[f"serving_{size}px"] = serving_bench(
-                weights, enc, [p for _, p, _ in prompts], workers=workers,
-                requests=requests or (8 if quick else 16), steps=steps, size=size, cfg=cfg,
-                rounds=2)
-        if not quick:  # the other priority policy, same trace shape
-            out["serving_fifo"] = serving_bench(
-                weights, enc, [p for _, p, _ in prompts], workers=workers,
-                requests=requests or 16, steps=steps, size=size, cfg=cfg, rounds=2,
-                priority="fifo")
+            out[f"serving_{size}px"] = replays(size=size)
+        if not quick:  # the other priority policy, same replays as `serving`
+            out["serving_fifo"] = replays(size=serve_size, priority="fifo")
         out["adapters"] = adapter_bench(steps=steps, workers=1)
     out["load_average_end"] = list(os.getloadavg())
     return out

@@ -122,12 +122,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _bench_flashdiff(args: argparse.Namespace) -> int:
     _check_weights(args)
-    from sakura.cloud.render import EngineConfig
+    from sakura.cloud.render import EngineConfig, size_problem
     from sakura.dit.model import MMDiTConfig
 
-    unit, top = MMDiTConfig.patch_size, EngineConfig.max_size
-    if args.serve_size % unit or not 2 * unit <= args.serve_size <= top:
-        raise SakuraError(f"--serve-size: must be a multiple of {unit} in {2 * unit}..{top}")
+    problem = size_problem(args.serve_size, MMDiTConfig.patch_size, EngineConfig.max_size)
+    if problem:
+        raise SakuraError(f"--serve-size: {problem}")
     from sakura.cloud.render_bench import main
 
     return main(args.json, args.quick, args.weights, args.workers, args.requests,
