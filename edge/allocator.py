@@ -172,6 +172,12 @@ class Allocator(Protocol):
     def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
         ...
 
+    def fallbacks(self, shard: int) -> list[int]:
+        """The configurations of ``shard`` the policy accepts in place of its choice (a
+        prefix received by the deadline, the part before a damaged unit); none: the policy
+        waits for its choice (``sakura-fixed-config``)."""
+        ...
+
 
 @dataclass
 class AdaptiveAllocator:
@@ -191,6 +197,9 @@ class AdaptiveAllocator:
                 return opt.id
         return table.smallest.id
 
+    def fallbacks(self, shard: int) -> list[int]:
+        return [o.id for o in self.tables[shard].options]
+
 
 @dataclass
 class FixedAllocator:
@@ -201,6 +210,9 @@ class FixedAllocator:
 
     def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
         return self.configs[shard]
+
+    def fallbacks(self, shard: int) -> list[int]:
+        return []
 
 
 def fixed_config(tables: list[ShardOptions], exec_s: list[float], budget_rate_bps: float,

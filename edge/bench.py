@@ -456,7 +456,7 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
             rt.edit(link_url, tid, template, req, "sakura",
                     options=EditOptions(budget_rate_bps=scaled_median, reconstruct=stage,
                                         pipeline_cpus=io_cpus))
-            prior = rt.last_rate_bps
+            prior = rt.remembered_rate(link_url)
             log(f"{rt.runtime} runtime: warm-up edit done; rate prior "
                 f"{0 if prior is None else prior / 1e6:.2f} Mbit/s")
             options = EditOptions(budget_rate_bps=scaled_median, initial_rate_bps=prior,

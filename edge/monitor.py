@@ -14,8 +14,13 @@ Until ``k`` transfers are in, the prior rate (if any) stands for the missing one
 bursty first bodies do not replace a sound prior. A window whose busy time is under
 ``min_body_s`` (one read each) cannot be timed: ``8 n / min_body_s`` is only a lower bound
 and never lowers the prior, and after a slow spell such quick arrivals of the smallest
-configurations lift the estimate step by step, like a slow start. The per-request latency
-is the median of recent times to first byte.
+configurations lift the estimate step by step, like a slow start. Likewise a window that
+is *app-limited* (bytes arriving less than ``APP_LIMITED_SHARE`` of its busy time: small
+bodies behind request latencies, the link idle in between, as BBR marks its delivery-rate
+samples) measures the requests, not the link: it only raises the estimate held before it.
+So the estimate is kept as of each sample (``record``), and a window that says nothing
+about the link leaves it standing. The per-request latency is the median of recent times
+to first byte.
 
 :class:`ExecutionProgress` knows the measured execution time of every shard (a calibration,
 corrected online by the ratio of measured to predicted times), when each shard arrived,
@@ -51,6 +56,16 @@ from dataclasses import dataclass
 # configurations (0: none). Chosen on the demo: docs/RESULTS.md, "Startup allowance".
 DEFAULT_STARTUP_FRACTION = 0.1
 
+# A window of transfers is app-limited when bytes were arriving less than this share of its
+# busy time: small bodies behind request latencies (the link idle between them). Its rate
+# is then a lower bound that only raises the estimate held before it. Without this rule a
+# first edit on a constant 40 Mbit/s link measured 10 Mbit/s from its manifest and then
+# 0.2-0.8 Mbit/s from its smallest-configuration shards (170-byte bodies behind 10-20 ms
+# requests), and sent 11 shards at the smallest configuration (issue 28); on loopback the
+# same edit estimated 0.1-0.2 Mbit/s. A saturated link carries bytes nearly all its busy
+# time (all but the first round trip of a pipelined window).
+APP_LIMITED_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class TransferSample:
@@ -78,6 +93,7 @@ class BandwidthMonitor:
         self.initial_bps = initial_bps
         self.min_body_s = min_body_s
         self.samples: list[TransferSample] = []
+        self._held: float | None = initial_bps  # the estimate as of the last sample
         self._lock = threading.Lock()
 
     def record(self, shard: int | None, nbytes: int, start: float, first_byte: float,
@@ -85,30 +101,41 @@ class BandwidthMonitor:
         sample = TransferSample(shard, int(nbytes), float(start), float(first_byte), float(end))
         with self._lock:
             self.samples.append(sample)
+            self._held = self._estimate(self.samples, self._held)
         return sample
 
     def estimate_bps(self) -> float | None:
         """Bytes over busy time of the last ``k`` transfers (see the module docstring);
         the prior (``initial_bps``, may be None) before any transfer and, until ``k`` are
-        in, for the missing ones; transfers too quick to time only raise the prior."""
+        in, for the missing ones; transfers too quick to time, and app-limited windows
+        (the link carried bytes less than ``APP_LIMITED_SHARE`` of the busy time), only
+        raise the estimate held before them."""
         with self._lock:
-            samples = list(self.samples)
+            return self._held if self.samples else self.initial_bps
+
+    def _estimate(self, samples: list[TransferSample], held: float | None) -> float | None:
         prior = self.initial_bps
-        if not samples:
-            return prior
         window = samples[-self.k:]
         busy, reach = 0.0, -math.inf
         for begin, end in sorted((self._begin(s, samples), s.end) for s in window):
             if end > reach:
                 busy += end - max(begin, reach)
                 reach = end
+        body, reach = 0.0, -math.inf
+        for begin, end in sorted((s.first_byte, s.end) for s in window):
+            if end > reach:
+                body += end - max(begin, reach)
+                reach = end
         measured = 8.0 * sum(s.nbytes for s in window) / max(busy, self.min_body_s)
+        floor = held if len(samples) > 1 else prior
         if busy < self.min_body_s:  # too quick to time: a lower bound
-            return measured if not prior or measured > prior else prior
+            return measured if not floor or measured > floor else floor
         missing = self.k - len(window) if prior else 0
-        if missing <= 0 or measured <= 0:
-            return measured
-        return (len(window) + missing) / (len(window) / measured + missing / prior)
+        if missing > 0 and measured > 0:
+            measured = (len(window) + missing) / (len(window) / measured + missing / prior)
+        if floor and body < APP_LIMITED_SHARE * busy:  # app-limited: a lower bound
+            return max(measured, floor)
+        return measured
 
     @staticmethod
     def _begin(s: TransferSample, samples: list[TransferSample]) -> float:

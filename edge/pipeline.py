@@ -122,6 +122,10 @@ class ShardRecord:
     attempts: int = 0
     resumes: int = 0
     refetches: int = 0
+    requested: int | None = None  # the configuration requested (config differs: a fallback)
+    hedges: int = 0               # re-requests on a fresh connection
+    truncated: bool = False       # executed from the prefix received by its deadline
+    damage: str | None = None     # a unit that failed its checksum (the prefix before it ran)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,6 +150,9 @@ class PipelineStats:
     startup_s: float
     bytes: int
     configs: list[int | None]
+    truncations: int = 0
+    hedges: int = 0
+    damaged: list[str] = field(default_factory=list)
 
 
 def lookahead_wait(ahead: int, max_ahead: int, max_ahead_cap: int, until_start_s: float,
@@ -170,7 +177,10 @@ def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
         stalls=len(stalls), stall_s=float(sum(stalls)),
         startup_s=records[0]["stall_s"] if records else 0.0,
         bytes=sum(r["bytes"] for r in records),
-        configs=[r["config"] for r in records])
+        configs=[r["config"] for r in records],
+        truncations=sum(1 for r in records if r.get("truncated")),
+        hedges=sum(int(r.get("hedges") or 0) for r in records),
+        damaged=[r["damage"] for r in records if r.get("damage")])
 
 
 Fetch = Callable[[int, int, Callable[[int], None]], Awaitable[Fetched]]

@@ -11,11 +11,13 @@ execution time per (template, request shape). :meth:`EdgeRuntime.edit` runs an e
 
 Device state kept across edits (as a video player keeps it across sessions): the manifest
 cache (revalidated by ETag on every edit; a first edit fetches the manifest and uses its
-transfer as the first rate sample) and the last rate estimate, with the origin it was
-measured against and when: the prior of the next edit's first shards while it is fresh (the
-same origin, at most ``REMEMBERED_RATE_MAX_AGE_S`` old). A stale estimate (another link,
-an earlier session) sized the first shards for a link many times faster or slower; without
-a fresh prior an edit starts from its own samples (smallest configurations first).
+transfer as the first rate sample) and the rate memory (:mod:`edge.state`): per origin,
+the last estimate with its age, decayed toward a conservative fraction of itself, the prior
+of the next edit's first shards. The manifest request feeds it (a body is a rate sample, a
+304 a latency), and so does every edit's final estimate.
+
+The shard loop itself runs in a :class:`~edge.runner.Runner` (native C++ or the Python
+reference pipeline), chosen once at construction; nothing here branches on which.
 
 The prompt, reference images and seed stay in this process; the server only ever sees
 template id, codec, shard index, configuration id and pack version (see
@@ -26,12 +28,10 @@ in, so the first shards have no execution to hide their transfer behind. The dev
 execution start up to ``startup_fraction`` x the edit's predicted execution time after the
 manifest is in (see :meth:`edge.monitor.ExecutionProgress.with_allowance`), and the
 allocator spends that time on better configurations of the first shards. Execution still
-starts as soon as shard 0 is reconstructed. The allowance is sized into bytes at the rate
-estimate of the first shards, so it is used only when that estimate is current: the
-caller's prior (``EditOptions.initial_rate_bps``) or the manifest's transfer in this edit.
-With only the rate remembered from an earlier edit (a cached manifest is revalidated
-without a body) the edit runs without it: a stale estimate would size shard 0 for a link
-that may be many times slower.
+starts as soon as shard 0 is reconstructed. The allowance is sized into bytes at the first shards' rate estimate: the caller's prior
+(``EditOptions.initial_rate_bps``), this edit's manifest transfer, or the rate memory's
+decayed prior; with none at all the first shards go at their smallest configurations, and
+execution starts as soon as shard 0 is in.
 
 Execution-time calibration: the first edit of a (template, request shape) runs two steps
 of the masked computation with a zero cache (no network) and times every block of the
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sakura.codec.pack import Manifest, decode_config
+from sakura.codec.pack import Manifest
 from sakura.codec.shards import ShardLayout
 from sakura.dit.adapters.engine import DefaultEngine, EditEngine, Prepared
 from sakura.dit.editing import EditRequest, Template
@@ -63,20 +63,16 @@ from sakura.edge.client import CachedManifest, PackClient, RequestRecord, RetryP
 from sakura.edge.errors import EdgeError, NativeUnavailable
 from sakura.edge.monitor import (
     DEFAULT_STARTUP_FRACTION,
-    BandwidthMonitor,
-    ExecutionProgress,
     check_startup_fraction,
     startup_allowance_s,
 )
 from sakura.edge.native_runtime import NativeEngine, check_runtime
-from sakura.edge.pipeline import NetLoop, Pipeline, stats_of
+from sakura.edge.pipeline import NetLoop, stats_of
 from sakura.edge.quality import psnr, ssim
+from sakura.edge.runner import NativeRunner, Runner, StreamJob, make_runner
+from sakura.edge.state import RateMemory
 
 from sakura.errors import SakuraError
-
-# a remembered rate estimate is an edit's prior only when measured against the same origin
-# at most this long ago (wall-clock seconds: it is kept in the state across processes)
-REMEMBERED_RATE_MAX_AGE_S = 10.0
 
 
 @dataclass
@@ -163,6 +159,8 @@ class EditResult:
     manifest_bytes: int = 0
     stalls: int = 0
     stall_s: float = 0.0
+    truncations: int = 0   # shards executed from the prefix received by their deadline
+    hedges: int = 0        # transfers re-requested on a fresh connection
     startup_s: float = 0.0
     startup_allowance_s: float = 0.0
     configs: list[int | None] = field(default_factory=list)
@@ -185,6 +183,7 @@ class EditResult:
             "policy": self.policy, "codec": self.codec, "latency_s": self.latency_s,
             "bytes": self.bytes, "manifest_bytes": self.manifest_bytes,
             "stalls": self.stalls, "stall_s": self.stall_s, "startup_s": self.startup_s,
+            "truncations": self.truncations, "hedges": self.hedges,
             "startup_allowance_s": self.startup_allowance_s,
             "exec_s": self.exec_s, "requests": self.requests,
             "configs": self.configs, "params": self.params,
@@ -287,13 +286,13 @@ class EdgeRuntime:
                  runtime: str = "python") -> None:
         # non-torch backends run the edit through compiled shard graphs (edge/backends)
         self.backend = DeviceBackend(backend, backend_config)
-        # "native": the shard loop in C++ (edge.native_runtime); "python": edge.pipeline
+        # the shard loop: "native" (C++, edge.native_runtime) or "python" (edge.pipeline)
         self.runtime = check_runtime(runtime)
         if self.runtime == "native" and not self.backend.is_torch:
             raise EdgeError(f"the native runtime runs its own compiled graphs; --backend "
                             f"{backend} belongs to the Python runtime")
-        self._native: NativeEngine | None = None
-        self._compiled_dir = backend_config.cache_dir if backend_config else None
+        self.runner: Runner = make_runner(
+            self.runtime, backend_config.cache_dir if backend_config else None)
         if isinstance(model, EditEngine):
             self.engine = model
             self.model = getattr(model, "model", None)
@@ -305,9 +304,8 @@ class EdgeRuntime:
         self.state_dir = Path(state_dir) if state_dir else None
         self.profiles: dict[str, ExecProfile] = {}
         self.manifests: dict[tuple[str, str], CachedManifest] = {}
-        self.last_rate_bps: float | None = None
-        self.last_rate_origin: str | None = None  # scheme://host:port it was measured on
-        self.last_rate_at: float | None = None    # time.time() when it was measured
+        # per-origin rate estimates with their age, decayed into each edit's prior
+        self.rates = RateMemory()
         self._saved: dict[str, str] = {}  # manifest file -> etag already on disk
         # what an edit derives from a manifest (the parsed form, the native stream's shard
         # table), per (template, codec), for the ETag it was derived from: parsing a
@@ -322,18 +320,12 @@ class EdgeRuntime:
 
     @property
     def native(self) -> NativeEngine:
-        """The native engine (compiled graphs of the shipped MMDiT), created on first use."""
-        if self._native is None:
-            if not self.default_model:
-                raise NativeUnavailable(f"{self.engine.name} runs on the Python runtime "
-                                        "(--runtime python); the native runtime runs the "
-                                        "shipped MMDiT")
-            from sakura.edge.backends.base import weights_sha256
-
-            kw = {"cache_dir": self._compiled_dir} if self._compiled_dir else {}
-            self._native = NativeEngine(self.model, self.weights_sha256
-                                        or weights_sha256(self.model), **kw)
-        return self._native
+        """The native engine (compiled graphs of the shipped MMDiT), created on first use
+        (the benches drive it directly for resident edits)."""
+        if not isinstance(self.runner, NativeRunner):
+            raise NativeUnavailable("this device runs the Python runtime (--runtime native "
+                                    "for the native engine)")
+        return self.runner.engine(self)
 
     # ------------------------------------------------------------------ device state
     def _load_state(self) -> None:
@@ -344,11 +336,7 @@ class EdgeRuntime:
             doc = json.loads((self.state_dir / "state.json").read_text())
             self.profiles = {k: ExecProfile([float(x) for x in v])
                              for k, v in doc.get("profiles", {}).items()}
-            rate = doc.get("last_rate_bps")
-            self.last_rate_bps = float(rate) if rate else None
-            self.last_rate_origin = doc.get("last_rate_origin")
-            at = doc.get("last_rate_at")
-            self.last_rate_at = float(at) if at is not None else None
+            self.rates = RateMemory.from_json(doc.get("rates"))
             for name in doc.get("manifests", []):
                 entry = json.loads((self.state_dir / "manifests" / name).read_text())
                 key = (str(entry["template"]), str(entry["codec"]))
@@ -356,7 +344,7 @@ class EdgeRuntime:
                                                      int(entry["size"]))
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             # A damaged cache is dropped, never trusted (manifests are revalidated anyway).
-            self.profiles, self.manifests, self.last_rate_bps = {}, {}, None
+            self.profiles, self.manifests, self.rates = {}, {}, RateMemory()
 
     def save_state(self) -> None:
         if self.state_dir is None:
@@ -374,21 +362,12 @@ class EdgeRuntime:
             names.append(name)
         _atomic_text(self.state_dir / "state.json", json.dumps(
             {"profiles": {k: v.block_s for k, v in self.profiles.items()},
-             "last_rate_bps": self.last_rate_bps, "last_rate_origin": self.last_rate_origin,
-             "last_rate_at": self.last_rate_at, "manifests": names}, indent=1))
+             "rates": self.rates.to_json(), "manifests": names}, indent=1))
 
     def remembered_rate(self, server: str, now: float | None = None) -> float | None:
-        """The last rate estimate if it is fresh for ``server`` (see the module doc)."""
-        if self.last_rate_bps is None or self.last_rate_at is None:
-            return None
-        age = (time.time() if now is None else now) - self.last_rate_at
-        if self.last_rate_origin != _origin(server) or not 0 <= age <= REMEMBERED_RATE_MAX_AGE_S:
-            return None
-        return self.last_rate_bps
-
-    def _remember_rate(self, server: str, rate_bps: float | None) -> None:
-        self.last_rate_bps, self.last_rate_origin = rate_bps, _origin(server)
-        self.last_rate_at = time.time()
+        """The rate memory's prior for ``server`` now (``edge.state``; None: never
+        measured there)."""
+        return self.rates.prior_bps(server, now)
 
     @property
     def encoder(self) -> Any:
@@ -452,10 +431,11 @@ class EdgeRuntime:
              *, token: str | None = None, options: EditOptions | None = None) -> None:
         """Do now what the first edit of ``template`` with ``policy`` would do before its
         first shard request: the manifest fetched into the device's cache (or revalidated),
-        parsed and checked against the template, and on the native runtime the stream's
-        shard table built. An app calls it when the user opens a template, so that the edit
-        starts streaming at once (the benches and the demo call it before the timed edits:
-        a phone that has used the template before)."""
+        parsed and checked against the template, and what the runner derives from it (the
+        native stream's shard table). An app calls it when the user opens a template, so
+        that the edit starts streaming at once (the benches and the demo call it before the
+        timed edits: a phone that has used the template before). The manifest's transfer
+        also feeds the rate memory."""
         pol = get_policy(policy)
         opts = (options or EditOptions()).check()
         if pol.codec is None:
@@ -472,10 +452,10 @@ class EdgeRuntime:
 
         with NetLoop() as net:
             got, where = net.run(fetch())
+        self.rates.observe_fetch(server, got)
         derived = self._derived_of(template_id, codec, got.etag)
         manifest = self._derived_manifest(derived, got.data, prep)
-        if self.runtime == "native":
-            self._derived_stream(derived, got.data, manifest, where.url)
+        self.runner.warm(self, derived, got.data, manifest, where.url)
         self.save_state()
 
     def edit(self, server: str, template_id: str, template: Template, req: EditRequest,
@@ -485,9 +465,7 @@ class EdgeRuntime:
         """Run one edit of ``template`` (served as ``template_id`` at ``server``)."""
         pol = get_policy(policy)
         opts = (options or EditOptions()).check()
-        if opts.reconstruct != "cpu" and self.runtime != "native":
-            raise EdgeError("reconstruct opencl is a stage of the native runtime "
-                            "(--runtime native)")
+        self.runner.check(opts)
         prep = self.prepared(template_id, template)
         if pol.codec is None:
             if not self.backend.is_torch:
@@ -496,16 +474,13 @@ class EdgeRuntime:
             if template.seed < 0:
                 raise EdgeError("the local policy recomputes the template trajectory and "
                                 "needs the template's seed, which its catalog entry lacks")
-            if self.runtime == "native":
-                self.native.prepare_full(template, req)  # compiles/loads: before the clock
+            self.runner.prepare_local(self, template, req)  # compiles/loads: before the clock
             t0 = time.monotonic()
-            image = (self.native.full_edit(template, req) if self.runtime == "native"
-                     else self.engine.local_edit(prep, req))
+            image = self.runner.local(self, template, prep, req)
             dt = time.monotonic() - t0
             return EditResult(image=image, policy=policy, codec=None, latency_s=dt, exec_s=dt)
         codec = opts.pack or pol.codec
-        profile = (self._native_profile(server, template_id, prep, req, codec, token, opts)
-                   if self.runtime == "native" else self.profile(template_id, prep, req))
+        profile = self.runner.profile(self, server, template_id, prep, req, codec, token, opts)
         net = NetLoop()
         try:
             return self._streamed(net, server, template_id, prep, req, pol.name,
@@ -524,17 +499,16 @@ class EdgeRuntime:
         net.run(client.open())
         try:
             got = net.run(client.manifest_fetch(template_id, codec))
+            self.rates.observe_fetch(server, got)
             manifest_dict, raw_len = got.data, got.size
             derived = self._derived_of(template_id, codec, got.etag)
             manifest = self._derived_manifest(derived, manifest_dict, prep)
             warning = self.model_warning(manifest_dict)
             layout = manifest.layout()
             exec_s = profile.shard_times(layout)
-            prior = (opts.initial_rate_bps if opts.initial_rate_bps is not None
-                     else self.remembered_rate(server))
-            native = self.native.native if self.runtime == "native" else None
-            monitor = (native.BandwidthMonitor if native else BandwidthMonitor)(
-                opts.rate_window, prior)
+            given = opts.initial_rate_bps is not None
+            prior = opts.initial_rate_bps if given else self.rates.prior_bps(server)
+            monitor = self.runner.monitor(opts.rate_window, prior)
             if not got.cached:
                 monitor.record(None, raw_len, got.start, got.first_byte, got.end)
             tables = options_from_manifest(manifest_dict)
@@ -542,69 +516,30 @@ class EdgeRuntime:
                 tables=tables, exec_s=exec_s, latency_s=0.0,
                 budget_rate_bps=opts.budget_rate_bps or monitor.estimate_bps(),
                 safety=opts.safety, options=opts.policy_options))
-            codec_impl = manifest.make_codec()
-
-            async def fetch(shard: int, config: int, progress):
-                return await client.fetch_config(template_id, codec, shard, config,
-                                                 manifest=manifest_dict, progress=progress)
-
-            def decode(shard: int, config: int, data: bytes) -> list[torch.Tensor]:
-                return decode_config(manifest, shard, config, data, codec_impl)
-
-            def allocate(shard: int, window, rate: float) -> int:
-                return allocator.choose(shard, window.window_s, rate)
-
-            def describe(shard: int, config: int) -> dict[str, Any]:
-                return dict(manifest.shard(shard).config(config).params)
-
-            def config_bytes(shard: int, config: int) -> int:
-                return int(manifest.shard(shard).config(config).bytes)
-
-            shard_blocks = [layout.blocks_of(i) for i in range(layout.num_shards)]
             if not self.backend.is_torch:  # (compiling may take a while: before the clock)
                 self.backend.prepare(self.model, prep.template, prep.geometry, req,
                                      layout.blocks_per_shard)
             # the startup allowance counts from here, when the shards can start streaming;
-            # it is spent at the rate estimate, so only on a current one (see the module doc)
-            current = opts.initial_rate_bps is not None or not got.cached
-            allowance = startup_allowance_s(exec_s, opts.startup_fraction) if current else 0.0
+            # it is spent at the rate estimate, which is always a current one (the caller's,
+            # this edit's manifest transfer, or the rate memory's decayed prior: edge/state.py)
+            allowance = startup_allowance_s(exec_s, opts.startup_fraction)
             if opts.deadline_s is not None:
                 allowance = max(0.0, opts.deadline_s - (time.monotonic() - origin)
                                 - sum(exec_s))
-            progress = (native.ExecutionProgress if native else ExecutionProgress
-                        ).with_allowance(exec_s, origin, allowance, now=time.monotonic())
-            if native is not None:
-                image, timeline = self._native_streamed(
-                    client, template_id, codec, manifest_dict, manifest, codec_impl, prep,
-                    req, allocator, monitor, progress, origin, opts, log, describe, derived)
-                latency = time.monotonic() - origin
-                self._remember_rate(server, monitor.estimate_bps())
-                self.save_state()
-                return self._result(image, policy, codec, latency, raw_len, allowance,
-                                    timeline, exec_s, log, warning)
-            pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,
-                            monitor=monitor, progress=progress, origin=origin,
-                            max_ahead=opts.max_ahead, max_ready=opts.max_ready,
-                            describe=describe,
-                            config_bytes=config_bytes, max_inflight=opts.max_inflight,
-                            lookahead_rtts=opts.lookahead_rtts,
-                            max_ahead_cap=opts.max_ahead_cap)
-            pipe.start(net)
-            try:
-                image = (self.engine.edit(prep, pipe.provider, req) if self.backend.is_torch
-                         else self.backend.edit(self.model, prep.template, prep.geometry,
-                                                pipe.provider, req, layout.blocks_per_shard))
-            except BaseException:
-                pipe.close()
-                raise
-            pipe.finish()
+            progress = self.runner.progress(exec_s, origin, allowance, time.monotonic())
+            job = StreamJob(net=net, client=client, template_id=template_id, codec=codec,
+                            manifest_dict=manifest_dict, manifest=manifest, prep=prep,
+                            req=req, allocator=allocator, monitor=monitor,
+                            progress=progress, origin=origin, opts=opts, log=log,
+                            derived=derived)
+            image, timeline = self.runner.stream(self, job)
             latency = time.monotonic() - origin
-            self._remember_rate(server, monitor.estimate_bps())
+            self.rates.observe_edit(server, monitor, timeline)
             self.save_state()
         finally:
             net.run(client.close(), timeout=10)
         return self._result(image, policy, codec, latency, raw_len, allowance,
-                            [r.to_dict() for r in pipe.records], exec_s, log, warning)
+                            timeline, exec_s, log, warning)
 
     @staticmethod
     def _result(image: torch.Tensor, policy: str, codec: str, latency: float, raw_len: int,
@@ -613,40 +548,20 @@ class EdgeRuntime:
         """The EditResult of a streamed edit from its per-shard records (either runtime)."""
         stats = stats_of(timeline)
         exec_total = sum((r["exec_end"] or 0) - (r["exec_start"] or 0) for r in timeline)
+        warnings = [warning] if warning else []
+        for r in timeline:  # the failure contract: the edit finished, say what was damaged
+            if r.get("damage"):
+                warnings.append(f"damaged data from the origin: {r['damage']}; shard "
+                                f"{r['shard']} ran on configuration {r['config']}, the "
+                                "largest one verified before it")
         return EditResult(
             image=image, policy=policy, codec=codec, latency_s=latency, bytes=stats.bytes,
             manifest_bytes=raw_len, stalls=stats.stalls, stall_s=stats.stall_s,
+            truncations=stats.truncations, hedges=stats.hedges,
             startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
             params=[r["params"] for r in timeline], timeline=timeline,
             predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),
-            warnings=[warning] if warning else [])
-
-    # ------------------------------------------------------------------ native runtime
-    def _native_profile(self, server: str, template_id: str, prep: Prepared, req: Any,
-                        codec: str, token: str | None, opts: EditOptions) -> ExecProfile:
-        """Compiled graphs loaded and execution calibrated for this template's shard layout,
-        before the edit's clock starts. The layout (blocks per shard) comes from the cached
-        manifest, or from a manifest fetched outside the device's cache (so that the timed
-        edit fetches it exactly as the Python runtime does)."""
-        cached = self.manifests.get((template_id, codec))
-        if cached is not None:
-            doc = cached.data
-        else:
-            async def get() -> dict[str, Any]:
-                async with PackClient(server, token=token, retry=opts.retry) as c:
-                    return await c.manifest(template_id, codec)
-
-            with NetLoop() as net:
-                doc = net.run(get())
-        bps = int(self._check_manifest(doc, prep).geometry["blocks_per_shard"])
-        uncond = getattr(req, "txt_uncond", None) is not None
-        key = (f"{template_id}|runtime=native|bps={bps}|steps={prep.template.steps}"
-               f"|cfg={uncond}|weights={self.native.weights_sha256[:12]}")
-        self.native.prepare(prep.template, prep.geometry, req, bps)
-        if key not in self.profiles:
-            self.profiles[key] = ExecProfile(
-                self.native.calibrate(prep.template, prep.geometry, req, bps))
-        return self.profiles[key]
+            warnings=warnings)
 
     def _derived_of(self, template_id: str, codec: str, etag: str | None) -> dict[str, Any]:
         """The memo of what was derived from the manifest with ``etag`` (a fresh one for a
@@ -664,67 +579,10 @@ class EdgeRuntime:
                           prep: Prepared) -> Manifest:
         """The parsed and checked manifest, from ``derived`` or made and kept there."""
         if "manifest" not in derived:
-            derived["manifest"] = self._check_manifest(manifest_dict, prep)
+            derived["manifest"] = self.check_manifest(manifest_dict, prep)
         return derived["manifest"]
 
-    def _derived_stream(self, derived: dict[str, Any], manifest_dict: dict[str, Any],
-                        manifest: Manifest, url: str) -> tuple[Any, Any]:
-        """The native stream's shard table for the pack at ``url`` and the keys' RoPE
-        table, from ``derived`` or made and kept there."""
-        from sakura.edge.native_runtime import rope_table, stream_shards
-
-        if ("shards", url) not in derived:
-            derived[("shards", url)] = self.native.native.StreamTable(
-                stream_shards(manifest_dict, url))
-        if "rope" not in derived:
-            geometry = manifest_dict["geometry"]
-            derived["rope"] = rope_table(manifest.make_codec(), int(geometry["tokens"]),
-                                         int(geometry["channels"]))
-        return derived[("shards", url)], derived["rope"]
-
-    def _native_streamed(self, client: PackClient, template_id: str, codec: str,
-                         manifest_dict: dict[str, Any], manifest: Manifest, codec_impl: Any,
-                         prep: Prepared, req: Any, allocator: Any, monitor: Any,
-                         progress: Any, origin: float, opts: EditOptions,
-                         log: list[RequestRecord], describe: Any, derived: dict[str, Any]
-                         ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-        from sakura.edge.allocator import to_native
-        from sakura.edge.native_runtime import decode_kind, stream_spec
-
-        where = client.pack_location(template_id, codec, manifest_dict)
-
-        def decode(shard: int, config: int, data: bytes) -> Any:
-            tensors = decode_config(manifest, shard, config, data, codec_impl)
-            return torch.stack(tensors).to(torch.float32).numpy()
-
-        geometry = manifest_dict["geometry"]
-        retry = opts.retry
-        http = {"connect_timeout_s": retry.connect_timeout_s,
-                "read_timeout_s": retry.read_timeout_s, "window_s": retry.window_s,
-                "max_attempts": retry.max_attempts, "backoff_s": retry.backoff_s,
-                "backoff_max_s": retry.backoff_max_s, "max_refetch": retry.max_refetch,
-                "max_connections": opts.max_inflight,
-                "headers": [f"{k}: {v}" for k, v in where.headers.items()],
-                "display_url": client.base_url}
-        shards, rope = self._derived_stream(derived, manifest_dict, manifest, where.url)
-        stream = stream_spec(
-            shards, geometry, http=http,
-            origin=origin, max_ahead=opts.max_ahead, max_ready=opts.max_ready,
-            max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
-            max_ahead_cap=opts.max_ahead_cap, reconstruct=opts.reconstruct,
-            kind=decode_kind(codec_impl), decode=decode, rope=rope,
-            pipeline_cpus=opts.pipeline_cpus)
-        image, records, requests = self.native.streamed_edit(
-            prep.template, prep.geometry, req, stream, to_native(allocator, self.native.native),
-            monitor, progress, int(geometry["blocks_per_shard"]))
-        for r in requests:
-            headers = dict(h.split(": ", 1) for h in r["headers"] if ": " in h)
-            log.append(RequestRecord(r["method"], r["url"], headers, r["time"]))
-        for r in records:
-            r["params"] = describe(r["shard"], r["config"]) if r["config"] is not None else {}
-        return image, records
-
-    def _check_manifest(self, d: dict[str, Any], prep: Prepared) -> Manifest:
+    def check_manifest(self, d: dict[str, Any], prep: Prepared) -> Manifest:
         try:
             manifest = Manifest.from_dict(d)
         except SakuraError as exc:
@@ -747,13 +605,6 @@ class EdgeRuntime:
                     f"{built[:12]}, this device runs {self.weights_sha256[:12]}: the cache "
                     "does not match the model (rebuild the packs with `sakura build`)")
         return None
-
-
-def _origin(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}".lower()
 
 
 def _reference_count(req: Any) -> int:

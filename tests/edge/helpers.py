@@ -9,6 +9,7 @@ mid-edit). ``RecordingApp`` wraps an ASGI app and records every request it recei
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -181,14 +182,19 @@ class FaultyApp:
 
     ``mode``: ``corrupt`` flips one body byte (the ``X-Sakura-Sha256`` header stays right);
     ``cut`` sends half the body and then drops the connection; ``rehash`` corrupts the body
-    and rewrites the sha256 header to match (a corrupted pack on the server). ``times``
-    responses are affected.
+    and rewrites the sha256 header to match (a corrupted pack on the server); ``stall``
+    sends the first ``keep`` share of the body and then nothing for ``stall_s`` before it
+    drops the connection (``keep=0``: headers, then silence); ``flip-at`` flips the byte at
+    the ``keep`` share of the body (damage inside a prefix). ``times`` responses are
+    affected.
     """
 
     def __init__(self, app: Any, suffix: str, mode: str, times: int = 1,
-                 range_header: str | None = None) -> None:
+                 range_header: str | None = None, keep: float = 0.5,
+                 stall_s: float = 30.0) -> None:
         self.app, self.suffix, self.mode, self.remaining = app, suffix, mode, times
         self.range_header = range_header  # only requests with exactly this Range header
+        self.keep, self.stall_s = keep, stall_s
         self.hits = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -216,11 +222,19 @@ class FaultyApp:
                 body = bytes([body[0] ^ 0xFF]) + body[1:]
                 state["flipped"] = True
                 message = {**message, "body": body}
-            if self.mode == "cut" and body:
-                half = state["length"] // 2
+            if self.mode == "flip-at" and body and not state["flipped"]:
+                at = int(state["length"] * self.keep) - state["sent"]
+                if 0 <= at < len(body):
+                    body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1:]
+                    state["flipped"] = True
+                    message = {**message, "body": body}
+            if self.mode in ("cut", "stall") and body:
+                half = int(state["length"] * (0.5 if self.mode == "cut" else self.keep))
                 if state["sent"] + len(body) > half:
                     await send({**message, "body": body[: half - state["sent"]],
                                 "more_body": True})
+                    if self.mode == "stall":
+                        await asyncio.sleep(self.stall_s)
                     raise ConnectionResetError("fault injection: connection dropped")
             state["sent"] += len(body)
             await send(message)

@@ -215,6 +215,37 @@ def test_the_prior_stands_for_the_samples_missing_from_the_window(impl):
     assert mon.estimate_bps() == pytest.approx(20e6)
 
 
+def test_app_limited_windows_only_raise_the_estimate(impl):
+    """Small bodies behind request latencies of 8-20 ms (the smallest configurations on a
+    fast link, or loopback) measure the requests, not the link: a window carrying bytes less
+    than APP_LIMITED_SHARE of its busy time keeps the estimate held before it (before this
+    rule, a first edit on a 40 Mbit/s link fell from 10 to 0.2 Mbit/s this way); a window
+    that keeps the link busy is measured, lower or not."""
+    from sakura.edge.monitor import APP_LIMITED_SHARE
+
+    assert APP_LIMITED_SHARE == 0.5
+    mon = impl.BandwidthMonitor(k=3, min_body_s=0.002)
+    mon.record(None, 100_000, 0.0, 0.01, 0.11)       # manifest: 100 ms of body, 8 Mbit/s
+    manifest = 8 * 100_000 / 0.11
+    assert mon.estimate_bps() == pytest.approx(manifest)
+    t = 1.0
+    for j in range(6):
+        latency = 0.008 if j % 2 else 0.020
+        mon.record(j, 170, t, t + latency, t + latency + 0.0001)
+        t += 0.03
+        assert mon.estimate_bps() >= 0.95 * manifest  # 170 B per ~12 ms: held
+    mon.record(9, 200_000, t, t + 0.008, t + 0.408)  # 400 ms of body: 4 Mbit/s, measured
+    assert mon.estimate_bps() < 0.6 * manifest
+    # alone and app-limited, with nothing held: what it measured
+    first = impl.BandwidthMonitor(k=3, min_body_s=0.002)
+    first.record(None, 10_000, 0.0, 0.05, 0.06)
+    assert first.estimate_bps() == pytest.approx(8 * 10_000 / 0.06)
+    # with a prior, an app-limited first window never lowers it
+    prior = impl.BandwidthMonitor(k=3, min_body_s=0.002, initial_bps=20e6)
+    prior.record(0, 10_000, 0.0, 0.05, 0.06)
+    assert prior.estimate_bps() == pytest.approx(20e6)
+
+
 def test_fast_small_bodies_lift_a_stale_low_estimate(impl):
     """After a slow spell only the smallest configurations fit; when the link recovers
     their quick arrivals raise the estimate, which lets larger ones through."""

@@ -122,7 +122,8 @@ def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys
     assert (tmp_path / "edit.timeline.png").stat().st_size > 1000
     assert doc["warnings"] == []  # the packs were built with these very weights
     state = json.loads((tmp_path / "state" / "state.json").read_text())
-    assert state["last_rate_bps"] > 0 and len(state["profiles"]) == 1
+    assert state["rates"] and all(r["rate_bps"] > 0 for r in state["rates"].values())
+    assert len(state["profiles"]) == 1
     assert sorted(state["manifests"]) == [f"{tid}.fp16.json", f"{tid}.sakura.json"]
 
 

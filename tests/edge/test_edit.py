@@ -233,15 +233,15 @@ def test_allocator_adapts_to_the_link_rate(tmp_path):
     assert fast.compare(exact).psnr_db >= slow.compare(exact).psnr_db
 
 
-def test_a_remembered_rate_is_a_prior_only_while_fresh(world):
-    """The device's last estimate sizes the next edit's first shards only if it was measured
-    against the same origin at most REMEMBERED_RATE_MAX_AGE_S ago: a stale one (another
-    link, an earlier session) would size them for a link many times faster or slower."""
-    from sakura.edge.runtime import REMEMBERED_RATE_MAX_AGE_S
+def test_a_remembered_rate_is_the_next_edits_prior_decayed_by_its_age(world):
+    """The device's last estimate against an origin sizes the next edit's first shards,
+    decayed toward FLOOR x itself with its age (edge/state.py), per origin: another link's
+    estimate is never this one's, and an old one shrinks but never vanishes (before, it
+    expired after 10 s and an app's second edit started at the smallest configurations)."""
+    from sakura.edge.state import FLOOR, decayed, origin_of
 
     rt = world.runtime()
     req = rt.request(PROMPT, SEED)
-    smallest = min(c["bytes"] for c in world.manifests["sakura"]["shards"][0]["configs"])
 
     def first_shard(url: str) -> dict:
         # the manifest is cached: revalidated without a body, so no sample of this edit's
@@ -250,18 +250,23 @@ def test_a_remembered_rate_is_a_prior_only_while_fresh(world):
 
     with Server(create_app(LocalStorage(world.catalog_dir))) as server:
         rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")  # caches the manifest
-        remembered = rt.last_rate_bps
-        assert remembered > 0 and rt.remembered_rate(server.url) == remembered
-        assert first_shard(server.url)["rate_bps"] == remembered  # fresh, same origin
+        entry = rt.rates.entries[origin_of(server.url)]
+        assert entry.rate_bps > 0 and entry.latency_s is not None
+        now = entry.at
+        assert rt.remembered_rate(server.url, now) == pytest.approx(entry.rate_bps)
+        assert first_shard(server.url)["rate_bps"] == pytest.approx(entry.rate_bps, rel=0.01)
         with shaped(server.url, Trace.constant(2e6)) as (url, _):
-            other = first_shard(url)                              # another origin
-        assert other["rate_bps"] == 0 and other["bytes"] == smallest
-        assert rt.remembered_rate(server.url) is None  # what it remembers now is the link's
-        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
-        assert rt.remembered_rate(server.url) == rt.last_rate_bps
-        rt.last_rate_at -= REMEMBERED_RATE_MAX_AGE_S + 1                       # too old
+            assert rt.remembered_rate(url) is None               # another origin: unknown
+            first_shard(url)
+            link = rt.rates.entries[origin_of(url)].rate_bps
+            assert link < 4e6                                     # it remembers the link's
+        assert rt.rates.entries[origin_of(server.url)].rate_bps > 4 * link  # loopback
+        entry = rt.rates.entries[origin_of(server.url)]
+        entry.at -= 3600                                          # an hour old
         old = first_shard(server.url)
-        assert old["rate_bps"] == 0 and old["bytes"] == smallest
+        assert old["rate_bps"] == pytest.approx(entry.rate_bps * FLOOR, rel=0.01)
+        assert old["bytes"] > 0
+    assert decayed(1e6, 0) == 1e6 and decayed(1e6, -5) == pytest.approx(FLOOR * 1e6)
 
 
 def test_the_startup_allowance_widens_the_first_window_of_an_edit(world):
@@ -274,14 +279,15 @@ def test_the_startup_allowance_widens_the_first_window_of_an_edit(world):
             for f in (0.0, 1.0):
                 res[f] = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura",
                                  options=EditOptions(startup_fraction=f, initial_rate_bps=2e6))
-            # only the rate remembered from the last edit (cached manifest, no prior): no
-            # allowance, a stale estimate would size shard 0 for another link
+            # only the rate remembered from the last edit (cached manifest, no prior): the
+            # allowance as well, spent at the rate memory's decayed prior (edge/state.py)
             remembered = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura",
                                  options=EditOptions(startup_fraction=1.0))
             # the manifest fetched in this edit is a current rate sample: allowance
             fetched = rt.edit(url, TEMPLATE_ID, world.template, req, "sakura",
                               options=EditOptions(startup_fraction=1.0, cache_manifests=False))
-    assert remembered.startup_allowance_s == 0.0
+    assert remembered.startup_allowance_s == pytest.approx(sum(remembered.predicted_exec_s))
+    assert remembered.timeline[0]["rate_bps"] > 0
     assert fetched.startup_allowance_s == pytest.approx(sum(fetched.predicted_exec_s))
     assert res[0.0].startup_allowance_s == 0.0
     total = sum(res[1.0].predicted_exec_s)
@@ -342,12 +348,13 @@ def test_device_state_survives_a_restart_of_the_runtime(world, tmp_path):
     with Server(create_app(LocalStorage(world.catalog_dir))) as server:
         cold = first.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
         again = EdgeRuntime(world.model, FakeEncoder(), state_dir=state)
-        assert again.last_rate_bps == pytest.approx(first.last_rate_bps)
-        assert again.remembered_rate(server.url) == pytest.approx(first.last_rate_bps)
+        assert again.rates.to_json() == first.rates.to_json()
+        assert again.remembered_rate(server.url) == pytest.approx(
+            first.remembered_rate(server.url), rel=0.01)
         assert set(again.profiles) == set(first.profiles)
         warm = again.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
         (state / "state.json").write_text("{not json")
         broken = EdgeRuntime(world.model, FakeEncoder(), state_dir=state)
-        assert broken.manifests == {} and broken.last_rate_bps is None
+        assert broken.manifests == {} and broken.rates.entries == {}
     assert cold.manifest_bytes > 10_000
     assert warm.manifest_bytes == 0  # revalidated: 304, no body

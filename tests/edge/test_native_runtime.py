@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import time
 
@@ -85,17 +86,23 @@ def test_streamed_edit_equals_the_python_decoder_on_the_chosen_bytes(world, runt
     with serve(world) as server:
         nat = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, policy,
                                   options=opts)
+        check_timeline(nat)
+        assert_image_of_the_chosen_configs(world, server.url, policy, nat, req)
 
-        async def fetch_all():
-            async with PackClient(server.url) as client:
-                manifest = await client.manifest(TEMPLATE_ID, policy)
-                bodies = [await client.fetch_config(TEMPLATE_ID, policy, j, c,
-                                                    manifest=manifest)
-                          for j, c in enumerate(nat.configs)]
-                return manifest, bodies
 
-        manifest_d, bodies = asyncio.run(fetch_all())
-    check_timeline(nat)
+def assert_image_of_the_chosen_configs(world, url, policy, nat, req):
+    """The image is the Python cached edit over the Python decoder's tensors of exactly the
+    configurations the record says each shard ran on (never a wrong image)."""
+
+    async def fetch_all():
+        async with PackClient(url) as client:
+            manifest = await client.manifest(TEMPLATE_ID, policy)
+            bodies = [await client.fetch_config(TEMPLATE_ID, policy, j, c,
+                                                manifest=manifest)
+                      for j, c in enumerate(nat.configs)]
+            return manifest, bodies
+
+    manifest_d, bodies = asyncio.run(fetch_all())
     manifest = Manifest.from_dict(manifest_d)
     layout = manifest.layout()
     tensors = [decode_config(manifest, j, c, b.data) for j, (c, b) in
@@ -111,6 +118,61 @@ def test_streamed_edit_equals_the_python_decoder_on_the_chosen_bytes(world, runt
     ref = cached_edit(world.model, world.template, geo, Provider(), req)
     assert (nat.image - ref).abs().max().item() <= TOL
     assert nat.bytes == sum(len(b.data) for b in bodies)
+
+
+def stalled_first_shard(world, keep, mode="stall"):
+    """A server whose first shard response sends ``keep`` of its body and then nothing."""
+    faulty = FaultyApp(create_app(LocalStorage(world.catalog_dir)), ".pack", mode,
+                       keep=keep, stall_s=30.0)
+    return faulty, Server(faulty)
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.6])
+def test_a_stalled_transfer_costs_one_shard_quality_never_seconds(world, runtime,
+                                                                  native_runtime, keep):
+    """Headers then silence (keep 0), or 60% of the body then silence: the shard runs on
+    the longest verified prefix its policy accepts at its deadline (truncated), or, with
+    none, is re-requested on a fresh connection (a hedge); the edit never waits out the
+    30 s stall, and its image is exactly the edit of the configurations it ran on."""
+    req = runtime.request(PROMPT, SEED)
+    faulty, server = stalled_first_shard(world, keep)
+    with server:
+        native_runtime.warm(server.url, TEMPLATE_ID, world.template, "sakura")
+        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                                  options=EditOptions(initial_rate_bps=50e6))
+        assert faulty.hits == 1
+        assert res.latency_s < 5.0, res.timeline[0]  # (the clock starts after compiling)
+        first = res.timeline[0]
+        assert first["truncated"] or first["hedges"] >= 1, first
+        if first["truncated"]:
+            assert first["config"] != first["requested"] and res.truncations >= 1
+            assert first["bytes"] < [c for c in world.manifests["sakura"]["shards"][0]
+                                     ["configs"] if c["id"] == first["requested"]][0]["bytes"]
+        check_timeline(res)
+        assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
+
+
+def test_a_damaged_unit_inside_a_prefix_runs_the_shard_on_what_verified_before_it(
+        world, runtime, native_runtime):
+    """A byte flipped at 90% of the first shard's body: the shard runs on the largest
+    configuration verified before the damaged unit; the edit finishes with one warning
+    naming the unit and its pack offsets, and its image is exactly that configuration's."""
+    req = runtime.request(PROMPT, SEED)
+    faulty, server = stalled_first_shard(world, 0.9, mode="flip-at")
+    with server:
+        # a 5 s deadline for the edit: shard 0 goes at its best configuration
+        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                                  options=EditOptions(initial_rate_bps=50e6, deadline_s=5.0))
+        first = res.timeline[0]
+        assert faulty.hits == 1, first
+        if first["damage"] is None:  # the smallest configuration was chosen: refetched
+            assert first["refetches"] == 1, json.dumps(first)
+        else:
+            assert re.search(r"unit \d+ of shard 0 \(pack bytes \d+\.\.\d+\) fails its "
+                             r"checksum", first["damage"])
+            assert first["config"] != first["requested"]
+            assert [w for w in res.warnings if "damaged data" in w and "shard 0" in w]
+        assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
 
 
 def test_pipeline_cpus_that_do_not_exist_are_one_clear_error(world, runtime, native_runtime):

@@ -112,6 +112,7 @@ void bind_allocation(py::module_& m) {
   py::class_<sakura::Allocator, std::shared_ptr<sakura::Allocator>>(m, "Allocator")
       .def("choose", &sakura::Allocator::choose, py::arg("shard"), py::arg("window_s"),
            py::arg("rate_bps"))
+      .def("fallbacks", &sakura::Allocator::fallbacks, py::arg("shard"))
       .def_property_readonly("num_shards", &sakura::Allocator::num_shards);
 
   py::class_<sakura::AdaptiveAllocator, sakura::Allocator,

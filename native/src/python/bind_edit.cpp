@@ -56,6 +56,10 @@ py::dict record_dict(const sakura::ShardRecord& r) {
   d["attempts"] = r.attempts;
   d["resumes"] = r.resumes;
   d["refetches"] = r.refetches;
+  d["requested"] = r.requested < 0 ? py::object(py::none()) : py::object(py::int_(r.requested));
+  d["hedges"] = r.hedges;
+  d["truncated"] = r.truncated;
+  d["damage"] = r.damage.empty() ? py::object(py::none()) : py::object(py::str(r.damage));
   return d;
 }
 

@@ -39,6 +39,12 @@ AdaptiveAllocator::AdaptiveAllocator(std::vector<std::vector<AllocOption>> table
   }
 }
 
+std::vector<int> AdaptiveAllocator::fallbacks(int shard) const {
+  std::vector<int> out;
+  for (const auto& o : tables_.at(static_cast<std::size_t>(shard))) out.push_back(o.id);
+  return out;
+}
+
 int AdaptiveAllocator::smallest(int shard) const {
   check_shard(shard, tables_.size());
   return smallest_[shard];

@@ -24,6 +24,9 @@ class Allocator {
   virtual ~Allocator() = default;
   virtual int choose(int shard, double window_s, double rate_bps) const = 0;
   virtual int num_shards() const = 0;
+  // The configurations of `shard` the policy accepts in place of its choice (a received
+  // prefix at the deadline, the part before a damaged unit); none: it waits for its choice.
+  virtual std::vector<int> fallbacks(int) const { return {}; }
 };
 
 // Highest-quality configuration whose bytes fit rate x (window - latency) x safety; the
@@ -35,6 +38,7 @@ class AdaptiveAllocator final : public Allocator {
                     double safety = 0.8);
   int choose(int shard, double window_s, double rate_bps) const override;
   int num_shards() const override { return static_cast<int>(tables_.size()); }
+  std::vector<int> fallbacks(int shard) const override;  // every candidate of its table
   int smallest(int shard) const;
 
  private:

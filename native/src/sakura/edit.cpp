@@ -21,6 +21,16 @@ namespace sakura {
 namespace {
 
 constexpr double kPollCapS = 0.05;  // longest poll while waiting for a slot or a transfer
+// Deadlines (edge/README.md, "Deadlines"): once execution has waited this share of the
+// shard's predicted execution time (at least kMinGraceS) for a transfer, the shard runs on
+// the longest verified prefix its policy accepts; with none yet, a transfer that made no
+// progress for that time, 3 request latencies and kStallFloorS is re-requested on a fresh
+// connection (once per wait). The stall
+// watchdog restarts any attempt silent for max(kStallFloorS, 3 round trips, 2x the expected
+// time of its remaining bytes), doubling per restart in a row.
+constexpr double kGraceFraction = 0.5;
+constexpr double kMinGraceS = 0.001;
+constexpr double kStallFloorS = 0.05;
 
 // Pin the calling thread to ``cpus`` (none: unchanged).
 void pin_this_thread(const std::vector<int>& cpus) {
@@ -241,6 +251,25 @@ void StreamFeed::issue(int j) {
   FetchRequest req = it->second.request;
   req.shard = j;
   req.config = config;
+  // the policy's configurations of this shard that are prefixes of the chosen one (same
+  // stream: same range start, its first units), longest first
+  for (int id : allocator_->fallbacks(j)) {
+    if (id == config) continue;
+    auto f = spec_.configs[j].find(id);
+    if (f == spec_.configs[j].end()) continue;
+    const FetchRequest& fr = f->second.request;
+    if (fr.url != req.url || fr.offset != req.offset || fr.length >= req.length ||
+        fr.units.empty() || fr.units.size() > req.units.size()) {
+      continue;
+    }
+    bool prefix = true;
+    for (std::size_t u = 0; u < fr.units.size() && prefix; ++u) {
+      prefix = fr.units[u].length == req.units[u].length && fr.units[u].sha256 == req.units[u].sha256;
+    }
+    if (prefix) req.fallbacks.emplace_back(id, fr.length);
+  }
+  std::sort(req.fallbacks.begin(), req.fallbacks.end(),
+            [](const auto& a, const auto& b) { return a.second > b.second; });
   http_.start(std::move(req));
 }
 
@@ -258,8 +287,46 @@ void StreamFeed::complete(FetchDone&& done) {
   rec.attempts = done.attempts;
   rec.resumes = done.resumes;
   rec.refetches = done.refetches;
+  rec.requested = done.requested;
+  rec.config = done.config;
+  rec.hedges = done.hedges;
+  rec.truncated = done.truncated;
+  rec.damage = done.damage;
   pending_[j] = {done.config, std::move(done.data)};
   cv_.notify_all();
+}
+
+void StreamFeed::enforce_deadline(double* wait_s) {
+  int w;
+  double since;
+  bool hedged;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    w = waiting_;
+    since = waiting_since_;
+    hedged = waiting_hedged_;
+  }
+  if (w < 0 || !http_.has_transfer(w)) return;
+  const double grace = std::max(kMinGraceS, kGraceFraction * progress_->predicted_exec_s(w));
+  // execution asks for shard 0 at once, but its deadline is the predicted start (the
+  // startup allowance): the wait counts from there
+  const double waited = now_s() - std::max(since, progress_->start_not_before());
+  if (waited < grace) {
+    *wait_s = std::min(*wait_s, std::max(1e-4, grace - waited));
+    return;
+  }
+  FetchDone done;
+  if (http_.take_prefix(w, &done)) {
+    complete(std::move(done));
+    return;
+  }
+  // a hedge only for a transfer that has stalled, not one waiting for its first byte
+  if (!hedged && http_.idle_s(w) >= std::max({grace, 3.0 * monitor_->latency_s(), kStallFloorS})) {
+    http_.restart(w);
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting_hedged_ = true;
+  }
+  *wait_s = std::min(*wait_s, std::max(1e-3, grace));
 }
 
 void StreamFeed::receive_loop() {
@@ -288,6 +355,12 @@ void StreamFeed::receive_loop() {
       continue;
     }
     if (next == n && http_.active() == 0) return;
+    enforce_deadline(&wait);
+    {
+      const double estimate = monitor_->estimate_bps();
+      http_.restart_stalled(monitor_->latency_s(), std::isnan(estimate) ? 0.0 : estimate,
+                            kStallFloorS);
+    }
     for (auto& done : http_.poll(wait)) complete(std::move(done));
   }
 }
@@ -393,8 +466,15 @@ const float* StreamFeed::acquire(int j) {
     if (current >= 0 && current != j) ready_.erase(current);
     while (!ready_.count(j) && !error_) {
       if (cancelled_.load()) throw Cancelled();
+      if (waiting_ != j) {  // the receive thread enforces the deadline from now on
+        waiting_ = j;
+        waiting_since_ = now_s();
+        waiting_hedged_ = false;
+        http_.wakeup();
+      }
       cv_.wait_for(lock, std::chrono::milliseconds(100));
     }
+    waiting_ = -1;
     if (error_) std::rethrow_exception(error_);
     // the start is stamped before the other stages can see the slot it frees
     const double start = now_s();

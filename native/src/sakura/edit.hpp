@@ -50,6 +50,10 @@ struct ShardRecord {
   double exec_start = kNoValue, exec_end = kNoValue;
   double stall_s = 0.0;
   int attempts = 0, resumes = 0, refetches = 0;
+  int requested = -1;      // the configuration requested (config differs: a fallback)
+  int hedges = 0;          // re-requests on a fresh connection
+  bool truncated = false;  // executed from the prefix received by its deadline
+  std::string damage;      // a unit that failed its checksum ("" : none)
 };
 
 // Raised when an edit is cancelled (Ctrl-C in Python).
@@ -151,6 +155,7 @@ class StreamFeed final : public ShardFeed {
   void reconstruct_loop();
   bool link_allows(double* wait_s);
   void issue(int j);
+  void enforce_deadline(double* wait_s);
   void complete(FetchDone&& done);
   std::vector<float> decode(int j, int config, const std::vector<std::uint8_t>& data);
   void fail(std::exception_ptr e);
@@ -165,6 +170,9 @@ class StreamFeed final : public ShardFeed {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   int executing_ = -1;
+  int waiting_ = -1;            // the shard execution waits for (-1: none)
+  double waiting_since_ = 0;    // ... since
+  bool waiting_hedged_ = false;
   std::map<int, std::pair<int, std::vector<std::uint8_t>>> pending_;  // received
   std::map<int, std::vector<float>> ready_;                           // reconstructed
   std::exception_ptr error_;

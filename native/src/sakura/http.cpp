@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <list>
 #include <mutex>
 #include <sstream>
@@ -84,7 +85,16 @@ struct Transfer {
   int attempts = 0, resumes = 0, refetches = 0, failures = 0;
   double retry_at = 0;
   double last_progress = 0;  // when the transfer last received bytes (or started)
+  double attempt_start = 0;  // when the attempt in flight was sent
   std::string last_error;
+  // units verified as they arrive: the first verified_units units (verified_bytes bytes)
+  std::int64_t verified_bytes = 0;
+  std::size_t verified_units = 0;
+  bool damaged = false;       // a unit failed its checksum (damage says which)
+  bool use_fallback = false;  // ... and a verified fallback ends the transfer
+  std::string damage;
+  int hedges = 0, stalled_restarts = 0;  // restarts on a fresh connection (in a row)
+  bool fresh = false;         // the next attempt opens a new connection
   // the attempt in flight
   CURL* easy = nullptr;
   curl_slist* headers = nullptr;
@@ -95,6 +105,73 @@ struct Transfer {
   bool fatal = false;
   char errbuf[CURL_ERROR_SIZE] = {0};
 };
+
+namespace {
+
+// The body starts over: nothing received, nothing verified.
+void reset_body(Transfer& t) {
+  t.buf.clear();
+  t.verified_bytes = 0;
+  t.verified_units = 0;
+  t.damaged = t.use_fallback = false;
+  t.damage.clear();
+}
+
+// Verifies the units that have arrived whole since the last call; a bad one marks the
+// transfer damaged (its offsets are the pack's, as the manifest gives them).
+void advance_verify(Transfer& t) {
+  const std::int64_t base = std::max<std::int64_t>(0, t.req.offset);
+  while (!t.damaged && t.verified_units < t.req.units.size()) {
+    const auto& u = t.req.units[t.verified_units];
+    if (t.verified_bytes + u.length > static_cast<std::int64_t>(t.buf.size())) return;
+    if (sha256(t.buf.data() + t.verified_bytes, static_cast<std::size_t>(u.length)) !=
+        u.sha256) {
+      t.damaged = true;
+      t.damage = "unit " + std::to_string(t.verified_units) + " of shard " +
+                 std::to_string(t.req.shard) + " (pack bytes " +
+                 std::to_string(base + t.verified_bytes) + ".." +
+                 std::to_string(base + t.verified_bytes + u.length) +
+                 ") fails its checksum";
+      return;
+    }
+    t.verified_bytes += u.length;
+    t.verified_units += 1;
+  }
+}
+
+// The longest fallback whose bytes have all been verified (index into fallbacks), or -1.
+int best_fallback(const Transfer& t) {
+  if (t.req.units.empty()) return -1;
+  for (std::size_t i = 0; i < t.req.fallbacks.size(); ++i) {
+    if (t.req.fallbacks[i].second <= t.verified_bytes) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+// The transfer's result: the whole body (fallback < 0) or the first bytes of a fallback.
+void fill_done(Transfer& t, int fallback, FetchDone* done) {
+  const double end = now_s();
+  done->shard = t.req.shard;
+  done->requested = t.req.config;
+  if (fallback < 0) {
+    done->config = t.req.config;
+    done->data = std::move(t.buf);
+  } else {
+    const auto& [config, length] = t.req.fallbacks[static_cast<std::size_t>(fallback)];
+    done->config = config;
+    done->data.assign(t.buf.begin(), t.buf.begin() + length);
+  }
+  done->start = t.start;
+  done->first_byte = t.first_byte >= 0 ? t.first_byte : end;
+  done->end = end;
+  done->attempts = t.attempts;
+  done->resumes = t.resumes;
+  done->refetches = t.refetches;
+  done->hedges = t.hedges;
+  done->damage = t.damage;
+}
+
+}  // namespace
 
 struct HttpReceiver::Impl {
   HttpOptions opts;
@@ -145,7 +222,7 @@ struct HttpReceiver::Impl {
         if (t->content_range.rfind(want, 0) != 0) {
           t->abort_reason = "partial content '" + t->content_range + "' does not resume at " +
                             std::to_string(from);
-          t->buf.clear();
+          reset_body(*t);
           return 0;
         }
       } else if (code == 200) {
@@ -160,7 +237,7 @@ struct HttpReceiver::Impl {
                                  "supports single-range GETs";
           return 0;
         }
-        t->buf.clear();
+        reset_body(*t);
       }
       if (t->first_byte < 0) t->first_byte = now_s();
     }
@@ -173,6 +250,13 @@ struct HttpReceiver::Impl {
                   reinterpret_cast<std::uint8_t*>(data) + bytes);
     t->progressed = true;
     t->last_progress = now_s();
+    t->stalled_restarts = 0;
+    advance_verify(*t);
+    if (t->damaged) {  // the rest of this body cannot be used: stop it now
+      t->use_fallback = best_fallback(*t) >= 0;
+      t->abort_reason = t->damage;
+      return 0;
+    }
     return bytes;
   }
 
@@ -190,7 +274,7 @@ struct HttpReceiver::Impl {
       t.resumes += 1;
       t.resume_from = static_cast<std::int64_t>(t.buf.size());
     } else {
-      t.buf.clear();
+      reset_body(t);
       t.resume_from = 0;
     }
     if (ranged) {
@@ -205,6 +289,11 @@ struct HttpReceiver::Impl {
     CURL* e = curl_easy_init();
     if (e == nullptr) throw std::runtime_error("curl_easy_init failed");
     t.easy = e;
+    t.attempt_start = now_s();
+    if (t.fresh) {  // a hedge: not on the connection that stalled
+      curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
+      t.fresh = false;
+    }
     curl_slist* headers = nullptr;
     std::vector<std::string> sent;
     for (const auto& h : opts.headers) {
@@ -255,21 +344,14 @@ struct HttpReceiver::Impl {
   }
 
   // What is wrong with a complete body, or "".
+  // (every unit was verified as it arrived: advance_verify)
   static std::string verify(const Transfer& t) {
     if (static_cast<std::int64_t>(t.buf.size()) != t.req.length) {
       return std::to_string(t.buf.size()) + " bytes, expected " + std::to_string(t.req.length);
     }
-    std::size_t pos = 0;
-    for (std::size_t i = 0; i < t.req.units.size(); ++i) {
-      const auto& u = t.req.units[i];
-      if (pos + static_cast<std::size_t>(u.length) > t.buf.size()) return "units exceed the body";
-      if (sha256(t.buf.data() + pos, static_cast<std::size_t>(u.length)) != u.sha256) {
-        return "unit " + std::to_string(i) + " (bytes " + std::to_string(pos) + ".." +
-               std::to_string(pos + u.length) + ") fails its checksum";
-      }
-      pos += static_cast<std::size_t>(u.length);
+    if (!t.req.units.empty() && t.verified_units != t.req.units.size()) {
+      return "units do not cover the body";
     }
-    if (!t.req.units.empty() && pos != t.buf.size()) return "units do not cover the body";
     return "";
   }
 
@@ -297,6 +379,14 @@ struct HttpReceiver::Impl {
     const std::string errbuf = t.errbuf;
     end_attempt(t);
     if (t.fatal) throw FetchError("http", t.abort_reason);
+    if (t.damaged) {
+      if (t.use_fallback) {  // the largest configuration verified before the damage
+        fill_done(t, best_fallback(t), done);
+        return true;
+      }
+      refetch(t, t.damage);
+      return false;
+    }
     if (res != CURLE_OK) {
       std::string why = !t.abort_reason.empty() ? t.abort_reason
                         : res == CURLE_OPERATION_TIMEDOUT ? "timed out"
@@ -305,7 +395,7 @@ struct HttpReceiver::Impl {
       return false;
     }
     if (code == 416) {
-      t.buf.clear();
+      reset_body(t);
       failed_attempt(t, "HTTP 416 range not satisfiable", false);
       return false;
     }
@@ -321,28 +411,40 @@ struct HttpReceiver::Impl {
     }
     const std::string problem = verify(t);
     if (!problem.empty()) {
-      t.refetches += 1;
-      if (t.refetches > opts.max_refetch) {
-        throw FetchError("integrity", t.req.url + ": the body keeps failing verification: " +
-                                          problem + " (after " + std::to_string(t.refetches) +
-                                          " fetches)");
-      }
-      t.buf.clear();
-      t.etag.clear();
-      t.retry_at = now_s();
+      refetch(t, problem);
       return false;
     }
-    const double end = now_s();
-    done->shard = t.req.shard;
-    done->config = t.req.config;
-    done->data = std::move(t.buf);
-    done->start = t.start;
-    done->first_byte = t.first_byte >= 0 ? t.first_byte : end;
-    done->end = end;
-    done->attempts = t.attempts;
-    done->resumes = t.resumes;
-    done->refetches = t.refetches;
+    fill_done(t, -1, done);
     return true;
+  }
+
+  // A body that cannot be used, and no verified fallback: fetch it again from scratch, or
+  // give up with the true cause once max_refetch refetches failed too.
+  void refetch(Transfer& t, const std::string& problem) {
+    t.refetches += 1;
+    if (t.refetches > opts.max_refetch) {
+      throw FetchError("integrity", t.req.url + ": not even the smallest configuration of " +
+                                        "shard " + std::to_string(t.req.shard) +
+                                        " verifies: " + problem + " (after " +
+                                        std::to_string(t.refetches) + " fetches)");
+    }
+    reset_body(t);
+    t.etag.clear();
+    t.retry_at = now_s();
+  }
+
+  Transfer* find(int shard) {
+    for (auto& t : transfers) {
+      if (t.req.shard == shard) return &t;
+    }
+    return nullptr;
+  }
+
+  void restart_now(Transfer& t) {
+    end_attempt(t);
+    t.hedges += 1;
+    t.fresh = true;
+    begin_attempt(t);
   }
 };
 
@@ -414,6 +516,61 @@ std::vector<FetchDone> HttpReceiver::poll(double timeout_s) {
 }
 
 void HttpReceiver::wakeup() { curl_multi_wakeup(impl_->multi); }
+
+bool HttpReceiver::take_prefix(int shard, FetchDone* done) {
+  Transfer* t = impl_->find(shard);
+  if (t == nullptr) return false;
+  const int fb = best_fallback(*t);
+  if (fb < 0) return false;
+  impl_->end_attempt(*t);
+  fill_done(*t, fb, done);
+  done->truncated = true;
+  impl_->transfers.remove_if([&](const Transfer& x) { return &x == t; });
+  return true;
+}
+
+bool HttpReceiver::restart(int shard) {
+  Transfer* t = impl_->find(shard);
+  if (t == nullptr) return false;
+  impl_->restart_now(*t);
+  return true;
+}
+
+int HttpReceiver::restart_stalled(double rtt_s, double rate_bps, double floor_s) {
+  const double now = now_s();
+  int n = 0;
+  for (auto& t : impl_->transfers) {
+    if (t.easy == nullptr) continue;  // waiting out a backoff
+    const double idle = now - std::max(t.last_progress, t.attempt_start);
+    const double remaining = static_cast<double>(
+        std::max<std::int64_t>(0, t.req.length - static_cast<std::int64_t>(t.buf.size())));
+    double limit = std::max(floor_s, 3.0 * rtt_s);
+    if (rate_bps > 0) limit = std::max(limit, 2.0 * remaining * 8.0 / rate_bps);
+    // each restart in a row without new bytes doubles the limit: an origin slower to
+    // answer than the limit is still waited for, never restarted forever
+    limit *= std::pow(2.0, std::min(t.stalled_restarts, 10));
+    if (idle > limit) {
+      t.stalled_restarts += 1;
+      impl_->restart_now(t);
+      ++n;
+    }
+  }
+  return n;
+}
+
+double HttpReceiver::idle_s(int shard) const {
+  for (const auto& t : impl_->transfers) {
+    if (t.req.shard == shard) return now_s() - std::max(t.last_progress, t.attempt_start);
+  }
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+bool HttpReceiver::has_transfer(int shard) const {
+  for (const auto& t : impl_->transfers) {
+    if (t.req.shard == shard) return true;
+  }
+  return false;
+}
 
 int HttpReceiver::active() const { return static_cast<int>(impl_->transfers.size()); }
 

@@ -12,8 +12,14 @@
 //   `window_s` without progress (or `max_attempts` failed attempts in a row, when set) the
 //   transfer fails (Unreachable): long enough by default to ride out a server restart;
 // * another 4xx fails at once with the server's own message (HttpError);
-// * a body whose length or any unit's SHA-256 is wrong is refetched from scratch, at most
-//   `max_refetch` times (then IntegrityError);
+// * units are verified as they arrive; a body whose length or any unit's SHA-256 is wrong
+//   ends with the longest of its `fallbacks` (configurations that are prefixes of it) whose
+//   units all verified, with `damage` naming the unit; with none, it is refetched from
+//   scratch, at most `max_refetch` times (then IntegrityError);
+// * deadlines: take_prefix() ends a transfer early with its longest verified fallback
+//   (truncation), restart() re-requests the remaining range on a fresh connection, and
+//   restart_stalled() does so for every attempt without new bytes for longer than
+//   max(floor, 3 round trips, 2x the expected time of its remaining bytes) (the watchdog);
 // * a ranged request answered with the whole object (an origin that ignores Range) fails at
 //   once instead of downloading it (HttpError).
 // Every request actually sent is logged (method, URL, headers, time) for privacy tests.
@@ -64,6 +70,9 @@ struct FetchRequest {
   std::int64_t offset = -1;  // >= 0: bytes [offset, offset + length) of the resource at url
   std::int64_t length = 0;   // expected body length
   std::vector<UnitCheck> units;  // the body, unit after unit (lengths add up to `length`)
+  // (config, length): configurations whose bytes are the first units of this body, longest
+  // first, that the edit may use instead (truncation at the deadline, a damaged unit)
+  std::vector<std::pair<int, std::int64_t>> fallbacks;
 };
 
 struct FetchDone {
@@ -72,6 +81,10 @@ struct FetchDone {
   std::vector<std::uint8_t> data;
   double start = 0, first_byte = 0, end = 0;  // steady clock, seconds
   int attempts = 0, resumes = 0, refetches = 0;
+  int requested = 0;       // the configuration requested (config differs: a fallback)
+  int hedges = 0;          // re-requests on a fresh connection (stall watchdog, deadline)
+  bool truncated = false;  // ended at the deadline with a verified prefix
+  std::string damage;      // a unit that failed its checksum (the prefix before it is used)
 };
 
 struct RequestLogEntry {
@@ -100,6 +113,18 @@ class HttpReceiver {
   std::vector<FetchDone> poll(double timeout_s);
   // Thread-safe: makes a poll() in progress return early.
   void wakeup();
+
+  // Ends shard's transfer with its longest verified fallback (truncated); false when it has
+  // none yet (or no transfer of that shard is active).
+  bool take_prefix(int shard, FetchDone* done);
+  // Re-requests shard's remaining range on a fresh connection (a hedge); false: none active.
+  bool restart(int shard);
+  // The stall watchdog: restarts every attempt without new bytes for longer than
+  // max(floor_s, 3 rtt_s, 2x its remaining bytes at rate_bps); returns how many.
+  int restart_stalled(double rtt_s, double rate_bps, double floor_s);
+  // Seconds since shard's transfer last received bytes (NaN: no such transfer).
+  double idle_s(int shard) const;
+  bool has_transfer(int shard) const;
 
   int active() const;                     // transfers started and not yet done
   std::int64_t outstanding_bytes() const; // bytes the active transfers still expect

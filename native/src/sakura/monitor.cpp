@@ -27,7 +27,7 @@ double lookahead_wait(int ahead, int max_ahead, int max_ahead_cap, double until_
 // ----------------------------------------------------------------------- BandwidthMonitor
 
 BandwidthMonitor::BandwidthMonitor(int k, double initial_bps, double min_body_s)
-    : k_(k), initial_bps_(initial_bps), min_body_s_(min_body_s) {
+    : k_(k), initial_bps_(initial_bps), min_body_s_(min_body_s), held_(initial_bps) {
   if (k < 1) throw std::invalid_argument("k must be >= 1");
 }
 
@@ -36,6 +36,7 @@ TransferSample BandwidthMonitor::record(int shard, std::int64_t nbytes, double s
   TransferSample s{shard, nbytes, start, first_byte, end};
   std::lock_guard<std::mutex> lock(mu_);
   samples_.push_back(s);
+  held_ = estimate_locked(held_);
   return s;
 }
 
@@ -51,37 +52,52 @@ double BandwidthMonitor::begin_of(std::size_t i, const std::vector<TransferSampl
   return std::min(samples[i].first_byte, samples[i].start + (has(round_trip) ? round_trip : 0.0));
 }
 
-double BandwidthMonitor::estimate_bps() const {
-  std::vector<TransferSample> samples;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    samples = samples_;
-  }
-  const bool prior = has(initial_bps_) && initial_bps_ > 0;
-  if (samples.empty()) return initial_bps_;
-  // bytes of the last k transfers over the union of their busy intervals (edge/monitor.py)
-  const std::size_t n = samples.size();
-  const std::size_t from = n > static_cast<std::size_t>(k_) ? n - k_ : 0;
-  std::vector<std::pair<double, double>> spans;
-  std::int64_t nbytes = 0;
-  for (std::size_t i = from; i < n; ++i) {
-    spans.emplace_back(begin_of(i, samples), samples[i].end);
-    nbytes += samples[i].nbytes;
-  }
+namespace {
+// The length of the union of [begin, end) spans.
+double union_length(std::vector<std::pair<double, double>> spans) {
   std::sort(spans.begin(), spans.end());
-  double busy = 0.0, reach = -std::numeric_limits<double>::infinity();
+  double total = 0.0, reach = -std::numeric_limits<double>::infinity();
   for (const auto& [begin, end] : spans) {
     if (end > reach) {
-      busy += end - std::max(begin, reach);
+      total += end - std::max(begin, reach);
       reach = end;
     }
   }
-  const double measured = 8.0 * static_cast<double>(nbytes) / std::max(busy, min_body_s_);
-  if (busy < min_body_s_) return (!prior || measured > initial_bps_) ? measured : initial_bps_;
+  return total;
+}
+}  // namespace
+
+double BandwidthMonitor::estimate_locked(double held) const {
+  const auto& samples = samples_;
+  const bool prior = has(initial_bps_) && initial_bps_ > 0;
+  // bytes of the last k transfers over the union of their busy intervals (edge/monitor.py)
+  const std::size_t n = samples.size();
+  const std::size_t from = n > static_cast<std::size_t>(k_) ? n - k_ : 0;
+  std::vector<std::pair<double, double>> spans, bodies;
+  std::int64_t nbytes = 0;
+  for (std::size_t i = from; i < n; ++i) {
+    spans.emplace_back(begin_of(i, samples), samples[i].end);
+    bodies.emplace_back(samples[i].first_byte, samples[i].end);
+    nbytes += samples[i].nbytes;
+  }
+  const double busy = union_length(spans);
+  const double body = union_length(bodies);
+  double measured = 8.0 * static_cast<double>(nbytes) / std::max(busy, min_body_s_);
+  const double floor = n > 1 ? held : initial_bps_;
+  const bool has_floor = has(floor) && floor > 0;
+  if (busy < min_body_s_) return (!has_floor || measured > floor) ? measured : floor;
   const double m = static_cast<double>(n - from);
   const double missing = prior ? static_cast<double>(k_) - m : 0.0;
-  if (missing <= 0 || measured <= 0) return measured;
-  return (m + missing) / (m / measured + missing / initial_bps_);
+  if (missing > 0 && measured > 0) {
+    measured = (m + missing) / (m / measured + missing / initial_bps_);
+  }
+  if (has_floor && body < kAppLimitedShare * busy) return std::max(measured, floor);
+  return measured;
+}
+
+double BandwidthMonitor::estimate_bps() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return samples_.empty() ? initial_bps_ : held_;
 }
 
 double BandwidthMonitor::latency_s() const {

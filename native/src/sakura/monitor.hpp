@@ -6,7 +6,9 @@
 // transfers over the union of their busy intervals (each from its request plus the others'
 // smallest time to first byte, no later than its first byte, to its end), the prior standing
 // for transfers missing from the k; a window busy for less than min_body_s only raises the
-// prior; the latency is the median time to first byte of the last k transfers.
+// estimate held before it, and so does an app-limited window (bytes arriving less than
+// kAppLimitedShare of its busy time); the estimate is kept as of each record(); the latency
+// is the median time to first byte of the last k transfers.
 //
 // ExecutionProgress: calibrated execution time per shard, corrected online by the
 // exponentially averaged ratio measured / predicted; predicts each shard's execution start
@@ -24,6 +26,8 @@
 namespace sakura {
 
 constexpr double kNoValue = std::numeric_limits<double>::quiet_NaN();
+// edge/monitor.py APP_LIMITED_SHARE
+constexpr double kAppLimitedShare = 0.5;
 
 struct TransferSample {
   int shard = -1;  // -1: not a shard (the manifest)
@@ -46,10 +50,12 @@ class BandwidthMonitor {
 
  private:
   static double begin_of(std::size_t i, const std::vector<TransferSample>& samples);
+  double estimate_locked(double held) const;  // the estimate with samples_ as they are
 
   int k_;
   double initial_bps_, min_body_s_;
   std::vector<TransferSample> samples_;
+  double held_;  // the estimate as of the last record() (initial_bps_ before any)
   mutable std::mutex mu_;
 };
 

@@ -1,0 +1,321 @@
+"""The device's two shard loops behind one interface: :class:`Runner`.
+
+:class:`~edge.runtime.EdgeRuntime` does what every edit does whichever loop runs it (the
+manifest and its cache, the allocator, the rate memory, the startup allowance, the result)
+and hands the loop itself to a runner chosen once, at construction:
+
+* :class:`PythonRunner`: the reference pipeline (:mod:`edge.pipeline`: aiohttp receive,
+  a reconstruct thread, the DiT in torch or a compiled backend of :mod:`edge.backends`);
+* :class:`NativeRunner`: the C++ loop (:mod:`edge.native_runtime`, ``sakura_native``:
+  libcurl receive, native decoders, ExecuTorch graphs).
+
+A runner makes the loop's own bookkeeping objects (the bandwidth monitor and execution
+progress are Python classes here and their C++ twins there, tested against the same unit
+tests), calibrates execution, runs ``local`` and a streamed edit, and returns per-shard
+records with the same fields (``ShardRecord``), so nothing above this module asks which
+runtime it is on. A new loop (say, an on-phone binary driven over a socket) is one more
+class with these methods, registered in :data:`RUNNERS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from sakura.codec.pack import Manifest, decode_config
+from sakura.edge.client import PackClient, RequestRecord
+from sakura.edge.errors import EdgeError, NativeUnavailable
+from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress
+from sakura.edge.pipeline import NetLoop, Pipeline
+
+if TYPE_CHECKING:  # (the runtime imports this module)
+    from sakura.dit.adapters.engine import Prepared
+    from sakura.dit.editing import Template
+    from sakura.edge.native_runtime import NativeEngine
+    from sakura.edge.runtime import EdgeRuntime, EditOptions, ExecProfile
+
+
+@dataclass
+class StreamJob:
+    """Everything one streamed edit has settled before its shard loop starts."""
+
+    net: NetLoop
+    client: PackClient
+    template_id: str
+    codec: str
+    manifest_dict: dict[str, Any]
+    manifest: Manifest
+    prep: Prepared
+    req: Any
+    allocator: Any
+    monitor: Any
+    progress: Any
+    origin: float
+    opts: EditOptions
+    log: list[RequestRecord]
+    derived: dict[str, Any]
+
+    def describe(self, shard: int, config: int) -> dict[str, Any]:
+        return dict(self.manifest.shard(shard).config(config).params)
+
+
+class Runner(Protocol):
+    """One shard loop (see the module docstring)."""
+
+    name: str
+
+    def check(self, opts: EditOptions) -> None:
+        """Raise :class:`EdgeError` for options this loop cannot honour."""
+
+    def monitor(self, k: int, prior: float | None) -> Any:
+        """A bandwidth monitor of this loop (``BandwidthMonitor``'s interface)."""
+
+    def progress(self, exec_s: list[float], origin: float, allowance_s: float,
+                 now: float) -> Any:
+        """Execution progress of this loop (``ExecutionProgress.with_allowance``)."""
+
+    def profile(self, device: EdgeRuntime, server: str, template_id: str, prep: Prepared,
+                req: Any, codec: str, token: str | None, opts: EditOptions) -> ExecProfile:
+        """The calibrated execution time of every block (graphs loaded: before the clock)."""
+
+    def warm(self, device: EdgeRuntime, job_derived: dict[str, Any],
+             manifest_dict: dict[str, Any], manifest: Manifest, url: str) -> None:
+        """What the loop derives from a manifest before its first request."""
+
+    def prepare_local(self, device: EdgeRuntime, template: Template, req: Any) -> None:
+        """Compile / load what ``local`` runs (before the clock)."""
+
+    def local(self, device: EdgeRuntime, template: Template, prep: Prepared,
+              req: Any) -> torch.Tensor:
+        """The whole model on the device, no cache."""
+
+    def stream(self, device: EdgeRuntime, job: StreamJob
+               ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        """The streamed edit: (image, per-shard records as dicts)."""
+
+
+class PythonRunner:
+    """The reference pipeline (:mod:`edge.pipeline`) on torch or a compiled backend."""
+
+    name = "python"
+
+    def check(self, opts: EditOptions) -> None:
+        if opts.reconstruct != "cpu":
+            raise EdgeError("reconstruct opencl is a stage of the native runtime "
+                            "(--runtime native)")
+
+    def monitor(self, k: int, prior: float | None) -> BandwidthMonitor:
+        return BandwidthMonitor(k, prior)
+
+    def progress(self, exec_s: list[float], origin: float, allowance_s: float,
+                 now: float) -> ExecutionProgress:
+        return ExecutionProgress.with_allowance(exec_s, origin, allowance_s, now=now)
+
+    def profile(self, device: EdgeRuntime, server: str, template_id: str, prep: Prepared,
+                req: Any, codec: str, token: str | None, opts: EditOptions) -> ExecProfile:
+        return device.profile(template_id, prep, req)
+
+    def warm(self, device: EdgeRuntime, job_derived: dict[str, Any],
+             manifest_dict: dict[str, Any], manifest: Manifest, url: str) -> None:
+        return None
+
+    def prepare_local(self, device: EdgeRuntime, template: Template, req: Any) -> None:
+        return None
+
+    def local(self, device: EdgeRuntime, template: Template, prep: Prepared,
+              req: Any) -> torch.Tensor:
+        return device.engine.local_edit(prep, req)
+
+    def stream(self, device: EdgeRuntime, job: StreamJob
+               ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        manifest, opts = job.manifest, job.opts
+        layout = manifest.layout()
+        codec_impl = manifest.make_codec()
+
+        async def fetch(shard: int, config: int, progress):
+            return await job.client.fetch_config(job.template_id, job.codec, shard, config,
+                                                 manifest=job.manifest_dict,
+                                                 progress=progress)
+
+        def decode(shard: int, config: int, data: bytes) -> list[torch.Tensor]:
+            return decode_config(manifest, shard, config, data, codec_impl)
+
+        def allocate(shard: int, window, rate: float) -> int:
+            return job.allocator.choose(shard, window.window_s, rate)
+
+        def config_bytes(shard: int, config: int) -> int:
+            return int(manifest.shard(shard).config(config).bytes)
+
+        shard_blocks = [layout.blocks_of(i) for i in range(layout.num_shards)]
+        backend = device.backend
+        pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,
+                        monitor=job.monitor, progress=job.progress, origin=job.origin,
+                        max_ahead=opts.max_ahead, max_ready=opts.max_ready,
+                        describe=job.describe, config_bytes=config_bytes,
+                        max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
+                        max_ahead_cap=opts.max_ahead_cap)
+        pipe.start(job.net)
+        try:
+            prep = job.prep
+            image = (device.engine.edit(prep, pipe.provider, job.req) if backend.is_torch
+                     else backend.edit(device.model, prep.template, prep.geometry,
+                                       pipe.provider, job.req, layout.blocks_per_shard))
+        except BaseException:
+            pipe.close()
+            raise
+        pipe.finish()
+        return image, [r.to_dict() for r in pipe.records]
+
+
+class NativeRunner:
+    """The C++ shard loop (``sakura_native``) of the shipped MMDiT."""
+
+    name = "native"
+
+    def __init__(self, compiled_dir: Any = None) -> None:
+        self._compiled_dir = compiled_dir
+        self._engine: NativeEngine | None = None
+
+    def engine(self, device: EdgeRuntime) -> NativeEngine:
+        """The native engine (compiled graphs of the shipped MMDiT), created on first use."""
+        if self._engine is None:
+            from sakura.edge.backends.base import weights_sha256
+            from sakura.edge.native_runtime import NativeEngine
+
+            if not device.default_model:
+                raise NativeUnavailable(f"{device.engine.name} runs on the Python runtime "
+                                        "(--runtime python); the native runtime runs the "
+                                        "shipped MMDiT")
+            kw = {"cache_dir": self._compiled_dir} if self._compiled_dir else {}
+            self._engine = NativeEngine(device.model, device.weights_sha256
+                                        or weights_sha256(device.model), **kw)
+        return self._engine
+
+    def check(self, opts: EditOptions) -> None:
+        return None
+
+    def monitor(self, k: int, prior: float | None) -> Any:
+        from sakura.edge.native_status import native_module
+
+        return native_module().BandwidthMonitor(k, prior)
+
+    def progress(self, exec_s: list[float], origin: float, allowance_s: float,
+                 now: float) -> Any:
+        from sakura.edge.native_status import native_module
+
+        return native_module().ExecutionProgress.with_allowance(exec_s, origin, allowance_s,
+                                                                now=now)
+
+    def profile(self, device: EdgeRuntime, server: str, template_id: str, prep: Prepared,
+                req: Any, codec: str, token: str | None, opts: EditOptions) -> ExecProfile:
+        """Compiled graphs loaded and execution calibrated for this template's shard
+        layout, before the edit's clock starts. The layout (blocks per shard) comes from
+        the cached manifest, or from a manifest fetched outside the device's cache (so
+        that the timed edit fetches it exactly as the Python runtime does)."""
+        from sakura.edge.runtime import ExecProfile
+
+        native = self.engine(device)
+        cached = device.manifests.get((template_id, codec))
+        if cached is not None:
+            doc = cached.data
+        else:
+            async def get() -> dict[str, Any]:
+                async with PackClient(server, token=token, retry=opts.retry) as c:
+                    return await c.manifest(template_id, codec)
+
+            with NetLoop() as net:
+                doc = net.run(get())
+        bps = int(device.check_manifest(doc, prep).geometry["blocks_per_shard"])
+        uncond = getattr(req, "txt_uncond", None) is not None
+        key = (f"{template_id}|runtime=native|bps={bps}|steps={prep.template.steps}"
+               f"|cfg={uncond}|weights={native.weights_sha256[:12]}")
+        native.prepare(prep.template, prep.geometry, req, bps)
+        if key not in device.profiles:
+            device.profiles[key] = ExecProfile(
+                native.calibrate(prep.template, prep.geometry, req, bps))
+        return device.profiles[key]
+
+    def warm(self, device: EdgeRuntime, job_derived: dict[str, Any],
+             manifest_dict: dict[str, Any], manifest: Manifest, url: str) -> None:
+        self._derived_stream(device, job_derived, manifest_dict, manifest, url)
+
+    def _derived_stream(self, device: EdgeRuntime, derived: dict[str, Any],
+                        manifest_dict: dict[str, Any], manifest: Manifest,
+                        url: str) -> tuple[Any, Any]:
+        """The native stream's shard table for the pack at ``url`` and the keys' RoPE
+        table, from ``derived`` (the runtime's memo per manifest ETag) or made and kept
+        there."""
+        from sakura.edge.native_runtime import rope_table, stream_shards
+
+        if ("shards", url) not in derived:
+            derived[("shards", url)] = self.engine(device).native.StreamTable(
+                stream_shards(manifest_dict, url))
+        if "rope" not in derived:
+            geometry = manifest_dict["geometry"]
+            derived["rope"] = rope_table(manifest.make_codec(), int(geometry["tokens"]),
+                                         int(geometry["channels"]))
+        return derived[("shards", url)], derived["rope"]
+
+    def prepare_local(self, device: EdgeRuntime, template: Template, req: Any) -> None:
+        self.engine(device).prepare_full(template, req)
+
+    def local(self, device: EdgeRuntime, template: Template, prep: Prepared,
+              req: Any) -> torch.Tensor:
+        return self.engine(device).full_edit(template, req)
+
+    def stream(self, device: EdgeRuntime, job: StreamJob
+               ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        from sakura.edge.allocator import to_native
+        from sakura.edge.native_runtime import decode_kind, stream_spec
+
+        native = self.engine(device)
+        manifest, opts, client = job.manifest, job.opts, job.client
+        codec_impl = manifest.make_codec()
+        where = client.pack_location(job.template_id, job.codec, job.manifest_dict)
+
+        def decode(shard: int, config: int, data: bytes) -> Any:
+            tensors = decode_config(manifest, shard, config, data, codec_impl)
+            return torch.stack(tensors).to(torch.float32).numpy()
+
+        geometry = job.manifest_dict["geometry"]
+        retry = opts.retry
+        http = {"connect_timeout_s": retry.connect_timeout_s,
+                "read_timeout_s": retry.read_timeout_s, "window_s": retry.window_s,
+                "max_attempts": retry.max_attempts, "backoff_s": retry.backoff_s,
+                "backoff_max_s": retry.backoff_max_s, "max_refetch": retry.max_refetch,
+                "max_connections": opts.max_inflight,
+                "headers": [f"{k}: {v}" for k, v in where.headers.items()],
+                "display_url": client.base_url}
+        shards, rope = self._derived_stream(device, job.derived, job.manifest_dict,
+                                            manifest, where.url)
+        stream = stream_spec(
+            shards, geometry, http=http,
+            origin=job.origin, max_ahead=opts.max_ahead, max_ready=opts.max_ready,
+            max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
+            max_ahead_cap=opts.max_ahead_cap, reconstruct=opts.reconstruct,
+            kind=decode_kind(codec_impl), decode=decode, rope=rope,
+            pipeline_cpus=opts.pipeline_cpus)
+        prep = job.prep
+        image, records, requests = native.streamed_edit(
+            prep.template, prep.geometry, job.req, stream,
+            to_native(job.allocator, native.native), job.monitor, job.progress,
+            int(geometry["blocks_per_shard"]))
+        for r in requests:
+            headers = dict(h.split(": ", 1) for h in r["headers"] if ": " in h)
+            job.log.append(RequestRecord(r["method"], r["url"], headers, r["time"]))
+        for r in records:
+            r["params"] = job.describe(r["shard"], r["config"]) if r["config"] is not None \
+                else {}
+        return image, records
+
+
+# the registry of shard loops, by the runtime name the CLI and EdgeRuntime take
+RUNNERS: dict[str, type] = {"python": PythonRunner, "native": NativeRunner}
+
+
+def make_runner(name: str, compiled_dir: Any = None) -> Runner:
+    """The runner called ``name`` (an :class:`EdgeError` names the known ones)."""
+    if name not in RUNNERS:
+        raise EdgeError(f"unknown runtime {name!r} (known: {', '.join(RUNNERS)})")
+    return NativeRunner(compiled_dir) if name == "native" else PythonRunner()
