@@ -339,6 +339,7 @@ def _edit(args: argparse.Namespace) -> int:
         options.budget_rate_bps = float(stats["median_mbps"]) * 1e6
         link_info = {"mode": "paced", "trace": args.trace, "rate_mbps": args.rate,
                      "scale": args.scale, "start_s": args.start, "window_stats": stats}
+        options.rate_origin = args.server  # (the link's proxy port changes every run)
         with shaped(args.server, trace, args.start) as (url, link):
             link_info.update(link.conditions())  # emulator, RTT, loss, its process and CPUs
             try:
@@ -352,7 +353,7 @@ def _edit(args: argparse.Namespace) -> int:
                               token=args.token, options=options)
     if args.compare_exact:
         exact = runtime.edit(args.server, args.template, template, req, "fp16",
-                             token=args.token)
+                             token=args.token, options=EditOptions(remember_rate=False))
         result.compare(exact.image)
     save_image(result.image, out)
     stem = out.with_suffix("")

@@ -366,6 +366,8 @@ class NativeEngine:
         groups = step_groups(self.model.cfg.num_blocks, blocks_per_shard)
         gs, graphs = self._graph_set(geometry, groups)
         inputs = self.inputs(template, geo, req, geometry, gs.dynamic)
+        if callable(progress):  # made now: the set-up above does not eat the allowance
+            progress = progress()
         x, records, requests = self._call(self.native.run_stream, graphs, inputs, stream,
                                           allocator, monitor, progress)
         return self.image(template, geo, x), list(records), list(requests)

@@ -19,6 +19,7 @@ class with these methods, registered in :data:`RUNNERS`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,7 +51,7 @@ class StreamJob:
     req: Any
     allocator: Any
     monitor: Any
-    progress: Any
+    progress: Callable[[], Any]  # makes the execution progress: call it as the loop starts
     origin: float
     opts: EditOptions
     log: list[RequestRecord]
@@ -150,7 +151,7 @@ class PythonRunner:
         shard_blocks = [layout.blocks_of(i) for i in range(layout.num_shards)]
         backend = device.backend
         pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,
-                        monitor=job.monitor, progress=job.progress, origin=job.origin,
+                        monitor=job.monitor, progress=job.progress(), origin=job.origin,
                         max_ahead=opts.max_ahead, max_ready=opts.max_ready,
                         describe=job.describe, config_bytes=config_bytes,
                         max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,

@@ -46,7 +46,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +235,12 @@ class EditOptions:
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
     initial_rate_bps: float | None = None  # rate prior (None: the device's last estimate)
     cache_manifests: bool = True  # keep manifests on the device, revalidate by ETag
+    # the origin the rate memory keys this edit by (None: the server URL); an emulated link
+    # in front of a server passes the server's, as the emulator's port changes every run
+    rate_origin: str | None = None
+    # feed this edit's transfers to the rate memory (False: a reference computation over
+    # another path, e.g. --compare-exact's fp16 edit straight from the server)
+    remember_rate: bool = True
     pack: str | None = None     # stream this codec's pack instead of the policy's default
     policy_options: dict[str, Any] = field(default_factory=dict)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -452,7 +458,8 @@ class EdgeRuntime:
 
         with NetLoop() as net:
             got, where = net.run(fetch())
-        self.rates.observe_fetch(server, got)
+        if opts.remember_rate:
+            self.rates.observe_fetch(opts.rate_origin or server, got)
         derived = self._derived_of(template_id, codec, got.etag)
         manifest = self._derived_manifest(derived, got.data, prep)
         self.runner.warm(self, derived, got.data, manifest, where.url)
@@ -493,13 +500,15 @@ class EdgeRuntime:
                   profile: ExecProfile, token: str | None,
                   request_log: list[RequestRecord] | None, opts: EditOptions) -> EditResult:
         origin = time.monotonic()
+        rate_key = opts.rate_origin or server
         log = request_log if request_log is not None else []
         client = PackClient(server, token=token, request_log=log, retry=opts.retry,
                             manifests=self.manifests if opts.cache_manifests else None)
         net.run(client.open())
         try:
             got = net.run(client.manifest_fetch(template_id, codec))
-            self.rates.observe_fetch(server, got)
+            if opts.remember_rate:
+                self.rates.observe_fetch(rate_key, got)
             manifest_dict, raw_len = got.data, got.size
             derived = self._derived_of(template_id, codec, got.etag)
             manifest = self._derived_manifest(derived, manifest_dict, prep)
@@ -507,10 +516,13 @@ class EdgeRuntime:
             layout = manifest.layout()
             exec_s = profile.shard_times(layout)
             given = opts.initial_rate_bps is not None
-            prior = opts.initial_rate_bps if given else self.rates.prior_bps(server)
+            prior = opts.initial_rate_bps if given else self.rates.prior_bps(rate_key)
             monitor = self.runner.monitor(opts.rate_window, prior)
-            if not got.cached:
-                monitor.record(None, raw_len, got.start, got.first_byte, got.end)
+            # the manifest request is the edit's first sample: a body is timed, a 304 (no
+            # bytes) gives the request latency (an app-limited window: it never lowers the
+            # prior), so the first shards' lead counts the round trip they will pay
+            monitor.record(None, raw_len if not got.cached else 0, got.start, got.first_byte,
+                           got.end)
             tables = options_from_manifest(manifest_dict)
             allocator = get_policy(policy).build(PolicyContext(
                 tables=tables, exec_s=exec_s, latency_s=0.0,
@@ -526,7 +538,18 @@ class EdgeRuntime:
             if opts.deadline_s is not None:
                 allowance = max(0.0, opts.deadline_s - (time.monotonic() - origin)
                                 - sum(exec_s))
-            progress = self.runner.progress(exec_s, origin, allowance, time.monotonic())
+            # nothing executes before shard 0's first bytes are in: its earliest start is one
+            # request latency away (as this edit's manifest request took), and the allowance counts from there, or a long round trip would leave the
+            # first shards no window at all (30 ms, 6 fresh connections: 65-75 ms to the
+            # first byte against a 36 ms allowance sent 10 shards at the smallest size)
+            first_byte_s = max(0.0, got.first_byte - got.start)
+            if opts.deadline_s is not None:
+                first_byte_s = 0.0  # (the caller's deadline decides the start)
+            # made by the runner right before its loop starts (its own set-up, e.g. the
+            # native request tensors, would otherwise eat the allowance)
+            def progress() -> Any:
+                return self.runner.progress(exec_s, origin, allowance,
+                                            time.monotonic() + first_byte_s)
             job = StreamJob(net=net, client=client, template_id=template_id, codec=codec,
                             manifest_dict=manifest_dict, manifest=manifest, prep=prep,
                             req=req, allocator=allocator, monitor=monitor,
@@ -534,7 +557,8 @@ class EdgeRuntime:
                             derived=derived)
             image, timeline = self.runner.stream(self, job)
             latency = time.monotonic() - origin
-            self.rates.observe_edit(server, monitor, timeline)
+            if opts.remember_rate:
+                self.rates.observe_edit(rate_key, monitor, timeline)
             self.save_state()
         finally:
             net.run(client.close(), timeout=10)
@@ -642,11 +666,13 @@ def run_edit(server: str, template_id: str, prompt: str, policy: str = "sakura",
     if trace is not None:
         with shaped(server, trace, start_s) as (url, _link):
             result = runtime.edit(url, template_id, template, req, policy, token=token,
-                                  options=options)
+                                  options=replace(options or EditOptions(),
+                                                  rate_origin=server))
     else:
         result = runtime.edit(server, template_id, template, req, policy, token=token,
                               options=options)
     if compare_exact:
-        exact = runtime.edit(server, template_id, template, req, "fp16", token=token)
+        exact = runtime.edit(server, template_id, template, req, "fp16", token=token,
+                             options=EditOptions(remember_rate=False))
         result.compare(exact.image)
     return result

@@ -293,11 +293,12 @@ def test_the_startup_allowance_widens_the_first_window_of_an_edit(world):
     total = sum(res[1.0].predicted_exec_s)
     assert res[1.0].startup_allowance_s == pytest.approx(total)
     assert res[1.0].summary()["startup_allowance_s"] == pytest.approx(total)
-    # shard 0's window: the allowance (from the manifest's arrival) instead of what is left
-    # of exec_s[0] after it
+    # shard 0's window: one request latency (nothing runs before its first bytes) plus the
+    # allowance, instead of what is left of exec_s[0] after the manifest
     first = [r.timeline[0] for r in (res[0.0], res[1.0])]
-    assert first[0]["window_s"] < res[0.0].predicted_exec_s[0]
+    assert first[0]["window_s"] < first[0]["lead_s"] + res[0.0].predicted_exec_s[0] + 0.05
     assert first[1]["window_s"] > 0.5 * total
+    assert first[1]["window_s"] > first[0]["window_s"]
     assert first[1]["deadline"] > first[0]["deadline"]
     for r in res.values():
         check_timeline(r)
