@@ -15,7 +15,7 @@ fi
 # libcurl and OpenSSL headers for the native runtime's receive stage (native/); nginx-light,
 # the static origin the pack tests and `sakura bench origins` start on loopback (cloud/origins.py).
 apt_pkgs="g++-aarch64-linux-gnu qemu-user pocl-opencl-icd ocl-icd-opencl-dev opencl-headers
-  libcurl4-openssl-dev libssl-dev nginx-light"
+  libcurl4-openssl-dev libssl-dev nginx-light nftables"
 apt_missing="$(for p in $apt_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)"
 if [ -n "$apt_missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   echo "[sakura] installing Debian packages:" $apt_missing

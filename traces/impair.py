@@ -18,7 +18,12 @@ held it, and everything behind it on that connection (TCP delivers in order), ar
 round trip later (fast retransmit). Not modelled: retransmission timeouts and the
 congestion window's reaction (rate is the trace's, not TCP's); say so where loss > 0 is
 reported. This kernel has no ``netem`` qdisc, so the kernel-shaped link uses the same stage
-in a relay process in front of tbf (:meth:`traces.netns.KernelShapedLink.delay_stage`).
+in a relay process in front of tbf (:meth:`traces.netns.KernelShapedLink.delay_stage`) for
+the delay; its loss is real there (packets dropped by nftables rules, :mod:`traces.netns`),
+and the relay's loss model is off.
+
+A link's ``conditions()`` name its loss mechanism: :data:`MODELLED_LOSS` (this model),
+:data:`traces.netns.REAL_LOSS` (real drops) or :data:`NO_LOSS`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ from sakura.traces.errors import LinkError
 #: starts (shaped edits, the replay, the demo).
 DEFAULT_RTT_MS = 30.0
 MTU_BYTES = 1500
+#: ``loss_mechanism`` of a link whose loss is this module's model (the paced link, and the
+#: kernel link's relay when asked to model loss)
+MODELLED_LOSS = ("modelled in the proxy: retransmission delay (capacity spent again, one RTT "
+                 "of in-order delay per lost packet), no RTO or congestion-window reaction")
+#: ``loss_mechanism`` of a link without loss
+NO_LOSS = "none"
 
 
 @dataclass(frozen=True)

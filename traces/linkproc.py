@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from sakura.traces.errors import LinkError
-from sakura.traces.impair import Impairment
+from sakura.traces.impair import MODELLED_LOSS, NO_LOSS, Impairment
 from sakura.traces.link import DeliveryLog, LinkCounters, PacedLink
 from sakura.traces.model import Trace
 from sakura.traces.schedule import LinkEmulator, LinkSchedule
@@ -233,7 +233,9 @@ class PacedLinkProcess(LinkEmulator):
         """What a record states about this link: emulator, delay, loss, process, CPUs."""
         return {"emulator": "paced", "process": "own", "pid": self.pid,
                 "cpus": sorted(self.cpus), "rtt_ms": self.impairment.rtt_ms,
-                "loss": self.impairment.loss, "impairment": self.impairment.to_dict()}
+                "loss": self.impairment.loss,
+                "loss_mechanism": MODELLED_LOSS if self.impairment.loss > 0 else NO_LOSS,
+                "impairment": self.impairment.to_dict()}
 
     # ------------------------------------------------------------------ live changes
     def set_trace(self, trace: Trace, start_s: float = 0.0) -> None:

@@ -21,14 +21,36 @@ An outage (rate 0) sets tbf to 8 bit/s with a one-frame burst: packets stay queu
 is dropped) and nothing is delivered; the switch is made early by the tc latency and the
 time of the one frame the refill lets out, so that frame belongs to the previous slice.
 
-Delay and loss: this kernel has no ``netem`` (nor classifiers to drop packets), so
-:meth:`KernelShapedLink.delay_stage` starts a relay process inside the server namespace
-(a :class:`traces.linkproc.PacedLinkProcess` without a bottleneck) that gives the server's
-bytes their one-way delay (and loss as retransmission cost) before they enter tbf, and the
-client's bytes theirs before they reach the server. TCP over the veth itself keeps a
+Delay: this kernel has no ``netem``, so :meth:`KernelShapedLink.delay_stage` starts a relay
+process inside the server namespace (a :class:`traces.linkproc.PacedLinkProcess` without a
+bottleneck) that gives the server's bytes their one-way delay before they enter tbf, and
+the client's bytes theirs before they reach the server. TCP over the veth itself keeps a
 sub-millisecond round trip: the relay delays data, it does not lengthen TCP's ACK clock.
 
-Needs root, ``ip`` (iproute2) and ``tc`` with ``tbf`` (``netem`` is not required).
+Loss is real (``loss`` > 0, the impairment's loss by default): the kernel has nf_tables with
+``numgen``, so an nftables table :data:`LOSS_TABLE` in each namespace drops every IP packet
+arriving on the veth with probability ``loss`` (``numgen random mod`` :data:`LOSS_MODULUS`):
+server -> client in the client namespace, after tbf (a lost packet has used the bottleneck,
+as on a radio link), client -> server in the server namespace. Drops are on the receiving
+side because a drop in the sender's output hook is reported to the sending socket (TCP
+would see a local error, not a lost packet). While loss is on, both veth ends carry one TCP
+segment per packet (``gso_max_segs 1``), so each segment is lost on its own, not up to 45
+in one GSO packet. TCP really retransmits (fast retransmit, tail-loss probes, timeouts);
+the relay's loss model (:mod:`traces.impair`) is then off (the relay gets loss 0). With
+``real_loss=False`` the relay models loss instead (the former behaviour). ``conditions()``
+names the mechanism (``loss_mechanism``). The table goes when the link stops (the namespaces
+are deleted as well).
+
+TCP timers: a regime-matched replay scales rates and the round trip by ``T / T_phone`` (about
+0.1 here), but the kernel's minimum retransmission timeout (:data:`KERNEL_RTO_MIN_MS`) is
+not scaled, so an RTO would weigh ~10x what it weighs on the phone. ``rto_min_ms`` sets
+``rto_min`` on the /30 routes of both namespaces (``ip route change ... rto_min Xms``,
+whole ms; the kernel counts it in jiffies, 4 ms at HZ=250); :func:`scaled_rto_min_ms` gives
+it scaled like the RTT. Not scaled: the 1-s initial RTO of a SYN (no RTT sample yet) and
+the delayed-ACK timer.
+
+Needs root, ``ip`` (iproute2) and ``tc`` with ``tbf`` (``netem`` is not required); loss needs
+``nft`` (Debian package ``nftables``).
 """
 
 from __future__ import annotations
@@ -46,11 +68,11 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sakura.traces.errors import LinkError, NetnsUnavailableError
-from sakura.traces.impair import Impairment
+from sakura.traces.impair import MODELLED_LOSS, NO_LOSS, Impairment
 from sakura.traces.model import Trace
 from sakura.traces.schedule import LinkEmulator, LinkSchedule, Segment
 
@@ -60,10 +82,52 @@ OUTAGE_RATE_BPS = 8  # tbf needs a non-zero rate; with a sub-packet burst nothin
 _CLONE_NEWNET = 0x40000000
 _KICK_PORT = 9  # discard: nothing listens; the kick only makes tbf dequeue
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(srv|cli)$")
+#: Linux TCP's minimum retransmission timeout (``TCP_RTO_MIN``), what a route without
+#: ``rto_min`` gets, in ms
+KERNEL_RTO_MIN_MS = 200.0
+#: the largest ``rto_min_ms`` accepted: Linux TCP's maximum RTO (``TCP_RTO_MAX``, 120 s)
+MAX_RTO_MIN_MS = 120_000.0
+#: nftables table (family ``inet``) holding a namespace's loss rules
+LOSS_TABLE = "sakura_loss"
+#: ``numgen random mod LOSS_MODULUS < round(loss x LOSS_MODULUS)``: loss in steps of 1e-6
+LOSS_MODULUS = 1_000_000
+#: ``loss_mechanism`` of a kernel link whose loss is real
+REAL_LOSS = "nftables numgen random drop, both directions"
+#: veth ``gso_max_segs`` while loss is on (one segment per packet) and the kernel's default
+LOSS_GSO_MAX_SEGS = 1
+DEFAULT_GSO_MAX_SEGS = 65535
 
 
-def _run(cmd: Sequence[str], timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False)
+def _run(cmd: Sequence[str], timeout: float = 10.0,
+         input: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
+                          check=False, input=input)
+
+
+def scaled_rto_min_ms(rtt_scale: float) -> float:
+    """The minimum RTO that scales like the link's round trip: :data:`KERNEL_RTO_MIN_MS` x
+    ``rtt_scale``, the factor the RTT got (``link_rtt_ms / rtt_ms``; ``T / T_phone`` in a
+    regime-matched replay, ``edge.netem.matched_rtt_ms``)."""
+    if not (isinstance(rtt_scale, (int, float)) and math.isfinite(rtt_scale) and rtt_scale > 0):
+        raise LinkError(f"rtt_scale must be a finite number > 0, got {rtt_scale!r}")
+    return KERNEL_RTO_MIN_MS * float(rtt_scale)
+
+
+def _check_loss(loss: float) -> float:
+    if not (isinstance(loss, (int, float)) and math.isfinite(loss) and 0 <= loss < 0.5):
+        raise LinkError(f"loss must be a rate in [0, 0.5), got {loss!r}")
+    return float(loss)
+
+
+def _check_rto_min(rto_min_ms: float | None) -> int | None:
+    """Whole ms for the routes (at least 1), or None: the kernel default."""
+    if rto_min_ms is None:
+        return None
+    ok = isinstance(rto_min_ms, (int, float)) and math.isfinite(rto_min_ms)
+    if not (ok and 0 < rto_min_ms <= MAX_RTO_MIN_MS):
+        raise LinkError(f"rto_min_ms must be a number of ms in (0, {MAX_RTO_MIN_MS:g}] (None: "
+                        f"the kernel's {KERNEL_RTO_MIN_MS:g} ms), got {rto_min_ms!r}")
+    return max(1, int(round(rto_min_ms)))
 
 
 def kernel_shaping_unavailable_reason() -> str | None:
@@ -98,6 +162,46 @@ def kernel_shaping_unavailable_reason() -> str | None:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             _run(["ip", "netns", "del", name])
     return None
+
+
+def real_loss_unavailable_reason() -> str | None:
+    """Why the kernel link cannot drop packets here (None when it can): kernel shaping,
+    ``nft`` and an nftables ``numgen`` rule in a probe namespace."""
+    reason = kernel_shaping_unavailable_reason()
+    if reason is not None:
+        return reason
+    if shutil.which("nft") is None:
+        return "real loss needs the 'nft' command (Debian package nftables)"
+    name = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}-srv"
+    try:
+        res = _run(["ip", "netns", "add", name])
+        if res.returncode != 0:
+            return f"'ip netns add' failed: {res.stderr.strip() or res.returncode}"
+        res = _run(["ip", "netns", "exec", name, "nft", "-f", "-"],
+                   input=_loss_rules("lo", 0.01, "probe"))
+        if res.returncode != 0:
+            return f"nftables numgen drop rules are not available: {res.stderr.strip()}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot run ip/nft: {exc}"
+    finally:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            _run(["ip", "netns", "del", name])
+    return None
+
+
+def _loss_rules(dev: str, loss: float, direction: str) -> str:
+    """One nft transaction: (re)create :data:`LOSS_TABLE` with an input chain that counts
+    the IP packets arriving on ``dev`` and drops each with probability ``loss``."""
+    threshold = int(round(loss * LOSS_MODULUS))
+    return (
+        f"add table inet {LOSS_TABLE}\n"
+        f"flush table inet {LOSS_TABLE}\n"
+        f"add chain inet {LOSS_TABLE} input {{ type filter hook input priority filter; "
+        "policy accept; }\n"
+        f'add rule inet {LOSS_TABLE} input iifname "{dev}" counter comment "{direction} seen"\n'
+        f'add rule inet {LOSS_TABLE} input iifname "{dev}" numgen random mod {LOSS_MODULUS} '
+        f'< {threshold} counter drop comment "{direction} dropped"\n'
+    )
 
 
 def socket_in_namespace(
@@ -169,6 +273,11 @@ class KernelShapedLink(LinkEmulator):
     ``link.origin`` (``time.monotonic()``), i.e. when the link starts (or ``restart()``).
     TCP congestion control is the host default (BBR on some hosts); a sender may pick its own
     per socket (``TCP_CONGESTION``), as the accuracy measurement does (CUBIC).
+
+    ``loss``: probability that each IP packet on the veth is dropped, in each direction
+    (None: the impairment's ``loss``); real drops by nftables unless ``real_loss=False``
+    (then the delay stage models it). ``rto_min_ms``: the routes' ``rto_min`` in both
+    namespaces (None: the kernel's :data:`KERNEL_RTO_MIN_MS`; see :func:`scaled_rto_min_ms`).
     """
 
     def __init__(
@@ -185,14 +294,23 @@ class KernelShapedLink(LinkEmulator):
         min_burst_bytes: int = 2 * PACKET_BYTES,
         min_slice_s: float = 0.25,
         impairment: Impairment | None = None,
+        loss: float | None = None,
+        real_loss: bool = True,
+        rto_min_ms: float | None = None,
     ) -> None:
         if not (0 < burst_s <= 0.1 and queue_s > 0):
             raise LinkError("burst_s must be in (0, 0.1] and queue_s > 0 seconds")
         self.schedule = LinkSchedule(trace, start_s, origin)
         self._start_s = float(start_s)
         self._origin = origin
-        #: what :meth:`delay_stage` adds (default: a 30 ms round trip, no loss)
-        self.impairment = impairment if impairment is not None else Impairment()
+        imp = impairment if impairment is not None else Impairment()
+        #: delay (what :meth:`delay_stage` adds; default a 30 ms round trip) and loss
+        self.impairment = imp if loss is None else replace(imp, loss=_check_loss(loss))
+        #: True: loss is dropped for real (nftables); False: the delay stage models it
+        self.real_loss = bool(real_loss)
+        #: ``rto_min`` of the namespaces' routes, whole ms (None: the kernel default)
+        self.rto_min_ms = _check_rto_min(rto_min_ms)
+        self._loss_applied = 0.0  # the loss the nft rules drop now (0: no rules)
         self._relays: list[Any] = []
         self.burst_s = float(burst_s)
         self.queue_s = float(queue_s)
@@ -237,8 +355,8 @@ class KernelShapedLink(LinkEmulator):
             return self.client_ns
         raise LinkError(f"unknown namespace {which!r}: use 'server' or 'client'")
 
-    def _must(self, cmd: Sequence[str]) -> None:
-        res = _run(cmd)
+    def _must(self, cmd: Sequence[str], input: str | None = None) -> None:
+        res = _run(cmd, input=input)
         if res.returncode != 0:
             msg = res.stderr.strip() or f"exit status {res.returncode}"
             if "Operation not permitted" in msg or "Permission denied" in msg:
@@ -266,16 +384,91 @@ class KernelShapedLink(LinkEmulator):
         """Start the delay/loss relay in the server namespace: it listens on
         ``server_addr:listen_port`` and forwards to ``127.0.0.1:upstream_port`` there (run
         the server on that port). Returns the :class:`traces.linkproc.PacedLinkProcess`;
-        it stops with the link."""
+        it stops with the link. With real loss the relay's own loss model is off."""
         from sakura.traces.linkproc import PacedLinkProcess
 
         if self._thread is None:
             raise LinkError("start the kernel link before its delay stage")
         relay = PacedLinkProcess(None, ("127.0.0.1", int(upstream_port)),
-                                 impairment=self.impairment, cpus=cpus, netns=self.server_ns,
+                                 impairment=self._stage_impairment(), cpus=cpus,
+                                 netns=self.server_ns,
                                  host=self.server_addr, port=int(listen_port)).start()
         self._relays.append(relay)
         return relay
+
+    def _stage_impairment(self) -> Impairment:
+        """What the delay stage adds: the delay, and the loss only when it is not real."""
+        if self.real_loss and self.impairment.loss > 0:
+            return replace(self.impairment, loss=0.0)
+        return self.impairment
+
+    # ------------------------------------------------------------------ loss, timers
+    def _loss_legs(self) -> tuple[tuple[str, str, str], ...]:
+        """(namespace, receiving veth end, direction) of each direction's drop rules."""
+        return ((self.client_ns, self.client_dev, "down"),
+                (self.server_ns, self.server_dev, "up"))
+
+    def _apply_loss(self, loss: float) -> None:
+        """Drop ``loss`` of the packets in both directions from now on (0: no rules)."""
+        if loss > 0 and shutil.which("nft") is None:
+            raise LinkError("real loss on the kernel link needs the 'nft' command (Debian "
+                            "package nftables); or real_loss=False to model it in the relay")
+        was = self._loss_applied
+        if loss > 0:
+            self._loss_applied = loss  # first, so that stop() removes a half-made setup
+        segs = LOSS_GSO_MAX_SEGS if loss > 0 else DEFAULT_GSO_MAX_SEGS
+        for ns, dev, direction in self._loss_legs():
+            if loss > 0:
+                self._must(["ip", "netns", "exec", ns, "nft", "-f", "-"],
+                           input=_loss_rules(dev, loss, direction))
+            elif was > 0:
+                self._must(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet",
+                            LOSS_TABLE])
+            if (loss > 0) != (was > 0):
+                self._must(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_segs",
+                            str(segs)])
+        self._loss_applied = loss
+
+    def _apply_rto_min(self, rto_min_ms: int | None) -> None:
+        """Set (or with None clear) ``rto_min`` on the /30 route of both namespaces."""
+        extra = [] if rto_min_ms is None else ["rto_min", f"{rto_min_ms}ms"]
+        for ns, dev, addr in ((self.server_ns, self.server_dev, self.server_addr),
+                              (self.client_ns, self.client_dev, self.client_addr)):
+            self._must(["ip", "-n", ns, "route", "change", str(self.network), "dev", dev,
+                        "proto", "kernel", "scope", "link", "src", addr, *extra])
+
+    def set_rto_min_ms(self, rto_min_ms: float | None) -> None:
+        """``rto_min`` of both namespaces' routes from now on (None: the kernel default)."""
+        value = _check_rto_min(rto_min_ms)
+        if self._created and value != self.rto_min_ms:
+            self._apply_rto_min(value)
+        self.rto_min_ms = value
+
+    def loss_counters(self) -> dict[str, dict[str, int]]:
+        """Per direction (``down``: server -> client, ``up``), the packets the loss rules saw
+        and dropped since they were last installed; empty while no rules are installed."""
+        import json
+
+        out: dict[str, dict[str, int]] = {}
+        if self._loss_applied <= 0:
+            return out
+        for ns, _dev, direction in self._loss_legs():
+            res = _run(["ip", "netns", "exec", ns, "nft", "-j", "list", "table", "inet",
+                        LOSS_TABLE])
+            if res.returncode != 0:
+                raise LinkError(f"cannot read the loss counters in {ns}: {res.stderr.strip()}")
+            counts = {"packets": 0, "dropped": 0}
+            for item in json.loads(res.stdout).get("nftables", []):
+                rule = item.get("rule")
+                if not rule:
+                    continue
+                counter = next((e["counter"] for e in rule.get("expr", []) if "counter" in e),
+                               None)
+                if counter is not None:
+                    key = "dropped" if rule.get("comment", "").endswith("dropped") else "packets"
+                    counts[key] = int(counter["packets"])
+            out[direction] = counts
+        return out
 
     # ------------------------------------------------------------------ tbf
     def _tbf_params(self, rate_bps: float, run_s: float) -> tuple[int, int, int]:
@@ -427,6 +620,10 @@ class KernelShapedLink(LinkEmulator):
                 self._must(["ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev])
                 self._must(["ip", "-n", ns, "link", "set", dev, "up"])
                 self._must(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if self.rto_min_ms is not None:
+                self._apply_rto_min(self.rto_min_ms)
+            if self.real_loss and self.impairment.loss > 0:
+                self._apply_loss(self.impairment.loss)
             if self._origin is None:
                 self.schedule.restart(self._start_s)
             now = time.monotonic()
@@ -474,6 +671,10 @@ class KernelShapedLink(LinkEmulator):
         if self._kick_sock is not None:
             self._kick_sock.close()
             self._kick_sock = None
+        for ns, _dev, _direction in self._loss_legs() if self._loss_applied > 0 else ():
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                _run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", LOSS_TABLE])
+        self._loss_applied = 0.0
         for ns in reversed(self._created):
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 _run(["ip", "netns", "del", ns])
@@ -490,20 +691,30 @@ class KernelShapedLink(LinkEmulator):
             self._cond.notify_all()
 
     def set_impairment(self, impairment: Impairment) -> None:
-        """Delay and loss of the delay stage from now on (new connections)."""
+        """Delay (new connections of the delay stage) and loss (the drop rules, at once)
+        from now on."""
+        if self.real_loss and self._thread is not None and impairment.loss != self._loss_applied:
+            self._apply_loss(impairment.loss)
         self.impairment = impairment
         for relay in self._relays:
-            relay.set_impairment(impairment)
+            relay.set_impairment(self._stage_impairment())
 
     def conditions(self) -> dict[str, Any]:
-        """What a record states about this link (the delay counts only with a delay stage)."""
+        """What a record states about this link (the delay counts only with a delay stage;
+        modelled loss too, real loss always): ``loss_mechanism`` :data:`REAL_LOSS`,
+        :data:`traces.impair.MODELLED_LOSS` or ``none``; ``rto_min_ms`` (None: the kernel's
+        default); ``impairment``: what the delay stage adds."""
         staged = bool(self._relays)
+        loss = self.impairment.loss
+        mechanism = (NO_LOSS if loss <= 0 else REAL_LOSS if self.real_loss
+                     else MODELLED_LOSS if staged else NO_LOSS)
         return {"emulator": "kernel", "process": "kernel tbf + relay process" if staged
                 else "kernel tbf", "pids": [r.pid for r in self._relays],
                 "cpus": sorted(set().union(*(r.cpus for r in self._relays))) if staged else [],
                 "rtt_ms": self.impairment.rtt_ms if staged else 0.0,
-                "loss": self.impairment.loss if staged else 0.0,
-                "impairment": self.impairment.to_dict() if staged else None}
+                "loss": loss if mechanism != NO_LOSS else 0.0, "loss_mechanism": mechanism,
+                "rto_min_ms": self.rto_min_ms,
+                "impairment": self._stage_impairment().to_dict() if staged else None}
 
     @property
     def error(self) -> str:

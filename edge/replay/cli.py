@@ -30,6 +30,10 @@ def register(commands: Any, bench: Any) -> None:
     r.add_argument("--regime", choices=("matched", "profile"),
                    help="regime-matched replay or the phone device profile")
     r.add_argument("--link", choices=("paced", "kernel"), help="link emulation")
+    r.add_argument("--loss", type=float, metavar="P",
+                   help="packet loss rate in [0, 0.5) each way (the config's loss): dropped "
+                        "for real by nftables on --link kernel, modelled as retransmission "
+                        "delay on the paced link")
     r.add_argument("--startup-fraction", type=startup_fraction, metavar="F",
                    help="startup allowance of the streamed edits (0 to 1; the config's "
                         "startup_fraction)")
@@ -66,8 +70,9 @@ def _replay(args: argparse.Namespace) -> int:
 
     _set_threads(args.threads)
     cfg = load_config(args.config, quick=args.quick, starts=args.starts, regime=args.regime,
-                      link=args.link, packs_dir=args.packs_dir, weights=args.weights,
-                      startup_fraction=args.startup_fraction, runtime=args.runtime)
+                      link=args.link, loss=args.loss, packs_dir=args.packs_dir,
+                      weights=args.weights, startup_fraction=args.startup_fraction,
+                      runtime=args.runtime)
     summary = run_replay(cfg, args.out, log=_log, progress=not args.no_progress)
     print(f"replay: {summary['ran']} runs done, {summary['skipped']} skipped (already in "
           f"{args.out}/runs.jsonl)")

@@ -315,16 +315,29 @@ class Links:
                          "network": sorted(self.network_cpus or [])}}
 
     def set_rtt(self, rtt_ms: float) -> None:
-        """Every link carries this round trip from now on (new connections)."""
+        """Every link carries this round trip from now on (new connections); a kernel link's
+        minimum RTO is scaled by the same factor (``traces.netns.scaled_rto_min_ms``)."""
         from dataclasses import replace
+
+        from sakura.traces.netns import scaled_rto_min_ms
 
         if self._rtt_applied == rtt_ms:
             return
         imp = replace(self.impairment, rtt_ms=float(rtt_ms))
+        scale = rtt_ms / self.impairment.rtt_ms if self.impairment.rtt_ms > 0 else 1.0
         for link in self.links.values():
             if hasattr(link, "set_impairment"):
                 link.set_impairment(imp)
+            if hasattr(link, "set_rto_min_ms"):
+                link.set_rto_min_ms(None if scale == 1.0 or rtt_ms <= 0
+                                    else scaled_rto_min_ms(scale))
         self._rtt_applied = rtt_ms
+
+    def link_conditions(self, variant: str) -> dict[str, Any]:
+        """How the variant's link realises loss (``loss_mechanism``) and, on the kernel link,
+        its routes' ``rto_min_ms`` (None: the kernel's 200 ms)."""
+        c = self.links[variant].conditions()
+        return {k: c[k] for k in ("loss_mechanism", "rto_min_ms") if k in c}
 
     def _paced(self, v: str) -> None:
         from sakura.traces import Trace
@@ -588,6 +601,7 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
                               pack=rec["pack"], startup_fraction=cfg.startup_fraction,
                               deadline_s=rec["deadline_s"], pipeline_cpus=io_cpus)
         links.set_rtt(rec["link_rtt_ms"])
+        rec.update(links.link_conditions(r.variant))
         with links.client(r.variant):
             url = links.shaped(r.variant, trace, r.start.start_s)
             res = rt.edit(url, r.template, st.template, st.req, r.policy, options=options)
