@@ -275,8 +275,11 @@ void StreamFeed::issue(int j) {
 
 void StreamFeed::complete(FetchDone&& done) {
   const int j = done.shard;
-  monitor_->record(j, static_cast<std::int64_t>(done.data.size()), done.start, done.first_byte,
-                   done.end);
+  // a request on a kept-alive connection pays one round trip, a new connection one more:
+  // the monitor's request latency (the lead of later requests, which reuse connections)
+  // counts from when the connection was open (the first requests of an edit open theirs)
+  monitor_->record(j, static_cast<std::int64_t>(done.data.size()), done.start + done.connect_s,
+                   done.first_byte, done.end);
   progress_->received(j, done.end);
   std::lock_guard<std::mutex> lock(mu_);
   ShardRecord& rec = records_[j];

@@ -86,6 +86,7 @@ struct Transfer {
   double retry_at = 0;
   double last_progress = 0;  // when the transfer last received bytes (or started)
   double attempt_start = 0;  // when the attempt in flight was sent
+  double connect_s = 0;      // the first attempt's time to open a new connection (0: reused)
   std::string last_error;
   // units verified as they arrive: the first verified_units units (verified_bytes bytes)
   std::int64_t verified_bytes = 0;
@@ -169,6 +170,7 @@ void fill_done(Transfer& t, int fallback, FetchDone* done) {
   done->refetches = t.refetches;
   done->hedges = t.hedges;
   done->damage = t.damage;
+  done->connect_s = std::max(0.0, t.connect_s);
 }
 
 }  // namespace
@@ -239,7 +241,16 @@ struct HttpReceiver::Impl {
         }
         reset_body(*t);
       }
-      if (t->first_byte < 0) t->first_byte = now_s();
+      if (t->first_byte < 0) {
+        t->first_byte = now_s();
+        long connects = 0;
+        curl_off_t connect_us = 0;
+        if (curl_easy_getinfo(t->easy, CURLINFO_NUM_CONNECTS, &connects) == CURLE_OK &&
+            connects > 0 &&
+            curl_easy_getinfo(t->easy, CURLINFO_CONNECT_TIME_T, &connect_us) == CURLE_OK) {
+          t->connect_s = std::min(t->first_byte - t->start, 1e-6 * static_cast<double>(connect_us));
+        }
+      }
     }
     if (t->buf.size() + bytes > static_cast<std::size_t>(t->req.length)) {
       t->abort_reason = "the body is longer than the " + std::to_string(t->req.length) +

@@ -81,6 +81,7 @@ struct FetchDone {
   std::vector<std::uint8_t> data;
   double start = 0, first_byte = 0, end = 0;  // steady clock, seconds
   int attempts = 0, resumes = 0, refetches = 0;
+  double connect_s = 0;    // of start..first_byte, the time spent opening a new connection
   int requested = 0;       // the configuration requested (config differs: a fallback)
   int hedges = 0;          // re-requests on a fresh connection (stall watchdog, deadline)
   bool truncated = false;  // ended at the deadline with a verified prefix
