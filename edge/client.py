@@ -24,7 +24,26 @@ dropped body resumes with a narrower ``Range`` and ``If-Range: <the ETag the ori
 (a ``200`` answer there means the object changed: the range restarts from scratch). Every
 body is checked against the manifest (exact length and the sha256 of every unit of the
 range) before it is returned; a body that fails is fetched again, then refused
-(:class:`IntegrityError`). A ``Content-Range`` whose total is not the manifest's
+(:class:`IntegrityError`).
+
+Units are verified as they arrive (as the native receiver's ``advance_verify`` does), into a
+:class:`Transfer` the caller may pass and watch while the body streams in: it holds the
+buffer, the verified prefix (whole units only) and the ``fallbacks`` of the body, the
+configurations of the same shard whose bytes are its first units (same range start, shorter,
+units a prefix: :func:`prefix_fallbacks`; every configuration of a shard is a prefix of one
+byte stream). The rules of that deadline-true receive:
+
+* a unit that fails its checksum stops the body at once; when a fallback verified before
+  it, the fetch returns that configuration's bytes (``Fetched.config``) with ``damage``
+  naming the unit and its pack offsets (``"unit U of shard J (pack bytes A..B) fails its
+  checksum"``); with none, the body is fetched again from scratch, at most
+  ``RetryPolicy.max_refetch`` times, then :class:`IntegrityError` says that not even the
+  smallest configuration verifies, and why;
+* :meth:`Transfer.restart` (the reader's stall watchdog or deadline) ends the attempt in
+  flight and re-requests the remaining range at once on a fresh connection (``Range`` +
+  ``If-Range``; counted in ``hedges``, not as a failure);
+* :meth:`Transfer.prefix` is the longest verified fallback, which the reader may run on
+  (truncation at a deadline) after cancelling the fetch. A ``Content-Range`` whose total is not the manifest's
 ``pack_bytes`` (a truncated or replaced object), an origin that ignores ``Range`` and a
 ``416`` are clear errors, never wrong bytes. :meth:`PackClient.pack_location` gives the
 plain request (URL and headers) for anyone else fetching ranges, e.g. the native receiver.
@@ -40,7 +59,8 @@ known manifest is revalidated with ``If-None-Match: <etag>`` and a 304 answer mo
 Failures: connection errors, timeouts and ``408 / 429 / 5xx`` answers are retried with
 exponential backoff while the request makes no progress for less than
 ``RetryPolicy.window_s`` (30 s by default: long enough for ``sakura serve`` to restart), or
-until ``max_attempts`` consecutive failures when that is set. Giving up names the URL the
+until ``max_attempts`` consecutive failures when that is set; an attempt that brought new
+bytes before it broke is resumed at once, without backoff. Giving up names the URL the
 user gave and the last problem: :class:`ServerUnreachable` when nothing answered,
 :class:`OriginError` with the origin's own message when it answered with an error; any
 other ``4xx`` raises :class:`OriginError` at once.
@@ -54,7 +74,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -176,6 +196,29 @@ def config_entry(manifest: Mapping[str, Any], shard: int, config: int) -> Mappin
     raise EdgeError(f"manifest: no shard {shard}")
 
 
+def prefix_fallbacks(manifest: Mapping[str, Any], shard: int, config: int,
+                     candidates: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(config id, bytes)`` of the ``candidates`` (e.g. the allocator's ``fallbacks``)
+    whose bodies are a prefix of ``config``'s: the same range start, fewer bytes, and its
+    units the first units of ``config``'s; longest first (the rule of the native
+    ``StreamFeed::issue``)."""
+    want = BodySpec.from_manifest(manifest, shard, config)
+    out: list[tuple[int, int]] = []
+    for c in candidates:
+        if int(c) == int(config):
+            continue
+        try:
+            spec = BodySpec.from_manifest(manifest, shard, int(c))
+        except EdgeError:
+            continue
+        if (spec.offset != want.offset or spec.nbytes >= want.nbytes or not spec.units
+                or want.units[: len(spec.units)] != spec.units):
+            continue
+        out.append((int(c), spec.nbytes))
+    out.sort(key=lambda f: -f[1])
+    return out
+
+
 @dataclass
 class Fetched:
     """A verified body and how getting it went (monotonic clock times)."""
@@ -187,6 +230,150 @@ class Fetched:
     attempts: int = 1
     resumes: int = 0
     refetches: int = 0
+    config: int | None = None    # the configuration ``data`` is (None: the one requested)
+    hedges: int = 0              # re-requests on a fresh connection
+    damage: str | None = None    # the unit that failed its checksum (``config``: before it)
+
+
+class Transfer:
+    """One body on its way in, shared by the client that fills and verifies it and the
+    reader that watches it (the pipeline's deadline and stall watchdog); one event loop.
+
+    ``fallbacks``: ``(config, bytes)`` of the configurations whose bodies are this one's
+    first units, longest first (:func:`prefix_fallbacks`). ``buf`` holds what arrived,
+    ``verified`` how many of its bytes are whole units that passed their checksums;
+    ``damage`` names the first unit that failed. Times are ``time.monotonic()``.
+    """
+
+    def __init__(self, fallbacks: list[tuple[int, int]] | tuple[tuple[int, int], ...] = ()
+                 ) -> None:
+        self.fallbacks = tuple((int(c), int(n)) for c, n in fallbacks)
+        self.buf = bytearray()
+        self.nbytes = 0
+        self.units: tuple[tuple[int, str], ...] = ()
+        self.base = 0               # the body's offset in the pack (for damage messages)
+        self.shard: int | None = None
+        self.verified = 0           # bytes of the verified units (a prefix of buf)
+        self.verified_units = 0
+        self.damage: str | None = None
+        self.start = self.last_progress = time.monotonic()
+        self.first_byte: float | None = None
+        self.attempt_start: float | None = None  # None: no attempt in flight (a backoff)
+        self.attempts = self.resumes = self.refetches = self.hedges = 0
+        self.stalled_restarts = 0   # watchdog restarts in a row without new bytes
+        self._attempt: asyncio.Task[Any] | None = None
+        self._fresh = False         # restart() asked for the next attempt (fresh connection)
+
+    def begin(self, spec: BodySpec, shard: int | None = None) -> None:
+        """The body to expect: its length, units and pack offset."""
+        self.nbytes, self.units, self.base, self.shard = (spec.nbytes, spec.units,
+                                                          spec.offset, shard)
+        self.reset()
+
+    def reset(self) -> None:
+        """The body starts over: nothing received, nothing verified."""
+        self.buf.clear()
+        self.verified = self.verified_units = 0
+        self.damage = None
+
+    @property
+    def received(self) -> int:
+        return len(self.buf)
+
+    @property
+    def complete(self) -> bool:
+        """All bytes in and every unit verified."""
+        return (self.damage is None and len(self.buf) == self.nbytes
+                and self.verified_units == len(self.units))
+
+    def feed(self, chunk: bytes, now: float | None = None) -> bool:
+        """Append ``chunk`` and verify the units it completed; False once a unit failed
+        (the rest of this body cannot be used)."""
+        now = time.monotonic() if now is None else now
+        if self.first_byte is None:
+            self.first_byte = now
+        if chunk:
+            self.buf += chunk
+            self.last_progress = now
+            self.stalled_restarts = 0
+        while self.damage is None and self.verified_units < len(self.units):
+            length, sha = self.units[self.verified_units]
+            if self.verified + length > len(self.buf):
+                break
+            unit = memoryview(self.buf)[self.verified : self.verified + length]
+            try:
+                ok = hashlib.sha256(unit).hexdigest() == sha
+            finally:
+                unit.release()
+            if not ok:
+                lo = self.base + self.verified
+                where = f" of shard {self.shard}" if self.shard is not None else ""
+                self.damage = (f"unit {self.verified_units}{where} (pack bytes "
+                               f"{lo}..{lo + length}) fails its checksum")
+                break
+            self.verified += length
+            self.verified_units += 1
+        return self.damage is None
+
+    def prefix(self) -> tuple[int, int] | None:
+        """The longest fallback whose bytes all verified: ``(config, bytes)``, or None."""
+        if not self.units:
+            return None
+        for config, length in self.fallbacks:
+            if length <= self.verified:
+                return config, length
+        return None
+
+    def result(self, fallback: tuple[int, int] | None = None,
+               end: float | None = None) -> Fetched:
+        """The body (``fallback`` None) or a fallback's first bytes, as a :class:`Fetched`."""
+        end = time.monotonic() if end is None else end
+        config, data = None, bytes(self.buf)
+        if fallback is not None:
+            config, data = fallback[0], bytes(self.buf[: fallback[1]])
+        return Fetched(data, self.start, self.first_byte or end, end, self.attempts,
+                       self.resumes, self.refetches, config, self.hedges, self.damage)
+
+    def idle_s(self, now: float | None = None) -> float | None:
+        """Seconds the attempt in flight has gone without new bytes (None: no attempt in
+        flight, or a restart is on its way)."""
+        if self.attempt_start is None or self._fresh:
+            return None
+        now = time.monotonic() if now is None else now
+        return now - max(self.last_progress, self.attempt_start)
+
+    def restart(self) -> bool:
+        """End the attempt in flight: the client re-requests the remaining range at once, on
+        a fresh connection (a hedge). False: no attempt in flight to restart."""
+        task = self._attempt
+        if task is None or task.done() or self._fresh:
+            return False
+        self._fresh = True
+        self.hedges += 1
+        task.cancel()
+        return True
+
+    def take_fresh(self) -> bool:
+        """Whether the next attempt must open a fresh connection (a restart asked for it)."""
+        fresh, self._fresh = self._fresh, False
+        return fresh
+
+    async def run_attempt(self, attempt: Coroutine[Any, Any, Any]) -> bool:
+        """Run one attempt (a coroutine that feeds this transfer); False when
+        :meth:`restart` ended it (the caller sends the next one at once)."""
+        task = asyncio.ensure_future(attempt)
+        self._attempt, self.attempt_start = task, time.monotonic()
+        self.attempts += 1
+        try:
+            await task
+            return True
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if self._fresh and task.cancelled() and not (me is not None and me.cancelling()):
+                return False
+            raise
+        finally:
+            self._attempt = self.attempt_start = None
 
 
 @dataclass(frozen=True)
@@ -320,6 +507,7 @@ class PackClient:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     chunk_size: int = 64 * 1024
     _session: aiohttp.ClientSession | None = field(default=None, init=False, repr=False)
+    _fresh_session: aiohttp.ClientSession | None = field(default=None, init=False, repr=False)
     _etags: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -343,17 +531,30 @@ class PackClient:
     async def open(self) -> None:
         if self._session is not None:
             return
+        self._session = self._new_session(aiohttp.TCPConnector(limit=8))
+
+    def _new_session(self, connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
         trace = aiohttp.TraceConfig()
         trace.on_request_start.append(self._on_request_start)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.retry.connect_timeout_s,
                                         sock_read=self.retry.read_timeout_s)
-        self._session = aiohttp.ClientSession(
-            timeout=timeout, trace_configs=[trace], connector=aiohttp.TCPConnector(limit=8))
+        return aiohttp.ClientSession(timeout=timeout, trace_configs=[trace],
+                                     connector=connector)
+
+    def _fresh(self) -> aiohttp.ClientSession:
+        """The session of restarted transfers: every request on a new connection."""
+        _ = self.session  # (raises when the client is not open)
+        if self._fresh_session is None:
+            self._fresh_session = self._new_session(aiohttp.TCPConnector(limit=8,
+                                                                         force_close=True))
+        return self._fresh_session
 
     async def close(self) -> None:
         session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        fresh, self._fresh_session = self._fresh_session, None
+        for s in (session, fresh):
+            if s is not None:
+                await s.close()
 
     async def _on_request_start(self, _session: Any, _ctx: Any,
                                 params: aiohttp.TraceRequestStartParams) -> None:
@@ -428,15 +629,18 @@ class PackClient:
 
     async def fetch_config(self, template: str, codec: str, shard: int, config: int, *,
                            manifest: Mapping[str, Any] | None = None,
-                           progress: Callable[[int], None] | None = None) -> Fetched:
+                           progress: Callable[[int], None] | None = None,
+                           transfer: Transfer | None = None) -> Fetched:
         """The verified bytes of one configuration of one shard: one ``Range`` GET of the
         pack (the manifest is fetched first when not given: it holds the range and the
-        checksums every body is verified against)."""
+        checksums every body is verified against). ``progress(n)`` is called with the bytes
+        received so far; a ``transfer`` (see :class:`Transfer`) is filled as the body
+        arrives, and with its ``fallbacks`` the result may be one of them (``config``)."""
         if manifest is None:
             manifest = await self.manifest(template, codec)
         spec = BodySpec.from_manifest(manifest, shard, config)
         key = pack_key(template, codec, manifest.get("pack_file"))  # type: ignore[arg-type]
-        return await self._fetch_range(key, spec, progress)
+        return await self._fetch_range(key, spec, progress, transfer, shard)
 
     # ------------------------------------------------------------------ internals
     async def _get_json(self, key: str, etag: str | None = None,
@@ -499,35 +703,39 @@ class PackClient:
             "and that the URL and network are right")
 
     async def _fetch_range(self, key: str, spec: BodySpec,
-                           progress: Callable[[int], None] | None = None) -> Fetched:
-        buf = bytearray()
+                           progress: Callable[[int], None] | None = None,
+                           transfer: Transfer | None = None,
+                           shard: int | None = None) -> Fetched:
+        t = transfer if transfer is not None else Transfer()
+        t.begin(spec, shard)
         etag = self._etags.get(key)
-        start = last_progress = time.monotonic()
-        first_byte: float | None = None
-        failures = attempts = resumes = refetches = 0
+        failures = 0
         plain_200 = False
+        hi = spec.offset + spec.nbytes - 1
         while True:
-            attempts += 1
-            error: BaseException | None = None
-            lo = spec.offset + len(buf)
-            hi = spec.offset + spec.nbytes - 1
+            lo = spec.offset + t.received
             headers = {**self.origin.headers(), "Range": f"bytes={lo}-{hi}"}
-            resuming = bool(buf)
-            if resuming and etag:
+            if t.received and etag:
                 headers["If-Range"] = etag
-                resumes += 1
-            elif resuming:
-                buf.clear()  # no validator to resume against: start the range again
+                t.resumes += 1
+            elif t.received:
+                t.reset()  # no validator to resume against: start the range again
                 lo = spec.offset
                 headers["Range"] = f"bytes={lo}-{hi}"
+            # a restart (hedge) goes out on a connection of its own, not the one that stalled
+            session = self._fresh() if t.take_fresh() else self.session
             url = self.origin.url(key)
-            try:
-                async with self.session.get(url, headers=headers,
-                                            auto_decompress=False) as resp:
+
+            progressed = False
+
+            async def attempt(session: aiohttp.ClientSession = session, url: str = url,
+                              headers: dict[str, str] = headers, lo: int = lo) -> None:
+                nonlocal etag, plain_200, progressed
+                async with session.get(url, headers=headers, auto_decompress=False) as resp:
                     if resp.status == 200:
                         if "If-Range" in headers and not plain_200:
                             plain_200 = True  # the object changed: restart, plain Range
-                            buf.clear()
+                            t.reset()
                             etag = None
                             raise _Retry("the pack changed under a resumed range "
                                          "(If-Range answered 200)")
@@ -548,40 +756,49 @@ class PackClient:
                     if etag:
                         self._etags[key] = etag
                     async for chunk in resp.content.iter_chunked(self.chunk_size):
-                        if first_byte is None:
-                            first_byte = time.monotonic()
-                        buf += chunk
-                        last_progress = time.monotonic()
-                        failures = 0
-                        if len(buf) > spec.nbytes:
+                        if t.received + len(chunk) > spec.nbytes:
                             raise OriginError(f"{self.base_url}: {key} sent more bytes than "
                                               f"the range {lo}-{hi} holds")
+                        ok = t.feed(chunk)
+                        progressed = True
                         if progress is not None:
-                            progress(len(buf))
+                            progress(t.received)
+                        if not ok:  # a unit failed: the rest of this body cannot be used
+                            return
+
+            error: BaseException | None = None
+            try:
+                if not await t.run_attempt(attempt()):
+                    continue  # restarted: the remaining range, now, on a fresh connection
             except (TimeoutError, _Retry, aiohttp.ClientError, OSError) as exc:
                 error = exc
-            if error is None and len(buf) < spec.nbytes:
-                error = _Retry(f"short body ({len(buf)} of {spec.nbytes} bytes)", False)
-            if error is None:
-                data = bytes(buf)
-                problem = spec.verify(data)
-                if problem is None:
-                    end = time.monotonic()
-                    return Fetched(data, start, first_byte or end, end, attempts, resumes,
-                                   refetches)
-                refetches += 1
-                if refetches > self.retry.max_refetch:
-                    raise IntegrityError(f"{self.base_url}: bytes {spec.offset}-{hi} of {key} "
-                                         f"keep failing verification: {problem} (after "
-                                         f"{refetches} fetches; the published pack is "
-                                         "damaged)")
-                buf.clear()
+            if t.damage is not None:
+                fallback = t.prefix()
+                if fallback is not None:  # the largest configuration verified before it
+                    return t.result(fallback)
+                t.refetches += 1
+                if t.refetches > self.retry.max_refetch:
+                    what = f"shard {shard}" if shard is not None else "this range"
+                    raise IntegrityError(f"{self.base_url}: bytes {spec.offset}-{hi} of {key}: "
+                                         f"not even the smallest configuration of {what} "
+                                         f"verifies: {t.damage} (after {t.refetches} "
+                                         "fetches; the published pack is damaged)")
+                t.reset()
                 etag = None
                 continue
-            failures += 1
-            if self.retry.exhausted(failures, time.monotonic() - last_progress):
-                raise self._give_up(key, failures, error)
-            await asyncio.sleep(self.retry.delay(failures))
+            if error is None and t.received < spec.nbytes:
+                error = _Retry(f"short body ({t.received} of {spec.nbytes} bytes)", False)
+            if error is None:
+                if not t.complete:  # (units are checked against the length by BodySpec)
+                    raise IntegrityError(f"{self.base_url}: bytes {spec.offset}-{hi} of {key}: "
+                                         "its units do not cover the body")
+                return t.result()
+            # an attempt that brought bytes resumes at once; failures in a row back off
+            failures = 0 if progressed else failures + 1
+            if self.retry.exhausted(failures, time.monotonic() - t.last_progress):
+                raise self._give_up(key, max(1, failures), error)
+            if failures:
+                await asyncio.sleep(self.retry.delay(failures))
 
     def _check_content_range(self, resp: aiohttp.ClientResponse, key: str, lo: int, hi: int,
                              spec: BodySpec) -> None:

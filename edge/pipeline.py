@@ -23,6 +23,28 @@ Three stages run concurrently:
   allotted windows that assumed a later start and may stall, but each still starts no
   later than predicted, so starting early never ends the edit later than waiting would.
 
+Deadlines, not waits (the rules of the native ``StreamFeed``, ``native/src/sakura/edit.cpp``,
+with the same constants). Every configuration of a shard is a prefix of one byte stream, so
+each request carries its **fallbacks**: the allocator's ``fallbacks(j)`` whose bodies are
+the first units of the chosen one (``fallbacks(shard, config)``, e.g.
+:func:`~edge.client.prefix_fallbacks`), longest first. The client verifies units as they
+arrive into the request's :class:`~edge.client.Transfer`, so the verified prefix is known at
+any moment. A watchdog on the network loop (waking at least every ``WATCH_CAP_S``) enforces:
+
+* **the deadline**: once execution has waited for shard ``j`` (counted from the later of
+  the moment it began waiting and ``progress.start_not_before``) longer than its grace,
+  ``max(MIN_GRACE_S, GRACE_FRACTION x predicted execution time of j)``, the shard runs on
+  the longest verified fallback: the transfer is cancelled and the record says
+  ``truncated``, ``config`` the fallback, ``requested`` the choice, ``bytes`` the fallback's.
+  With none verified yet, a transfer without new bytes for ``max(grace, 3 x request
+  latency, STALL_FLOOR_S)`` is re-requested (its remaining range) on a fresh connection,
+  once per wait (``hedges``);
+* **the stall watchdog**: any attempt without new bytes for ``max(STALL_FLOOR_S, 3 x
+  request latency, 2 x its remaining bytes at the rate estimate)``, doubling per restart in
+  a row without new bytes, is restarted the same way;
+* **damage**: a unit that fails its checksum ends the body; the shard runs on the largest
+  fallback verified before it (``damage`` names the unit), else the client refetches it.
+
 Every shard gets a :class:`ShardRecord` (stage start/end times relative to the edit start,
 bytes, configuration, window, carry-over and rate estimate the allocator saw). A failure
 in any stage stops the others and is raised from the executing thread.
@@ -39,7 +61,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
-from sakura.edge.client import Fetched
+from sakura.edge.client import Fetched, Transfer
 from sakura.edge.errors import EdgeError
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress, Window
 
@@ -48,6 +70,10 @@ from sakura.errors import SakuraError
 T = TypeVar("T")
 
 STALL_EPS_S = 1e-3  # waits shorter than this are scheduling noise, not stalls
+GRACE_FRACTION = 0.5   # a waited-for shard runs on its verified prefix after this share of
+MIN_GRACE_S = 0.001    # ... its predicted execution time (at least this long)
+STALL_FLOOR_S = 0.05   # the shortest silence that restarts a transfer (a hedge)
+WATCH_CAP_S = 0.05     # the watchdog looks at the transfers at least this often
 
 
 class NetLoop:
@@ -133,12 +159,26 @@ class ShardRecord:
 
 @dataclass
 class _InFlight:
-    """A transfer on the wire: its expected size and bytes received so far."""
+    """A transfer on the wire: the configuration requested, its size and its body so far."""
 
     shard: int
+    config: int
     nbytes: int
-    received: int = 0
+    transfer: Transfer
     task: asyncio.Future[None] = field(default=None)  # type: ignore[assignment]
+
+    @property
+    def received(self) -> int:
+        return self.transfer.received
+
+
+@dataclass
+class _Wait:
+    """Execution waiting for a shard: since when, and whether it was hedged in this wait."""
+
+    shard: int
+    since: float
+    hedged: bool = False
 
 
 @dataclass
@@ -169,6 +209,23 @@ def lookahead_wait(ahead: int, max_ahead: int, max_ahead_cap: int, until_start_s
     return max(0.0, until_start_s - horizon_s)
 
 
+def deadline_grace_s(predicted_exec_s: float) -> float:
+    """How long execution waits for a shard with a verified fallback before running on it."""
+    return max(MIN_GRACE_S, GRACE_FRACTION * predicted_exec_s)
+
+
+def stall_limit_s(remaining_bytes: int, rate_bps: float, latency_s: float,
+                  restarts: int) -> float:
+    """The silence after which the watchdog restarts an attempt: ``max(STALL_FLOOR_S, 3
+    request latencies, 2 x the remaining bytes at the rate estimate)``, doubled per restart in
+    a row without new bytes (so an origin slower to answer than the limit is still waited
+    for, never restarted forever)."""
+    limit = max(STALL_FLOOR_S, 3.0 * latency_s)
+    if rate_bps > 0:
+        limit = max(limit, 2.0 * max(0, remaining_bytes) * 8.0 / rate_bps)
+    return limit * 2.0 ** min(max(0, restarts), 10)
+
+
 def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
     """Stalls, startup, bytes and choices of an edit from its shard records (the timeline
     of either runtime: these records, or the native runtime's of the same fields)."""
@@ -183,7 +240,8 @@ def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
         damaged=[r["damage"] for r in records if r.get("damage")])
 
 
-Fetch = Callable[[int, int, Callable[[int], None]], Awaitable[Fetched]]
+Fetch = Callable[[int, int, Transfer], Awaitable[Fetched]]
+Fallbacks = Callable[[int, int], list[tuple[int, int]]]
 Decode = Callable[[int, int, bytes], list[torch.Tensor]]
 Allocate = Callable[[int, Window, float], int]
 
@@ -191,9 +249,12 @@ Allocate = Callable[[int, Window, float], int]
 class Pipeline:
     """Streams the shards of one edit; :attr:`provider` feeds ``dit.editing.cached_edit``.
 
-    ``shard_blocks[j] = (step, [blocks])`` in execution order; ``fetch(shard, config)``
-    (async, run on ``net``), ``decode(shard, config, data)`` -> ``2 x len(blocks)`` tensors
-    ``[K_b0, V_b0, K_b1, ...]``; ``allocate(shard, window, rate_bps)`` -> config id.
+    ``shard_blocks[j] = (step, [blocks])`` in execution order; ``fetch(shard, config,
+    transfer)`` (async, run on ``net``; fills and verifies the :class:`Transfer` as bytes
+    arrive), ``decode(shard, config, data)`` -> ``2 x len(blocks)`` tensors ``[K_b0, V_b0,
+    K_b1, ...]``; ``allocate(shard, window, rate_bps)`` -> config id; ``fallbacks(shard,
+    config)`` -> ``(config, bytes)`` of the configurations that are prefixes of it, longest
+    first (none: the shard always waits for its choice).
     """
 
     def __init__(self, shard_blocks: list[tuple[int, list[int]]], *, fetch: Fetch,
@@ -204,6 +265,7 @@ class Pipeline:
                  config_bytes: Callable[[int, int], int] | None = None,
                  max_inflight: int = 2, lookahead_rtts: float = 0.0,
                  max_ahead_cap: int | None = None,
+                 fallbacks: Fallbacks | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_ahead < 1 or max_ready < 1:
             raise ValueError("max_ahead and max_ready must be >= 1")
@@ -218,6 +280,7 @@ class Pipeline:
         self.max_ready = min(max_ready, max_ahead)
         self.describe = describe
         self.config_bytes = config_bytes
+        self.fallbacks = fallbacks
         self.max_inflight = max(1, max_inflight)
         self._inflight: dict[int, _InFlight] = {}
         self.records = [ShardRecord(i, s, list(b)) for i, (s, b) in enumerate(shard_blocks)]
@@ -233,6 +296,8 @@ class Pipeline:
         self._net: NetLoop | None = None
         self._recv_future: concurrent.futures.Future[None] | None = None
         self._slot_event: asyncio.Event | None = None
+        self._watch_event: asyncio.Event | None = None
+        self._waiting: _Wait | None = None  # guarded by _cond
         self.provider = ShardProvider(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -297,9 +362,12 @@ class Pipeline:
                               self.lookahead_rtts * self.monitor.latency_s())
 
     def _wake_receiver(self) -> None:
-        if self._net is not None and self._slot_event is not None:
+        self._wake(self._slot_event)
+
+    def _wake(self, event: asyncio.Event | None) -> None:
+        if self._net is not None and event is not None:
             try:
-                self._net.call(self._slot_event.set)
+                self._net.call(event.set)
             except RuntimeError:  # loop closed
                 pass
 
@@ -336,6 +404,8 @@ class Pipeline:
 
     async def _receive_loop(self) -> None:
         self._slot_event = asyncio.Event()
+        self._watch_event = asyncio.Event()
+        watchdog = asyncio.ensure_future(self._watch_loop())
         try:
             for j in range(len(self.shard_blocks)):
                 await self._wait_slot(j)
@@ -357,41 +427,123 @@ class Pipeline:
                 rec.window_s, rec.carry_s, rec.rate_bps = window.window_s, window.carry_s, rate
                 rec.lead_s = lead
                 rec.deadline = self._rel(window.deadline)
+                rec.requested = config
                 size = self.config_bytes(j, config) if self.config_bytes else 0
-                entry = _InFlight(j, size)
-                entry.task = asyncio.ensure_future(self._transfer(j, config, entry))
+                fallbacks = self.fallbacks(j, config) if self.fallbacks else []
+                entry = _InFlight(j, config, size, Transfer(fallbacks))
+                entry.task = asyncio.ensure_future(self._transfer(entry))
                 self._inflight[j] = entry
+                self._watch_event.set()
             while self._inflight and self._error is None:
                 await asyncio.wait([f.task for f in self._inflight.values()],
                                    return_when=asyncio.FIRST_COMPLETED)
         finally:
+            watchdog.cancel()
             for f in list(self._inflight.values()):
                 f.task.cancel()
 
-    async def _transfer(self, j: int, config: int, entry: _InFlight) -> None:
-        def progress(n: int) -> None:
-            entry.received = n
-
+    async def _transfer(self, entry: _InFlight) -> None:
+        j = entry.shard
         try:
-            got = await self.fetch(j, config, progress)
+            got = await self.fetch(j, entry.config, entry.transfer)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the executing thread
             self.fail(exc)
             return
         finally:
-            self._inflight.pop(j, None)
+            if self._inflight.get(j) is entry:
+                del self._inflight[j]
+        self._complete(entry, got)
+
+    def _complete(self, entry: _InFlight, got: Fetched, truncated: bool = False) -> None:
+        """Shard ``entry.shard``'s bytes are in (its choice, or a fallback: ``got.config``)."""
+        j = entry.shard
+        config = entry.config if got.config is None else int(got.config)
         rec = self.records[j]
         rec.recv_start = self._rel(got.start)
         rec.recv_first_byte = self._rel(got.first_byte)
         rec.recv_end = self._rel(got.end)
         rec.bytes = len(got.data)
         rec.attempts, rec.resumes, rec.refetches = got.attempts, got.resumes, got.refetches
+        rec.requested, rec.config = entry.config, config
+        rec.hedges = max(got.hedges, entry.transfer.hedges)
+        rec.truncated, rec.damage = truncated, got.damage
+        if config != entry.config and self.describe:
+            rec.params = dict(self.describe(j, config))
         self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
         self.progress.received(j, got.end)
         with self._cond:
             self._pending[j] = (config, got.data)
             self._cond.notify_all()
+
+    # ------------------------------------------------------------------ deadlines
+    async def _watch_loop(self) -> None:
+        """The deadline of the shard execution waits for and the stall watchdog (see the
+        module docstring), looked at again when either may next fire."""
+        assert self._watch_event is not None
+        while True:
+            try:
+                wait = self._watch()
+            except Exception as exc:  # noqa: BLE001 - handed to the executing thread
+                self.fail(exc)
+                return
+            self._watch_event.clear()
+            try:
+                await asyncio.wait_for(self._watch_event.wait(), wait)
+            except TimeoutError:
+                pass
+
+    def _watch(self) -> float:
+        """One look at the transfers; returns the seconds until the next one is due."""
+        if self._error is not None:
+            return WATCH_CAP_S
+        now = self.clock()
+        wait = min(WATCH_CAP_S, self._enforce_deadline(now))
+        latency = self.monitor.latency_s()
+        rate = self.monitor.estimate_bps() or 0.0
+        for entry in list(self._inflight.values()):
+            t = entry.transfer
+            idle = t.idle_s()  # (the client's clock: time.monotonic)
+            if idle is None:  # waiting out a backoff, or a restart is on its way
+                continue
+            limit = stall_limit_s(entry.nbytes - t.received, rate, latency, t.stalled_restarts)
+            if idle > limit:
+                if t.restart():
+                    t.stalled_restarts += 1
+            else:
+                wait = min(wait, limit - idle)
+        return max(1e-4, wait)
+
+    def _enforce_deadline(self, now: float) -> float:
+        """The deadline rule for the shard execution waits for; seconds until it is due."""
+        with self._cond:
+            w = self._waiting
+        entry = self._inflight.get(w.shard) if w is not None else None
+        if w is None or entry is None:
+            return WATCH_CAP_S
+        j = w.shard
+        grace = deadline_grace_s(self.progress.predicted_exec_s(j))
+        # execution asks for shard 0 at once, but its deadline is the predicted start (the
+        # startup allowance): the wait counts from there
+        waited = now - max(w.since, self.progress.start_not_before)
+        if waited < grace:
+            return max(1e-4, grace - waited)
+        t = entry.transfer
+        fallback = t.prefix()
+        if fallback is not None:  # truncation: the longest verified prefix, now
+            del self._inflight[j]
+            entry.task.cancel()
+            self._complete(entry, t.result(fallback), truncated=True)
+            self._wake_receiver()
+            return WATCH_CAP_S
+        idle = t.idle_s()  # (the client's clock: time.monotonic)
+        # a hedge, once per wait, for a transfer that has made no progress for a while
+        if (not w.hedged and idle is not None
+                and idle >= max(grace, 3.0 * self.monitor.latency_s(), STALL_FLOOR_S)):
+            t.restart()
+            w.hedged = True
+        return max(1e-3, grace)
 
     def _receive_done(self, fut: concurrent.futures.Future[None]) -> None:
         if fut.cancelled():
@@ -462,8 +614,12 @@ class Pipeline:
         with self._cond:
             if current >= 0 and current != j:
                 self._ready.pop(current, None)
+            if j not in self._ready and self._error is None:
+                self._waiting = _Wait(j, now)  # the deadline rule watches this wait
+                self._wake(self._watch_event)
             while j not in self._ready and self._error is None:
                 self._cond.wait(0.5)
+            self._waiting = None
             if self._error is not None:
                 err = self._error
                 if isinstance(err, SakuraError):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from sakura.codec.pack import Manifest, decode_config
-from sakura.edge.client import PackClient, RequestRecord
+from sakura.edge.client import PackClient, RequestRecord, Transfer, prefix_fallbacks
 from sakura.edge.errors import EdgeError, NativeUnavailable
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress
 from sakura.edge.pipeline import NetLoop, Pipeline
@@ -134,10 +134,21 @@ class PythonRunner:
         layout = manifest.layout()
         codec_impl = manifest.make_codec()
 
-        async def fetch(shard: int, config: int, progress):
+        async def fetch(shard: int, config: int, transfer: Transfer):
             return await job.client.fetch_config(job.template_id, job.codec, shard, config,
                                                  manifest=job.manifest_dict,
-                                                 progress=progress)
+                                                 transfer=transfer)
+
+        def fallbacks(shard: int, config: int) -> list[tuple[int, int]]:
+            # the policy's configurations of this shard that are prefixes of its choice
+            # (memoised with what else was derived from this manifest)
+            accepted = getattr(job.allocator, "fallbacks", None)
+            candidates = tuple(accepted(shard)) if accepted is not None else ()
+            key = ("fallbacks", shard, config, candidates)
+            if key not in job.derived:
+                job.derived[key] = prefix_fallbacks(job.manifest_dict, shard, config,
+                                                    candidates)
+            return job.derived[key]
 
         def decode(shard: int, config: int, data: bytes) -> list[torch.Tensor]:
             return decode_config(manifest, shard, config, data, codec_impl)
@@ -155,7 +166,7 @@ class PythonRunner:
                         max_ahead=opts.max_ahead, max_ready=opts.max_ready,
                         describe=job.describe, config_bytes=config_bytes,
                         max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
-                        max_ahead_cap=opts.max_ahead_cap)
+                        max_ahead_cap=opts.max_ahead_cap, fallbacks=fallbacks)
         pipe.start(job.net)
         try:
             prep = job.prep

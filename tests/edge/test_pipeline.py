@@ -22,7 +22,7 @@ def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_
     origin = time.monotonic()
     decisions = []
 
-    async def fetch(shard, config, progress):
+    async def fetch(shard, config, transfer):
         """``latency_s`` to the first byte, then the body in five parts over fetch_s."""
         t0 = time.monotonic()
         if fail_at == shard:
@@ -32,7 +32,7 @@ def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_
         size = 1000 * (config + 1)
         for part in range(1, 6):
             await asyncio.sleep(fetch_s[shard] / 5)
-            progress(size * part // 5)
+            transfer.feed(bytes(size * part // 5 - transfer.received))
         return Fetched(bytes(size), t0, first, time.monotonic())
 
     def decode(shard, config, data):

@@ -1,0 +1,411 @@
+"""Deadlines, not waits, in the Python runtime (the rules of edge/pipeline.py, which follow
+the native StreamFeed): a waited-for shard runs on its longest verified prefix after its
+grace (truncation), a silent transfer is re-requested on a fresh connection (a hedge), the
+stall watchdog restarts any silent attempt, and a damaged unit inside a prefix runs the
+shard on what verified before it.
+
+First the rules with scripted transfers (no network, no model), then the same faults as
+tests/edge/test_native_runtime.py against a real local server: headers then silence, 60%
+of a body then silence, a damaged unit inside the prefix, a connection reset mid-body.
+Each edit finishes far below the 30 s stall and its image is exactly the cached edit of the
+configurations it ran on. Properties are asserted, not timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import time
+
+import pytest
+import torch
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.edge.client import BodySpec, Fetched, PackClient, Transfer, prefix_fallbacks
+from sakura.edge.errors import IntegrityError
+from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress
+from sakura.edge.pipeline import (
+    MIN_GRACE_S,
+    STALL_FLOOR_S,
+    NetLoop,
+    Pipeline,
+    deadline_grace_s,
+    stall_limit_s,
+)
+from sakura.edge.runtime import EditOptions
+
+from tests.edge.helpers import TEMPLATE_ID, FaultyApp, RecordingApp, Server
+from tests.edge.test_edit import PROMPT, SEED, check_timeline
+from tests.edge.test_native_runtime import assert_image_of_the_chosen_configs
+
+SHARDS = [(0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [2, 3])]
+UNIT = 200
+# configuration c of every scripted shard is its first (c + 1) * 1000 bytes: 5 units each
+SIZES = {0: 1000, 1: 2000, 2: 3000}
+CHOICE = 2
+FOREVER_S = 3600.0
+BOUND_S = 5.0  # an edit that waited out a stall would take 30 s (the stall) or 3600 s here
+
+
+def body_of(shard: int) -> bytes:
+    return bytes((shard * 7 + i) % 251 for i in range(SIZES[CHOICE]))
+
+
+def spec_of(shard: int, config: int) -> BodySpec:
+    data = body_of(shard)[: SIZES[config]]
+    units = tuple((UNIT, hashlib.sha256(data[o : o + UNIT]).hexdigest())
+                  for o in range(0, len(data), UNIT))
+    return BodySpec(len(data), units, offset=10_000 * shard)
+
+
+def scripted(behaviour, *, exec_s=0.05, fallbacks=True, initial_bps=8e6):
+    """A pipeline over scripted transfers: ``behaviour(shard, transfer, spec)`` (async)
+    fills the transfer; a shard it returns None for is sent whole at once. Every shard asks
+    for configuration 2; its fallbacks are configurations 1 and 0 (prefixes of it)."""
+    origin = time.monotonic()
+    decoded: dict[int, tuple[int, bytes]] = {}
+
+    async def fetch(shard, config, transfer):
+        spec = spec_of(shard, config)
+        transfer.begin(spec, shard)
+        if await behaviour(shard, transfer, spec) is None:
+            await transfer.run_attempt(send(transfer, spec.nbytes))
+        assert transfer.complete
+        return transfer.result()
+
+    def decode(shard, config, data):
+        decoded[shard] = (config, data)
+        return [torch.full((3, 4), float(shard)) for _ in range(4)]
+
+    def allowed(shard, config):
+        return [(c, SIZES[c]) for c in (1, 0)] if fallbacks else []
+
+    pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=lambda s, w, r: CHOICE,
+                    monitor=BandwidthMonitor(initial_bps=initial_bps),
+                    progress=ExecutionProgress.with_allowance([exec_s] * len(SHARDS), origin,
+                                                              0.0, now=origin),
+                    origin=origin, max_ahead=4, describe=lambda s, c: {"level": c},
+                    config_bytes=lambda s, c: SIZES[c], fallbacks=allowed)
+    return pipe, decoded
+
+
+async def send(transfer: Transfer, upto: int) -> None:
+    """Feed the body up to ``upto`` bytes (from what the transfer already has)."""
+    shard = transfer.shard
+    transfer.feed(body_of(shard)[transfer.received : upto])
+
+
+def execute(pipe, exec_s=0.05):
+    seen = []
+    for step in range(2):
+        for block in range(4):
+            k, _v = pipe.provider.get(step, block)
+            seen.append(int(k[0, 0]))
+            time.sleep(exec_s / 2)
+    return seen
+
+
+def run_scripted(behaviour, **kw):
+    with NetLoop() as net:
+        pipe, decoded = scripted(behaviour, **kw)
+        pipe.start(net)
+        t0 = time.monotonic()
+        seen = execute(pipe)
+        took = time.monotonic() - t0
+        stats = pipe.finish()
+    assert seen == [0, 0, 1, 1, 2, 2, 3, 3]
+    return pipe, decoded, stats, took
+
+
+# ---------------------------------------------------------------------------- the rules
+
+
+def test_the_rules_constants_are_the_native_ones():
+    assert deadline_grace_s(0.0) == MIN_GRACE_S == 0.001
+    assert deadline_grace_s(0.2) == pytest.approx(0.1)             # kGraceFraction 0.5
+    assert stall_limit_s(0, 0.0, 0.0, 0) == STALL_FLOOR_S == 0.05
+    assert stall_limit_s(0, 1e6, 0.03, 0) == pytest.approx(0.09)   # 3 round trips
+    assert stall_limit_s(100_000, 8e6, 0.01, 0) == pytest.approx(0.2)  # 2 x 0.1 s of bytes
+    assert stall_limit_s(0, 0.0, 0.0, 3) == pytest.approx(0.4)     # doubling per restart
+    assert stall_limit_s(0, 0.0, 0.0, 50) == pytest.approx(0.05 * 2 ** 10)
+
+
+def test_a_verified_prefix_runs_at_the_deadline():
+    """Shard 1 sends 2200 bytes (11 units) and then nothing, also when restarted: once
+    execution has waited its grace it runs on configuration 1 (2000 bytes, verified), and
+    the transfer is cancelled."""
+    async def behaviour(shard, transfer, spec):
+        if shard != 1:
+            return None
+
+        async def stall():
+            await send(transfer, 2200)
+            await asyncio.sleep(FOREVER_S)
+
+        while not await transfer.run_attempt(stall()):
+            transfer.take_fresh()  # (the watchdog's restarts: silent as well)
+
+    pipe, decoded, stats, took = run_scripted(behaviour)
+    rec = pipe.records[1]
+    assert rec.truncated and (rec.config, rec.requested) == (1, CHOICE)
+    assert rec.bytes == SIZES[1] and rec.params == {"level": 1}
+    assert decoded[1] == (1, body_of(1)[: SIZES[1]])
+    assert stats.truncations == 1 and stats.configs == [2, 1, 2, 2]
+    assert all(not r.truncated and r.config == r.requested == CHOICE
+               for r in pipe.records if r.shard != 1)
+    assert took < BOUND_S
+
+
+def test_without_a_verified_prefix_a_silent_transfer_is_hedged_once():
+    """Shard 1's first attempt sends one unit (less than any fallback) and goes silent: it
+    is re-requested on a fresh connection, for the bytes it lacks, and runs whole."""
+    resumed_at = []
+
+    async def behaviour(shard, transfer, spec):
+        if shard != 1:
+            return None
+
+        async def stall():
+            await send(transfer, UNIT)
+            await asyncio.sleep(FOREVER_S)
+
+        async def rest():
+            resumed_at.append(transfer.received)
+            await send(transfer, spec.nbytes)
+
+        first = await transfer.run_attempt(stall())
+        assert first is False  # ended by restart(), not by the body
+        assert transfer.take_fresh()
+        assert await transfer.run_attempt(rest())
+
+    pipe, decoded, stats, took = run_scripted(behaviour)
+    rec = pipe.records[1]
+    assert not rec.truncated and rec.config == rec.requested == CHOICE
+    assert rec.hedges == 1 and stats.hedges == 1
+    assert resumed_at == [UNIT]  # the remaining range, not the whole body again
+    assert decoded[1] == (CHOICE, body_of(1))
+    assert took < BOUND_S
+
+
+def test_a_policy_without_fallbacks_waits_for_its_choice():
+    """No fallbacks (``sakura-fixed-config``): a silent transfer with a verified prefix is
+    never truncated; it is restarted and the shard runs on what it asked for."""
+    async def behaviour(shard, transfer, spec):
+        if shard != 1:
+            return None
+
+        async def stall():
+            await send(transfer, 2200)
+            await asyncio.sleep(FOREVER_S)
+
+        while not await transfer.run_attempt(stall() if transfer.hedges == 0
+                                             else send(transfer, spec.nbytes)):
+            transfer.take_fresh()
+
+    pipe, decoded, stats, _took = run_scripted(behaviour, fallbacks=False)
+    rec = pipe.records[1]
+    assert not rec.truncated and rec.config == rec.requested == CHOICE
+    assert rec.hedges >= 1 and stats.truncations == 0
+    assert decoded[1] == (CHOICE, body_of(1))
+
+
+def test_the_watchdog_restarts_a_silent_transfer_execution_is_not_waiting_for():
+    """Shard 3 goes silent long before execution needs it (shards of 0.4 s): the stall
+    watchdog restarts it (a hedge) and execution never waits for it."""
+    async def behaviour(shard, transfer, spec):
+        if shard != 3:
+            return None
+        if await transfer.run_attempt(asyncio.sleep(FOREVER_S)):
+            raise AssertionError("the silent attempt ended by itself")
+        transfer.take_fresh()
+        assert await transfer.run_attempt(send(transfer, spec.nbytes))
+
+    with NetLoop() as net:
+        pipe, decoded = scripted(behaviour, exec_s=0.4)
+        pipe.start(net)
+        execute(pipe, exec_s=0.4)
+        stats = pipe.finish()
+    rec = pipe.records[3]
+    assert rec.hedges == 1 and not rec.truncated and rec.config == CHOICE
+    assert rec.recv_end < rec.exec_start  # in before execution asked for it
+    assert stats.hedges == 1 and decoded[3] == (CHOICE, body_of(3))
+
+
+def test_a_transfer_verifies_units_as_they_arrive():
+    spec = spec_of(2, CHOICE)
+    t = Transfer([(1, 2000), (0, 1000)])
+    t.begin(spec, 2)
+    assert t.prefix() is None
+    body = bytearray(body_of(2))
+    assert t.feed(bytes(body[:999]))
+    assert t.verified == 800 and t.prefix() is None
+    assert t.feed(bytes(body[999:1100]))
+    assert t.verified == 1000 and t.prefix() == (0, 1000)
+    body[1500] ^= 0xFF  # unit 7 (bytes 1400..1600) is damaged
+    assert not t.feed(bytes(body[1100:1700]))
+    assert t.verified == 1400 and t.prefix() == (0, 1000)
+    base = spec.offset
+    assert t.damage == (f"unit 7 of shard 2 (pack bytes {base + 1400}..{base + 1600}) fails "
+                        "its checksum")
+    got = t.result(t.prefix())
+    assert isinstance(got, Fetched) and got.config == 0 and got.data == body_of(2)[:1000]
+    assert got.damage == t.damage
+
+
+def test_fallbacks_are_the_policys_prefixes_of_the_choice_longest_first(world):
+    """For every configuration of every shard of the sakura pack: same range start, fewer
+    bytes, units a prefix, longest first; nothing else."""
+    m = world.manifests["sakura"]
+    seen = 0
+    for s in m["shards"]:
+        ids = [c["id"] for c in s["configs"]]
+        for c in s["configs"]:
+            fb = prefix_fallbacks(m, s["index"], c["id"], ids)
+            want = BodySpec.from_manifest(m, s["index"], c["id"])
+            assert [n for _, n in fb] == sorted((n for _, n in fb), reverse=True)
+            for cid, n in fb:
+                spec = BodySpec.from_manifest(m, s["index"], cid)
+                assert cid != c["id"] and spec.nbytes == n < want.nbytes
+                assert spec.offset == want.offset
+                assert want.units[: len(spec.units)] == spec.units
+            others = [o for o in ids if o not in {f for f, _ in fb} | {c["id"]}]
+            for o in others:
+                spec = BodySpec.from_manifest(m, s["index"], o)
+                assert (spec.offset != want.offset or spec.nbytes >= want.nbytes
+                        or want.units[: len(spec.units)] != spec.units)
+            seen += len(fb)
+            assert prefix_fallbacks(m, s["index"], c["id"], []) == []
+    assert seen > 0  # the pack's configurations are prefixes of one stream
+
+
+# ---------------------------------------------------------------------------- real server
+
+
+def faulty_first_shard(world, mode, keep):
+    """A server whose first shard response (of any pack) misbehaves once."""
+    faulty = FaultyApp(create_app(LocalStorage(world.catalog_dir)), ".pack", mode,
+                       keep=keep, stall_s=30.0)
+    recorder = RecordingApp(faulty)
+    return faulty, recorder, Server(recorder)
+
+
+def requested_bytes(world, shard, config):
+    s = world.manifests["sakura"]["shards"][shard]
+    return next(c["bytes"] for c in s["configs"] if c["id"] == config)
+
+
+def check_records(res):
+    """What every record of a deadline-true edit says."""
+    check_timeline(res)
+    for r in res.timeline:
+        assert r["requested"] is not None
+        if r["truncated"]:
+            assert r["config"] != r["requested"]
+        if r["config"] != r["requested"]:
+            assert r["truncated"] or r["damage"]
+    assert res.truncations == sum(1 for r in res.timeline if r["truncated"])
+    assert res.hedges == sum(r["hedges"] for r in res.timeline)
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.6])
+def test_a_stalled_transfer_costs_one_shard_quality_never_seconds(world, runtime, keep):
+    """Headers then silence (keep 0), or 60% of the body then silence: the shard runs on
+    the longest verified prefix its policy accepts at its deadline (truncated), or, with
+    none, is re-requested on a fresh connection (a hedge); the edit never waits out the
+    30 s stall, and its image is exactly the edit of the configurations it ran on."""
+    req = runtime.request(PROMPT, SEED)
+    faulty, _recorder, server = faulty_first_shard(world, "stall", keep)
+    log = []
+    with server:
+        runtime.warm(server.url, TEMPLATE_ID, world.template, "sakura")
+        res = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                           request_log=log, options=EditOptions(initial_rate_bps=50e6))
+        assert faulty.hits == 1
+        assert res.latency_s < BOUND_S, res.timeline[0]
+        first = res.timeline[0]
+        assert first["truncated"] or first["hedges"] >= 1, first
+        if first["truncated"]:
+            assert first["config"] != first["requested"] and res.truncations >= 1
+            assert first["bytes"] < requested_bytes(world, 0, first["requested"])
+        else:  # re-requested: the shard ran whole
+            assert first["config"] == first["requested"]
+            # every hedge is one more request the client sent (the origin may never see
+            # one that a truncation cancelled)
+            pack = [r for r in log if r.url.endswith(".pack")]
+            assert len(pack) >= len(res.timeline) + res.hedges
+        check_records(res)
+        assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
+
+
+def test_a_damaged_unit_inside_a_prefix_runs_the_shard_on_what_verified_before_it(
+        world, runtime):
+    """A byte flipped at 90% of the first shard's body: the shard runs on the largest
+    configuration verified before the damaged unit; the edit finishes with one warning
+    naming the unit and its pack offsets, and its image is exactly that configuration's."""
+    req = runtime.request(PROMPT, SEED)
+    faulty, _recorder, server = faulty_first_shard(world, "flip-at", 0.9)
+    with server:
+        # a 5 s deadline for the edit: shard 0 goes at its best configuration
+        res = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                           options=EditOptions(initial_rate_bps=50e6, deadline_s=5.0))
+        first = res.timeline[0]
+        assert faulty.hits == 1, first
+        if first["damage"] is None:  # the smallest configuration was chosen: refetched
+            assert first["refetches"] == 1, first
+        else:
+            assert re.fullmatch(r"unit \d+ of shard 0 \(pack bytes \d+\.\.\d+\) fails its "
+                                r"checksum", first["damage"])
+            assert first["config"] != first["requested"] and first["refetches"] == 0
+            assert first["bytes"] < requested_bytes(world, 0, first["requested"])
+            warned = [w for w in res.warnings if "damaged data" in w and "shard 0" in w]
+            assert len(warned) == 1 and first["damage"] in warned[0]
+        assert res.latency_s < BOUND_S
+        check_records(res)
+        assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
+
+
+def test_a_connection_reset_mid_body_is_resumed_or_runs_on_its_prefix(world, runtime):
+    """Half of the first shard's body, then the connection drops: the rest is requested
+    with a narrower Range (a resume), or the shard runs on the verified prefix it has."""
+    req = runtime.request(PROMPT, SEED)
+    faulty, _recorder, server = faulty_first_shard(world, "cut", 0.5)
+    log = []
+    with server:
+        runtime.warm(server.url, TEMPLATE_ID, world.template, "sakura")
+        res = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                           request_log=log, options=EditOptions(initial_rate_bps=50e6))
+        first = res.timeline[0]
+        assert faulty.hits == 1
+        assert first["resumes"] >= 1 or first["truncated"], first
+        if first["resumes"]:  # (sent by the client; a truncation may have cancelled it)
+            resumed = [r.headers for r in log if r.url.endswith(".pack")
+                       and "If-Range" in r.headers]
+            assert resumed and all(h["Range"].startswith("bytes=") for h in resumed)
+        assert res.latency_s < BOUND_S
+        check_records(res)
+        assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
+
+
+def test_a_unit_that_never_verifies_says_not_even_the_smallest_configuration_does(world):
+    """Every answer damaged at its first unit: after max_refetch refetches, one clear error
+    with the cause (the unit and its pack offsets)."""
+    m = world.manifests["sakura"]
+    shard = m["shards"][1]
+    ids = [c["id"] for c in shard["configs"]]
+    best = max(shard["configs"], key=lambda c: c["bytes"])["id"]
+    faulty = FaultyApp(create_app(LocalStorage(world.catalog_dir)), ".pack", "corrupt",
+                       times=1000)
+    with Server(faulty) as server:
+        async def go():
+            async with PackClient(server.url) as c:
+                transfer = Transfer(prefix_fallbacks(m, 1, best, ids))
+                await c.fetch_config(TEMPLATE_ID, "sakura", 1, best, manifest=m,
+                                     transfer=transfer)
+
+        with pytest.raises(IntegrityError, match=r"not even the smallest configuration of "
+                                                 r"shard 1 verifies: unit 0 of shard 1 "
+                                                 r"\(pack bytes \d+\.\.\d+\) fails its "
+                                                 r"checksum \(after 4 fetches"):
+            asyncio.run(go())
+    assert faulty.hits == 4
