@@ -26,7 +26,6 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sakura.cloud import layout
 from sakura.cloud.auth import Grant, TokenSet, bearer_token
-from sakura.cloud.errors import ManifestError, ObjectNotFound, StorageError
+from sakura.cloud.errors import ErrorCode, ManifestError, ObjectNotFound, StorageError
 from sakura.cloud.layout import ManifestIndex
 from sakura.cloud.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sakura.cloud.metrics import METHODS, Metrics, MetricsMiddleware
@@ -53,7 +52,7 @@ from sakura.cloud.ranges import (
 )
 from sakura.cloud.storage import LocalStorage, ObjectReader, Storage
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response
 
 log = logging.getLogger("sakura.cloud.server")
 
@@ -77,13 +76,17 @@ class ServerSettings:
 
 
 class ApiError(Exception):
-    """An error answered as ``{"error": message}`` with ``status`` (and extra headers)."""
+    """An error answered as ``{"error": message, "code": code}`` with ``status`` (and extra
+    headers); ``code`` is one of :class:`~sakura.cloud.errors.ErrorCode`'s."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, *,
+                 code: str) -> None:
         super().__init__(message)
+        assert code in ErrorCode.ALL, code
         self.status = status
         self.message = message
         self.headers = headers or {}
+        self.code = code
 
 
 # ------------------------------------------------------------------------- JSON caches
@@ -184,26 +187,14 @@ class UnitVerifier:
 
     def damaged(self) -> list[dict[str, str]]:
         with self._lock:
-            return [{"pack": k, "error": why} for k, (_t, why) in sorted(self._damaged.items())]
+            return [{"pack": k, "error": why, "code": ErrorCode.PACK_DAMAGED}
+                    for k, (_t, why) in sorted(self._damaged.items())]
 
-    def verify(self, reader: ObjectReader | Callable[[], ObjectReader], resolved: Resolved,
-               spans: list[tuple[int, int]] | tuple[tuple[int, int], ...],
-               token: str | None = None) -> None:
-        """Raise :class:`ApiError` (500) unless every unit overlapping ``spans`` (pack
-        offsets, lengths) of the version on storage hashes to the manifest's value.
-
-        ``reader`` is an open reader of that version, or a function opening one (called only
-        when something is left to check, with ``token`` the version's change token)."""
-        if callable(reader):
-            assert token is not None
-            if self._covered(resolved, spans, token):
-                return
-            opened = reader()
-            try:
-                self.verify(opened, resolved, spans)
-            finally:
-                opened.close()
-            return
+    def verify(self, reader: ObjectReader, resolved: Resolved,
+               spans: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
+        """Raise :class:`ApiError` (500, ``pack_damaged``) unless every unit overlapping
+        ``spans`` (pack offsets, lengths) of the version ``reader`` holds hashes to the
+        manifest's value. Callers pass exactly the spans they are about to send."""
         index = resolved.index
         key = (resolved.pack_key, reader.info.etag)
         with self._lock:
@@ -240,31 +231,14 @@ class UnitVerifier:
             log.error("%s (%s)", why, resolved.pack_key)
             with self._lock:
                 self._damaged[resolved.pack_key] = (reader.info.etag, why)
-            raise ApiError(500, why) from None
+            raise ApiError(500, why, code=ErrorCode.PACK_DAMAGED) from None
         except StorageError as exc:
             log.error("reading %s failed: %s", resolved.pack_key, exc)
-            raise ApiError(503, "storage unavailable") from exc
+            raise ApiError(503, "storage unavailable", code=ErrorCode.STORAGE_UNAVAILABLE) from exc
         with self._lock:
             seen = self._damaged.get(resolved.pack_key)
             if seen is not None and seen[0] != reader.info.etag:
                 del self._damaged[resolved.pack_key]  # a newer version passed: repaired
-
-    def _covered(self, resolved: Resolved, spans: Any, token: str) -> bool:
-        """Whether every unit of ``spans`` of version ``token`` has passed already."""
-        index = resolved.index
-        with self._lock:
-            ok = self._ok.get((resolved.pack_key, token))
-            if ok is None:
-                return False
-            first_unit = index.units[0][0] if index.units else index.pack_bytes
-            for off, n in spans:
-                if n <= 0:
-                    continue
-                if off < first_unit and self.HEADER not in ok:
-                    return False
-                if any(i not in ok for i in index.units_in(off, off + n)):
-                    return False
-            return True
 
     @staticmethod
     def _check_header(reader: ObjectReader, first_unit: int) -> None:
@@ -308,6 +282,8 @@ class ServerState:
     # gzipped manifests by ETag (a manifest version never changes), so each is compressed
     # once rather than on every request
     gzipped: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    # /healthz's last size check: (the catalog object it checked, when, problems)
+    health_sizes: tuple[Any, float, list[dict[str, str]]] | None = None
 
     def gzip_manifest(self, etag: str, raw: bytes) -> bytes:
         body = self.gzipped.get(etag)
@@ -449,8 +425,11 @@ class PackResponse(Response):
 # ------------------------------------------------------------------------------ the app
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+def _error(status: int, message: str, headers: dict[str, str] | None = None, *,
+           code: str) -> JSONResponse:
+    """The JSON error body of every failed request: the message for people, the stable
+    ``code`` (:class:`~sakura.cloud.errors.ErrorCode`) for programs."""
+    return JSONResponse({"error": message, "code": code}, status_code=status, headers=headers)
 
 
 def _state(request: Request) -> ServerState:
@@ -462,17 +441,20 @@ def _check_template_id(template_id: str) -> None:
         raise ApiError(
             400,
             f"invalid template id {template_id[:80]!r}: must match {layout.TEMPLATE_ID_RE.pattern}",
+            code=ErrorCode.BAD_REQUEST,
         )
 
 
 def _check_codec(codec: str) -> None:
     if not layout.valid_codec(codec):
-        raise ApiError(400, f"invalid codec {codec[:80]!r}: must match {layout.CODEC_RE.pattern}")
+        raise ApiError(400, f"invalid codec {codec[:80]!r}: must match {layout.CODEC_RE.pattern}",
+                       code=ErrorCode.BAD_REQUEST)
 
 
 def _int_param(value: str, what: str) -> int:
     if not _INT_RE.fullmatch(value):
-        raise ApiError(400, f"invalid {what} {value[:40]!r}: must be a non-negative integer")
+        raise ApiError(400, f"invalid {what} {value[:40]!r}: must be a non-negative integer",
+                       code=ErrorCode.BAD_REQUEST)
     return int(value)
 
 
@@ -486,12 +468,14 @@ def _grant(request: Request) -> Grant:
     if grant is None:
         if header is None:
             raise ApiError(
-                401, "missing bearer token", {"WWW-Authenticate": 'Bearer realm="sakura"'}
+                401, "missing bearer token", {"WWW-Authenticate": 'Bearer realm="sakura"'},
+                code=ErrorCode.UNAUTHORIZED,
             )
         raise ApiError(
             401,
             "invalid bearer token",
             {"WWW-Authenticate": 'Bearer realm="sakura", error="invalid_token"'},
+            code=ErrorCode.UNAUTHORIZED,
         )
     return grant
 
@@ -499,7 +483,8 @@ def _grant(request: Request) -> Grant:
 def _authorize(request: Request, template_id: str) -> Grant:
     grant = _grant(request)
     if not grant.allows(template_id):
-        raise ApiError(403, f"this token may not access template {template_id!r}")
+        raise ApiError(403, f"this token may not access template {template_id!r}",
+                       code=ErrorCode.FORBIDDEN)
     return grant
 
 
@@ -508,13 +493,15 @@ def _catalog(state: ServerState) -> dict[str, Any]:
     try:
         _raw, catalog = state.json_cache.get(layout.CATALOG_KEY, layout.validate_catalog)
     except ObjectNotFound as exc:
-        raise ApiError(503, "no catalog is published yet (catalog.json is missing)") from exc
+        raise ApiError(503, "no catalog is published yet (catalog.json is missing)",
+                       code=ErrorCode.CATALOG_MISSING) from exc
     except ManifestError as exc:
         log.error("catalog.json is invalid: %s", exc)
-        raise ApiError(500, f"the published catalog is invalid: {exc}") from exc
+        raise ApiError(500, f"the published catalog is invalid: {exc}",
+                       code=ErrorCode.PUBLISH_BROKEN) from exc
     except StorageError as exc:
         log.error("cannot read catalog.json: %s", exc)
-        raise ApiError(503, "storage unavailable") from exc
+        raise ApiError(503, "storage unavailable", code=ErrorCode.STORAGE_UNAVAILABLE) from exc
     return catalog
 
 
@@ -522,12 +509,13 @@ def _resolve(state: ServerState, template_id: str, codec: str, pinned: str | Non
     catalog = _catalog(state)
     entry = catalog["templates"].get(template_id)
     if entry is None:
-        raise ApiError(404, f"unknown template {template_id!r}")
+        raise ApiError(404, f"unknown template {template_id!r}", code=ErrorCode.UNKNOWN_TEMPLATE)
     centry = entry.get("codecs", {}).get(codec)
     if centry is None:
-        raise ApiError(404, f"template {template_id!r} has no codec {codec!r}")
+        raise ApiError(404, f"template {template_id!r} has no codec {codec!r}",
+                       code=ErrorCode.UNKNOWN_CODEC)
     if pinned is not None and not layout.valid_pack_file(pinned):
-        raise ApiError(400, f"invalid pack version {pinned[:80]!r}")
+        raise ApiError(400, f"invalid pack version {pinned[:80]!r}", code=ErrorCode.BAD_REQUEST)
     pack_file = pinned or centry.get("pack_file")
     candidates: list[tuple[str, bool]] = []
     if pack_file:
@@ -546,10 +534,11 @@ def _resolve(state: ServerState, template_id: str, codec: str, pinned: str | Non
             continue
         except ManifestError as exc:
             log.error("manifest %s is invalid: %s", key, exc)
-            raise ApiError(500, f"the manifest of {template_id}/{codec} is invalid: {exc}") from exc
+            raise ApiError(500, f"the manifest of {template_id}/{codec} is invalid: {exc}",
+                           code=ErrorCode.PUBLISH_BROKEN) from exc
         except StorageError as exc:
             log.error("cannot read %s: %s", key, exc)
-            raise ApiError(503, "storage unavailable") from exc
+            raise ApiError(503, "storage unavailable", code=ErrorCode.STORAGE_UNAVAILABLE) from exc
         if pack_file and index.pack_file != pack_file:
             continue  # manifest.json not (yet) matching the catalog's version
         return Resolved(
@@ -561,8 +550,9 @@ def _resolve(state: ServerState, template_id: str, codec: str, pinned: str | Non
             bool(pinned),
         )
     if pinned:
-        raise ApiError(404, _gone(template_id, codec, pinned))
-    raise ApiError(500, f"the manifest of {template_id}/{codec} is missing from storage")
+        raise ApiError(404, _gone(template_id, codec, pinned), code=ErrorCode.VERSION_GONE)
+    raise ApiError(500, f"the manifest of {template_id}/{codec} is missing from storage",
+                   code=ErrorCode.PUBLISH_BROKEN)
 
 
 def _manifest_response(request: Request, state: ServerState, resolved: Resolved) -> Response:
@@ -589,61 +579,48 @@ def _manifest_response(request: Request, state: ServerState, resolved: Resolved)
 
 
 def _pack_file_response(request: Request, state: ServerState, resolved: Resolved) -> Response:
-    """The whole pack with Range support: Starlette's FileResponse for a local folder (206,
-    multipart, 416, If-Range), the streamed storage reader otherwise (S3)."""
-    headers = {
-        "ETag": resolved.etag,
-        "Cache-Control": _cache_control(state, resolved.pinned),
-        "X-Sakura-Pack-File": resolved.index.pack_file,
-        "X-Content-Type-Options": "nosniff",
-    }
-    if not isinstance(state.storage, LocalStorage):
-        body = Body(((0, resolved.index.pack_bytes),))
-        return _serve_body(request, state, resolved, body, resolved.etag, headers)
-    early = _preconditions(request, resolved.etag, headers)
-    if early is not None:
-        return early
-    path = state.storage.path(resolved.pack_key)
-    try:
-        st = path.stat()
-    except FileNotFoundError as exc:
-        raise ApiError(404, _gone(resolved.template_id, resolved.codec,
-                                  resolved.index.pack_file)) from exc
-    except OSError as exc:
-        log.error("cannot stat %s: %s", resolved.pack_key, exc)
-        raise ApiError(503, "storage unavailable") from exc
-    if st.st_size != resolved.index.pack_bytes:
-        log.error("pack %s has %d bytes, manifest says %d", resolved.pack_key, st.st_size,
-                  resolved.index.pack_bytes)
-        raise ApiError(500, f"the pack of {resolved.template_id}/{resolved.codec} is "
-                            "truncated or corrupt")
-    if request.method == "GET":  # never send bytes the manifest's checksums do not vouch for
-        token = state.storage.token(st)
-        state.verifier.verify(lambda: _open_pack(state, resolved), resolved,
-                              _requested_spans(request, resolved), token=token)
-    return _PackFile(path, headers=headers, media_type=OCTET, stat_result=st)
+    """The layout's immutable pack: the same response as ``/v1/.../pack`` (one Range parse
+    decides both what is verified and what is sent; see :func:`_serve_body`)."""
+    headers = {"X-Sakura-Pack-File": resolved.index.pack_file}
+    body = Body(((0, resolved.index.pack_bytes),))
+    return _serve_body(request, state, resolved, body, resolved.etag, headers)
 
 
-class _PackFile(FileResponse):
-    """Starlette's file response with 1 MiB reads (64 KiB by default: per-chunk overhead
-    dominates on 0.1-10 MB ranges)."""
-
-    chunk_size = 1024 * 1024
-
-
-def _requested_spans(request: Request, resolved: Resolved) -> list[tuple[int, int]]:
-    """The pack bytes a GET will receive: its single or multiple ranges, else all of it."""
-    size = resolved.index.pack_bytes
-    ranges = request.headers.getlist("range")
-    if_range = request.headers.get("if-range")
-    if len(ranges) == 1 and (if_range is None or strong_match(if_range.strip(), resolved.etag)):
-        try:
-            wanted = parse_range(ranges[0], size, max_ranges=1000)
-        except RangeRejected:
-            wanted = None
-        if wanted is not None and wanted.kind is RangeKind.PARTIAL:
-            return [(r.start, r.stop - r.start) for r in wanted.ranges]
-    return [(0, size)]
+def _pack_sizes(state: ServerState, catalog: dict[str, Any]) -> list[dict[str, str]]:
+    """``/healthz``'s size check: every pack the catalog names, against its manifest's
+    ``pack_bytes`` (a stat each; kept for the catalog cache's TTL, 0 s for a folder).
+    Entries ``{"pack", "error", "code"}`` for the packs that are not servable."""
+    assert state.json_cache is not None
+    now = time.monotonic()
+    cached = state.health_sizes
+    if cached is not None and cached[0] is catalog and now - cached[1] < state.json_cache.ttl_s:
+        return cached[2]
+    problems: list[dict[str, str]] = []
+    for template_id, entry in sorted(catalog["templates"].items()):
+        for codec, centry in sorted(entry.get("codecs", {}).items()):
+            pack_file = centry.get("pack_file")
+            where = (layout.pack_key(template_id, codec, pack_file) if pack_file
+                     else f"templates/{template_id}/{codec}")
+            try:
+                resolved = _resolve(state, template_id, codec, None)
+                where = resolved.pack_key
+                size = state.storage.stat(resolved.pack_key).size
+            except ApiError as exc:
+                problems.append({"pack": where, "error": exc.message, "code": exc.code})
+                continue
+            except ObjectNotFound:
+                problems.append({"pack": where, "error": _pack_missing(resolved),
+                                 "code": ErrorCode.PUBLISH_BROKEN})
+                continue
+            except StorageError as exc:
+                problems.append({"pack": where, "error": f"storage unavailable: {exc}"[:300],
+                                 "code": ErrorCode.STORAGE_UNAVAILABLE})
+                continue
+            if size != resolved.index.pack_bytes:
+                problems.append({"pack": where, "error": _size_mismatch(resolved, size),
+                                 "code": ErrorCode.PACK_DAMAGED})
+    state.health_sizes = (catalog, now, problems)
+    return problems
 
 
 def _gone(template_id: str, codec: str, pack_file: str) -> str:
@@ -690,7 +667,8 @@ def _preconditions(request: Request, etag: str, headers: dict[str, str]) -> Resp
     if if_match is not None and not (
         "*" in if_match or any(strong_match(t, etag) for t in if_match)
     ):
-        return _error(412, "If-Match precondition failed: the representation has changed", headers)
+        return _error(412, "If-Match precondition failed: the representation has changed", headers,
+                      code=ErrorCode.PRECONDITION_FAILED)
     if_none_match = parse_etag_list(request.headers.get("if-none-match"))
     if if_none_match is not None and (
         "*" in if_none_match or any(weak_match(t, etag) for t in if_none_match)
@@ -705,27 +683,32 @@ def _open_pack(state: ServerState, resolved: Resolved) -> ObjectReader:
     except ObjectNotFound as exc:
         if resolved.pinned:
             raise ApiError(
-                404, _gone(resolved.template_id, resolved.codec, resolved.index.pack_file)
+                404, _gone(resolved.template_id, resolved.codec, resolved.index.pack_file),
+                code=ErrorCode.VERSION_GONE,
             ) from exc
         log.error("pack %s is missing", resolved.pack_key)
         raise ApiError(
-            500, f"the pack of {resolved.template_id}/{resolved.codec} is missing from storage"
+            500, _pack_missing(resolved), code=ErrorCode.PUBLISH_BROKEN
         ) from exc
     except StorageError as exc:
         log.error("cannot open %s: %s", resolved.pack_key, exc)
-        raise ApiError(503, "storage unavailable") from exc
+        raise ApiError(503, "storage unavailable", code=ErrorCode.STORAGE_UNAVAILABLE) from exc
     if reader.size != resolved.index.pack_bytes:
         reader.close()
-        log.error(
-            "pack %s has %d bytes, manifest says %d",
-            resolved.pack_key,
-            reader.size,
-            resolved.index.pack_bytes,
-        )
-        raise ApiError(
-            500, f"the pack of {resolved.template_id}/{resolved.codec} is truncated or corrupt"
-        )
+        why = _size_mismatch(resolved, reader.size)
+        log.error("%s (%s)", why, resolved.pack_key)
+        raise ApiError(500, why, code=ErrorCode.PACK_DAMAGED)
     return reader
+
+
+def _size_mismatch(resolved: Resolved, size: int) -> str:
+    return (f"the pack of {resolved.template_id}/{resolved.codec} is damaged: it has {size} "
+            f"bytes, its manifest says {resolved.index.pack_bytes} (truncated or corrupt); it "
+            "is not served until it is repaired")
+
+
+def _pack_missing(resolved: Resolved) -> str:
+    return f"the pack of {resolved.template_id}/{resolved.codec} is missing from storage"
 
 
 def _serve_body(
@@ -759,10 +742,11 @@ def _serve_body(
     try:
         wanted = parse_range(range_header, size, max_ranges=state.settings.max_ranges)
     except RangeRejected as exc:
-        raise ApiError(400, f"Range header rejected: {exc}") from exc
+        raise ApiError(400, f"Range header rejected: {exc}", code=ErrorCode.BAD_RANGE) from exc
     if wanted.kind is RangeKind.UNSATISFIABLE:
         headers["Content-Range"] = unsatisfied_content_range(size)
-        return _error(416, f"range not satisfiable: the body has {size} bytes", headers)
+        return _error(416, f"range not satisfiable: the body has {size} bytes", headers,
+                      code=ErrorCode.RANGE_NOT_SATISFIABLE)
 
     def read_pieces(rng: ByteRange) -> list[Piece]:
         if prefetched is not None:
@@ -838,7 +822,7 @@ def _shard_hash(
                     parts.append(chunk)
     except StorageError as exc:
         log.error("reading %s failed: %s", resolved.pack_key, exc)
-        raise ApiError(503, "storage unavailable") from exc
+        raise ApiError(503, "storage unavailable", code=ErrorCode.STORAGE_UNAVAILABLE) from exc
     finally:
         reader.close()
     value = digest.hexdigest()
@@ -873,25 +857,27 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.headers)
+        return _error(exc.status, exc.message, exc.headers, code=exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "error"
         if exc.status_code == 404 and message == "Not Found":
             message = f"no such route: {request.url.path[:200]}"
-        return _error(exc.status_code, message, getattr(exc, "headers", None))
+        return _error(exc.status_code, message, getattr(exc, "headers", None),
+                      code=ErrorCode.for_status(exc.status_code))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()))
-        return _error(400, f"invalid request: {where}: {first.get('msg', 'invalid')}")
+        return _error(400, f"invalid request: {where}: {first.get('msg', 'invalid')}",
+                      code=ErrorCode.BAD_REQUEST)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return _error(500, "internal server error")
+        return _error(500, "internal server error", code=ErrorCode.INTERNAL)
 
     def get_head(path: str, **kwargs: Any) -> Any:
         """Register a route for GET and HEAD (distinct OpenAPI operation ids)."""
@@ -905,16 +891,19 @@ def create_app(
         return deco
 
     @get_head("/healthz", tags=["operations"],
-              summary="Health: the catalog is readable (503 otherwise); damaged packs listed "
-                      "(no auth)")
+              summary="Health: the catalog is readable (503 otherwise); damaged packs (failed "
+                      "checksums, or a size other than the manifest's) listed (no auth)")
     def healthz(request: Request) -> JSONResponse:
         state = _state(request)
         try:
-            _catalog(state)
+            catalog = _catalog(state)
         except ApiError as exc:
-            return JSONResponse({"status": "error", "error": exc.message}, status_code=503)
-        damaged = state.verifier.damaged()
-        return JSONResponse({"status": "degraded" if damaged else "ok", "damaged": damaged})
+            return JSONResponse({"status": "error", "error": exc.message, "code": exc.code},
+                                status_code=503)
+        damaged = {d["pack"]: d for d in state.verifier.damaged()}
+        damaged.update((d["pack"], d) for d in _pack_sizes(state, catalog))  # the newer news
+        listed = [damaged[k] for k in sorted(damaged)]
+        return JSONResponse({"status": "degraded" if listed else "ok", "damaged": listed})
 
     @get_head(
         "/metrics",
@@ -958,7 +947,7 @@ def create_app(
         state = _state(request)
         entry = _catalog(state)["templates"].get(template_id)
         if entry is None:
-            raise ApiError(404, f"unknown template {template_id!r}")
+            raise ApiError(404, f"unknown template {template_id!r}", code=ErrorCode.UNKNOWN_TEMPLATE)
         return JSONResponse(entry, headers={"Cache-Control": _cache_control(state, False)})
 
     def _resolve_request(
@@ -1019,9 +1008,11 @@ def create_app(
         entry = resolved.index.config(shard_i, config_i)
         if entry is None:
             if not any(s == shard_i for s, _ in resolved.index.configs):
-                raise ApiError(404, f"{template_id}/{codec} has no shard {shard_i}")
+                raise ApiError(404, f"{template_id}/{codec} has no shard {shard_i}",
+                               code=ErrorCode.NOT_FOUND)
             raise ApiError(
-                404, f"shard {shard_i} of {template_id}/{codec} has no config {config_i}"
+                404, f"shard {shard_i} of {template_id}/{codec} has no config {config_i}",
+                code=ErrorCode.NOT_FOUND,
             )
         body = Body(entry.ranges)
         etag = f'"{resolved.index.pack_sha256}:{shard_i}:{config_i}"'
@@ -1075,7 +1066,8 @@ def create_app(
             return _pack_file_response(request, state, resolved)
         _check_template_id(template_id)
         _check_codec(codec)
-        raise ApiError(404, f"no file {name[:80]!r} in the layout of {template_id}/{codec}")
+        raise ApiError(404, f"no file {name[:80]!r} in the layout of {template_id}/{codec}",
+                       code=ErrorCode.NOT_FOUND)
 
     _add_get_head(
         app,
@@ -1133,6 +1125,7 @@ class _PathGuard:
                 405 if method in METHODS else 501,
                 f"method {method[:16]!r} is not supported: this server answers GET and HEAD",
                 {"Allow": "GET, HEAD"},
+                code=ErrorCode.METHOD_NOT_ALLOWED,
             )
             await response(scope, receive, send)
             return
@@ -1150,6 +1143,7 @@ class _PathGuard:
                 response = _error(
                     400,
                     "invalid request path: encoded slashes, backslashes, NULs and dot segments are not allowed",
+                    code=ErrorCode.BAD_REQUEST,
                 )
                 await response(scope, receive, send)
                 return

@@ -49,7 +49,8 @@ def test_catalog_and_template_entry(client, published):
     entry = client.get("/v1/templates/tryon-b").json()
     assert entry == catalog["templates"]["tryon-b"]
     r = client.get("/v1/templates/nope")
-    assert r.status_code == 404 and r.json() == {"error": "unknown template 'nope'"}
+    assert r.status_code == 404
+    assert r.json() == {"error": "unknown template 'nope'", "code": "unknown_template"}
 
 
 def test_manifest_etag_and_304(client, published):
@@ -305,11 +306,13 @@ def test_corrupt_or_missing_files_give_json_errors(client, published):
     (published.root / pub.versioned_manifest_key).write_text("{not json")
     r = client.get("/v1/templates/tryon-b/sakura/manifest")
     assert r.status_code == 500 and "invalid" in r.json()["error"]
+    assert r.json()["code"] == "publish_broken"
     bad = published.manifest("face-a")
     bad["shards"][0]["configs"][0]["ranges"] = [[0, 10**12]]
     (published.root / published.packs["face-a"].versioned_manifest_key).write_text(json.dumps(bad))
     r = client.get(shard_url(0, 0))
     assert r.status_code == 500 and "outside the pack" in r.json()["error"]
+    assert r.json()["code"] == "publish_broken"
     (published.root / pub.versioned_manifest_key).write_bytes(
         (published.root / pub.manifest_key).read_bytes()
     )
@@ -318,12 +321,16 @@ def test_corrupt_or_missing_files_give_json_errors(client, published):
     pack_path.write_bytes(data[:-10])  # truncated pack
     r = client.get("/v1/templates/tryon-b/sakura/pack")
     assert r.status_code == 500 and "truncated or corrupt" in r.json()["error"]
+    assert r.json()["code"] == "pack_damaged"
+    assert f"has {len(data) - 10} bytes, its manifest says {len(data)}" in r.json()["error"]
     pack_path.unlink()
     r = client.get("/v1/templates/tryon-b/sakura/pack")
     assert r.status_code == 500 and "missing" in r.json()["error"]
+    assert r.json()["code"] == "publish_broken"
     (published.root / "catalog.json").unlink()
     r = client.get("/v1/templates")
     assert r.status_code == 503 and "catalog.json" in r.json()["error"]
+    assert r.json()["code"] == "catalog_missing"
 
 
 def test_errors_are_json_never_tracebacks(client):
@@ -335,7 +342,8 @@ def test_errors_are_json_never_tracebacks(client):
     ]:
         r = client.request(method, url)
         assert r.status_code in (404, 405)
-        assert set(r.json()) == {"error"}
+        assert set(r.json()) == {"error", "code"}
+        assert r.json()["code"] == ("not_found" if r.status_code == 404 else "method_not_allowed")
         assert "Traceback" not in r.text
 
 

@@ -157,7 +157,11 @@ def test_storage_failure_mid_stream_aborts_that_response_only(big):
     with pytest.raises((http.client.IncompleteRead, ConnectionError)):
         resp.read()
     conn.close()
-    assert httpx.get(f"{url}/healthz").json() == {"status": "ok", "damaged": []}
+    # the truncated file is named by /healthz (its size is not the manifest's) and refused
+    health = httpx.get(f"{url}/healthz").json()
+    assert health["status"] == "degraded"
+    assert [(d["pack"], d["code"]) for d in health["damaged"]] == [(pub.pack_key, "pack_damaged")]
     r = httpx.get(f"{url}{PACK}")
     assert r.status_code == 500 and "truncated" in r.json()["error"]
+    assert r.json()["code"] == "pack_damaged"
     assert wait_until(lambda: app.state.sakura.metrics.in_flight == 0)

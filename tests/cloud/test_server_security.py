@@ -74,7 +74,8 @@ def test_invalid_codec_and_unknown_ids(client):
     r = client.get("/v1/templates/face-a/Sakura!/manifest")
     assert r.status_code == 400 and "invalid codec" in r.json()["error"]
     r = client.get("/v1/templates/face-zz/sakura/pack")
-    assert r.status_code == 404 and r.json() == {"error": "unknown template 'face-zz'"}
+    assert r.status_code == 404
+    assert r.json() == {"error": "unknown template 'face-zz'", "code": "unknown_template"}
 
 
 def test_server_stays_healthy_after_garbage_requests(live):
