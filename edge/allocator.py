@@ -17,16 +17,24 @@ Policies (:data:`POLICIES`) name a pack (codec) and an allocator:
 ============================ ======== ============================================================
 policy                       codec    choice per shard
 ============================ ======== ============================================================
-``sakura``                   sakura   highest quality that fits rate x window (adaptive r and b)
+``sakura``                   sakura   plan over the next shards (:mod:`edge.lookahead`): least
+                                      summed output error within rate x each deadline
 ``svd``                      svd      same, plain SVD pack (q = 0)
-``intq``                     intq     same, uniform integer quantization (adaptive bitwidth)
-``cachegen``                 cachegen same, CacheGen-DiT quality levels
+``intq``                     intq     greedy: highest quality that fits rate x its own window
+                                      (uniform integer quantization, adaptive bitwidth)
+``cachegen``                 cachegen greedy, CacheGen-DiT quality levels
 ``fp16``                     fp16     the only configuration (raw FP16 cache)
 ``sakura-fixed-config``      sakura   one (rank, bits) for every shard, from the median-rate
                                       budget (no shard adaptation)
-``sakura-fixed-bits``        sakura   adaptive rank, bits fixed (default 4)
+``sakura-fixed-bits``        sakura   adaptive rank (the plan), bits fixed (default 4)
+``sakura-greedy``            sakura   ablation of the plan: greedy, as the baselines
+``sakura-optimistic``        sakura   the plan over 1.25x the estimated fit (truncation
+                                      at the deadline bounds what an overestimate costs)
 ``local``                    --       no cache: the whole model on the device
 ============================ ======== ============================================================
+
+``options["lookahead"]`` (``EditOptions.policy_options``) turns the plan on or off for any
+adaptive policy; the baselines keep their published greedy rule by default.
 
 The two ablations choose among *uniform* configurations (every component at one
 precision). A ``sakura`` pack built with the codec's default table (the thinned Pareto
@@ -44,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sakura.edge.errors import EdgeError
+from sakura.edge.lookahead import Lookahead, config_cost
 
 
 @dataclass(frozen=True)
@@ -182,15 +191,25 @@ class Allocator(Protocol):
 @dataclass
 class AdaptiveAllocator:
     """Highest-quality configuration whose bytes fit ``rate x (window - latency) x safety``;
-    the smallest one when none fits."""
+    the smallest one when none fits. With a ``lookahead`` (:mod:`edge.lookahead`) the choice
+    is the first of a plan over the next shards that minimizes their summed output error
+    under the same budgets at each one's deadline."""
 
     tables: list[ShardOptions]
     latency_s: float = 0.0
     safety: float = 0.8
     name: str = "adaptive"
+    lookahead: Lookahead | None = None
 
     def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
         table = self.tables[shard]
+        if self.lookahead is not None:
+            budgets = [budget_bytes(w, rate_bps, self.latency_s, self.safety)
+                       for w in self.lookahead.windows(shard, window_s)]
+            sizes = [[o.nbytes for o in t.options]
+                     for t in self.tables[shard:shard + len(budgets)]]
+            pick = self.lookahead.choose(shard, sizes, budgets)
+            return table.options[pick].id if pick is not None else table.smallest.id
         budget = budget_bytes(window_s, rate_bps, self.latency_s, self.safety)
         for opt in table.options:  # best first
             if opt.nbytes <= budget:
@@ -246,13 +265,30 @@ def fixed_config(tables: list[ShardOptions], exec_s: list[float], budget_rate_bp
     return FixedAllocator([o.id for o in chosen], name="fixed-config")
 
 
+def make_lookahead(tables: list[ShardOptions], exec_s: list[float]) -> Lookahead | None:
+    """The lookahead of these tables (costs best first), or None when a shard's
+    configurations have neither an output PSNR nor a weighted error."""
+    costs = []
+    for t in tables:
+        c = [config_cost(o.psnr_db, o.weighted_err) for o in t.options]
+        if any(v is None for v in c):
+            return None
+        costs.append(c)
+    return Lookahead(costs, list(exec_s))
+
+
 def to_native(allocator: Allocator, native: Any) -> Any:
     """The same allocator as a ``sakura_native`` object (for the native runtime): the
     candidate tables, best first, as the policy built them."""
     if isinstance(allocator, AdaptiveAllocator):
-        return native.AdaptiveAllocator([[(o.id, o.nbytes) for o in t.options]
-                                         for t in allocator.tables],
-                                        allocator.latency_s, allocator.safety)
+        la = allocator.lookahead
+        out = native.AdaptiveAllocator([[(o.id, o.nbytes) for o in t.options]
+                                        for t in allocator.tables],
+                                       allocator.latency_s, allocator.safety)
+        if la is not None:
+            out.set_lookahead([list(c) for c in la.costs], list(la.slots_s), la.horizon,
+                              la.bins)
+        return out
     if isinstance(allocator, FixedAllocator):
         return native.FixedAllocator(list(allocator.configs))
     raise EdgeError(f"the native runtime has no twin of the {allocator.name} allocator")
@@ -283,14 +319,48 @@ class Policy:
     description: str
 
 
+def _lookahead(ctx: PolicyContext, tables: list[ShardOptions], default: bool
+               ) -> Lookahead | None:
+    """The policy's plan over the next shards (``options["lookahead"]``, else ``default``)."""
+    on = ctx.options.get("lookahead", default)
+    return make_lookahead(tables, ctx.exec_s) if on and ctx.exec_s else None
+
+
 def _adaptive(ctx: PolicyContext) -> Allocator:
-    return AdaptiveAllocator(ctx.tables, ctx.latency_s, ctx.safety, name="adaptive")
+    """SAKURA's own allocation: the plan over the next shards (:mod:`edge.lookahead`)."""
+    return AdaptiveAllocator(ctx.tables, ctx.latency_s, ctx.safety, name="adaptive",
+                             lookahead=_lookahead(ctx, ctx.tables, True))
+
+
+def _greedy(ctx: PolicyContext) -> Allocator:
+    """The baselines' allocation as published (CacheGen adapts chunk by chunk to the
+    throughput it measures): the best configuration that fits each shard's own window."""
+    return AdaptiveAllocator(ctx.tables, ctx.latency_s, ctx.safety, name="greedy",
+                             lookahead=_lookahead(ctx, ctx.tables, False))
+
+
+def _greedy_sakura(ctx: PolicyContext) -> Allocator:
+    """Ablation of the plan: SAKURA's pack with the greedy rule."""
+    return AdaptiveAllocator(ctx.tables, ctx.latency_s, ctx.safety, name="greedy",
+                             lookahead=None)
+
+
+OPTIMISTIC_SAFETY = 1.25
+"""``sakura-optimistic``: the budget at 1.25x the estimated fit (safety 1.0 against the
+default 0.8). With truncation at the deadline an overestimate costs quality on the shard it
+hits (its verified prefix runs), not time; ``sakura bench tail`` measures whether it pays."""
+
+
+def _optimistic(ctx: PolicyContext) -> Allocator:
+    return AdaptiveAllocator(ctx.tables, ctx.latency_s, ctx.safety * OPTIMISTIC_SAFETY,
+                             name="optimistic", lookahead=_lookahead(ctx, ctx.tables, True))
 
 
 def _fixed_bits(ctx: PolicyContext) -> Allocator:
     bits = int(ctx.options.get("bits", 4))
     tables = [t.filtered(lambda o: o.bits == bits and o.uniform) for t in ctx.tables]
-    return AdaptiveAllocator(tables, ctx.latency_s, ctx.safety, name=f"fixed-bits-{bits}")
+    return AdaptiveAllocator(tables, ctx.latency_s, ctx.safety, name=f"fixed-bits-{bits}",
+                             lookahead=_lookahead(ctx, tables, True))
 
 
 def _fixed_config(ctx: PolicyContext) -> Allocator:
@@ -307,14 +377,18 @@ POLICIES: dict[str, Policy] = {
     for p in (
         Policy("sakura", "sakura", _adaptive, "SAKURA: adaptive rank and bits per shard"),
         Policy("local", None, None, "whole model on the device, no cache"),
-        Policy("fp16", "fp16", _adaptive, "stream the raw FP16 cache"),
-        Policy("intq", "intq", _adaptive, "uniform integer quantization, adaptive bitwidth"),
-        Policy("cachegen", "cachegen", _adaptive, "CacheGen adapted to DiT, adaptive level"),
+        Policy("fp16", "fp16", _greedy, "stream the raw FP16 cache"),
+        Policy("intq", "intq", _greedy, "uniform integer quantization, adaptive bitwidth"),
+        Policy("cachegen", "cachegen", _greedy, "CacheGen adapted to DiT, adaptive level"),
         Policy("svd", "svd", _adaptive, "plain SVD (q = 0), adaptive rank and bits"),
         Policy("sakura-fixed-config", "sakura", _fixed_config,
                "ablation: one (rank, bits) for all shards from the median-rate budget"),
         Policy("sakura-fixed-bits", "sakura", _fixed_bits,
                "ablation: adaptive rank, fixed bitwidth"),
+        Policy("sakura-greedy", "sakura", _greedy_sakura,
+               "ablation: the best configuration that fits each shard's own window"),
+        Policy("sakura-optimistic", "sakura", _optimistic,
+               "variant: the plan over a budget 1.25x the estimated fit"),
     )
 }
 

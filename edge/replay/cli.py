@@ -46,6 +46,24 @@ def register(commands: Any, bench: Any) -> None:
     r.add_argument("--report", action="store_true", help="write the report when done")
     r.set_defaults(func=_replay)
 
+    t = bench.add_parser(
+        "tail", help="the tail: kernel-shaped link, real loss 0/1/3%%, repeated edits (root)",
+        description="Every policy over the kernel-shaped link (network namespaces, tc, "
+                    "nftables: run as root) at loss 0, 0.01 and 0.03 on 3 templates x 14 "
+                    "starts, then repeated edits without a prior; writes the tail ratios, "
+                    "PSNR, stalls, events and conditions (edge/replay/tail.py). Resumable: "
+                    "results stay in --out.")
+    json_out(t, help="write the bench document here (- for stdout)")
+    t.add_argument("--out", default="out/bench-tail", metavar="DIR",
+                   help="results folder (OUT/loss-<p>/runs.jsonl, OUT/packs; default "
+                        "out/bench-tail)")
+    t.add_argument("--quick", action="store_true",
+                   help="3 start points per template on 5G and one mixed (every key kept)")
+    t.add_argument("--starts", type=positive_int, metavar="N", help="5G start points")
+    t.add_argument("--no-repeat", action="store_true", help="skip the repeated edits")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=_tail)
+
     p = commands.add_parser(
         "report", help="Markdown report with figures (and headline JSON) of a replay",
         description="Write DIR/report.md and DIR/figures/*.png from DIR/runs.jsonl; "
@@ -86,6 +104,22 @@ def _replay(args: argparse.Namespace) -> int:
         path = write_report(args.out, json_path=None)
         print(f"wrote {path}")
     return 1 if failed else 0
+
+
+def _tail(args: argparse.Namespace) -> int:
+    from sakura.edge.cli import _set_threads
+    from sakura.edge.replay.tail import run_tail
+
+    from sakura.output import write_json
+
+    _set_threads(1)
+    doc = run_tail(args.out, quick=args.quick, starts=args.starts, log=_log,
+                   progress=not args.no_progress, repeat=not args.no_repeat)
+    write_json(args.json, doc)
+    missed = [k for k, ok in doc["targets"].items() if ok is False]
+    print(f"tail: {sum(doc['runs'].values())} runs; targets missed: "
+          f"{', '.join(missed) if missed else 'none'}")
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:

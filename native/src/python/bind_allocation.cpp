@@ -129,7 +129,17 @@ void bind_allocation(py::module_& m) {
            }),
            py::arg("tables"), py::arg("latency_s") = 0.0, py::arg("safety") = 0.8,
            "tables[shard] = [(config id, bytes), ...], best quality first.")
-      .def("smallest", &sakura::AdaptiveAllocator::smallest, py::arg("shard"));
+      .def("smallest", &sakura::AdaptiveAllocator::smallest, py::arg("shard"))
+      .def(
+          "set_lookahead",
+          [](sakura::AdaptiveAllocator& a, std::vector<std::vector<double>> costs,
+             std::vector<double> slots_s, int horizon, int bins) {
+            a.set_lookahead({std::move(costs), std::move(slots_s), horizon, bins});
+          },
+          py::arg("costs"), py::arg("slots_s"), py::arg("horizon") = 8, py::arg("bins") = 256,
+          "Plan over the next shards (edge/lookahead.py): costs[shard] aligned with the "
+          "tables, slots_s[shard] its predicted execution time.")
+      .def_property_readonly("has_lookahead", &sakura::AdaptiveAllocator::has_lookahead);
 
   py::class_<sakura::FixedAllocator, sakura::Allocator, std::shared_ptr<sakura::FixedAllocator>>(
       m, "FixedAllocator")

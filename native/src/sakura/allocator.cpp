@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -50,8 +51,84 @@ int AdaptiveAllocator::smallest(int shard) const {
   return smallest_[shard];
 }
 
+void AdaptiveAllocator::set_lookahead(Lookahead lookahead) {
+  if (lookahead.costs.size() != tables_.size() || lookahead.slots_s.size() != tables_.size()) {
+    throw std::invalid_argument("the lookahead needs a cost table and a slot per shard");
+  }
+  for (std::size_t s = 0; s < tables_.size(); ++s) {
+    if (lookahead.costs[s].size() != tables_[s].size()) {
+      throw std::invalid_argument("shard " + std::to_string(s) +
+                                  ": one lookahead cost per configuration");
+    }
+  }
+  if (lookahead.horizon < 1 || lookahead.bins < 1) {
+    throw std::invalid_argument("the lookahead needs horizon >= 1 and bins >= 1");
+  }
+  lookahead_ = std::move(lookahead);
+  has_lookahead_ = true;
+}
+
+int Lookahead::choose(int shard, const std::vector<std::vector<AllocOption>>& tables,
+                      const std::vector<double>& budgets) const {
+  const int last = static_cast<int>(budgets.size()) - 1;
+  if (last < 0 || budgets[0] <= 0.0) return -1;
+  const double q = budgets[last] / bins;
+  std::vector<long long> caps;
+  for (double b : budgets) caps.push_back(std::min<long long>(bins, static_cast<long long>(std::floor(b / q))));
+  caps[last] = bins;
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> f(bins + 1, 0.0), g(bins + 1);
+  for (int m = last; m > 0; --m) {
+    const auto& table = tables[shard + m];
+    const auto& cost = costs[shard + m];
+    std::fill(g.begin(), g.end(), inf);
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      const long long nb = static_cast<long long>(std::ceil(static_cast<double>(table[i].nbytes) / q));
+      for (long long s = 0; s <= bins; ++s) {
+        const long long nxt = s + nb;
+        if (nxt > caps[m]) break;
+        const double v = cost[i] + f[nxt];
+        if (v < g[s]) g[s] = v;
+      }
+    }
+    // nothing fits: its smallest configuration, the link full for the shards after it
+    std::size_t small = 0;
+    for (std::size_t i = 1; i < table.size(); ++i) {
+      if (table[i].nbytes <= table[small].nbytes) small = i;
+    }
+    for (long long s = 0; s <= bins; ++s) {
+      if (std::isinf(g[s])) g[s] = cost[small] + f[bins];
+    }
+    f.swap(g);
+  }
+  double best = inf;
+  int pick = -1;
+  const auto& table = tables[shard];
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    const long long nb = static_cast<long long>(std::ceil(static_cast<double>(table[i].nbytes) / q));
+    if (nb > caps[0]) continue;
+    const double v = costs[shard][i] + f[nb];
+    if (v < best) {
+      best = v;
+      pick = static_cast<int>(i);
+    }
+  }
+  return pick;
+}
+
 int AdaptiveAllocator::choose(int shard, double window_s, double rate_bps) const {
   check_shard(shard, tables_.size());
+  if (has_lookahead_) {
+    std::vector<double> budgets;
+    double acc = window_s;
+    const int end = std::min(num_shards(), shard + lookahead_.horizon);
+    for (int m = shard; m < end; ++m) {
+      budgets.push_back(budget_bytes(acc, rate_bps, latency_s_, safety_));
+      acc += lookahead_.slots_s[m];
+    }
+    const int pick = lookahead_.choose(shard, tables_, budgets);
+    return pick < 0 ? smallest_[shard] : tables_[shard][pick].id;
+  }
   const double budget = budget_bytes(window_s, rate_bps, latency_s_, safety_);
   for (const auto& o : tables_[shard]) {  // best first
     if (static_cast<double>(o.nbytes) <= budget) return o.id;

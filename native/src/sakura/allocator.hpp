@@ -29,8 +29,22 @@ class Allocator {
   virtual std::vector<int> fallbacks(int) const { return {}; }
 };
 
+// Tail-aware choice (edge/lookahead.py, with the same arithmetic in the same order): plan
+// the next `horizon` shards to minimize their summed output error (costs, aligned with the
+// tables) under the cumulative budgets at each one's deadline (windows grow by the predicted
+// execution slots), a dynamic program over `bins` steps of the last budget; commit the first.
+struct Lookahead {
+  std::vector<std::vector<double>> costs;
+  std::vector<double> slots_s;
+  int horizon = 8;
+  int bins = 256;
+  // index into shard's table, -1 when nothing fits budgets[0]
+  int choose(int shard, const std::vector<std::vector<AllocOption>>& tables,
+             const std::vector<double>& budgets) const;
+};
+
 // Highest-quality configuration whose bytes fit rate x (window - latency) x safety; the
-// smallest one when none fits.
+// smallest one when none fits. With a lookahead, the first choice of its plan.
 class AdaptiveAllocator final : public Allocator {
  public:
   // tables[shard]: the candidates, best first (non-empty).
@@ -40,9 +54,13 @@ class AdaptiveAllocator final : public Allocator {
   int num_shards() const override { return static_cast<int>(tables_.size()); }
   std::vector<int> fallbacks(int shard) const override;  // every candidate of its table
   int smallest(int shard) const;
+  void set_lookahead(Lookahead lookahead);
+  bool has_lookahead() const { return has_lookahead_; }
 
  private:
   std::vector<std::vector<AllocOption>> tables_;
+  Lookahead lookahead_;
+  bool has_lookahead_ = false;
   std::vector<int> smallest_;
   double latency_s_, safety_;
 };

@@ -1,0 +1,115 @@
+"""Tail-aware allocation: choose a shard's configuration with the next shards' deadlines in view.
+
+The greedy rule (:class:`~edge.allocator.AdaptiveAllocator` without a lookahead) gives shard
+``j`` the best configuration that fits ``rate x window_j``. The window of ``j`` is also the
+time the link needs for ``j + 1, j + 2, ...``: after a dip (or with a startup allowance)
+greedy spends the whole slack on the shard at hand and the next shards, whose windows are
+one execution slot each, drop to the smallest configuration. Those are often early-step
+shards, which the edit is most sensitive to.
+
+The lookahead plans the next ``horizon`` shards at once and commits only the first choice
+(receding horizon: the plan is made again at every shard with a fresh rate estimate):
+
+* **objective**: the edit's error, as the sum over shards of each configuration's output
+  MSE, ``10^(-psnr_db / 10)`` (``psnr_db``: the output PSNR with only that shard changed,
+  measured per configuration when the pack was built, ``cloud/psnr_profile.py``). Errors of
+  different shards add to first order, so this weighs every shard by its measured effect on
+  the image: early steps, whose errors the later steps carry, count more. Without a PSNR
+  profile, the codec's ``weighted_err`` is the cost (no step weighting), and with neither the
+  lookahead is off;
+* **constraints**: the link delivers the bytes in request order, so the bytes of shards
+  ``j..m`` must fit ``budget_bytes(window_j + slots_j..m-1)`` for every ``m`` in the
+  horizon (``slots``: the predicted execution time of each shard, the time the link gains
+  per shard);
+* **solver**: a dynamic program over the cumulative bytes in ``BINS`` steps of the last
+  shard's budget (sizes rounded up, so a plan never exceeds a budget), ``horizon x BINS x
+  configurations`` operations (8 x 256 x ~20: ~40 k, well under a millisecond in C++; the
+  Python runtime uses NumPy). A shard with nothing that fits at some state takes its
+  smallest configuration there (it will be truncated or wait), and the shards after it see
+  the link as full.
+
+When not even the smallest configuration of shard ``j`` fits its own window, the choice is
+its smallest, as the greedy rule does. The C++ twin is ``sakura::Lookahead``
+(``native/src/sakura/allocator.cpp``), with the same arithmetic in the same order;
+``tests/edge/test_lookahead.py`` checks that both choose the same on random tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+BINS = 256
+"""Resolution of the cumulative-bytes axis: 1/256 of the horizon's budget (a configuration
+is charged at most one bin more than its size)."""
+
+HORIZON = 8
+"""Shards planned at once. Beyond about four execution slots a dip has passed or the rate
+estimate has changed; eight leaves room for the startup allowance spread over early shards."""
+
+
+def config_cost(psnr_db: float | None, weighted_err: float | None) -> float | None:
+    """The additive error of one configuration (see the module docstring), None if unknown."""
+    if psnr_db is not None and math.isfinite(psnr_db):
+        return 10.0 ** (-psnr_db / 10.0)
+    if weighted_err is not None and math.isfinite(weighted_err):
+        return float(weighted_err)
+    return None
+
+
+@dataclass(frozen=True)
+class Lookahead:
+    """The per-shard costs (aligned with the allocator's tables, best first) and slots."""
+
+    costs: Sequence[Sequence[float]]
+    slots_s: Sequence[float]
+    horizon: int = HORIZON
+    bins: int = BINS
+
+    def windows(self, shard: int, window_s: float) -> list[float]:
+        """The windows of shards ``shard ..`` (at most ``horizon``), ``window_s`` being
+        ``shard``'s: each later one longer by the slots before it."""
+        out: list[float] = []
+        acc = window_s
+        for m in range(shard, min(len(self.slots_s), shard + self.horizon)):
+            out.append(acc)
+            acc += self.slots_s[m]
+        return out
+
+    def choose(self, shard: int, sizes: Sequence[Sequence[int]], budgets: Sequence[float]
+               ) -> int | None:
+        """The index (into the table of ``shard``, best first) of its configuration under
+        the plan. ``sizes[m]`` and ``budgets[m]``: the configurations' bytes of shard
+        ``shard + m`` and the bytes that fit by its deadline (cumulative), for every shard
+        the horizon holds (:meth:`windows`). None when nothing fits the first budget."""
+        last = len(budgets) - 1
+        if budgets[0] <= 0.0:
+            return None
+        q = budgets[last] / self.bins
+        caps = [min(self.bins, math.floor(b / q)) for b in budgets]
+        caps[last] = self.bins
+        f = np.zeros(self.bins + 1)
+        states = np.arange(self.bins + 1)
+        for m in range(last, 0, -1):
+            cost, nbytes = self.costs[shard + m], sizes[m]
+            g = np.full(self.bins + 1, math.inf)
+            for c, n in zip(cost, nbytes):
+                nxt = states + math.ceil(n / q)
+                ok = nxt <= caps[m]
+                g[ok] = np.minimum(g[ok], c + f[nxt[ok]])
+            # nothing fits: its smallest configuration (truncated or waited for), the link
+            # full for the shards after it
+            small = min(range(len(nbytes)), key=lambda i: (nbytes[i], -i))
+            g[np.isinf(g)] = cost[small] + f[self.bins]
+            f = g
+        best, pick = math.inf, None
+        for i, (c, n) in enumerate(zip(self.costs[shard], sizes[0])):
+            nb = math.ceil(n / q)
+            if nb <= caps[0]:
+                v = c + f[nb]
+                if v < best:
+                    best, pick = v, i
+        return pick

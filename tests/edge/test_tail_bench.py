@@ -1,0 +1,58 @@
+"""``sakura bench tail``: its configurations and the aggregation of replay records (no
+network: the kernel link and the edits run in the bench itself)."""
+
+from __future__ import annotations
+
+import pytest
+from sakura.edge.replay.tail import EVENTS, LOSSES, loss_key, summarize, tail_configs, targets
+
+
+def rec(policy, template, start, latency, psnr, stall=0.0, **kw):
+    return {"policy": policy, "template": template, "network": "5g", "trace": "t",
+            "start_s": float(start), "latency_s": latency, "psnr_exact": psnr,
+            "stall_s": stall, **kw}
+
+
+def test_every_loss_runs_the_kernel_link_and_local_only_at_zero():
+    cfgs = tail_configs(quick=True)
+    assert list(cfgs) == [loss_key(x) for x in LOSSES] == ["0", "0.01", "0.03"]
+    for lk, cfg in cfgs.items():
+        assert cfg.link == "kernel" and cfg.loss == float(lk)
+        assert len(cfg.templates) >= 3 and not cfg.deadlines and not cfg.ablation.q
+        for p in ("sakura", "sakura-fixed-config", "sakura-fixed-bits", "cachegen", "intq"):
+            assert p in cfg.policies
+        assert ("local" in cfg.policies) == (lk == "0")
+    full = tail_configs()["0"]
+    assert full.starts_of("5g") >= 12 and full.starts_of("mixed") == 2
+
+
+def test_ratios_are_per_template_p90_then_the_median_over_templates():
+    runs = []
+    for t, k in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+        for s in range(10):
+            runs.append(rec("sakura", t, s, 1.0 * k, 30.0, truncations=1, hedges=2))
+            runs.append(rec("cachegen", t, s, 2.0 * k * (1 + (t == "c")), 28.0))
+            runs.append(rec("intq", t, s, 1.5 * k, 29.0))
+            runs.append(rec("sakura-fixed-bits", t, s, 1.0 * k, 27.0 - (s == 0) * 10))
+            runs.append(rec("local", t, s, 0.8 * k, 31.0))
+    doc = summarize({"0": runs})
+    assert doc["p90_ratio_vs_cachegen"]["0"] == pytest.approx(2.0)  # median of 2, 2, 4
+    assert doc["p90_ratio_vs_intq"]["0"] == pytest.approx(1.5)
+    assert doc["psnr_mean_db"]["sakura"]["0"] == pytest.approx(30.0)
+    assert doc["psnr_p10_gain_db_vs_fixed_bits"]["0"] == pytest.approx(4.0)  # p10 26 dB
+    assert doc["max_latency_over_local"]["0"] == pytest.approx(1.25)
+    assert doc["events"]["0"]["truncations"] == 30 and doc["events"]["0"]["hedges"] == 60
+    assert set(doc["events"]["0"]) == set(EVENTS)
+    assert doc["events"]["0"]["refinements"] is None  # not built: never reported as 0
+    t = targets(doc)
+    assert t["p90_ratio_vs_cachegen[0]"] is True and t["p90_ratio_vs_intq[0]"] is False
+    assert t["max_latency_over_local[0]"] is False
+    assert t["p90_ratio_vs_cachegen[0.01]"] is None  # not measured
+
+
+def test_local_is_read_from_loss_zero_for_the_other_losses():
+    zero = [rec("local", "a", 0, 1.0, 31.0), rec("sakura", "a", 0, 0.5, 30.0)]
+    lossy = [rec("sakura", "a", 0, 1.2, 29.0, stall=0.3)]
+    doc = summarize({"0": zero, "0.03": lossy})
+    assert doc["max_latency_over_local"]["0.03"] == pytest.approx(1.2)
+    assert doc["max_stall_s"]["sakura"]["0.03"] == pytest.approx(0.3)
