@@ -404,3 +404,51 @@ def test_manifest_is_gzipped_when_accepted_and_identical_after_decoding(client):
     for accept in ("*", "br;q=1, *;q=0.1", "GZIP;q=0.5", "x-gzip"):
         r = client.get(MANIFEST, headers={"Accept-Encoding": accept})
         assert r.headers["content-encoding"] == "gzip", accept
+
+
+def test_healthz_names_a_truncated_or_missing_pack(client, published):
+    """A pack whose size is not its manifest's pack_bytes is degraded at once, before any
+    request has failed on it (issue 29: it used to stay ok after 58 such errors)."""
+    pub = published.packs["tryon-b"]
+    path = published.root / pub.pack_key
+    good = path.read_bytes()
+    path.write_bytes(good[:-100])
+    health = client.get("/healthz").json()
+    assert health["status"] == "degraded"
+    [entry] = health["damaged"]
+    assert entry["pack"] == pub.pack_key and entry["code"] == "pack_damaged"
+    assert f"has {len(good) - 100} bytes, its manifest says {len(good)}" in entry["error"]
+    path.unlink()
+    [entry] = client.get("/healthz").json()["damaged"]
+    assert entry["pack"] == pub.pack_key and entry["code"] == "publish_broken"
+    assert "missing" in entry["error"]
+    path.write_bytes(good)  # repaired: healthy again, no restart
+    assert client.get("/healthz").json() == {"status": "ok", "damaged": []}
+
+
+def test_every_error_body_has_a_documented_code(client, published):
+    from sakura.cloud.errors import ErrorCode
+
+    cases = [
+        ("/v1/templates/Bad!", 400, "bad_request"),
+        ("/v1/templates/face-a/sakura/shards/x/0", 400, "bad_request"),
+        ("/v1/templates/nope/sakura/pack", 404, "unknown_template"),
+        ("/v1/templates/face-a/nope/pack", 404, "unknown_codec"),
+        ("/v1/templates/face-a/sakura/shards/99/0", 404, "not_found"),
+        ("/v1/templates/face-a/sakura/pack?pack=sakura-0123456789abcdef.pack", 404,
+         "version_gone"),
+        ("/nope", 404, "not_found"),
+    ]
+    for url, status, code in cases:
+        r = client.get(url)
+        assert (r.status_code, r.json()["code"]) == (status, code), url
+    r = client.get(PACK, headers={"Range": "bytes=" + ",".join(["0-0"] * 65)})
+    assert (r.status_code, r.json()["code"]) == (400, "bad_range")
+    r = client.get(PACK, headers={"Range": "bytes=999999-"})
+    assert (r.status_code, r.json()["code"]) == (416, "range_not_satisfiable")
+    r = client.get(PACK, headers={"If-Match": '"other"'})
+    assert (r.status_code, r.json()["code"]) == (412, "precondition_failed")
+    r = client.post(PACK)
+    assert (r.status_code, r.json()["code"]) == (405, "method_not_allowed")
+    assert set(ErrorCode.PERMANENT) | set(ErrorCode.TRANSIENT) | {ErrorCode.VERSION_GONE} == set(
+        ErrorCode.ALL)
