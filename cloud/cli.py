@@ -125,7 +125,7 @@ def register(commands: Any, bench: Any) -> None:
 def _build(args: argparse.Namespace) -> int:
     from sakura.codec.cli import check_codecs
     from sakura.dit.adapters.cli import check_model_options
-    from sakura.dit.cli import check_file, template_ids
+    from sakura.dit.cli import check_file, check_template_images, template_ids
 
     from sakura.errors import SakuraError
 
@@ -136,6 +136,7 @@ def _build(args: argparse.Namespace) -> int:
     if unknown:
         raise SakuraError(f"unknown template id(s) {', '.join(unknown)}; the catalog has "
                           f"{', '.join(ids)}")
+    check_template_images(args.catalog, args.templates or ids, args.resolution)
     check_codecs(args.codecs, "--codecs")
     if args.publish:
         from urllib.parse import urlparse
@@ -251,6 +252,7 @@ def open_serve_storage(
             raise ServeConfigError(
                 f"no {CATALOG_KEY} in {storage.describe()}: publish a catalog first"
             )
+        check_catalog(storage, f"{CATALOG_KEY} in {storage.describe()}")
         return storage
     if endpoint:
         raise ServeConfigError("--s3-endpoint needs --s3-bucket")
@@ -263,7 +265,32 @@ def open_serve_storage(
         raise ServeConfigError(
             f"{directory} has no {CATALOG_KEY}: build or publish a catalog into it first"
         )
-    return LocalStorage(path)
+    storage = LocalStorage(path)
+    check_catalog(storage, str(path / CATALOG_KEY))
+    return storage
+
+
+def check_catalog(storage: Any, where: str) -> None:
+    """Refuse to serve a catalog.json that does not parse or has the wrong shape (one
+    :class:`ServeConfigError` line). The running server re-reads it on change, and
+    answers 500/503 with the reason if it is broken later."""
+    import json
+
+    from sakura.cloud.errors import ManifestError, StorageError
+    from sakura.cloud.layout import CATALOG_KEY, validate_catalog
+
+    try:
+        raw = storage.read_bytes(CATALOG_KEY)
+    except StorageError as exc:
+        raise ServeConfigError(f"cannot read {where}: {exc}") from None
+    try:
+        validate_catalog(json.loads(raw))
+    except (ValueError, RecursionError) as exc:  # JSON syntax, UTF-8, nesting
+        raise ServeConfigError(f"{where} is not valid JSON ({str(exc)[:200]}): rebuild or "
+                               "republish the catalog") from None
+    except ManifestError as exc:
+        raise ServeConfigError(f"{where} is not a SAKURA catalog ({exc}): rebuild or "
+                               "republish the catalog") from None
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

@@ -63,6 +63,32 @@ def test_serve_refuses_a_missing_dir_or_catalog(tmp_path):
         args.func(args)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{ not json", "is not valid JSON"),
+    ("", "is not valid JSON"),
+    ("[" * 100_000, "is not valid JSON"),  # nesting beyond the parser's recursion limit
+    ('{"version": 1, "templates": 5}', "is not a SAKURA catalog"),
+    ('["a"]', "is not a SAKURA catalog"),
+])
+def test_serve_refuses_a_catalog_it_cannot_parse(published, text, message):
+    (published.root / "catalog.json").write_text(text)
+    args = parse(["serve", str(published.root)])
+    with pytest.raises(ServeConfigError, match=message):
+        args.func(args)
+
+
+def test_sakura_serve_on_a_broken_catalog_prints_one_error_line(published):
+    (published.root / "catalog.json").write_bytes(b"{ not json\xff")
+    proc = subprocess.run([sys.executable, "-m", "sakura.cli", "serve", str(published.root),
+                           "--port", "0"], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("sakura: error: "), proc.stderr
+    assert "catalog.json is not valid JSON" in lines[0]
+    assert "listening" not in proc.stderr + proc.stdout
+
+
 def test_serve_refuses_a_bad_tokens_file(published, tmp_path):
     bad = tmp_path / "tokens"
     bad.write_text("short\n")
