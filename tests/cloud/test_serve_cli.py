@@ -166,6 +166,12 @@ def test_serving_a_catalog_mirrored_to_s3(published, s3_endpoint):
         assert r.content == shard_bytes(pack, manifest, 2, 1)
         assert client.get("/v1/templates/face-a/sakura/pack").content == pack
         assert client.get("/v1/templates/tryon-b/sakura/shards/9/9").status_code == 404
+        r = client.get(f"/templates/face-a/sakura/{published.packs['face-a'].pack_file}",
+                       headers={"Range": "bytes=" + ",".join(["0-1"] * 101)})
+        assert r.status_code == 400 and r.json()["code"] == "bad_range"  # one rule, S3 too
+    S3Storage("packs", "broken", s3_endpoint).put_atomic("catalog.json", b"{ not json")
+    with pytest.raises(ServeConfigError, match="catalog.json in .* is not valid JSON"):
+        cli.open_serve_storage(None, "packs", s3_endpoint, "broken")
 
 
 def test_bench_serve_quick(tmp_path):
