@@ -19,6 +19,13 @@ real edge client, injects one fault and checks the promise ``cloud/README.md`` m
 - ``killed_build_cleanup``: the work folder of a killed build is removed by the next one;
   a running build's folder is left alone;
 - ``healthz_bad_catalog``: ``/healthz`` answers 503 while ``catalog.json`` is unreadable;
+- ``range_over_response_limit_verified``: Range headers over the limit (65, 101, 150
+  overlapping ranges) are 400 ``bad_range`` and send nothing, not the whole pack with its
+  damaged unit; 64 are one coalesced 206; ``bytes=5-3`` (ignored) verifies the whole pack;
+- ``healthz_truncated_pack``: a truncated pack makes ``/healthz`` ``degraded`` naming it
+  (``pack_damaged``) before any request failed, and ``ok`` again after the repair;
+- ``serve_refuses_bad_catalog``: ``sakura serve`` on an unparseable or ill-shaped
+  ``catalog.json`` exits with one ``sakura: error:`` line, no traceback, nothing listening;
 - ``head_routes``: HEAD on every GET route; distinct ETags per content coding; ``q=0``;
 - ``slow_headers``: connections that trickle their request head are closed after the
   header timeout and the server keeps answering;
@@ -493,6 +500,107 @@ def case_slow_headers(work: Path, tally: Tally) -> str:
     return f"20 slow-header connections closed within {elapsed:.1f} s (header timeout {timeout} s)"
 
 
+def _error_code(body: bytes) -> str | None:
+    try:
+        return json.loads(body).get("code")
+    except (ValueError, AttributeError):
+        return None
+
+
+def case_range_over_response_limit_verified(work: Path, tally: Tally) -> str:
+    """One Range parse decides what is verified and what is sent: ranges over good bytes in
+    a header over the limit never bring the pack's damaged unit along."""
+    root = work / "catalog"
+    pub = _catalog(root)
+    m = _manifest(root, pub)
+    pack = root / pub.pack_key
+    last_off, last_len = m["units"][-1][0], m["units"][-1][1]
+    original = _flip(pack, last_off + 1)  # the last unit is damaged, the first ones are not
+    damaged = pack.read_bytes()[last_off : last_off + last_len]
+    (offset, length), = m["shards"][0]["configs"][0]["ranges"]
+    check(offset + length <= last_off, "test setup: the range reaches the damaged unit")
+    spec = f"{offset}-{offset + length - 1}"
+    with _server(root) as (url, _app):
+        pack_url = f"{url}/templates/{TEMPLATE}/sakura/{pub.pack_file}"
+        t0 = time.perf_counter()
+        status, _, body = _get(pack_url, {"Range": "bytes=" + ",".join([spec] * 101)})
+        seconds = time.perf_counter() - t0
+        message = json.loads(body).get("error", "") if status == 400 else ""
+        for count in (65, 101, 150):
+            status, _, body = _get(pack_url, {"Range": "bytes=" + ",".join([spec] * count)})
+            check(damaged not in body, f"{count} ranges: the damaged unit was sent ({status})")
+            check(status == 400 and _error_code(body) == "bad_range",
+                  f"{count} ranges answered {status} {body[:120]!r}")
+        status, headers, body = _get(pack_url, {"Range": "bytes=" + ",".join([spec] * 64)})
+        check(status == 206 and body == original[offset : offset + length]
+              and headers.get("Content-Range") == f"bytes {spec}/{len(original)}",
+              f"64 overlapping ranges answered {status} ({len(body)} bytes)")
+        status, _, body = _get(pack_url, {"Range": "bytes=5-3"})  # ignored: the whole pack
+        check(status == 500 and _error_code(body) == "pack_damaged",
+              f"bytes=5-3 on a damaged pack answered {status} {body[:120]!r}")
+        _alive(url, tally)
+    return f"{message} ({seconds:.3f} s, HTTP 400 bad_range; 64 ranges: one 206)"
+
+
+def case_healthz_truncated_pack(work: Path, tally: Tally) -> str:
+    root = work / "catalog"
+    pub = _catalog(root)
+    pack = root / pub.pack_key
+    good = pack.read_bytes()
+    with _server(root) as (url, _app):
+        health = json.loads(_get(url + "/healthz")[2])
+        check(health == {"status": "ok", "damaged": []}, f"/healthz before: {health}")
+        pack.write_bytes(good[:-100])
+        t0 = time.perf_counter()
+        status, _, body = _get(url + "/healthz")
+        seconds = time.perf_counter() - t0
+        health = json.loads(body)
+        check(status == 200 and health["status"] == "degraded",
+              f"/healthz with a truncated pack: {status} {health}")
+        entries = [(d["pack"], d.get("code")) for d in health["damaged"]]
+        check(entries == [(pub.pack_key, "pack_damaged")], f"/healthz lists {entries}")
+        message = health["damaged"][0]["error"]
+        check(f"has {len(good) - 100} bytes" in message, f"no sizes in {message!r}")
+        status, _, body = _get(f"{url}/v1/templates/{TEMPLATE}/sakura/shards/0/0")
+        check(status == 500 and _error_code(body) == "pack_damaged",
+              f"a shard of the truncated pack answered {status} {body[:120]!r}")
+        pack.write_bytes(good)
+        health = json.loads(_get(url + "/healthz")[2])
+        check(health == {"status": "ok", "damaged": []}, f"/healthz after the repair: {health}")
+        _alive(url, tally)
+    return f"{message} ({seconds:.3f} s, /healthz degraded)"
+
+
+def case_serve_refuses_bad_catalog(work: Path, tally: Tally) -> str:
+    from sakura.cloud.origins import free_port
+
+    root = work / "catalog"
+    _catalog(root)
+    first = ""
+    worst = 0.0
+    for text in (b"{ not json", b'{"version": 1, "templates": []}'):
+        (root / "catalog.json").write_bytes(text)
+        port = free_port()
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "sakura.cli", "serve", str(root), "--port",
+                            str(port)], capture_output=True, text=True, timeout=120,
+                           stdin=subprocess.DEVNULL)
+        worst = max(worst, time.perf_counter() - t0)
+        lines = r.stderr.strip().splitlines()
+        check("Traceback" not in r.stderr, f"a traceback: {r.stderr[-800:]}")
+        check(r.returncode != 0, f"sakura serve started on {text!r} (exit {r.returncode})")
+        check(len(lines) == 1 and lines[0].startswith("sakura: error: ")
+              and "catalog.json" in lines[0], f"expected one error line: {r.stderr[-400:]}")
+        try:
+            _get(f"http://127.0.0.1:{port}/healthz")
+        except OSError:
+            pass
+        else:
+            raise CaseFailed(f"something answers on port {port} after the refusal")
+        first = first or f"{lines[0]} ({worst:.2f} s, exit {r.returncode})"
+    return first
+
+
 def case_reproducible_build(work: Path, tally: Tally) -> str:
     from sakura.codec import get_codec
     from sakura.codec.pack import write_pack
@@ -520,6 +628,9 @@ CASES: dict[str, Callable[[Path, Tally], str]] = {
     "healthz_bad_catalog": case_healthz_bad_catalog,
     "head_routes": case_head_routes,
     "slow_headers": case_slow_headers,
+    "range_over_response_limit_verified": case_range_over_response_limit_verified,
+    "healthz_truncated_pack": case_healthz_truncated_pack,
+    "serve_refuses_bad_catalog": case_serve_refuses_bad_catalog,
     "reproducible_build": case_reproducible_build,
 }
 
