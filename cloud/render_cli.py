@@ -12,12 +12,14 @@ import argparse
 from typing import Any
 
 from sakura.argtypes import (
+    SEED_LIMIT,
     json_out,
     nonnegative_float,
     nonnegative_int,
     port,
     positive_float,
     positive_int,
+    seed_below,
 )
 from sakura.errors import SakuraError
 
@@ -176,7 +178,10 @@ def register(commands: Any, bench: Any) -> None:
                      help="requests of a generated trace (default 8)")
     rep.add_argument("--rate", type=positive_float, default=1.0,
                      help="requests per second of a generated trace (default 1)")
-    rep.add_argument("--seed", type=int, default=0, help="seed of a generated trace (default 0)")
+    # a generated trace's requests have seeds seed * 1000 + i (cloud.render_trace)
+    rep.add_argument("--seed", type=seed_below(SEED_LIMIT // 2000), default=0, metavar="N",
+                     help=f"seed of a generated trace, 0 to {SEED_LIMIT // 2000 - 1} "
+                          "(default 0)")
     rep.add_argument("--prompt", action="append", help="prompt(s) of a generated trace")
     rep.add_argument("--steps", type=positive_int, default=20, metavar="N",
                      help="denoising steps per request (default 20)")

@@ -242,8 +242,9 @@ class Manifest:
         if not embedded and self.pack_bytes and prev_end > self.pack_bytes:
             raise bad(f"units end at {prev_end} beyond pack_bytes {self.pack_bytes}")
         for i, s in enumerate(self.shards):
-            step, blocks = layout.blocks_of(i)
-            if s.index != i or s.step != step or s.blocks != blocks:
+            step, blocks = layout.block_range(i)
+            if (s.index != i or s.step != step or len(s.blocks) != len(blocks)
+                    or s.blocks != list(blocks)):
                 raise bad(f"shard {i} is (index {s.index}, step {s.step}, blocks {s.blocks}), "
                           f"expected step {step} blocks {blocks}")
             ids = set()

@@ -44,11 +44,17 @@ class ShardLayout:
         return step * self.shards_per_step + block // self.blocks_per_shard
 
     def blocks_of(self, shard: int) -> tuple[int, list[int]]:
+        step, blocks = self.block_range(shard)
+        return step, list(blocks)
+
+    def block_range(self, shard: int) -> tuple[int, range]:
+        """``(step, range of blocks)`` of ``shard`` (a range: a manifest's geometry can be
+        checked against its shards without building a list of its size)."""
         if not 0 <= shard < self.num_shards:
             raise CodecError(f"shard {shard} outside 0..{self.num_shards - 1}")
         step, j = divmod(shard, self.shards_per_step)
         first = j * self.blocks_per_shard
-        return step, list(range(first, min(first + self.blocks_per_shard, self.blocks)))
+        return step, range(first, min(first + self.blocks_per_shard, self.blocks))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """`sakura train` and `sakura bench kv|model`: the dit package's commands.
 
-Also :func:`template_ids`, the ids of a template catalog read without torch, so that
-commands can reject an unknown template before they load anything.
+Also :func:`template_ids`, the ids of a template catalog read without torch, and
+:func:`check_template_images`, its entries' images checked without torch (``dit.images``),
+so that commands can reject an unknown template or a bad image before they load anything.
 """
 
 from __future__ import annotations
@@ -19,25 +20,53 @@ DEFAULT_TRAIN_DIR = str(Path.home() / ".cache" / "sakura" / "train")
 SHIPPED_CATALOG = Path(__file__).parent / "catalog" / "catalog.json"
 
 
-def template_ids(catalog: str | Path | None = None) -> list[str]:
-    """The template ids of ``catalog`` (catalog.json or its folder; default: the shipped
-    one), in catalog order. The entries themselves are checked by
-    ``dit.templates.load_catalog`` when a command loads them."""
+def _catalog_doc(catalog: str | Path | None) -> tuple[Path, dict]:
     path = Path(catalog) if catalog else SHIPPED_CATALOG
     if path.is_dir():
         path = path / "catalog.json"
     try:
         doc = json.loads(path.read_text())
-        ids = list(doc["templates"])
+        if not isinstance(doc, dict) or not isinstance(doc["templates"], dict):
+            raise TypeError("'templates' is not an object of template entries")
     except FileNotFoundError:
         raise SakuraError(f"catalog not found: {path}") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SakuraError(f"{path} is not a template catalog ({exc})") from None
-    return ids
+    return path, doc
+
+
+def template_ids(catalog: str | Path | None = None) -> list[str]:
+    """The template ids of ``catalog`` (catalog.json or its folder; default: the shipped
+    one), in catalog order. The entries themselves are checked by
+    ``dit.templates.load_catalog`` when a command loads them."""
+    return list(_catalog_doc(catalog)[1]["templates"])
+
+
+def check_template_images(catalog: str | Path | None, templates: list[str] | tuple[str, ...],
+                          resolution: int | None = None) -> None:
+    """Read the image and mask of each of ``templates`` (ids of ``catalog``) without torch:
+    an unreadable image, a decompression bomb or a declared resolution (``resolution``:
+    the one a build asks for instead) above the image's size is one
+    :class:`~sakura.dit.images.ImageError` (``dit.images``)."""
+    from sakura.dit.images import check_template_files
+
+    path, doc = _catalog_doc(catalog)
+    for tid in templates:
+        entry = doc["templates"].get(tid)
+        what = f"{path}: template {tid!r}"
+        try:
+            image, mask = path.parent / entry["image"], path.parent / entry["mask"]
+            res = int(resolution if resolution is not None else entry.get("resolution", 64))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SakuraError(f"{what} is missing or has a bad field: {exc}") from None
+        if res < 1:
+            raise SakuraError(f"{what}: resolution must be >= 1, got {res}")
+        check_template_files(image, mask, res, what)
 
 
 def check_template(template: str | None, catalog: str | Path | None = None) -> None:
-    """Raise :class:`SakuraError` (exit 1) unless ``template`` is in ``catalog``."""
+    """Raise :class:`SakuraError` (exit 1) unless ``template`` is in ``catalog`` and its
+    image and mask are usable at its resolution (:func:`check_template_images`)."""
     if template is None:
         return
     ids = template_ids(catalog)
@@ -45,6 +74,7 @@ def check_template(template: str | None, catalog: str | Path | None = None) -> N
         where = f"catalog {catalog}" if catalog else "shipped catalog"
         raise SakuraError(f"template {template!r} is not in the {where} (known: "
                           f"{', '.join(ids)})")
+    check_template_images(catalog, [template])
 
 
 def check_file(path: str | None, option: str) -> None:

@@ -7,7 +7,7 @@ Schema of ``catalog.json`` (``dit/catalog/`` is the default catalog; see its REA
         "image": "<png, RGB>", "mask": "<png, white = editable>",
         "prompt": "<template prompt>", "seed": int, "steps": int, "guidance": float,
         "strength": float in (0, 1] (optional, default 1: edits start from pure noise),
-        "resolution": int (pixels; the image is resized to it),
+        "resolution": int (pixels; the image and mask are resized down to it, never up),
         "mask_ratio": float, "token_mask_ratio": float,
         "profiling_prompts": [...], "evaluation_prompts": [...], "source": {...}}}}
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from sakura.dit.editing import EditRequest, Template, check_strength
 
+from sakura.argtypes import SEED_LIMIT
 from sakura.errors import SakuraError
 
 DEFAULT_CATALOG = Path(__file__).parent / "catalog" / "catalog.json"
@@ -58,17 +60,21 @@ class TemplateSpec:
     strength: float = 1.0
 
     def load_image(self) -> torch.Tensor:
-        from skimage.io import imread
+        """The image ``[3, R, R]`` in [-1, 1], resized down to the resolution R (an
+        :class:`~sakura.dit.images.ImageError` for an unreadable image, a decompression
+        bomb, or one smaller than R)."""
+        from sakura.dit.images import read_rgb
 
-        arr = imread(self.image_path).astype(np.float32)[..., :3] / 127.5 - 1
+        what = f"template {self.id!r}: image {self.image_path.name}"
+        arr = read_rgb(self.image_path, what, self.resolution).astype(np.float32) / 127.5 - 1
         x = torch.from_numpy(arr).permute(2, 0, 1)
         return _resize(x, self.resolution)
 
     def load_mask(self) -> torch.Tensor:
-        from skimage.io import imread
+        from sakura.dit.images import read_mask
 
-        m = imread(self.mask_path)
-        m = torch.from_numpy((m[..., 0] if m.ndim == 3 else m) > 127)
+        what = f"template {self.id!r}: mask {self.mask_path.name}"
+        m = torch.from_numpy(read_mask(self.mask_path, what, self.resolution) > 127)
         if m.shape[-1] != self.resolution:
             m = F.interpolate(m.float()[None, None], size=(self.resolution,) * 2, mode="nearest")[0, 0] > 0.5
         return m
@@ -101,6 +107,8 @@ def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def load_catalog(path: str | Path | None = None) -> dict[str, TemplateSpec]:
+    """The catalog at ``path`` (catalog.json or its folder; default: the shipped one).
+    Anything wrong with it, whatever the JSON holds, is one :class:`CatalogError`."""
     path = Path(path) if path else DEFAULT_CATALOG
     if path.is_dir():
         path = path / "catalog.json"
@@ -109,32 +117,64 @@ def load_catalog(path: str | Path | None = None) -> dict[str, TemplateSpec]:
     try:
         doc = json.loads(path.read_text())
         entries = doc["templates"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CatalogError(f"{path} is not a template catalog ({exc})") from exc
-    out = {}
-    for tid, e in entries.items():
-        if not TEMPLATE_ID.match(tid):
-            raise CatalogError(f"{path}: bad template id {tid!r} (allowed: {TEMPLATE_ID.pattern})")
+        if not isinstance(entries, dict):
+            raise TypeError("'templates' is not an object of template entries")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CatalogError(f"{path} is not a template catalog ({exc})") from None
+    return {tid: _spec(path, tid, e) for tid, e in entries.items()}
+
+
+def _spec(path: Path, tid: str, e: object) -> TemplateSpec:
+    """One catalog entry, checked (a :class:`CatalogError` names what is wrong)."""
+    if not TEMPLATE_ID.match(tid):
+        raise CatalogError(f"{path}: bad template id {tid!r} (allowed: {TEMPLATE_ID.pattern})")
+    bad = f"{path}: template {tid!r}"
+    try:
+        if not isinstance(e, dict):
+            raise TypeError("the entry is not an object")
+        texts = {k: e[k] for k in ("workload", "image", "mask", "prompt")}
+        lists = {k: e[k] for k in ("profiling_prompts", "evaluation_prompts")}
+        for k, v in texts.items():
+            if not isinstance(v, str):
+                raise TypeError(f"{k} must be a string")
+        for k, v in lists.items():
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise TypeError(f"{k} must be a list of strings")
+        numbers = {k: e[k] for k in ("seed", "steps", "guidance", "resolution", "strength")
+                   if k in e}
+        for k, v in numbers.items():
+            if (isinstance(v, bool) or not isinstance(v, (int, float))
+                    or isinstance(v, float) and not math.isfinite(v)):
+                raise TypeError(f"{k} must be a finite number")
+        spec = TemplateSpec(
+            id=tid, workload=texts["workload"], image_path=path.parent / texts["image"],
+            mask_path=path.parent / texts["mask"], prompt=texts["prompt"],
+            seed=int(e["seed"]),
+            steps=int(numbers.get("steps", 20)), guidance=float(numbers.get("guidance", 3.0)),
+            resolution=int(numbers.get("resolution", 64)),
+            strength=check_strength(float(numbers.get("strength", 1.0))),
+            profiling_prompts=list(lists["profiling_prompts"]),
+            evaluation_prompts=list(lists["evaluation_prompts"]),
+            meta={k: v for k, v in e.items() if k not in ("image", "mask")},
+        )
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise CatalogError(f"{bad} is missing or has a bad field: {exc}") from None
+    if not 0 <= spec.seed < SEED_LIMIT:
+        raise CatalogError(f"{bad}: seed must be 0 to {SEED_LIMIT - 1}, got {spec.seed}")
+    if spec.resolution < 1:
+        raise CatalogError(f"{bad}: resolution must be >= 1, got {spec.resolution}")
+    if spec.steps < 1:
+        raise CatalogError(f"{bad}: steps must be >= 1, got {spec.steps}")
+    if spec.workload not in WORKLOADS:
+        raise CatalogError(f"{bad}: workload must be one of {WORKLOADS}")
+    for p in (spec.image_path, spec.mask_path):
         try:
-            spec = TemplateSpec(
-                id=tid, workload=e["workload"], image_path=path.parent / e["image"],
-                mask_path=path.parent / e["mask"], prompt=e["prompt"], seed=int(e["seed"]),
-                steps=int(e.get("steps", 20)), guidance=float(e.get("guidance", 3.0)),
-                resolution=int(e.get("resolution", 64)),
-                strength=check_strength(float(e.get("strength", 1.0))),
-                profiling_prompts=list(e["profiling_prompts"]),
-                evaluation_prompts=list(e["evaluation_prompts"]),
-                meta={k: v for k, v in e.items() if k not in ("image", "mask")},
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CatalogError(f"{path}: template {tid!r} is missing or has a bad field: {exc}") from exc
-        if spec.workload not in WORKLOADS:
-            raise CatalogError(f"{path}: template {tid!r}: workload must be one of {WORKLOADS}")
-        for p in (spec.image_path, spec.mask_path):
-            if not p.exists():
-                raise CatalogError(f"{path}: template {tid!r}: file not found: {p}")
-        out[tid] = spec
-    return out
+            found = p.is_file()
+        except (OSError, ValueError):  # a name the file system refuses (NUL, too long)
+            found = False
+        if not found:
+            raise CatalogError(f"{bad}: file not found: {p}")
+    return spec
 
 
 def with_resolution(spec: TemplateSpec, resolution: int) -> TemplateSpec:
@@ -174,12 +214,12 @@ def template_assets(spec: TemplateSpec, template: Template) -> dict:
 
 def decode_assets(entry: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Published catalog entry -> (image ``[3, H, W]`` in [-1, 1], mask ``[H, W]`` bool)."""
-    from skimage.io import imread
+    from sakura.dit.images import read_mask, read_rgb
 
     t = entry["template"]
-    img = imread(io.BytesIO(base64.b64decode(t["image_png_b64"]))).astype(np.float32)
-    mask = imread(io.BytesIO(base64.b64decode(t["mask_png_b64"])))
-    image = torch.from_numpy(img[..., :3] / 127.5 - 1).permute(2, 0, 1).contiguous()
+    img = read_rgb(base64.b64decode(t["image_png_b64"]), "the published template image")
+    mask = read_mask(base64.b64decode(t["mask_png_b64"]), "the published template mask")
+    image = torch.from_numpy(img.astype(np.float32) / 127.5 - 1).permute(2, 0, 1).contiguous()
     return image, torch.from_numpy(mask > 127)
 
 

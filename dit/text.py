@@ -59,5 +59,12 @@ class TextEncoder:
             out.append(self.model(**tok).last_hidden_state.float())
         return torch.cat(out, dim=0) if out else torch.zeros(0, self.max_tokens, self.dim)
 
+    def token_counts(self, prompt: str) -> tuple[int, int]:
+        """``(kept, total)``: the tokens of ``prompt`` that :meth:`encode` keeps and the
+        tokens it has, both counting CLS and SEP (a longer prompt is truncated to the
+        first ``max_tokens``, its SEP kept)."""
+        ids = self.tokenizer(prompt.lower(), truncation=False, verbose=False)["input_ids"]
+        return min(len(ids), self.max_tokens), len(ids)
+
     def __call__(self, prompt: str) -> torch.Tensor:
         return self.encode([prompt])

@@ -31,6 +31,8 @@ from sakura.argtypes import (
     nonnegative_int,
     positive_float,
     positive_int,
+    prompt_text,
+    seed,
 )
 
 # what each non-torch backend imports (sakura.extras names the extra to install)
@@ -76,9 +78,12 @@ def register(commands: Any, bench: Any) -> None:
                         "(http://127.0.0.1:8000) or an S3 bucket (s3://bucket/prefix, AWS "
                         "credentials and AWS_ENDPOINT_URL from the environment)")
     p.add_argument("--template", required=True, metavar="ID", help="template id")
-    p.add_argument("--prompt", required=True, help="the (private) edit prompt")
+    p.add_argument("--prompt", required=True, type=prompt_text,
+                   help="the (private) edit prompt (not empty; the shipped encoder keeps its "
+                        "first 14 tokens, and says so when it drops any)")
     p.add_argument("--reference", metavar="IMG", help="a (private) reference image")
-    p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
+    p.add_argument("--seed", type=seed, default=0, metavar="N",
+                   help="noise seed, 0 to 2**63 - 1 (default 0)")
     p.add_argument("--policy", default="sakura", choices=list(POLICIES),
                    help="system to run (default sakura)")
     p.add_argument("--pack", metavar="CODEC",
@@ -329,6 +334,7 @@ def _edit(args: argparse.Namespace) -> int:
                           backend=args.backend, backend_config=_backend_config(args),
                           runtime=args.runtime)
     reference = load_image(args.reference, template.size) if args.reference else None
+    tokens = prompt_tokens(runtime, args.prompt)
     req = runtime.request(args.prompt, args.seed, reference)
     options = EditOptions(max_ahead=args.max_ahead, pack=args.pack,
                           reconstruct=args.reconstruct,
@@ -358,7 +364,7 @@ def _edit(args: argparse.Namespace) -> int:
     save_image(result.image, out)
     stem = out.with_suffix("")
     doc = {"template": args.template, "link": link_info, "server": args.server,
-           **result.to_json()}
+           **tokens, **result.to_json()}
     tl_json = write_json(stem.with_name(stem.name + ".timeline.json"), doc)
     if args.json:
         write_json(Path(args.json), doc)
@@ -366,6 +372,23 @@ def _edit(args: argparse.Namespace) -> int:
                            f"{args.policy} on {args.template}") if result.timeline else None
     _print_summary(result, out, tl_json, tl_png)
     return 0
+
+
+def prompt_tokens(runtime: Any, prompt: str) -> dict[str, int]:
+    """How much of ``prompt`` the shipped text encoder keeps (its window counts CLS and
+    SEP; a longer prompt is truncated): ``prompt_tokens_kept``/``_total``/``_window`` for
+    the result JSON, and one warning line when tokens were dropped. Empty for a diffusers
+    model, whose pipeline's own text encoders tokenize the prompt."""
+    if not runtime.default_model:
+        return {}
+    encoder = runtime.encoder
+    kept, total = encoder.token_counts(prompt)
+    if kept < total:
+        print(f"sakura: warning: the prompt is {total} tokens; the text encoder's window "
+              f"keeps the first {kept} (with CLS and SEP) and drops the other "
+              f"{total - kept}", file=sys.stderr)
+    return {"prompt_tokens_kept": kept, "prompt_tokens_total": total,
+            "prompt_tokens_window": int(encoder.max_tokens)}
 
 
 def startup_fraction_arg(value: float) -> float:

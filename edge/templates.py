@@ -14,6 +14,8 @@ from typing import Any
 from sakura.dit.editing import Template
 from sakura.edge.errors import EdgeError
 
+from sakura.argtypes import SEED_LIMIT
+
 
 def has_assets(entry: dict[str, Any]) -> bool:
     t = entry.get("template")
@@ -29,6 +31,7 @@ def template_from_entry(template_id: str, entry: dict[str, Any], encoder: Any = 
     recomputes the template trajectory: the entry's when it has one, else ``seed``, else
     -1 (unknown; the local policy refuses it).
     """
+    from sakura.dit.images import ImageError
     from sakura.dit.templates import device_template
 
     if not has_assets(entry):
@@ -37,7 +40,7 @@ def template_from_entry(template_id: str, entry: dict[str, Any], encoder: Any = 
                         "--catalog to use a local template catalog")
     try:
         template = device_template(entry)
-    except (ValueError, OSError, KeyError, TypeError) as exc:
+    except (ValueError, OSError, KeyError, TypeError, ImageError) as exc:
         raise EdgeError(f"template {template_id!r}: the catalog's template assets are not "
                         f"valid ({exc})") from exc
     image, mask = template.image, template.mask
@@ -46,5 +49,11 @@ def template_from_entry(template_id: str, entry: dict[str, Any], encoder: Any = 
                         f"{tuple(mask.shape)} do not match")
     t = entry["template"]
     seed_value = t.get("seed", entry.get("seed", seed))
-    template.seed = int(seed_value) if seed_value is not None else -1
+    try:
+        template.seed = int(seed_value) if seed_value is not None else -1
+    except (TypeError, ValueError, OverflowError):
+        template.seed = SEED_LIMIT  # (refused below)
+    if template.seed >= SEED_LIMIT:
+        raise EdgeError(f"template {template_id!r}: the catalog's template seed "
+                        f"{seed_value!r:.40} is not a seed from 0 to {SEED_LIMIT - 1}")
     return template

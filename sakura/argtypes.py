@@ -24,6 +24,10 @@ __all__ = [
     "port",
     "positive_float",
     "positive_int",
+    "prompt_text",
+    "seed",
+    "seed_below",
+    "SEED_LIMIT",
 ]
 
 
@@ -91,6 +95,41 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535)")
     return value
+
+
+# Seeds are 0 <= seed < 2**63. torch's generator (``Generator.manual_seed``) takes
+# -2**63 .. 2**64 - 1, a negative seed aliasing seed + 2**64, and the edit's noise is drawn
+# with seed + 1_000_003 (``dit.editing.edit_noise``); 0 .. 2**63 - 1 keeps every seed
+# distinct, in range after that offset, and a signed 64-bit integer in JSON and C++.
+SEED_LIMIT = 2**63
+
+
+def seed_below(limit: int) -> Callable[[str], int]:
+    """A noise seed in [0, ``limit``): a command that derives seeds from it (``seed * 1000
+    + i``) takes a lower limit, so that every derived seed is one the generator takes."""
+
+    top = f"{limit - 1} (2**63 - 1)" if limit == SEED_LIMIT else f"{limit - 1}"
+
+    def check(text: str) -> int:
+        value = _int(text)
+        if not 0 <= value < limit:
+            raise argparse.ArgumentTypeError(
+                f"seed {text} is out of range: give an integer from 0 to {top}")
+        return value
+
+    check.__name__ = "seed"
+    return check
+
+
+seed = seed_below(SEED_LIMIT)  # an integer in [0, 2**63)
+
+
+def prompt_text(text: str) -> str:
+    """A prompt: any text that is not empty or only whitespace."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty: give the edit in words, "
+                                         "e.g. --prompt 'a red hat'")
+    return text
 
 
 def http_url(text: str) -> str:

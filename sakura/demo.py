@@ -29,16 +29,18 @@ DEFAULT_TEMPLATE = "face-technologist"
 
 
 def register(commands: Any, bench: Any) -> None:
-    from sakura.argtypes import nonnegative_float
+    from sakura.argtypes import nonnegative_float, prompt_text, seed
     from sakura.edge.cli import runtime_arg, startup_fraction
 
     p = commands.add_parser("demo", help="the main job: build, serve, replay a real trace, edit",
                             description=__doc__.split("\n\n")[0])
     p.add_argument("--template", default=DEFAULT_TEMPLATE, metavar="ID",
                    help="shipped catalog template (default %(default)s)")
-    p.add_argument("--prompt", help="private edit prompt (default: the template's first "
-                                    "evaluation prompt)")
-    p.add_argument("--seed", type=int, default=100, help="edit noise seed (default 100)")
+    p.add_argument("--prompt", type=prompt_text,
+                   help="private edit prompt (default: the template's first evaluation "
+                        "prompt)")
+    p.add_argument("--seed", type=seed, default=100, metavar="N",
+                   help="edit noise seed, 0 to 2**63 - 1 (default 100)")
     p.add_argument("--out", default="out/demo", metavar="DIR",
                    help="where images, plots and JSON go (default out/demo)")
     p.add_argument("--packs", default="packs", metavar="DIR",
@@ -94,7 +96,7 @@ def run_demo(args: argparse.Namespace) -> int:
         file_sha256,
         resident_floor,
     )
-    from sakura.edge.cli import resolve_runtime, startup_fraction_arg
+    from sakura.edge.cli import prompt_tokens, resolve_runtime, startup_fraction_arg
     from sakura.edge.client import PackClient
     from sakura.edge.netem import matched_rtt_ms, shaped
     from sakura.edge.runtime import EdgeRuntime, EditOptions
@@ -142,6 +144,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         catalog_entry = asyncio.run(entry())
         template = device_template(catalog_entry)
+        tokens = prompt_tokens(runtime, prompt)
         req = runtime.request(prompt, seed=args.seed)
         if runtime_name == "native":
             print("      native runtime: compiled graphs for this template's geometry are "
@@ -187,6 +190,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"      {'policy':8s} {'latency s':>9s} {'MB moved':>9s} {'stalls':>6s} "
           f"{'PSNR vs exact':>13s} {'SSIM':>6s}")
     summary: dict[str, Any] = {"template": args.template, "prompt": prompt, "seed": args.seed,
+                               **tokens,
                                "trace": trace_name, "start_s": args.start,
                                "regime": {"mode": "regime-matched", "factor": factor,
                                           "scaled_median_mbps": scaled / 1e6,

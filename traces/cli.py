@@ -21,7 +21,7 @@ from sakura.traces.catalog import TRACE_SETS, default_trace_dir, find_trace_file
 from sakura.traces.errors import TraceError
 from sakura.traces.formats import load_trace
 
-from sakura.argtypes import json_out, positive_float
+from sakura.argtypes import json_out, positive_float, seed
 from sakura.output import write_json
 
 _COLUMNS = (
@@ -62,7 +62,7 @@ def register(commands: Any, bench: Any) -> None:
     mm = sub.add_parser("mahimahi", help="write a (scaled or mixed) trace as a Mahimahi "
                                          "mm-link packet-opportunity file")
     mm.add_argument("path", nargs="?", metavar="PATH", help="a trace file")
-    mm.add_argument("--mixed", type=int, metavar="SEED",
+    mm.add_argument("--mixed", type=seed, metavar="SEED",
                     help="instead of PATH: the replay's mixed 4G+5G trace with this seed "
                          "(6 alternating 20-s Lumos 4G / 5G pieces)")
     mm.add_argument("--scale", type=float, default=1.0, help="multiply every rate (default 1)")
@@ -79,7 +79,8 @@ def register(commands: Any, bench: Any) -> None:
     link.add_argument("--quick", action="store_true", help="3 traces, one window each")
     link.add_argument("--window", type=positive_float, default=2.0, metavar="S",
                       help="window in s (default 2)")
-    link.add_argument("--seed", type=int, default=0, help="seed of the window starts (default 0)")
+    link.add_argument("--seed", type=seed, default=0, metavar="N",
+                      help="seed of the window starts, 0 to 2**63 - 1 (default 0)")
     link.add_argument("--max-mbps", type=positive_float, default=200.0, metavar="MBPS",
                       help="peak rate cap (default 200)")
     link.add_argument("--no-kernel", action="store_true", help="skip kernel shaping")

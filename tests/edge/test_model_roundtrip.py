@@ -33,15 +33,20 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def catalog(tmp_path_factory):
     """The shipped catalog's apple template with 4 steps and 2 profiling prompts (tiny models
-    carry 512 text tokens per branch; the shipped 20 steps would only make the test slow)."""
+    carry 512 text tokens per branch; the shipped 20 steps would only make the test slow),
+    its 64 px image and mask enlarged to RES here (builds only resize down)."""
+    from PIL import Image
     from sakura.dit.templates import DEFAULT_CATALOG
 
     doc = json.loads(DEFAULT_CATALOG.read_text())
     entry = dict(doc["templates"][TEMPLATE])
+    folder = tmp_path_factory.mktemp("catalog")
     for key in ("image", "mask"):
-        entry[key] = str((DEFAULT_CATALOG.parent / entry[key]).resolve())
+        big = folder / f"{key}-{RES}.png"
+        Image.open(DEFAULT_CATALOG.parent / entry[key]).resize((RES, RES), Image.NEAREST).save(big)
+        entry[key] = str(big)
     entry.update(steps=4, profiling_prompts=entry["profiling_prompts"][:2])
-    path = tmp_path_factory.mktemp("catalog") / "catalog.json"
+    path = folder / "catalog.json"
     path.write_text(json.dumps({**doc, "templates": {TEMPLATE: entry}}))
     return str(path)
 
