@@ -4,7 +4,8 @@
 ``write_pack`` or a published catalog folder (what ``sakura build --out`` writes): manifests
 are found in the folder and its subfolders (a folder holding a current ``manifest.json``
 offers only that one, not the versioned manifests of earlier packs beside it), and
-``--template`` / ``--codec`` pick one when there are several.
+``--template`` / ``--codec`` pick one when there are several. Every unit checksum and the
+file hash are verified (``--no-verify`` skips that): a corrupt pack is one error, exit 1.
 """
 
 from __future__ import annotations
@@ -151,7 +152,10 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  {p.ratio:6.1f}x -> {p.bytes:10d} B  {p.quality:6.2f} dB")
         if args.verify:
             reader.verify(manifest.pack_sha256 or None)
-            print("verify: every unit checksum and the file hash match")
+            print(f"verify: the {len(manifest.units)} unit checksums"
+                  f"{' and the file hash' if manifest.pack_sha256 else ''} match")
+        else:
+            print("verify: skipped (--no-verify): checksums not checked")
     return 0
 
 
@@ -190,5 +194,7 @@ def register(commands, bench) -> None:
     i.add_argument("--template", metavar="ID", help="template id, when TARGET holds several")
     i.add_argument("--codec", metavar="NAME", help="codec, when TARGET holds several")
     json_out(i, help="also write the manifest JSON here (- for stdout)", required=False)
-    i.add_argument("--verify", action="store_true", help="check every checksum")
+    i.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="check every unit checksum and the file hash (default; a corrupt "
+                        "pack is an error, exit 1); --no-verify only reads the manifest")
     i.set_defaults(func=_inspect)

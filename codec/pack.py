@@ -554,7 +554,8 @@ class PackReader:
         off, length, digest = self.manifest.units[index]
         data = self.read_range(off, length)
         if sha256_hex(data) != digest:
-            raise PackCorruptError(f"{self.path}: unit {index} checksum mismatch (corrupted pack)")
+            raise PackCorruptError(f"{self.path}: unit {index} (pack bytes {off}-"
+                                   f"{off + length - 1}) checksum mismatch (corrupted pack)")
         return data
 
     def read_config(self, shard: int, config_id: int) -> bytes:

@@ -48,3 +48,29 @@ def test_bench_codec_bad_cache(tmp_path, capsys):
                "--json", str(tmp_path / "o.json")])
     assert rc == 1
     assert "cannot read cache" in capsys.readouterr().err
+
+
+def test_pack_inspect_verifies_by_default(packs, tmp_path, capsys):
+    """A corrupt pack is one error naming the unit and its pack bytes, exit 1, unless
+    --no-verify (issue 29); an intact one says what was checked."""
+    import shutil
+
+    src, m = packs["fp16"]
+    d = tmp_path / "pack"
+    shutil.copytree(src, d)
+    assert main(["pack", "inspect", str(d)]) == 0
+    assert f"verify: the {len(m.units)} unit checksums and the file hash match" in \
+        capsys.readouterr().out
+    off, length, _ = m.units[3]
+    pack = d / m.pack_file
+    data = bytearray(pack.read_bytes())
+    data[off + length // 2] ^= 0x01
+    pack.write_bytes(bytes(data))
+    for target in (d, pack):
+        assert main(["pack", "inspect", str(target)]) == 1
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.startswith("sakura: error:")]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert f"unit 3 (pack bytes {off}-{off + length - 1}) checksum mismatch" in lines[0]
+    assert main(["pack", "inspect", str(d), "--no-verify"]) == 0
+    assert "verify: skipped (--no-verify)" in capsys.readouterr().out
