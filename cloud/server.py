@@ -12,7 +12,13 @@ stay reachable with ``?pack=<pack_file>`` until garbage collection.
 
 Bodies stream from storage in chunks through one reader pinned to one version of the pack
 (a local file descriptor, or S3 ``If-Match``); the reader is closed when the response ends,
-fails or the client disconnects.
+fails or the client disconnects. Every route that sends pack bytes builds its response in
+:func:`_serve_body` from ONE parse of ``Range``/``If-Range`` (:func:`cloud.ranges.parse_range`
+with ``ServerSettings.max_ranges``): the pack spans it sends are the spans it hands the
+:class:`UnitVerifier`, so what is checked is exactly what is sent.
+
+Errors are ``{"error": message, "code": code}``; the codes are
+:class:`sakura.cloud.errors.ErrorCode`'s (the table is in ``cloud/README.md``).
 """
 
 from __future__ import annotations
@@ -845,7 +851,8 @@ def create_app(
         description=(
             "Serves published SAKURA template packs. `/v1/*` routes need `Authorization: Bearer "
             "<token>` when the server runs with tokens; `/healthz`, `/metrics` and the OpenAPI "
-            'documents are always open. Errors are JSON objects `{"error": "..."}`.'
+            'documents are always open. Errors are JSON objects `{"error": "...", "code": "..."}`; '
+            "`code` is stable (see cloud/README.md), the message is for people."
         ),
     )
     app.state.sakura = ServerState(storage, tokens, settings)
@@ -1075,7 +1082,7 @@ def create_app(
         get_layout_file,
         "layout_file",
         "A file of the published layout: manifest.json, <pack>.manifest.json or the "
-        "immutable pack itself (single-range GETs: Starlette FileResponse for local packs)",
+        "immutable pack itself (the Range rules of /v1/.../pack)",
     )
     return app
 
