@@ -205,7 +205,7 @@ class Manifest:
     def from_json(cls, text: str | bytes) -> Manifest:
         try:
             d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError)
             raise PackCorruptError(f"manifest is not valid JSON: {exc}") from None
         return cls.from_dict(d)
 
@@ -228,6 +228,12 @@ class Manifest:
         missing = [k for k in GEOMETRY_KEYS if k not in self.geometry]
         if missing:
             raise bad(f"geometry lacks {', '.join(missing)}")
+        for k in GEOMETRY_KEYS:
+            v = self.geometry[k]
+            if k == "dtype" and not isinstance(v, str):
+                raise bad(f"geometry dtype must be a string, got {v!r:.40}")
+            if k != "dtype" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise bad(f"geometry {k} must be an integer >= 1, got {v!r:.40}")
         try:
             layout = self.layout()
         except Exception as exc:  # noqa: BLE001 - report any layout problem the same way
@@ -523,7 +529,7 @@ class PackReader:
             if flags & FLAG_ZSTD_HEADER:
                 header = zstandard.ZstdDecompressor().decompress(header, max_output_size=1 << 30)
             d = json.loads(header)
-        except (json.JSONDecodeError, UnicodeDecodeError, zstandard.ZstdError) as exc:
+        except (ValueError, RecursionError, zstandard.ZstdError) as exc:
             raise PackCorruptError(f"{self.path}: header is not JSON: {exc}") from None
         m = Manifest.from_dict(d, embedded=True)
         m.pack_file = self.path.name

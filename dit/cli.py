@@ -30,7 +30,7 @@ def _catalog_doc(catalog: str | Path | None) -> tuple[Path, dict]:
             raise TypeError("'templates' is not an object of template entries")
     except FileNotFoundError:
         raise SakuraError(f"catalog not found: {path}") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise SakuraError(f"{path} is not a template catalog ({exc})") from None
     return path, doc
 

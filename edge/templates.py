@@ -18,7 +18,7 @@ from sakura.argtypes import SEED_LIMIT
 
 
 def has_assets(entry: dict[str, Any]) -> bool:
-    t = entry.get("template")
+    t = entry.get("template") if isinstance(entry, dict) else None
     return isinstance(t, dict) and "image_png_b64" in t and "mask_png_b64" in t
 
 
