@@ -63,7 +63,11 @@ until ``max_attempts`` consecutive failures when that is set; an attempt that br
 bytes before it broke is resumed at once, without backoff. Giving up names the URL the
 user gave and the last problem: :class:`ServerUnreachable` when nothing answered,
 :class:`OriginError` with the origin's own message when it answered with an error; any
-other ``4xx`` raises :class:`OriginError` at once.
+other ``4xx`` raises :class:`OriginError` at once, and so does an answer whose JSON
+``code`` is permanent (:data:`PERMANENT_CODES`: a damaged pack is reported in one request,
+not after 30 s as an unreachable server). The native runtime classifies the same way
+(``native/src/sakura/http.cpp``), and checks every 206's ``Content-Range`` total against
+the manifest's ``pack_bytes`` with the same words.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ import aiohttp
 from sakura.edge.errors import EdgeError, IntegrityError, OriginError, ServerUnreachable
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+# error codes of `sakura serve` (cloud/errors.py, ErrorCode; edge does not import cloud)
+# that no retry of the same request changes: reported at once, whatever the status
+PERMANENT_CODES = frozenset({"pack_damaged", "publish_broken"})
 MANIFEST_VERSION = 2  # pack format 2 (codec/FORMAT.md): every configuration is one range
 # the published layout (cloud/layout.py; edge does not import cloud)
 CATALOG_KEY = "catalog.json"
@@ -680,8 +687,13 @@ class PackClient:
 
     async def _raise_for(self, resp: aiohttp.ClientResponse, key: str,
                          what: str | None = None) -> None:
-        message = _error_message(await _read_small(resp))
+        body = await _read_small(resp)
+        message = _error_message(body)
         text = f"HTTP {resp.status}" + (f": {message}" if message else "")
+        code = _error_code(body)
+        if code in PERMANENT_CODES:
+            raise OriginError(f"{self.base_url}: {key}: {text} (the origin says {code}: "
+                              "retrying will not help)")
         if resp.status in RETRY_STATUS:
             raise _Retry(text)
         if resp.status == 404:
@@ -821,6 +833,16 @@ async def _read_small(resp: aiohttp.ClientResponse, limit: int = 8192) -> bytes:
         return await resp.content.read(limit)
     except (aiohttp.ClientError, OSError, TimeoutError):
         return b""
+
+
+def _error_code(body: bytes) -> str | None:
+    """The machine-readable ``code`` of a ``sakura serve`` JSON error, if any."""
+    try:
+        doc = json.loads(body.decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    code = doc.get("code") if isinstance(doc, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _error_message(body: bytes) -> str:

@@ -398,6 +398,8 @@ def stream_shards(manifest: Mapping[str, Any], url: str) -> list[dict[str, Any]]
     per shard and configuration its one byte range, the unit lengths and checksums and the
     ranks (a function of the manifest and the URL only, so callers memoise it)."""
     table = manifest.get("units") or []
+    pack_bytes = manifest.get("pack_bytes")
+    pack_bytes = int(pack_bytes) if isinstance(pack_bytes, int) and pack_bytes >= 0 else None
     shards = []
     for s in sorted(manifest["shards"], key=lambda s: int(s["index"])):
         configs = []
@@ -405,7 +407,7 @@ def stream_shards(manifest: Mapping[str, Any], url: str) -> list[dict[str, Any]]
             (offset, length), = c["ranges"]
             units = [(int(table[int(u)][1]), str(table[int(u)][2])) for u in c.get("units", [])]
             entry = {"id": int(c["id"]), "url": url, "offset": int(offset),
-                     "length": int(length), "units": units}
+                     "length": int(length), "units": units, "pack_bytes": pack_bytes}
             ranks = (c.get("params") or {}).get("ranks")
             if ranks is not None:
                 entry["ranks"] = [int(r) for r in ranks]

@@ -253,6 +253,9 @@ struct StreamTable {
         src.request.url = cd["url"].cast<std::string>();
         src.request.offset = cd["offset"].cast<std::int64_t>();
         src.request.length = cd["length"].cast<std::int64_t>();
+        if (cd.contains("pack_bytes") && !cd["pack_bytes"].is_none()) {
+          src.request.pack_bytes = cd["pack_bytes"].cast<std::int64_t>();
+        }
         for (const auto& u : cd["units"].cast<py::list>()) {
           auto pair = u.cast<py::tuple>();
           src.request.units.push_back(

@@ -53,9 +53,9 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b + 1);
 }
 
-// The "error" string of a JSON error body ({"error": "..."}), or "".
-std::string json_error(const std::string& body) {
-  auto k = body.find("\"error\"");
+// The string value of `key` in a JSON error body ({"error": "...", "code": "..."}), or "".
+std::string json_string(const std::string& body, const std::string& key) {
+  auto k = body.find("\"" + key + "\"");
   if (k == std::string::npos) return "";
   k = body.find(':', k);
   if (k == std::string::npos) return "";
@@ -73,6 +73,26 @@ std::string json_error(const std::string& body) {
     }
   }
   return "";
+}
+
+std::string json_error(const std::string& body) { return json_string(body, "error"); }
+
+// Error codes of `sakura serve` (cloud/errors.py, ErrorCode) that no retry of the same
+// request changes: reported at once with the origin's reason, even on a 500.
+bool permanent_code(const std::string& code) {
+  return code == "pack_damaged" || code == "publish_broken";
+}
+
+// The total of a "bytes a-b/total" Content-Range, -1 when absent or "*".
+std::int64_t content_range_total(const std::string& cr) {
+  const auto slash = cr.rfind('/');
+  if (slash == std::string::npos || slash + 1 >= cr.size()) return -1;
+  std::int64_t v = 0;
+  for (std::size_t i = slash + 1; i < cr.size(); ++i) {
+    if (cr[i] < '0' || cr[i] > '9') return -1;
+    v = v * 10 + (cr[i] - '0');
+  }
+  return v;
 }
 
 }  // namespace
@@ -221,6 +241,14 @@ struct HttpReceiver::Impl {
       if (code == 206) {
         const std::int64_t from = (t->req.offset >= 0 ? t->req.offset : 0) + t->resume_from;
         const std::string want = "bytes " + std::to_string(from) + "-";
+        const std::int64_t total = content_range_total(t->content_range);
+        if (t->req.pack_bytes >= 0 && total >= 0 && total != t->req.pack_bytes) {
+          t->fatal = true;  // the same words as the Python client (edge/client.py)
+          t->abort_reason = t->req.url + " has " + std::to_string(total) +
+                            " bytes, its manifest says " + std::to_string(t->req.pack_bytes) +
+                            ": the published pack is truncated or was replaced";
+          return 0;
+        }
         if (t->content_range.rfind(want, 0) != 0) {
           t->abort_reason = "partial content '" + t->content_range + "' does not resume at " +
                             std::to_string(from);
@@ -405,20 +433,25 @@ struct HttpReceiver::Impl {
       failed_attempt(t, why);
       return false;
     }
-    if (code == 416) {
-      reset_body(t);
-      failed_attempt(t, "HTTP 416 range not satisfiable", false);
-      return false;
+    if (code == 416) {  // as the Python client: permanent
+      throw FetchError("http", t.req.url + " is shorter than its manifest says (416 for bytes " +
+                                   std::to_string(t.req.offset) + "-" +
+                                   std::to_string(t.req.offset + t.req.length - 1) +
+                                   "): the published pack is truncated");
     }
-    if (retry_status(code)) {
+    if (retry_status(code) && !permanent_code(json_string(t.error_body, "code"))) {
       const std::string msg = json_error(t.error_body);
       failed_attempt(t, "HTTP " + std::to_string(code) + (msg.empty() ? "" : ": " + msg));
       return false;
     }
     if (code < 200 || code >= 300) {
       const std::string msg = json_error(t.error_body);
+      const std::string ecode = json_string(t.error_body, "code");
       throw FetchError("http", t.req.url + ": HTTP " + std::to_string(code) +
-                                   (msg.empty() ? "" : ": " + msg));
+                                   (msg.empty() ? "" : ": " + msg) +
+                                   (permanent_code(ecode) ? " (the origin says " + ecode +
+                                                                ": retrying will not help)"
+                                                          : ""));
     }
     const std::string problem = verify(t);
     if (!problem.empty()) {

@@ -69,6 +69,8 @@ struct FetchRequest {
   std::string url;
   std::int64_t offset = -1;  // >= 0: bytes [offset, offset + length) of the resource at url
   std::int64_t length = 0;   // expected body length
+  std::int64_t pack_bytes = -1;  // >= 0: the manifest's size of the whole resource, checked
+                                 // against every 206's Content-Range total
   std::vector<UnitCheck> units;  // the body, unit after unit (lengths add up to `length`)
   // (config, length): configurations whose bytes are the first units of this body, longest
   // first, that the edit may use instead (truncation at the deadline, a damaged unit)

@@ -1,0 +1,130 @@
+"""One failure contract for both runtimes (issue 29): the same broken origins, the same error
+class and the same numbers in the message, each reported at once (no retry window).
+
+Origins: ``sakura serve`` on a pack with one flipped byte (it answers 500 with
+``code: pack_damaged``), a static origin whose ``Content-Range`` total is not the manifest's
+``pack_bytes`` (a truncated or replaced pack), one answering 416, one ignoring Range."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.edge.client import RetryPolicy
+from sakura.edge.errors import OriginError
+from sakura.edge.runtime import EditOptions
+
+from tests.edge.helpers import TEMPLATE_ID, Server
+from tests.edge.test_edit import PROMPT, SEED
+
+# a retry window long enough that a retried permanent error would show in the request count
+PATIENT = EditOptions(retry=RetryPolicy(window_s=20.0, backoff_s=0.05, backoff_max_s=0.2))
+
+
+class Counting:
+    """ASGI wrapper counting pack requests; ``rewrite(status, headers)`` may change the
+    answer's start (status, headers)."""
+
+    def __init__(self, app, rewrite=None):
+        self.app, self.rewrite, self.hits = app, rewrite, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].endswith(".pack"):
+            await self.app(scope, receive, send)
+            return
+        self.hits += 1
+
+        async def start(message):
+            if message["type"] == "http.response.start" and self.rewrite is not None:
+                message = {**message, **self.rewrite(message["status"],
+                                                      list(message["headers"]))}
+            await send(message)
+        await self.app(scope, receive, start)
+
+
+def wrong_total(status, headers):
+    out = []
+    for k, v in headers:
+        if k.lower() == b"content-range":
+            m = re.match(rb"bytes (\d+)-(\d+)/(\d+)", v)
+            v = b"bytes %s-%s/%d" % (m.group(1), m.group(2), int(m.group(3)) - 1000)
+        out.append((k, v))
+    return {"headers": out}
+
+
+def answers_416(status, headers):
+    return {"status": 416, "headers": [(k, v) for k, v in headers
+                                       if k.lower() != b"content-range"]}
+
+
+def both(world, runtime, native_runtime, app_factory, policy="sakura"):
+    """The error each runtime raises against a fresh origin, and the pack requests it took."""
+    out = {}
+    req = runtime.request(PROMPT, SEED)
+    for name, rt in (("python", runtime), ("native", native_runtime)):
+        app = app_factory()
+        rt.manifests.clear()  # each runtime starts from its own manifest fetch
+        with Server(app) as server, pytest.raises(OriginError) as err:
+            rt.edit(server.url, TEMPLATE_ID, world.template, req, policy, options=PATIENT)
+        out[name] = (str(err.value), app.hits)
+    return out
+
+
+def numbers(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\b\d{3,}\b", text.split(": ", 1)[-1])]
+
+
+def test_a_damaged_pack_is_reported_at_once_with_the_servers_reason(world, runtime,
+                                                                     native_runtime,
+                                                                     tmp_path):
+    root = tmp_path / "catalog"
+    shutil.copytree(world.catalog_dir, root)
+    folder = root / "templates" / TEMPLATE_ID / "sakura"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    pack = folder / manifest["pack_file"]
+    # one flipped byte in shard 0's first unit: every edit requests it (every configuration
+    # of a shard is a prefix of one range)
+    (offset, _), = manifest["shards"][0]["configs"][0]["ranges"]
+    data = bytearray(pack.read_bytes())
+    data[int(offset)] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    got = both(world, runtime, native_runtime,
+               lambda: Counting(create_app(LocalStorage(root))))
+    units = {}
+    for name, (msg, hits) in got.items():
+        assert "pack_damaged" in msg and "retrying will not help" in msg, (name, msg)
+        assert "cannot reach" not in msg
+        m = re.search(r"unit (\d+)", msg)
+        assert m, msg
+        units[name] = int(m.group(1))
+        # no retry of a permanent answer: the requests in flight when it came, at most
+        assert hits <= 8, (name, hits)
+    assert units["python"] == units["native"]
+
+
+def test_a_content_range_total_that_is_not_the_manifests_is_one_clear_error(
+        world, runtime, native_runtime):
+    got = both(world, runtime, native_runtime,
+               lambda: Counting(create_app(LocalStorage(world.catalog_dir)), wrong_total))
+    for name, (msg, hits) in got.items():
+        assert re.search(r"has \d+ bytes, its manifest says \d+: the published pack is "
+                         r"truncated or was replaced", msg), (name, msg)
+        assert hits <= 8, (name, hits)
+    sizes = {name: re.search(r"has (\d+) bytes, its manifest says (\d+)", msg).groups()
+             for name, (msg, _) in got.items()}
+    assert sizes["python"] == sizes["native"]
+    total, manifest = map(int, sizes["native"])
+    assert manifest - total == 1000
+
+
+def test_a_416_is_a_truncated_pack_in_both_runtimes(world, runtime, native_runtime):
+    got = both(world, runtime, native_runtime,
+               lambda: Counting(create_app(LocalStorage(world.catalog_dir)), answers_416))
+    for name, (msg, hits) in got.items():
+        assert "shorter than its manifest says (416" in msg, (name, msg)
+        assert "the published pack is truncated" in msg
+        assert hits <= 8, (name, hits)
