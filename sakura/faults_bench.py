@@ -717,6 +717,36 @@ def case_bomb_image(work: Path, tally: Tally) -> str:
     return message
 
 
+def case_damaged_pack_reported_not_unreachable(work: Path, tally: Tally) -> str:
+    """A flipped byte in a pack on `sakura serve`: the client (its default 30 s retry
+    window) reports the server's own reason (code pack_damaged) at once, not 'cannot
+    reach the server' after the window."""
+    from sakura.edge.client import RetryPolicy
+    from sakura.edge.errors import OriginError, ServerUnreachable
+
+    root = work / "catalog"
+    pub = _catalog(root)
+    m = _manifest(root, pub)
+    cfg = m["shards"][1]["configs"][0]
+    (offset, _), = cfg["ranges"]
+    _flip(root / pub.pack_key, offset + 1)
+    with _server(root) as (url, _app):
+        t0 = time.perf_counter()
+        try:
+            _fetch(url, m, 1, cfg["id"], retry=RetryPolicy())
+        except ServerUnreachable as exc:
+            raise CaseFailed(f"reported as unreachable: {exc}") from None
+        except OriginError as exc:
+            seconds = time.perf_counter() - t0
+            check("pack_damaged" in str(exc) and "damaged" in str(exc),
+                  f"the error does not name the damage: {exc}")
+            check(seconds <= 3.0, f"the damage was reported after {seconds:.1f} s")
+            _alive(url, tally)
+            return f"{seconds:.2f} s: {exc}"
+        tally.wrong_bytes_accepted += 1
+        raise CaseFailed("the client accepted a body of a damaged pack")
+
+
 CASES: dict[str, Callable[[Path, Tally], str]] = {
     "repair_after_corruption": case_repair_after_corruption,
     "corrupt_pack_served": case_corrupt_pack_served,
@@ -734,6 +764,7 @@ CASES: dict[str, Callable[[Path, Tally], str]] = {
     "seed_out_of_range": case_seed_out_of_range,
     "bomb_image": case_bomb_image,
     "empty_prompt": case_empty_prompt,
+    "damaged_pack_reported_not_unreachable": case_damaged_pack_reported_not_unreachable,
 }
 
 
