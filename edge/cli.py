@@ -369,7 +369,8 @@ def _edit(args: argparse.Namespace) -> int:
     if args.json:
         write_json(Path(args.json), doc)
     tl_png = plot_timeline(result.timeline, stem.with_name(stem.name + ".timeline.png"),
-                           f"{args.policy} on {args.template}") if result.timeline else None
+                           f"{args.policy} on {args.template}", phases=result.phases,
+                           latency_s=result.latency_s) if result.timeline else None
     _print_summary(result, out, tl_json, tl_png)
     return 0
 

@@ -71,6 +71,7 @@ from sakura.edge.pipeline import NetLoop, stats_of
 from sakura.edge.quality import psnr, ssim
 from sakura.edge.runner import NativeRunner, Runner, StreamJob, make_runner
 from sakura.edge.state import RateMemory
+from sakura.edge.timeline import setup_phases
 
 from sakura.errors import SakuraError
 
@@ -166,6 +167,7 @@ class EditResult:
     configs: list[int | None] = field(default_factory=list)
     params: list[dict[str, Any]] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)  # set-up (timeline.setup_phases)
     predicted_exec_s: list[float] = field(default_factory=list)
     exec_s: float = 0.0
     requests: int = 0
@@ -188,7 +190,7 @@ class EditResult:
             "exec_s": self.exec_s, "requests": self.requests,
             "configs": self.configs, "params": self.params,
             "psnr_db": _finite(self.psnr_db), "ssim": self.ssim,
-            "warnings": self.warnings,
+            "warnings": self.warnings, "phases": self.phases,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -500,6 +502,7 @@ class EdgeRuntime:
                   profile: ExecProfile, token: str | None,
                   request_log: list[RequestRecord] | None, opts: EditOptions) -> EditResult:
         origin = time.monotonic()
+        loop_start: list[float] = []  # when the runner's shard loop started (the timeline's)
         rate_key = opts.rate_origin or server
         log = request_log if request_log is not None else []
         client = PackClient(server, token=token, request_log=log, retry=opts.retry,
@@ -548,6 +551,7 @@ class EdgeRuntime:
             # made by the runner right before its loop starts (its own set-up, e.g. the
             # native request tensors, would otherwise eat the allowance)
             def progress() -> Any:
+                loop_start.append(time.monotonic())
                 return self.runner.progress(exec_s, origin, allowance,
                                             time.monotonic() + first_byte_s)
             job = StreamJob(net=net, client=client, template_id=template_id, codec=codec,
@@ -562,8 +566,10 @@ class EdgeRuntime:
             self.save_state()
         finally:
             net.run(client.close(), timeout=10)
-        return self._result(image, policy, codec, latency, raw_len, allowance,
-                            timeline, exec_s, log, warning)
+        result = self._result(image, policy, codec, latency, raw_len, allowance,
+                              timeline, exec_s, log, warning)
+        result.phases = setup_phases(origin, got, loop_start[:1], first_byte_s, allowance)
+        return result
 
     @staticmethod
     def _result(image: torch.Tensor, policy: str, codec: str, latency: float, raw_len: int,

@@ -119,12 +119,37 @@ def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys
     assert doc["policy"] == "sakura" and doc["link"]["mode"] == "paced"
     assert len(doc["timeline"]) == doc["requests"] - 1 == 3 * 1  # 3 steps x 1 shard
     assert doc["psnr_db"] is not None and doc["ssim"] is not None
+    assert doc["prompt_tokens_kept"] == doc["prompt_tokens_total"] == 6  # CLS 4 words SEP
     assert (tmp_path / "edit.timeline.png").stat().st_size > 1000
     assert doc["warnings"] == []  # the packs were built with these very weights
     state = json.loads((tmp_path / "state" / "state.json").read_text())
     assert state["rates"] and all(r["rate_bps"] > 0 for r in state["rates"].values())
     assert len(state["profiles"]) == 1
     assert sorted(state["manifests"]) == [f"{tid}.fp16.json", f"{tid}.sakura.json"]
+
+
+def test_a_long_prompt_is_truncated_and_says_so(text_world, tmp_path, capsys):
+    """The encoder keeps 16 tokens (CLS and SEP included): the result JSON and one warning
+    line say how many were kept; the timeline JSON records the set-up phases (issue 29)."""
+    root, tid = text_world
+    out = tmp_path / "long.png"
+    prompt = " ".join(["pirate"] * 30)  # 30 word tokens + CLS + SEP
+    with Server(create_app(LocalStorage(root / "packs"))) as server:
+        code = main(["edit", "--server", server.url, "--template", tid, "--prompt", prompt,
+                     "--out", str(out), "--weights", str(root / "model.safetensors"),
+                     "--no-state", "--runtime", "python"])
+    assert code == 0
+    err = capsys.readouterr().err.splitlines()
+    warnings = [ln for ln in err if ln.startswith("sakura: warning:")]
+    assert warnings == ["sakura: warning: the prompt is 32 tokens; the text encoder's window "
+                        "keeps the first 16 (with CLS and SEP) and drops the other 16"]
+    doc = json.loads((tmp_path / "long.timeline.json").read_text())
+    assert (doc["prompt_tokens_kept"], doc["prompt_tokens_total"],
+            doc["prompt_tokens_window"]) == (16, 32, 16)
+    assert [p["phase"] for p in doc["phases"]][:3] in (["open", "manifest", "plan"],
+                                                       ["manifest", "plan",
+                                                        "startup allowance"])
+    assert (tmp_path / "long.timeline.png").stat().st_size > 1000
 
 
 def test_sakura_edit_local_policy_with_a_local_catalog(text_world, tmp_path, capsys):

@@ -1,0 +1,93 @@
+"""The timeline an edit records and the plot a person reads (issue 29, item 6): set-up
+phases from 0, each shard's configuration, the rate estimate, the total latency."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sakura.cloud.server import create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.edge.netem import shaped
+from sakura.edge.runtime import EditOptions
+from sakura.edge.timeline import config_label, plot_timeline, timeline_figure
+from sakura.traces import Trace
+
+from tests.edge.helpers import TEMPLATE_ID, Server
+
+
+@pytest.fixture(scope="module")
+def paced(world):
+    """A sakura edit of the tiny world over a paced 40 Mbit/s link."""
+    rt = world.runtime()
+    req = rt.request("a pirate hat", 5)
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server, \
+            shaped(server.url, Trace.constant(40e6, 1.0), 0.0) as (url, _link):
+        return rt.edit(url, TEMPLATE_ID, world.template, req, "sakura",
+                       options=EditOptions(remember_rate=False, cache_manifests=False))
+
+
+def test_the_result_records_the_set_up_phases(paced):
+    names = [p["phase"] for p in paced.phases]
+    assert names in (["open", "manifest", "plan", "startup allowance"],
+                     ["manifest", "plan", "startup allowance"], ["open", "manifest", "plan"],
+                     ["manifest", "plan"]), names
+    phases = {p["phase"]: p for p in paced.phases}
+    assert phases["manifest"]["cached"] is False
+    for p in paced.phases:
+        assert 0.0 <= p["start"] <= p["end"] <= paced.latency_s, p
+    first_request = min(r["recv_start"] for r in paced.timeline)
+    assert phases["plan"]["end"] <= first_request + 1e-6  # set-up ends before shard 0 asks
+    assert phases["manifest"]["end"] <= phases["plan"]["start"] + 1e-6
+    if paced.startup_allowance_s > 0:
+        allowance = phases["startup allowance"]
+        assert allowance["end"] - allowance["start"] == pytest.approx(
+            paced.startup_allowance_s, abs=1e-5)
+    assert json.loads(json.dumps(paced.summary()))["phases"] == paced.phases
+
+
+def test_the_plot_starts_at_zero_and_says_what_each_shard_got(paced, tmp_path):
+    fig = timeline_figure(paced.timeline, "sakura on tiny-face", phases=paced.phases,
+                          latency_s=paced.latency_s)
+    rate_ax, ax = fig.axes[:2]
+    assert ax.get_xlim()[0] == 0.0 and rate_ax.get_xlim()[0] == 0.0
+    assert ax.get_xlim()[1] >= paced.latency_s
+    title = rate_ax.get_title()
+    assert "sakura on tiny-face" in title and f"total latency {paced.latency_s:.3f} s" in title
+    assert [t.get_text() for t in ax.get_yticklabels()][0] == "set-up"
+    texts = {t.get_text() for t in ax.texts}
+    for row in paced.timeline:
+        p = row["params"]
+        assert config_label(row).startswith(f"r{p['rank']} {p['bits']}b")
+        assert config_label(row) in texts
+    assert "rate estimate" in rate_ax.get_ylabel()
+    estimates = [r["rate_bps"] / 1e6 for r in paced.timeline if r.get("rate_bps")]
+    assert estimates and max(rate_ax.get_ylim()) >= max(estimates)
+    legend = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert {"receive", "reconstruct", "execute", "stall", "manifest", "plan"} <= legend
+    path = plot_timeline(paced.timeline, tmp_path / "t.png", "x", phases=paced.phases,
+                         latency_s=paced.latency_s)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_timeline_without_phases_or_rates_still_plots(tmp_path):
+    """The replay report's expanded timelines carry the stages only."""
+    rows = [{"shard": i, "recv_start": 0.1 * i, "recv_end": 0.1 * i + 0.05,
+             "exec_start": 0.1 * i + 0.06, "exec_end": 0.1 * i + 0.09} for i in range(3)]
+    fig = timeline_figure(rows, "replay")
+    ax = fig.axes[0]
+    assert len(fig.axes) == 1 and ax.get_xlim()[0] == 0.0
+    assert "total latency 0.290 s" in ax.get_title()
+    assert plot_timeline(rows, tmp_path / "r.png").exists()
+
+
+@pytest.mark.parametrize("row,label", [
+    ({"params": {"rank": 16, "bits": 8, "ranks": [16, 8]}, "config": 3}, "r16 8b"),
+    ({"params": {"bits": 4}, "config": 1}, "4b"),
+    ({"params": {}, "config": 0}, "config 0"),
+    ({"params": {"rank": 4, "bits": 2}, "config": 0, "truncated": True}, "r4 2b (truncated)"),
+    ({"params": {"rank": 4, "bits": 2}, "config": 0, "requested": 5}, "r4 2b (fallback)"),
+    ({}, ""),
+])
+def test_config_labels(row, label):
+    assert config_label(row) == label
