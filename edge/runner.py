@@ -297,6 +297,8 @@ class NativeRunner:
                 "max_attempts": retry.max_attempts, "backoff_s": retry.backoff_s,
                 "backoff_max_s": retry.backoff_max_s, "max_refetch": retry.max_refetch,
                 "max_connections": opts.max_inflight,
+                "warm_connections": opts.max_inflight - 1 if opts.warm_connections else 0,
+                "warm_hedges": opts.warm_connections,
                 "headers": [f"{k}: {v}" for k, v in where.headers.items()],
                 "display_url": client.base_url}
         shards, rope = self._derived_stream(device, job.derived, job.manifest_dict,

@@ -217,6 +217,10 @@ class EditOptions:
     max_ahead: int = 4          # shards fetched ahead of execution (in flight ... ready)
     max_ready: int = 2          # reconstructed shards held ahead of execution (memory)
     max_inflight: int = 6       # pipelined requests (1: one request at a time)
+    # open max_inflight - 1 connections at once before the first request (a HEAD of the
+    # pack each: public) and let hedges take an idle one from that pool, so no handshake
+    # crosses a downlink queue that a body has filled (native runtime; docs/RESULTS.md)
+    warm_connections: bool = True
     # beyond max_ahead, up to max_ahead_cap shards, a shard is requested once its predicted
     # execution start is lookahead_rtts request latencies away: with the native runtime a
     # shard executes in ~10 ms, less than one 5G round trip, so 4 shards ahead left no time

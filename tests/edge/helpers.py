@@ -199,6 +199,7 @@ class FaultyApp:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if (scope["type"] != "http" or self.remaining <= 0
+                or scope["method"] != "GET"  # (not the native runtime's warm-up HEADs)
                 or not scope["path"].endswith(self.suffix)
                 or (self.range_header is not None and dict(scope["headers"]).get(b"range")
                     != self.range_header.encode())):

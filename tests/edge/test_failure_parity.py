@@ -33,7 +33,8 @@ class Counting:
         self.app, self.rewrite, self.hits = app, rewrite, 0
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].endswith(".pack"):
+        if (scope["type"] != "http" or not scope["path"].endswith(".pack")
+                or scope["method"] != "GET"):  # (the native runtime's warm-up HEADs)
             await self.app(scope, receive, send)
             return
         self.hits += 1

@@ -229,6 +229,8 @@ sakura::HttpOptions http_options(const py::dict& d) {
   o.backoff_max_s = d["backoff_max_s"].cast<double>();
   o.max_refetch = d["max_refetch"].cast<int>();
   o.max_connections = d["max_connections"].cast<int>();
+  if (d.contains("warm_connections")) o.warm_connections = d["warm_connections"].cast<int>();
+  if (d.contains("warm_hedges")) o.warm_hedges = d["warm_hedges"].cast<bool>();
   o.headers = d["headers"].cast<std::vector<std::string>>();
   o.display_url = d["display_url"].cast<std::string>();
   return o;

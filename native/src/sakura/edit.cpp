@@ -335,6 +335,11 @@ void StreamFeed::enforce_deadline(double* wait_s) {
 void StreamFeed::receive_loop() {
   const int n = static_cast<int>(records_.size());
   int next = 0;
+  // every connection opened at once, before any body fills the downlink queue (shard 0's
+  // request opens one more right behind these)
+  if (spec_.http.warm_connections > 0 && !spec_.configs[0].empty()) {
+    http_.warm(spec_.configs[0].begin()->second.request.url, spec_.http.warm_connections);
+  }
   while (true) {
     int ahead;
     {

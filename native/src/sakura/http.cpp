@@ -199,6 +199,8 @@ struct HttpReceiver::Impl {
   HttpOptions opts;
   CURLM* multi = nullptr;
   std::list<Transfer> transfers;  // active (in flight or waiting to retry)
+  std::vector<CURL*> warming;     // HEAD requests opening connections (warm())
+  curl_slist* warm_headers = nullptr;
   std::vector<RequestLogEntry> log;
   std::mutex log_mu;
 
@@ -329,8 +331,13 @@ struct HttpReceiver::Impl {
     if (e == nullptr) throw std::runtime_error("curl_easy_init failed");
     t.easy = e;
     t.attempt_start = now_s();
-    if (t.fresh) {  // a hedge: not on the connection that stalled
-      curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
+    // a hedge: the stalled attempt's connection was closed with it (end_attempt), so curl
+    // takes an idle kept-alive connection of the pool (warm()) and opens a new one only
+    // when none is idle; forcing a fresh connection cost a handshake through the congested
+    // downlink, and a SYN-ACK the queue dropped cost the initial SYN timeout, 1 s
+    // (docs/RESULTS.md, the tail bench), unless warm_hedges is off
+    if (t.fresh) {
+      if (!opts.warm_hedges) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
       t.fresh = false;
     }
     curl_slist* headers = nullptr;
@@ -503,7 +510,55 @@ HttpReceiver::HttpReceiver(HttpOptions options) : impl_(std::make_unique<Impl>()
 
 HttpReceiver::~HttpReceiver() {
   for (auto& t : impl_->transfers) impl_->end_attempt(t);
+  for (CURL* e : impl_->warming) {
+    curl_multi_remove_handle(impl_->multi, e);
+    curl_easy_cleanup(e);
+  }
+  if (impl_->warm_headers != nullptr) curl_slist_free_all(impl_->warm_headers);
   curl_multi_cleanup(impl_->multi);
+}
+
+namespace {
+std::size_t discard(char*, std::size_t size, std::size_t n, void*) { return size * n; }
+}  // namespace
+
+void HttpReceiver::warm(const std::string& url, int n) {
+  if (n <= 0) return;
+  if (impl_->warm_headers == nullptr) {
+    for (const auto& h : impl_->opts.headers) {
+      impl_->warm_headers = curl_slist_append(impl_->warm_headers, h.c_str());
+    }
+    impl_->warm_headers = curl_slist_append(impl_->warm_headers, "Accept:");
+  }
+  for (int i = 0; i < n; ++i) {
+    CURL* e = curl_easy_init();
+    if (e == nullptr) throw std::runtime_error("curl_easy_init failed");
+    curl_easy_setopt(e, CURLOPT_URL, url.c_str());
+    curl_easy_setopt(e, CURLOPT_NOBODY, 1L);  // HEAD: the connection, no bytes
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, impl_->warm_headers);
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, &discard);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, &discard);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(e, CURLOPT_PROXY, "");
+    curl_easy_setopt(e, CURLOPT_USERAGENT, "sakura-native");
+    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS,
+                     static_cast<long>(std::ceil(impl_->opts.connect_timeout_s * 1000)));
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS,
+                     static_cast<long>(std::ceil(impl_->opts.read_timeout_s * 1000)));
+    curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
+    curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);  // each its own connection
+    curl_easy_setopt(e, CURLOPT_PRIVATE, static_cast<void*>(nullptr));
+    {
+      std::lock_guard<std::mutex> lock(impl_->log_mu);
+      std::vector<std::string> sent(impl_->opts.headers.begin(), impl_->opts.headers.end());
+      impl_->log.push_back({"HEAD", url, sent, now_s()});
+    }
+    if (curl_multi_add_handle(impl_->multi, e) != CURLM_OK) {
+      curl_easy_cleanup(e);
+      throw std::runtime_error("curl_multi_add_handle failed");
+    }
+    impl_->warming.push_back(e);
+  }
 }
 
 void HttpReceiver::start(FetchRequest request) {
@@ -543,6 +598,15 @@ std::vector<FetchDone> HttpReceiver::poll(double timeout_s) {
     if (msg->msg != CURLMSG_DONE) continue;
     Transfer* t = nullptr;
     curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, reinterpret_cast<char**>(&t));
+    if (t == nullptr) {  // a warm-up HEAD: its connection stays in the pool (or it failed:
+      // then that connection is simply not warm)
+      CURL* e = msg->easy_handle;
+      curl_multi_remove_handle(impl_->multi, e);
+      curl_easy_cleanup(e);
+      auto& w = impl_->warming;
+      w.erase(std::remove(w.begin(), w.end(), e), w.end());
+      continue;
+    }
     const CURLcode res = msg->data.result;
     FetchDone done;
     any = true;

@@ -59,6 +59,8 @@ struct HttpOptions {
   double backoff_max_s = 2.0;
   int max_refetch = 3;           // refetches of a body that fails verification
   int max_connections = 3;       // kept-alive connections to the origin
+  bool warm_hedges = true;       // a hedge may take an idle pooled connection (false: a new one)
+  int warm_connections = 0;      // connections the edit opens before its first request (warm())
   std::vector<std::string> headers;  // e.g. "Authorization: Bearer ..." (never request data)
   std::string display_url;           // the server URL the user gave (for messages)
 };
@@ -111,6 +113,10 @@ class HttpReceiver {
   HttpReceiver& operator=(const HttpReceiver&) = delete;
 
   void start(FetchRequest request);
+  // Opens n connections to url's origin now, each with a HEAD of url (public: the pack's
+  // URL, no range), so the shards' requests and hedges find them kept alive in the pool
+  // instead of handshaking through a congested downlink. Failures are ignored.
+  void warm(const std::string& url, int n);
   // Runs the transfers for at most timeout_s (less when one finishes or wakeup() is called)
   // and returns the verified bodies that completed. Throws FetchError.
   std::vector<FetchDone> poll(double timeout_s);
