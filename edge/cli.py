@@ -442,6 +442,9 @@ def _print_summary(result: Any, out: Path, tl_json: Path, tl_png: Path | None) -
     w(f"bytes       {result.bytes} shard bytes + {result.manifest_bytes} manifest bytes "
       f"in {result.requests} requests\n")
     w(f"stalls      {result.stalls} ({result.stall_s:.3f} s)\n")
+    if result.truncations or result.hedges or result.local_fallbacks:
+        w(f"deadlines   {result.truncations} shards truncated, {result.hedges} re-requested, "
+          f"{result.local_fallbacks} steps computed on the device (nothing could arrive)\n")
     if result.configs:
         w("configs     " + " ".join(
             _short(p) for p in result.params) + "\n")

@@ -278,6 +278,12 @@ class ExecutionProgress:
                 ratio = max(0.0, t - p.exec_start) / predicted
                 self.scale = self.alpha * ratio + (1 - self.alpha) * self.scale
 
+    def exec_ended_local(self, shard: int, t: float) -> None:
+        """A shard whose step ran on the device (local fallback) ended: the time a local
+        step took says nothing about cached execution, so the scale stays."""
+        with self._lock:
+            self.shards[shard].exec_end = t
+
     # ------------------------------------------------------------------ predictions
     def predicted_exec_s(self, shard: int) -> float:
         return self.exec_s[shard] * self.scale

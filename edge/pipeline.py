@@ -193,6 +193,7 @@ class PipelineStats:
     truncations: int = 0
     hedges: int = 0
     damaged: list[str] = field(default_factory=list)
+    local_steps: int = 0  # steps computed on the device (local fallback; native runtime)
 
 
 def lookahead_wait(ahead: int, max_ahead: int, max_ahead_cap: int, until_start_s: float,
@@ -237,7 +238,8 @@ def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
         configs=[r["config"] for r in records],
         truncations=sum(1 for r in records if r.get("truncated")),
         hedges=sum(int(r.get("hedges") or 0) for r in records),
-        damaged=[r["damage"] for r in records if r.get("damage")])
+        damaged=[r["damage"] for r in records if r.get("damage")],
+        local_steps=len({r["step"] for r in records if r.get("local")}))
 
 
 Fetch = Callable[[int, int, Transfer], Awaitable[Fetched]]

@@ -20,7 +20,7 @@ class with these methods, registered in :data:`RUNNERS`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -56,6 +56,7 @@ class StreamJob:
     opts: EditOptions
     log: list[RequestRecord]
     derived: dict[str, Any]
+    exec_s: list[float] = field(default_factory=list)  # predicted per-shard execution
 
     def describe(self, shard: int, config: int) -> dict[str, Any]:
         return dict(self.manifest.shard(shard).config(config).params)
@@ -311,10 +312,12 @@ class NativeRunner:
             kind=decode_kind(codec_impl), decode=decode, rope=rope,
             pipeline_cpus=opts.pipeline_cpus)
         prep = job.prep
+        local = (native.local_steps(prep.template, prep.geometry, job.req, job.exec_s)
+                 if opts.local_fallback else None)
         image, records, requests = native.streamed_edit(
             prep.template, prep.geometry, job.req, stream,
             to_native(job.allocator, native.native), job.monitor, job.progress,
-            int(geometry["blocks_per_shard"]))
+            int(geometry["blocks_per_shard"]), local=local)
         for r in requests:
             headers = dict(h.split(": ", 1) for h in r["headers"] if ": " in h)
             job.log.append(RequestRecord(r["method"], r["url"], headers, r["time"]))

@@ -162,6 +162,7 @@ class EditResult:
     stall_s: float = 0.0
     truncations: int = 0   # shards executed from the prefix received by their deadline
     hedges: int = 0        # transfers re-requested on a fresh connection
+    local_fallbacks: int = 0  # steps computed on the device while no shard could arrive
     startup_s: float = 0.0
     startup_allowance_s: float = 0.0
     configs: list[int | None] = field(default_factory=list)
@@ -186,6 +187,7 @@ class EditResult:
             "bytes": self.bytes, "manifest_bytes": self.manifest_bytes,
             "stalls": self.stalls, "stall_s": self.stall_s, "startup_s": self.startup_s,
             "truncations": self.truncations, "hedges": self.hedges,
+            "local_fallbacks": self.local_fallbacks,
             "startup_allowance_s": self.startup_allowance_s,
             "exec_s": self.exec_s, "requests": self.requests,
             "configs": self.configs, "params": self.params,
@@ -221,6 +223,10 @@ class EditOptions:
     # pack each: public) and let hedges take an idle one from that pool, so no handshake
     # crosses a downlink queue that a body has filled (native runtime; docs/RESULTS.md)
     warm_connections: bool = True
+    # the local fallback (native runtime; issue 28 item 10): a step whose first shard is not
+    # in within one local step's predicted time is computed on the device with every token,
+    # as `local` does, and so is each next step until a shard is in when its step begins
+    local_fallback: bool = True
     # beyond max_ahead, up to max_ahead_cap shards, a shard is requested once its predicted
     # execution start is lookahead_rtts request latencies away: with the native runtime a
     # shard executes in ~10 ms, less than one 5G round trip, so 4 shards ahead left no time
@@ -562,7 +568,7 @@ class EdgeRuntime:
                             manifest_dict=manifest_dict, manifest=manifest, prep=prep,
                             req=req, allocator=allocator, monitor=monitor,
                             progress=progress, origin=origin, opts=opts, log=log,
-                            derived=derived)
+                            derived=derived, exec_s=list(exec_s))
             image, timeline = self.runner.stream(self, job)
             latency = time.monotonic() - origin
             if opts.remember_rate:
@@ -592,7 +598,7 @@ class EdgeRuntime:
             image=image, policy=policy, codec=codec, latency_s=latency, bytes=stats.bytes,
             manifest_bytes=raw_len, stalls=stats.stalls, stall_s=stats.stall_s,
             truncations=stats.truncations, hedges=stats.hedges,
-            startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
+            local_fallbacks=stats.local_steps, startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
             params=[r["params"] for r in timeline], timeline=timeline,
             predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),
             warnings=warnings)

@@ -491,3 +491,11 @@ def test_native_and_python_choose_identically_given_identical_rate_samples():
         choices[id(py)].append(c_py)
         now = end
     assert len(set(choices[id(py)])) > 2  # the script exercised several choices
+
+
+def test_a_local_step_ends_without_moving_the_execution_scale(impl):
+    p = impl.ExecutionProgress([0.01, 0.01, 0.01], 0.0)
+    p.exec_started(0, 0.0)
+    p.exec_ended_local(0, 0.5)  # 50x its prediction: a full step, not a cached one
+    assert p.scale == pytest.approx(1.0)
+    assert p.deadline(1, 0.5) == pytest.approx(0.5)  # and execution is where it ended

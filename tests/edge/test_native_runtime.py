@@ -13,6 +13,7 @@ import os
 import re
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,6 +31,9 @@ from tests.edge.helpers import TEMPLATE_ID, FaultyApp, RecordingApp, Server, fre
 from tests.edge.test_edit import ONE_AT_A_TIME, PROMPT, SEED, check_timeline, exact_image
 
 TOL = 1e-4  # max abs error on the image between the runtimes (issue 18)
+# the tests of the stream's own rules and images: no local fallback (a step computed on the
+# device because a shard was late on a loaded machine would change the image they check)
+STREAM_ONLY = EditOptions(local_fallback=False)
 
 
 def serve(world, wrap=None):
@@ -41,7 +45,8 @@ def test_fp16_edit_equals_the_python_runtime_and_exact(world, runtime, native_ru
     req = runtime.request(PROMPT, SEED)
     with serve(world) as server:
         py = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "fp16")
-        nat = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "fp16")
+        nat = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "fp16",
+                                  options=STREAM_ONLY)
     assert (nat.image - py.image).abs().max().item() <= TOL
     assert (nat.image - exact_image(world, req)).abs().max().item() <= TOL
     assert nat.bytes == py.bytes == world.cache.fp16_bytes()
@@ -82,7 +87,8 @@ def test_streamed_edit_equals_the_python_decoder_on_the_chosen_bytes(world, runt
     req = runtime.request(PROMPT, SEED)
     opts = EditOptions(reconstruct=opencl() if stage == "opencl" else "cpu",
                        pipeline_cpus=((max(os.sched_getaffinity(0)),)
-                                      if stage == "cpu-pinned" else None))
+                                      if stage == "cpu-pinned" else None),
+                       local_fallback=False)
     with serve(world) as server:
         nat = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, policy,
                                   options=opts)
@@ -93,6 +99,7 @@ def test_streamed_edit_equals_the_python_decoder_on_the_chosen_bytes(world, runt
 def assert_image_of_the_chosen_configs(world, url, policy, nat, req):
     """The image is the Python cached edit over the Python decoder's tensors of exactly the
     configurations the record says each shard ran on (never a wrong image)."""
+    assert nat.local_fallbacks == 0, "a step ran locally: the image is not the stream's"
 
     async def fetch_all():
         async with PackClient(url) as client:
@@ -139,7 +146,8 @@ def test_a_stalled_transfer_costs_one_shard_quality_never_seconds(world, runtime
     with server:
         native_runtime.warm(server.url, TEMPLATE_ID, world.template, "sakura")
         res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                                  options=EditOptions(initial_rate_bps=50e6))
+                                  options=EditOptions(initial_rate_bps=50e6,
+                                                      local_fallback=False))
         assert faulty.hits == 1
         assert res.latency_s < 5.0, res.timeline[0]  # (the clock starts after compiling)
         first = res.timeline[0]
@@ -162,7 +170,8 @@ def test_a_damaged_unit_inside_a_prefix_runs_the_shard_on_what_verified_before_i
     with server:
         # a 5 s deadline for the edit: shard 0 goes at its best configuration
         res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                                  options=EditOptions(initial_rate_bps=50e6, deadline_s=5.0))
+                                  options=EditOptions(initial_rate_bps=50e6, deadline_s=5.0,
+                                                      local_fallback=False))
         first = res.timeline[0]
         assert faulty.hits == 1, first
         if first["damage"] is None:  # the smallest configuration was chosen: refetched
@@ -234,8 +243,12 @@ def test_a_server_restart_mid_edit_is_survived(world, runtime, native_runtime):
             native_runtime.edit(url, TEMPLATE_ID, world.template, req, "fp16")  # manifest
             t = threading.Thread(target=restart, daemon=True)
             t.start()
+            # the stream's retry rule alone: on this 1.2 Mbit/s link every shard is later
+            # than the tiny model's local step, so the local fallback would compute the
+            # edit on the device (an origin that keeps failing is waited out, not
+            # computed around: the next test, with the local fallback on)
             res = native_runtime.edit(url, TEMPLATE_ID, world.template, req, "fp16",
-                                      options=ONE_AT_A_TIME)
+                                      options=replace(ONE_AT_A_TIME, local_fallback=False))
             t.join(10)
     finally:
         server.stop()
@@ -328,3 +341,72 @@ def test_an_origin_that_ignores_range_is_one_clear_error(world, runtime, native_
     with serve(world, IgnoresRange) as server, pytest.raises(OriginError,
                                                              match="ignored the Range"):
         native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
+
+
+class Outage:
+    """ASGI wrapper: pack GETs get their headers, then nothing for ``stall_s`` (a trace
+    outage: no prefix can arrive); HEADs and the manifest pass."""
+
+    def __init__(self, app, stall_s=30.0):
+        self.app, self.stall_s, self.hits = app, stall_s, 0
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] == "http" and scope["method"] == "GET"
+                and scope["path"].endswith(".pack")):
+            self.hits += 1
+            await send({"type": "http.response.start", "status": 206,
+                        "headers": [(b"content-type", b"application/octet-stream")]})
+            import asyncio as _asyncio
+
+            await _asyncio.sleep(self.stall_s)
+            return
+        await self.app(scope, receive, send)
+
+
+def test_an_outage_from_the_start_computes_every_step_locally_as_local_does(
+        world, runtime, native_runtime):
+    """No byte can arrive: each step waits one local step at most (the first), then runs on
+    the device with every token; the image is exactly the ``local`` edit's, and the edit
+    never waits out the outage."""
+    req = runtime.request(PROMPT, SEED)
+    local = native_runtime.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req,
+                                "local")
+    with Server(Outage(create_app(LocalStorage(world.catalog_dir)))) as server:
+        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                                  options=EditOptions(initial_rate_bps=50e6))
+    assert res.local_fallbacks == world.template.steps
+    assert all(r["local"] and r["bytes"] == 0 for r in res.timeline)
+    assert (res.image - local.image).abs().max().item() <= TOL
+    assert res.latency_s < 20.0  # (30 s outage)
+
+
+class OutageAfter(Outage):
+    """Pack GETs after the first ``n`` hang (an outage that starts mid-edit)."""
+
+    def __init__(self, app, n, stall_s=30.0):
+        super().__init__(app, stall_s)
+        self.n = n
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] == "http" and scope["method"] == "GET"
+                and scope["path"].endswith(".pack")):
+            self.n -= 1
+            if self.n >= 0:
+                await self.app(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def test_an_outage_mid_edit_runs_the_rest_locally_after_the_shards_that_arrived(
+        world, runtime, native_runtime):
+    req = runtime.request(PROMPT, SEED)
+    with Server(OutageAfter(create_app(LocalStorage(world.catalog_dir)), 3)) as server:
+        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                                  options=EditOptions(initial_rate_bps=50e6, max_inflight=1,
+                                                      max_ahead=1))
+    local = [r["local"] for r in res.timeline]
+    assert not local[0] and any(local)
+    first_local = local.index(True)
+    assert all(local[first_local:])  # once local, no shard can rejoin during the outage
+    assert all(r["bytes"] > 0 for r in res.timeline[:first_local])
+    assert res.local_fallbacks == len({r["step"] for r in res.timeline if r["local"]})

@@ -30,7 +30,8 @@ def test_ratios_are_per_template_p90_then_the_median_over_templates():
     runs = []
     for t, k in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
         for s in range(10):
-            runs.append(rec("sakura", t, s, 1.0 * k, 30.0, truncations=1, hedges=2))
+            runs.append(rec("sakura", t, s, 1.0 * k, 30.0, truncations=1, hedges=2,
+                            local_fallbacks=s % 2))
             runs.append(rec("cachegen", t, s, 2.0 * k * (1 + (t == "c")), 28.0))
             runs.append(rec("intq", t, s, 1.5 * k, 29.0))
             runs.append(rec("sakura-fixed-bits", t, s, 1.0 * k, 27.0 - (s == 0) * 10))
@@ -42,6 +43,7 @@ def test_ratios_are_per_template_p90_then_the_median_over_templates():
     assert doc["psnr_p10_gain_db_vs_fixed_bits"]["0"] == pytest.approx(4.0)  # p10 26 dB
     assert doc["max_latency_over_local"]["0"] == pytest.approx(1.25)
     assert doc["events"]["0"]["truncations"] == 30 and doc["events"]["0"]["hedges"] == 60
+    assert doc["events"]["0"]["local_fallbacks"] == 15
     assert set(doc["events"]["0"]) == set(EVENTS)
     assert doc["events"]["0"]["refinements"] is None  # not built: never reported as 0
     t = targets(doc)

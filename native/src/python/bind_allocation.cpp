@@ -99,6 +99,8 @@ void bind_allocation(py::module_& m) {
       .def("exec_started", &sakura::ExecutionProgress::exec_started, py::arg("shard"),
            py::arg("t"))
       .def("exec_ended", &sakura::ExecutionProgress::exec_ended, py::arg("shard"), py::arg("t"))
+      .def("exec_ended_local", &sakura::ExecutionProgress::exec_ended_local, py::arg("shard"),
+           py::arg("t"))
       .def("predicted_exec_s", &sakura::ExecutionProgress::predicted_exec_s, py::arg("shard"))
       .def("deadline", &sakura::ExecutionProgress::deadline, py::arg("shard"), py::arg("now"))
       .def("window", &sakura::ExecutionProgress::window, py::arg("shard"), py::arg("now"))

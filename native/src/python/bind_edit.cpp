@@ -60,6 +60,7 @@ py::dict record_dict(const sakura::ShardRecord& r) {
   d["hedges"] = r.hedges;
   d["truncated"] = r.truncated;
   d["damage"] = r.damage.empty() ? py::object(py::none()) : py::object(py::str(r.damage));
+  d["local"] = r.local;
   return d;
 }
 
@@ -274,8 +275,24 @@ struct StreamTable {
 py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dict& stream,
                      std::shared_ptr<sakura::Allocator> allocator,
                      std::shared_ptr<sakura::BandwidthMonitor> monitor,
-                     std::shared_ptr<sakura::ExecutionProgress> progress) {
+                     std::shared_ptr<sakura::ExecutionProgress> progress,
+                     const py::object& local) {
   sakura::EditInputs in = edit_inputs(inputs);
+  // the local fallback: {"graphs": full EditGraphs, "inputs": full inputs, "masked": rows,
+  // "step_s": one local step's predicted time}
+  std::shared_ptr<PyEditGraphs> full_graphs;
+  sakura::EditInputs full_in;
+  sakura::LocalSteps steps;
+  const bool has_local = !local.is_none();
+  if (has_local) {
+    auto d = local.cast<py::dict>();
+    full_graphs = d["graphs"].cast<std::shared_ptr<PyEditGraphs>>();
+    full_in = edit_inputs(d["inputs"].cast<py::dict>());
+    steps.graphs = &full_graphs->get();
+    steps.inputs = &full_in;
+    steps.masked = d["masked"].cast<std::vector<std::int64_t>>();
+    steps.step_s = d["step_s"].cast<double>();
+  }
   sakura::StreamSpec spec;
   const auto table = stream["shards"].cast<std::shared_ptr<StreamTable>>();
   spec.shards = table->shards;
@@ -325,8 +342,11 @@ py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dic
     x = run_nogil(
         [&] {
           std::lock_guard<std::mutex> lock(graphs.mutex());
+          std::unique_lock<std::mutex> full_lock;
+          if (has_local) full_lock = std::unique_lock<std::mutex>(full_graphs->mutex());
           try {
-            return sakura::run_edit(graphs.get(), in, feed.get(), cancel);
+            return sakura::run_edit(graphs.get(), in, feed.get(), cancel,
+                                    has_local ? &steps : nullptr);
           } catch (...) {
             feed->cancel();
             feed->finish();  // joins the stages
@@ -389,8 +409,10 @@ void bind_edit(py::module_& m) {
         "An edit with every shard's K/V in memory; returns (latent, records).");
   m.def("run_stream", &run_stream, py::arg("graphs"), py::arg("inputs"), py::arg("stream"),
         py::arg("allocator"), py::arg("monitor"), py::arg("progress"),
+        py::arg("local") = py::none(),
         "A streamed edit (receive -> reconstruct -> execute); returns (latent, records, "
-        "requests).");
+        "requests). local: the local fallback's full graphs, inputs, masked rows and "
+        "step_s (sakura/edit.hpp, LocalSteps).");
   m.def("set_graph_threads", &sakura::set_graph_threads, py::arg("threads"),
         "Threads of the graphs' XNNPACK work (0: unchanged); returns the count in effect.");
 }

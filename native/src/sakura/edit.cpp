@@ -225,6 +225,10 @@ bool StreamFeed::link_allows(double* wait_s) {
 }
 
 void StreamFeed::issue(int j) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (records_[j].local) return;  // computed on the device: never requested
+  }
   const double now = now_s();
   const Window window = progress_->window(j, now);
   const double estimate = monitor_->estimate_bps();
@@ -283,6 +287,7 @@ void StreamFeed::complete(FetchDone&& done) {
   progress_->received(j, done.end);
   std::lock_guard<std::mutex> lock(mu_);
   ShardRecord& rec = records_[j];
+  if (rec.local) return;  // its step ran locally meanwhile: a rate sample only
   rec.recv_start = done.start - spec_.origin;
   rec.recv_first_byte = done.first_byte - spec_.origin;
   rec.recv_end = done.end - spec_.origin;
@@ -362,6 +367,15 @@ void StreamFeed::receive_loop() {
       issue(next++);
       continue;
     }
+    {
+      std::vector<int> drop;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        drop.swap(skipped_);
+      }
+      for (int j : drop) http_.cancel(j);
+    }
+    origin_failing_.store(http_.failing());
     if (next == n && http_.active() == 0) return;
     enforce_deadline(&wait);
     {
@@ -454,19 +468,77 @@ void StreamFeed::reconstruct_loop() {
   }
 }
 
+void StreamFeed::end_current(int next, double now) {
+  int current;
+  bool local;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    current = executing_;
+    if (current < 0 || current == next || !std::isnan(records_[current].exec_end)) return;
+    records_[current].exec_end = now - spec_.origin;
+    local = records_[current].local;
+  }
+  // a local step's time says nothing about the cached shards' (the online scale)
+  if (local) {
+    progress_->exec_ended_local(current, now);
+  } else {
+    progress_->exec_ended(current, now);
+  }
+}
+
+bool StreamFeed::ready_within(int j, double timeout_s) {
+  const double now = now_s();
+  end_current(j, now);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (executing_ >= 0 && executing_ != j) ready_.erase(executing_);
+  const double until = now + std::max(0.0, timeout_s);
+  while (!ready_.count(j) && !error_) {
+    if (cancelled_.load()) throw Cancelled();
+    const double left = until - now_s();
+    // an unreachable origin (a restart) is waited out within the retry window, never
+    // computed around: the local fallback is for a link that carries nothing
+    if (left <= 0 && !origin_failing_.load()) break;
+    if (waiting_ != j) {  // the receive thread enforces the deadline meanwhile
+      waiting_ = j;
+      waiting_since_ = now_s();
+      waiting_hedged_ = false;
+      http_.wakeup();
+    }
+    cv_.wait_for(lock, std::chrono::duration<double>(std::clamp(left, 0.001, 0.1)));
+  }
+  if (error_) std::rethrow_exception(error_);
+  waiting_ = -1;
+  records_[j].stall_s += now_s() - now;  // waited either way
+  return ready_.count(j) > 0;
+}
+
+void StreamFeed::skip(int j) {
+  const double now = now_s();
+  end_current(j, now);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (executing_ >= 0 && executing_ != j) ready_.erase(executing_);
+    ShardRecord& rec = records_[j];
+    rec.local = true;
+    rec.exec_start = now - spec_.origin;
+    executing_ = j;
+    pending_.erase(j);
+    ready_.erase(j);
+    if (waiting_ == j) waiting_ = -1;
+    skipped_.push_back(j);  // the receive thread drops its transfer
+  }
+  progress_->exec_started(j, now);
+  cv_.notify_all();
+  http_.wakeup();
+}
+
 const float* StreamFeed::acquire(int j) {
   const double now = now_s();
+  end_current(j, now);
   int current;
   {
     std::lock_guard<std::mutex> lock(mu_);
     current = executing_;
-  }
-  if (current >= 0 && current != j) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      records_[current].exec_end = now - spec_.origin;
-    }
-    progress_->exec_ended(current, now);
   }
   const float* out;
   {
@@ -487,7 +559,7 @@ const float* StreamFeed::acquire(int j) {
     // the start is stamped before the other stages can see the slot it frees
     const double start = now_s();
     ShardRecord& rec = records_[j];
-    rec.stall_s = start - now;
+    rec.stall_s += start - now;
     rec.exec_start = start - spec_.origin;
     progress_->exec_started(j, start);
     executing_ = j;
@@ -499,18 +571,7 @@ const float* StreamFeed::acquire(int j) {
 }
 
 void StreamFeed::finish() {
-  const double now = now_s();
-  int last;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    last = executing_;
-    if (last >= 0 && std::isnan(records_[last].exec_end)) {
-      records_[last].exec_end = now - spec_.origin;
-    } else {
-      last = -1;
-    }
-  }
-  if (last >= 0) progress_->exec_ended(last, now);
+  end_current(-1, now_s());
   {
     std::lock_guard<std::mutex> lock(mu_);
     closing_ = true;
@@ -560,91 +621,169 @@ void EditGraphs::check() const {
 
 // ------------------------------------------------------------------------- run_edit
 
-std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed,
-                            const std::atomic<bool>& cancel) {
-  graphs.check();
-  if (graphs.takes_cache && feed == nullptr) {
-    throw std::invalid_argument("cached graphs need a shard feed");
-  }
-  const int steps = in.steps;
-  const std::size_t groups = graphs.groups.size();
-  const auto& g0 = graphs.groups[0]->inputs();
-  // actual sizes: the latent's token count M (a dynamic graph takes any M within its bound)
-  const auto& x_bound = graphs.step_in->inputs()[0].sizes;  // [1, M, P]
-  const std::int64_t P = x_bound[2];
-  if (in.x.empty() || in.x.size() % P) throw std::invalid_argument("x is not [1, M, P]");
-  const std::int64_t M = static_cast<std::int64_t>(in.x.size()) / P;
-  const std::int64_t B = g0[1].sizes[0], D = g0[1].sizes[2];
-  const std::vector<std::int64_t> x_sizes{1, M, P}, img_sizes{B, M, D};
-  const std::vector<std::int64_t>& txt_sizes = g0[0].sizes;
-  const std::vector<std::int64_t>& vec_sizes = g0[2].sizes;
-  const std::int64_t half = g0[4].sizes[1];
-  const std::int64_t txt_n = g0[0].numel(), vec_n = g0[2].numel();
-  check_size(in.txt, txt_n, "txt");
-  check_size(in.vec_txt, steps * vec_n, "vec_txt");
-  check_size(in.vec_img, steps * vec_n, "vec_img");
-  check_size(in.dt, steps, "dt");
-  if (in.cos.size() != in.sin.size() || in.cos.empty() || in.cos.size() % half) {
-    throw std::invalid_argument("cos and sin must be [rows, head_dim / 2] each");
-  }
-  const std::vector<std::int64_t> rope_sizes{static_cast<std::int64_t>(in.cos.size()) / half,
-                                             half};
-  std::vector<std::int64_t> kv_sizes;
-  if (graphs.takes_cache) {
-    const std::int64_t C = g0[6].sizes[1];
-    const std::int64_t mf = feed->matrix_floats();
-    if (mf <= 0 || mf % C) throw std::invalid_argument("cache matrices are not [U, C]");
-    kv_sizes = {mf / C, C};
-  }
-  if (!in.pinned.empty()) {
-    check_size(in.pin_x0, M * P, "pin_x0");
-    check_size(in.pin_noise, M * P, "pin_noise");
-    check_size(in.t, steps, "t");
-    for (auto tok : in.pinned) {
-      if (tok < 0 || tok >= M) throw std::invalid_argument("pinned token out of range");
+namespace {
+
+// One graph set's steps: the shapes of its inputs checked once, its buffers kept.
+class StepRunner {
+ public:
+  StepRunner(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed)
+      : g_(graphs), in_(in), feed_(feed) {
+    graphs.check();
+    if (graphs.takes_cache && feed == nullptr) {
+      throw std::invalid_argument("cached graphs need a shard feed");
     }
+    steps_ = in.steps;
+    groups_ = graphs.groups.size();
+    const auto& g0 = graphs.groups[0]->inputs();
+    // actual sizes: the latent's token count M (a dynamic graph takes any M within its bound)
+    const auto& x_bound = graphs.step_in->inputs()[0].sizes;  // [1, M, P]
+    P_ = x_bound[2];
+    if (in.x.empty() || in.x.size() % P_) throw std::invalid_argument("x is not [1, M, P]");
+    M_ = static_cast<std::int64_t>(in.x.size()) / P_;
+    const std::int64_t B = g0[1].sizes[0], D = g0[1].sizes[2];
+    x_sizes_ = {1, M_, P_};
+    img_sizes_ = {B, M_, D};
+    txt_sizes_ = g0[0].sizes;
+    vec_sizes_ = g0[2].sizes;
+    const std::int64_t half = g0[4].sizes[1];
+    txt_n_ = g0[0].numel();
+    vec_n_ = g0[2].numel();
+    check_size(in.txt, txt_n_, "txt");
+    check_size(in.vec_txt, steps_ * vec_n_, "vec_txt");
+    check_size(in.vec_img, steps_ * vec_n_, "vec_img");
+    check_size(in.dt, steps_, "dt");
+    if (in.cos.size() != in.sin.size() || in.cos.empty() || in.cos.size() % half) {
+      throw std::invalid_argument("cos and sin must be [rows, head_dim / 2] each");
+    }
+    rope_sizes_ = {static_cast<std::int64_t>(in.cos.size()) / half, half};
+    if (graphs.takes_cache) {
+      const std::int64_t C = g0[6].sizes[1];
+      const std::int64_t mf = feed->matrix_floats();
+      if (mf <= 0 || mf % C) throw std::invalid_argument("cache matrices are not [U, C]");
+      kv_sizes_ = {mf / C, C};
+    }
+    if (!in.pinned.empty()) {
+      check_size(in.pin_x0, M_ * P_, "pin_x0");
+      check_size(in.pin_noise, M_ * P_, "pin_noise");
+      check_size(in.t, steps_, "t");
+      for (auto tok : in.pinned) {
+        if (tok < 0 || tok >= M_) throw std::invalid_argument("pinned token out of range");
+      }
+    }
+    x_next_.resize(in.x.size());
+    img_.resize(B * M_ * D);
+    img_next_.resize(img_.size());
+    txt_.resize(txt_n_);
+    txt_next_.resize(txt_n_);
   }
 
-  std::vector<float> x = in.x, x_next(x.size()), img(B * M * D), img_next(img.size()),
-                     txt(txt_n), txt_next(txt_n);
-  const std::vector<std::int64_t> one{1};
-  const float guidance = in.guidance;
+  int steps() const { return steps_; }
+  std::size_t groups() const { return groups_; }
+  std::int64_t tokens() const { return M_; }
+  std::int64_t patch() const { return P_; }
+
+  // Step s on x ([1, M, P], updated): the pinned tokens set to the template trajectory
+  // first (full graphs); cached graphs take shard s * groups + g's K/V from the feed. With
+  // wait_s >= 0 (the local fallback), a group whose shard is not ready within wait_s (the
+  // first group) or local_s (the others) ends the step early: false, x unchanged.
+  bool step(int s, std::vector<float>& x, double wait_s = -1, double local_s = 0) {
+    if (!in_.pinned.empty()) {
+      const float t = in_.t[s];
+      for (auto tok : in_.pinned) {
+        for (std::int64_t c = tok * P_; c < (tok + 1) * P_; ++c) {
+          x[c] = (1 - t) * in_.pin_x0[c] + t * in_.pin_noise[c];
+        }
+      }
+    }
+    g_.step_in->run({{x.data(), x_sizes_}}, {img_.data()});
+    std::copy(in_.txt.begin(), in_.txt.end(), txt_.begin());
+    const float* vt = in_.vec_txt.data() + s * vec_n_;
+    const float* vi = in_.vec_img.data() + s * vec_n_;
+    for (std::size_t g = 0; g < groups_; ++g) {
+      std::vector<GraphInput> args = {{txt_.data(), txt_sizes_}, {img_.data(), img_sizes_},
+                                      {vt, vec_sizes_}, {vi, vec_sizes_},
+                                      {in_.cos.data(), rope_sizes_}, {in_.sin.data(), rope_sizes_}};
+      if (g_.takes_cache) {
+        const int shard = static_cast<int>(s * groups_ + g);
+        if (wait_s >= 0 && !feed_->ready_within(shard, g == 0 ? wait_s : local_s)) return false;
+        const float* kv = feed_->acquire(shard);
+        const std::int64_t n = kv_sizes_[0] * kv_sizes_[1];
+        for (int m = 0; m < 2 * g_.group_blocks[g]; ++m) args.push_back({kv + m * n, kv_sizes_});
+      }
+      g_.groups[g]->run(args, {txt_next_.data(), img_next_.data()});
+      txt_.swap(txt_next_);
+      img_.swap(img_next_);
+    }
+    const float dt = in_.dt[s];
+    const float guidance = in_.guidance;
+    const std::vector<std::int64_t> one{1};
+    g_.step_out->run({{img_.data(), img_sizes_}, {vi, vec_sizes_}, {x.data(), x_sizes_},
+                      {&dt, one}, {&guidance, one}},
+                     {x_next_.data()});
+    x.swap(x_next_);
+    return true;
+  }
+
+ private:
+  EditGraphs& g_;
+  const EditInputs& in_;
+  ShardFeed* feed_;
+  int steps_ = 0;
+  std::size_t groups_ = 0;
+  std::int64_t P_ = 0, M_ = 0, txt_n_ = 0, vec_n_ = 0;
+  std::vector<std::int64_t> x_sizes_, img_sizes_, txt_sizes_, vec_sizes_, rope_sizes_, kv_sizes_;
+  std::vector<float> x_next_, img_, img_next_, txt_, txt_next_;
+};
+
+}  // namespace
+
+std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed,
+                            const std::atomic<bool>& cancel, LocalSteps* local) {
+  StepRunner cached(graphs, in, feed);
+  std::unique_ptr<StepRunner> full;
+  std::vector<float> xf;
+  if (local != nullptr) {
+    if (local->graphs == nullptr || local->inputs == nullptr || local->graphs->takes_cache ||
+        feed == nullptr || !graphs.takes_cache) {
+      throw std::invalid_argument("a local fallback needs full graphs beside cached ones");
+    }
+    full = std::make_unique<StepRunner>(*local->graphs, *local->inputs, nullptr);
+    if (full->steps() != cached.steps() || full->patch() != cached.patch() ||
+        static_cast<std::int64_t>(local->masked.size()) != cached.tokens()) {
+      throw std::invalid_argument("the local fallback's geometry disagrees with the edit's");
+    }
+    for (auto r : local->masked) {
+      if (r < 0 || r >= full->tokens()) throw std::invalid_argument("masked row out of range");
+    }
+    xf = local->inputs->x;
+    local->steps = 0;
+  }
+  std::vector<float> x = in.x;
+  const std::int64_t P = cached.patch();
+  bool local_mode = false;
   try {
     if (feed) feed->start();
-    for (int s = 0; s < steps; ++s) {
+    for (int s = 0; s < cached.steps(); ++s) {
       if (cancel.load()) throw Cancelled();
-      if (!in.pinned.empty()) {
-        const float t = in.t[s];
-        for (auto tok : in.pinned) {
-          for (std::int64_t c = tok * P; c < (tok + 1) * P; ++c) {
-            x[c] = (1 - t) * in.pin_x0[c] + t * in.pin_noise[c];
-          }
+      const int first = static_cast<int>(s * cached.groups());
+      // one local step's wait at most when the stream was on time; none while local
+      if (full && !cached.step(s, x, local_mode ? 0.0 : local->step_s, local->step_s)) {
+        for (std::size_t g = 0; g < cached.groups(); ++g) feed->skip(first + static_cast<int>(g));
+        for (std::size_t i = 0; i < local->masked.size(); ++i) {
+          std::copy_n(x.begin() + static_cast<std::ptrdiff_t>(i) * P, P,
+                      xf.begin() + local->masked[i] * P);
         }
-      }
-      graphs.step_in->run({{x.data(), x_sizes}}, {img.data()});
-      std::copy(in.txt.begin(), in.txt.end(), txt.begin());
-      const float* vt = in.vec_txt.data() + s * vec_n;
-      const float* vi = in.vec_img.data() + s * vec_n;
-      for (std::size_t g = 0; g < groups; ++g) {
-        std::vector<GraphInput> args = {{txt.data(), txt_sizes}, {img.data(), img_sizes},
-                                        {vt, vec_sizes}, {vi, vec_sizes},
-                                        {in.cos.data(), rope_sizes}, {in.sin.data(), rope_sizes}};
-        if (graphs.takes_cache) {
-          const float* kv = feed->acquire(static_cast<int>(s * groups + g));
-          const std::int64_t n = kv_sizes[0] * kv_sizes[1];
-          for (int m = 0; m < 2 * graphs.group_blocks[g]; ++m) {
-            args.push_back({kv + m * n, kv_sizes});
-          }
+        full->step(s, xf);
+        for (std::size_t i = 0; i < local->masked.size(); ++i) {
+          std::copy_n(xf.begin() + local->masked[i] * P, P,
+                      x.begin() + static_cast<std::ptrdiff_t>(i) * P);
         }
-        graphs.groups[g]->run(args, {txt_next.data(), img_next.data()});
-        txt.swap(txt_next);
-        img.swap(img_next);
+        local->steps += 1;
+        local_mode = true;
+        continue;
       }
-      const float dt = in.dt[s];
-      graphs.step_out->run({{img.data(), img_sizes}, {vi, vec_sizes}, {x.data(), x_sizes},
-                            {&dt, one}, {&guidance, one}},
-                           {x_next.data()});
-      x.swap(x_next);
+      local_mode = false;
+      if (!full) cached.step(s, x);
     }
   } catch (...) {
     if (feed) feed->cancel();

@@ -54,6 +54,7 @@ struct ShardRecord {
   int hedges = 0;          // re-requests on a fresh connection
   bool truncated = false;  // executed from the prefix received by its deadline
   std::string damage;      // a unit that failed its checksum ("" : none)
+  bool local = false;      // its step was computed on the device (local fallback): no bytes
 };
 
 // Raised when an edit is cancelled (Ctrl-C in Python).
@@ -68,6 +69,12 @@ class ShardFeed {
   virtual void start() {}
   // Shard j's matrices, valid until the next acquire() or finish(); blocks until ready.
   virtual const float* acquire(int shard) = 0;
+  // Local fallback (run_edit with LocalSteps): true once shard j is ready, false if it is
+  // not within timeout_s (0: ready now); never marks it executing.
+  virtual bool ready_within(int, double) { return true; }
+  // Shard j's step is computed locally from now: its bytes are not needed (its transfer is
+  // dropped, it is never requested), its slot is free, its record says local.
+  virtual void skip(int) {}
   // After the last shard executed: stamps its end, stops the stages.
   virtual void finish() {}
   virtual void cancel() {}
@@ -144,6 +151,8 @@ class StreamFeed final : public ShardFeed {
 
   void start() override;
   const float* acquire(int shard) override;
+  bool ready_within(int shard, double timeout_s) override;
+  void skip(int shard) override;
   void finish() override;
   void cancel() override;
   std::vector<ShardRecord> records() const override;
@@ -157,6 +166,7 @@ class StreamFeed final : public ShardFeed {
   void issue(int j);
   void enforce_deadline(double* wait_s);
   void complete(FetchDone&& done);
+  void end_current(int next, double now);  // stamps the end of the shard executing (if any)
   std::vector<float> decode(int j, int config, const std::vector<std::uint8_t>& data);
   void fail(std::exception_ptr e);
   void stop_threads();
@@ -173,6 +183,8 @@ class StreamFeed final : public ShardFeed {
   int waiting_ = -1;            // the shard execution waits for (-1: none)
   double waiting_since_ = 0;    // ... since
   bool waiting_hedged_ = false;
+  std::vector<int> skipped_;    // shards computed locally whose transfers are to be dropped
+  std::atomic<bool> origin_failing_{false};  // (receive thread) HttpReceiver::failing()
   std::map<int, std::pair<int, std::vector<std::uint8_t>>> pending_;  // received
   std::map<int, std::vector<float>> ready_;                           // reconstructed
   std::exception_ptr error_;
@@ -212,8 +224,20 @@ struct EditInputs {
 // Runs the edit on the calling thread; returns the latent after the last step. `feed` may be
 // null for graphs that take no cache. Throws whatever a stage threw; Cancelled when
 // `cancel` becomes true.
+// Local fallback (issue 28 item 10): a step whose first shard is not ready within one local
+// step's time is computed on the device with the full graphs (every token, as `local` does:
+// the unmasked tokens pinned to the template trajectory, public catalog data), and so is
+// every next step until a shard is ready when its step begins (the edit rejoins the stream).
+struct LocalSteps {
+  EditGraphs* graphs = nullptr;        // full graphs (takes_cache false)
+  const EditInputs* inputs = nullptr;  // full inputs (pinned = the unmasked tokens)
+  std::vector<std::int64_t> masked;    // the masked tokens' rows in the full latent
+  double step_s = 0;                   // predicted time of one local step (the wait bound)
+  int steps = 0;                       // (out) steps computed locally
+};
+
 std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& inputs, ShardFeed* feed,
-                            const std::atomic<bool>& cancel);
+                            const std::atomic<bool>& cancel, LocalSteps* local = nullptr);
 
 // Float32 values of IEEE half data (the fp16 codec's payload).
 void half_to_float(const std::uint8_t* data, std::size_t count, float* out);

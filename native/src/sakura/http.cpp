@@ -637,6 +637,21 @@ bool HttpReceiver::take_prefix(int shard, FetchDone* done) {
   return true;
 }
 
+bool HttpReceiver::failing() const {
+  for (const auto& t : impl_->transfers) {
+    if (t.failures > 0) return true;
+  }
+  return false;
+}
+
+bool HttpReceiver::cancel(int shard) {
+  Transfer* t = impl_->find(shard);
+  if (t == nullptr) return false;
+  impl_->end_attempt(*t);
+  impl_->transfers.remove_if([&](const Transfer& x) { return &x == t; });
+  return true;
+}
+
 bool HttpReceiver::restart(int shard) {
   Transfer* t = impl_->find(shard);
   if (t == nullptr) return false;

@@ -128,6 +128,8 @@ class HttpReceiver {
   bool take_prefix(int shard, FetchDone* done);
   // Re-requests shard's remaining range on a fresh connection (a hedge); false: none active.
   bool restart(int shard);
+  // Drops shard's transfer (its step no longer needs it); false: none active.
+  bool cancel(int shard);
   // The stall watchdog: restarts every attempt without new bytes for longer than
   // max(floor_s, 3 rtt_s, 2x its remaining bytes at rate_bps); returns how many.
   int restart_stalled(double rtt_s, double rate_bps, double floor_s);
@@ -136,6 +138,9 @@ class HttpReceiver {
   bool has_transfer(int shard) const;
 
   int active() const;                     // transfers started and not yet done
+  // Some transfer's last attempt failed (refused, reset, a retried status) and it has made
+  // no progress since: the origin is unreachable, not slow.
+  bool failing() const;
   std::int64_t outstanding_bytes() const; // bytes the active transfers still expect
   std::vector<RequestLogEntry> take_log();
 

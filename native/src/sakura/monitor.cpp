@@ -191,6 +191,12 @@ void ExecutionProgress::exec_ended(int shard, double t) {
   }
 }
 
+void ExecutionProgress::exec_ended_local(int shard, double t) {
+  check_shard(shard);
+  std::lock_guard<std::mutex> lock(mu_);
+  shards_[shard].exec_end = t;
+}
+
 double ExecutionProgress::scale() const {
   std::lock_guard<std::mutex> lock(mu_);
   return scale_;

@@ -82,6 +82,8 @@ class ExecutionProgress {
   void reconstructed(int shard, double start, double end);
   void exec_started(int shard, double t);
   void exec_ended(int shard, double t);
+  // A shard whose step ran locally (local fallback) ended: its time does not move the scale.
+  void exec_ended_local(int shard, double t);
 
   double predicted_exec_s(int shard) const;
   double deadline(int shard, double now) const;
