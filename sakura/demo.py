@@ -219,7 +219,7 @@ def run_demo(args: argparse.Namespace) -> int:
     # 4) summary, images, plots
     print(f"[4/4] prompt {prompt!r} (never left the device); results in {out}/")
     print(f"      {'policy':8s} {'latency s':>9s} {'MB moved':>9s} {'stalls':>6s} "
-          f"{'PSNR vs exact':>13s} {'SSIM':>6s}")
+          f"{'local steps':>11s} {'PSNR vs exact':>13s} {'SSIM':>6s}")
     summary: dict[str, Any] = {"template": args.template, "prompt": prompt, "seed": args.seed,
                                **tokens,
                                "trace": trace_name, "start_s": args.start,
@@ -233,8 +233,9 @@ def run_demo(args: argparse.Namespace) -> int:
                                "startup_fraction": opts.startup_fraction, "policies": {}}
     for policy, res in results.items():
         psnr = "inf" if res.psnr_db == float("inf") else f"{res.psnr_db:.2f} dB"
+        local_steps = "all" if policy == "local" else str(res.local_fallbacks)
         print(f"      {policy:8s} {res.latency_s:9.3f} {res.bytes / 1e6:9.3f} {res.stalls:6d} "
-              f"{psnr:>13s} {res.ssim:6.3f}")
+              f"{local_steps:>11s} {psnr:>13s} {res.ssim:6.3f}")
         summary["policies"][policy] = res.summary()
         _save(res.image, out / f"edit-{policy}.png")
         if res.timeline:
@@ -250,9 +251,13 @@ def run_demo(args: argparse.Namespace) -> int:
     summary["speedup_sakura_vs"] = {p: lat[p] / lat["sakura"] for p in lat if p != "sakura"}
     summary["e2e_over_floor"] = lat["sakura"] / floor_s
     summary["exec_inflation"] = sk.exec_s / floor.shard_exec_s
+    fp16 = results["fp16"]
+    fp16_note = (f" ({fp16.local_fallbacks} of its {template.steps}"
+                 " steps computed on the device: the link could not deliver them in time)"
+                 if fp16.local_fallbacks else "")
     print(f"      sakura is {lat['local'] / lat['sakura']:.2f}x faster than local and "
-          f"{lat['fp16'] / lat['sakura']:.2f}x faster than streaming the FP16 cache "
-          f"(floor: {floor_s:.2f} s with the whole cache resident)")
+          f"{lat['fp16'] / lat['sakura']:.2f}x faster than streaming the FP16 cache"
+          f"{fp16_note} (floor: {floor_s:.2f} s with the whole cache resident)")
     print(f"      {runtime_name} runtime: e2e_over_floor {summary['e2e_over_floor']:.2f} "
           f"(sakura latency / floor), exec_inflation {summary['exec_inflation']:.2f} "
           f"(streamed shard execution / resident)")
