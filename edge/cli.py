@@ -295,10 +295,16 @@ def fetch_template_entry(server: str, template_id: str, token: str | None) -> di
     from sakura.edge.client import PackClient, RetryPolicy
 
     async def get() -> dict[str, Any]:
-        async with PackClient(server, token=token, retry=RetryPolicy()) as client:
+        async with PackClient(server, token=token, retry=RetryPolicy(),
+                              on_wait=say_waiting) as client:
             return await client.template_entry(template_id)
 
     return asyncio.run(get())
+
+
+def say_waiting(message: str) -> None:
+    """One line per retry while the origin does not answer (never silent for 30 s)."""
+    print(f"sakura: {message}", file=sys.stderr, flush=True)
 
 
 def _edit(args: argparse.Namespace) -> int:
@@ -338,7 +344,7 @@ def _edit(args: argparse.Namespace) -> int:
     req = runtime.request(args.prompt, args.seed, reference)
     options = EditOptions(max_ahead=args.max_ahead, pack=args.pack,
                           reconstruct=args.reconstruct,
-                          startup_fraction=args.startup_fraction)
+                          startup_fraction=args.startup_fraction, on_wait=say_waiting)
     link_info: dict[str, Any] = {"mode": "direct"}
     if trace is not None:
         stats = trace.slice(args.start, 60.0).stats() if args.trace else trace.stats()

@@ -76,6 +76,7 @@ import asyncio
 import hashlib
 import json
 import os
+import random
 import re
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -120,8 +121,12 @@ class RetryPolicy:
     backoff_s: float = 0.1
     backoff_max_s: float = 2.0
     max_refetch: int = 3           # refetches of a body that fails verification
+    # each backoff is drawn in [1 - jitter, 1] x its exponential value, so the clients an
+    # origin restart dropped together do not all come back in the same instant
+    jitter: float = 0.5
 
     def delay(self, failures: int) -> float:
+        """The exponential backoff before retry ``failures`` (its upper bound)."""
         return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
 
     def exhausted(self, failures: int, since_progress_s: float) -> bool:
@@ -513,6 +518,10 @@ class PackClient:
     manifests: dict[tuple[str, str], CachedManifest] | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     chunk_size: int = 64 * 1024
+    # told, one line per retry without progress, what the client is waiting for
+    # (``sakura edit`` prints it: "sakura: waiting for URL: connection refused, retry 3 ...")
+    on_wait: Callable[[str], None] | None = None
+    _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
     _session: aiohttp.ClientSession | None = field(default=None, init=False, repr=False)
     _fresh_session: aiohttp.ClientSession | None = field(default=None, init=False, repr=False)
     _etags: dict[str, str] = field(default_factory=dict, init=False, repr=False)
@@ -683,7 +692,7 @@ class PackClient:
                 failures += 1
                 if self.retry.exhausted(failures, time.monotonic() - last_progress):
                     raise self._give_up(key, failures, exc) from None
-                await asyncio.sleep(self.retry.delay(failures))
+                await self._back_off(failures, exc, last_progress)
 
     async def _raise_for(self, resp: aiohttp.ClientResponse, key: str,
                          what: str | None = None) -> None:
@@ -704,6 +713,15 @@ class PackClient:
                     else " (check the AWS credentials and the bucket policy)")
             raise OriginError(f"{self.base_url}: access to {key} refused: {text}{hint}")
         raise OriginError(f"{self.base_url}: {key}: {text}")
+
+    async def _back_off(self, failures: int, exc: BaseException, last_progress: float) -> None:
+        """Sleep the jittered backoff before retry ``failures``, saying so first."""
+        delay = self.retry.delay(failures) * (1.0 - self.retry.jitter * self._rng.random())
+        if self.on_wait is not None:
+            left = max(0.0, self.retry.window_s - (time.monotonic() - last_progress))
+            self.on_wait(f"waiting for {self.base_url}: {_describe(exc)}, retry {failures} in "
+                         f"{delay:.1f} s (giving up in {left:.0f} s without progress)")
+        await asyncio.sleep(delay)
 
     def _give_up(self, key: str, attempts: int, exc: BaseException) -> EdgeError:
         tried = f"gave up after {attempts} attempts without progress"
@@ -810,7 +828,7 @@ class PackClient:
             if self.retry.exhausted(failures, time.monotonic() - t.last_progress):
                 raise self._give_up(key, max(1, failures), error)
             if failures:
-                await asyncio.sleep(self.retry.delay(failures))
+                await self._back_off(failures, error, t.last_progress)
 
     def _check_content_range(self, resp: aiohttp.ClientResponse, key: str, lo: int, hi: int,
                              spec: BodySpec) -> None:
@@ -870,6 +888,11 @@ def _error_message(body: bytes) -> str:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        os_error = getattr(exc, "os_error", None)
+        if isinstance(os_error, ConnectionRefusedError):
+            return "connection refused"
+        return f"cannot connect ({os_error or exc})"[:300]
     if isinstance(exc, _Retry):
         return str(exc)
     text = str(exc) or type(exc).__name__

@@ -48,6 +48,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -256,6 +257,8 @@ class EditOptions:
     pack: str | None = None     # stream this codec's pack instead of the policy's default
     policy_options: dict[str, Any] = field(default_factory=dict)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # told, a line per retry, what the edit's Python client waits for (PackClient.on_wait)
+    on_wait: Callable[[str], None] | None = None
     # execution may start this fraction of the predicted execution time after the manifest
     # is in, so the first shards fit better configurations (0: start as soon as possible)
     startup_fraction: float = DEFAULT_STARTUP_FRACTION
@@ -516,6 +519,7 @@ class EdgeRuntime:
         rate_key = opts.rate_origin or server
         log = request_log if request_log is not None else []
         client = PackClient(server, token=token, request_log=log, retry=opts.retry,
+                            on_wait=opts.on_wait,
                             manifests=self.manifests if opts.cache_manifests else None)
         net.run(client.open())
         try:

@@ -747,6 +747,38 @@ def case_damaged_pack_reported_not_unreachable(work: Path, tally: Tally) -> str:
         raise CaseFailed("the client accepted a body of a damaged pack")
 
 
+def case_unreachable_origin_progress(work: Path, tally: Tally) -> str:
+    """Nothing listens at the origin: the client says what it waits for at its first retry
+    (not silence until the retry window ends), then gives up naming the cause."""
+    import socket
+
+    from sakura.edge.client import PackClient, RetryPolicy
+    from sakura.edge.errors import ServerUnreachable
+
+    with socket.socket() as sock:  # a port with nothing behind it
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    lines: list[tuple[float, str]] = []
+    t0 = time.perf_counter()
+
+    async def go() -> None:
+        async with PackClient(url, retry=RetryPolicy(window_s=3.0),
+                              on_wait=lambda m: lines.append((time.perf_counter() - t0, m))
+                              ) as client:
+            await client.catalog()
+
+    try:
+        asyncio.run(go())
+    except ServerUnreachable as exc:
+        check(bool(lines), "no line while waiting")
+        first_s, first = lines[0]
+        check(first_s <= 1.0, f"the first waiting line came after {first_s:.1f} s")
+        check("connection refused" in first and "retry 1" in first, f"unclear line: {first}")
+        check("connection refused" in str(exc), f"the error does not name the cause: {exc}")
+        return f"first line after {first_s:.2f} s: {first}; {len(lines)} lines, then: {exc}"
+    raise CaseFailed("a client reached an origin with nothing listening")
+
+
 CASES: dict[str, Callable[[Path, Tally], str]] = {
     "repair_after_corruption": case_repair_after_corruption,
     "corrupt_pack_served": case_corrupt_pack_served,
@@ -765,6 +797,7 @@ CASES: dict[str, Callable[[Path, Tally], str]] = {
     "bomb_image": case_bomb_image,
     "empty_prompt": case_empty_prompt,
     "damaged_pack_reported_not_unreachable": case_damaged_pack_reported_not_unreachable,
+    "unreachable_origin_progress": case_unreachable_origin_progress,
 }
 
 

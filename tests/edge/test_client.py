@@ -258,3 +258,30 @@ def test_default_policy_rides_out_a_server_restart(world):
 def test_bad_url_is_rejected():
     with pytest.raises(EdgeError, match="http://, https:// or s3://"):
         PackClient("ftp://example.com")
+
+
+def test_an_origin_that_is_not_there_is_waited_for_visibly_with_jittered_backoff():
+    """Nothing listens: one line per retry says what the client waits for and when it gives
+    up; each backoff is drawn within [1 - jitter, 1] of its exponential bound."""
+    import re
+
+    from sakura.edge.errors import ServerUnreachable
+    from tests.edge.helpers import free_port
+
+    lines: list[str] = []
+    policy = RetryPolicy(window_s=1.0, backoff_s=0.05, backoff_max_s=0.2)
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def go() -> None:
+        async with PackClient(url, retry=policy, on_wait=lines.append) as c:
+            await c.catalog()
+
+    with pytest.raises(ServerUnreachable, match="connection refused"):
+        asyncio.run(go())
+    assert len(lines) >= 3
+    for i, line in enumerate(lines, start=1):
+        m = re.fullmatch(rf"waiting for {re.escape(url)}: connection refused, retry {i} in "
+                         r"([\d.]+) s \(giving up in \d+ s without progress\)", line)
+        assert m, line
+        bound = policy.delay(i)
+        assert (1 - policy.jitter) * bound - 0.05 <= float(m.group(1)) <= bound + 0.05
