@@ -33,6 +33,10 @@ policy                       codec    choice per shard
 ``local``                    --       no cache: the whole model on the device
 ============================ ======== ============================================================
 
+``Policy.local_fallback``: whether the native runtime may compute a step on the device when
+none of its shards can arrive in time (SAKURA's policies and ``cachegen``, whose paper falls
+back to recomputation; not ``fp16`` and ``intq``, plain streaming baselines, nor ``local``).
+
 ``options["lookahead"]`` (``EditOptions.policy_options``) turns the plan on or off for any
 adaptive policy; the baselines keep their published greedy rule by default.
 
@@ -317,6 +321,10 @@ class Policy:
     codec: str | None  # None: no network (local)
     build: Callable[[PolicyContext], Allocator] | None
     description: str
+    # computes a step on the device when no shard of it can arrive in time (the native
+    # runtime's local fallback): SAKURA's policies, and CacheGen, whose paper falls back to
+    # recomputation; the plain streaming baselines (fp16, intq) wait for their bytes
+    local_fallback: bool = True
 
 
 def _lookahead(ctx: PolicyContext, tables: list[ShardOptions], default: bool
@@ -377,8 +385,9 @@ POLICIES: dict[str, Policy] = {
     for p in (
         Policy("sakura", "sakura", _adaptive, "SAKURA: adaptive rank and bits per shard"),
         Policy("local", None, None, "whole model on the device, no cache"),
-        Policy("fp16", "fp16", _greedy, "stream the raw FP16 cache"),
-        Policy("intq", "intq", _greedy, "uniform integer quantization, adaptive bitwidth"),
+        Policy("fp16", "fp16", _greedy, "stream the raw FP16 cache", local_fallback=False),
+        Policy("intq", "intq", _greedy, "uniform integer quantization, adaptive bitwidth",
+               local_fallback=False),
         Policy("cachegen", "cachegen", _greedy, "CacheGen adapted to DiT, adaptive level"),
         Policy("svd", "svd", _adaptive, "plain SVD (q = 0), adaptive rank and bits"),
         Policy("sakura-fixed-config", "sakura", _fixed_config,

@@ -568,10 +568,13 @@ class EdgeRuntime:
                 loop_start.append(time.monotonic())
                 return self.runner.progress(exec_s, origin, allowance,
                                             time.monotonic() + first_byte_s)
+            # the local fallback where both the options and the policy have it
+            job_opts = replace(opts, local_fallback=opts.local_fallback
+                               and get_policy(policy).local_fallback)
             job = StreamJob(net=net, client=client, template_id=template_id, codec=codec,
                             manifest_dict=manifest_dict, manifest=manifest, prep=prep,
                             req=req, allocator=allocator, monitor=monitor,
-                            progress=progress, origin=origin, opts=opts, log=log,
+                            progress=progress, origin=origin, opts=job_opts, log=log,
                             derived=derived, exec_s=list(exec_s))
             image, timeline = self.runner.stream(self, job)
             latency = time.monotonic() - origin
