@@ -23,3 +23,8 @@ class NativeUnavailable(EdgeError):
 
 class OriginError(EdgeError):
     """The origin answered, with an error (its own message is in the text)."""
+
+
+class VersionGone(OriginError):
+    """The origin no longer has the pack version the manifest names (``code:
+    version_gone``: republished and collected during the edit): refetch the manifest."""

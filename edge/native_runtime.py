@@ -63,6 +63,7 @@ from sakura.edge.errors import (
     NativeUnavailable,
     OriginError,
     ServerUnreachable,
+    VersionGone,
 )
 from sakura.edge.native_status import native_module
 from sakura.edge.pipeline import STALL_FLOOR_S
@@ -411,7 +412,7 @@ def fetch_error(text: str) -> EdgeError:
     """The edge error of a native ``FetchError`` ("<kind>: <message>")."""
     kind, _, message = text.partition(": ")
     cls = {"unreachable": ServerUnreachable, "integrity": IntegrityError,
-           "http": OriginError}.get(kind, EdgeError)
+           "http": OriginError, "version_gone": VersionGone}.get(kind, EdgeError)
     return cls(message or text)
 
 

@@ -244,6 +244,8 @@ class NativeRunner:
         key = (f"{template_id}|runtime=native|bps={bps}|steps={prep.template.steps}"
                f"|cfg={uncond}|weights={native.weights_sha256[:12]}")
         native.prepare(prep.template, prep.geometry, req, bps)
+        if opts.local_fallback:  # local's graphs, for the steps computed on the device
+            native.prepare_full(prep.template, req)
         if key not in device.profiles:
             device.profiles[key] = ExecProfile(
                 native.calibrate(prep.template, prep.geometry, req, bps))

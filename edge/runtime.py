@@ -46,9 +46,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ from sakura.edge.allocator import PolicyContext, get_policy, options_from_manife
 from sakura.edge.backends.base import BackendConfig
 from sakura.edge.backends.executor import DeviceBackend
 from sakura.edge.client import CachedManifest, PackClient, RequestRecord, RetryPolicy
-from sakura.edge.errors import EdgeError, NativeUnavailable
+from sakura.edge.errors import EdgeError, NativeUnavailable, VersionGone
 from sakura.edge.monitor import (
     DEFAULT_STARTUP_FRACTION,
     check_startup_fraction,
@@ -502,11 +502,32 @@ class EdgeRuntime:
             dt = time.monotonic() - t0
             return EditResult(image=image, policy=policy, codec=None, latency_s=dt, exec_s=dt)
         codec = opts.pack or pol.codec
+        # the local fallback where the options and the policy both have it, and the
+        # template trajectory can be computed (its seed is known)
+        opts = replace(opts, local_fallback=(opts.local_fallback and pol.local_fallback
+                                             and template.seed >= 0))
         profile = self.runner.profile(self, server, template_id, prep, req, codec, token, opts)
+        try:
+            return self._streamed_once(server, template_id, prep, req, pol.name, codec,
+                                       profile, token, request_log, opts)
+        except VersionGone:
+            # the manifest this edit used names a pack the origin has collected: drop it
+            # and run once more on the manifest the origin publishes now
+            self.manifests.pop((template_id, codec), None)
+        res = self._streamed_once(server, template_id, prep, req, pol.name, codec, profile,
+                                  token, request_log, opts)
+        res.warnings.append("the pack was republished during the edit; it ran again on the "
+                            "new version")
+        return res
+
+    def _streamed_once(self, server: str, template_id: str, prep: Prepared, req: Any,
+                       policy: str, codec: str, profile: ExecProfile, token: str | None,
+                       request_log: list[RequestRecord] | None,
+                       opts: EditOptions) -> EditResult:
         net = NetLoop()
         try:
-            return self._streamed(net, server, template_id, prep, req, pol.name,
-                                  codec, profile, token, request_log, opts)
+            return self._streamed(net, server, template_id, prep, req, policy, codec,
+                                  profile, token, request_log, opts)
         finally:
             net.close()
 
@@ -568,13 +589,10 @@ class EdgeRuntime:
                 loop_start.append(time.monotonic())
                 return self.runner.progress(exec_s, origin, allowance,
                                             time.monotonic() + first_byte_s)
-            # the local fallback where both the options and the policy have it
-            job_opts = replace(opts, local_fallback=opts.local_fallback
-                               and get_policy(policy).local_fallback)
             job = StreamJob(net=net, client=client, template_id=template_id, codec=codec,
                             manifest_dict=manifest_dict, manifest=manifest, prep=prep,
                             req=req, allocator=allocator, monitor=monitor,
-                            progress=progress, origin=origin, opts=job_opts, log=log,
+                            progress=progress, origin=origin, opts=opts, log=log,
                             derived=derived, exec_s=list(exec_s))
             image, timeline = self.runner.stream(self, job)
             latency = time.monotonic() - origin

@@ -38,6 +38,7 @@ from typing import Any
 
 from sakura.edge.replay.config import CONFIG_DIR, load_config
 from sakura.edge.replay.report import pct
+
 from sakura.errors import SakuraError
 
 TAIL_CONFIG = CONFIG_DIR / "tail.yaml"

@@ -266,6 +266,7 @@ def test_an_origin_that_is_not_there_is_waited_for_visibly_with_jittered_backoff
     import re
 
     from sakura.edge.errors import ServerUnreachable
+
     from tests.edge.helpers import free_port
 
     lines: list[str] = []
@@ -285,3 +286,33 @@ def test_an_origin_that_is_not_there_is_waited_for_visibly_with_jittered_backoff
         assert m, line
         bound = policy.delay(i)
         assert (1 - policy.jitter) * bound - 0.05 <= float(m.group(1)) <= bound + 0.05
+
+
+class SilentFirstManifest:
+    """The first manifest request is accepted and never answered (as a lost SYN-ACK or a
+    lost request looks to the client); later ones pass."""
+
+    def __init__(self, app):
+        self.app, self.silent, self.manifests = app, 1, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].endswith("manifest.json"):
+            self.manifests += 1
+            if self.silent > 0:
+                self.silent -= 1
+                await asyncio.sleep(30)
+                return
+        await self.app(scope, receive, send)
+
+
+def test_an_unanswered_manifest_request_is_hedged_on_a_new_connection(world):
+    from sakura.edge.client import HEDGE_JSON_S
+
+    app = SilentFirstManifest(create_app(LocalStorage(world.catalog_dir)))
+    with Server(app) as server:
+        async def go():
+            async with PackClient(server.url) as c:
+                return await c.manifest_fetch(TEMPLATE_ID, "sakura")
+        got = run(go())
+    assert app.manifests == 2 and got.data["template_id"] == TEMPLATE_ID
+    assert HEDGE_JSON_S < 1.0  # below the 1 s a lost SYN costs

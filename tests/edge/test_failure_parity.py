@@ -129,3 +129,39 @@ def test_a_416_is_a_truncated_pack_in_both_runtimes(world, runtime, native_runti
         assert "shorter than its manifest says (416" in msg, (name, msg)
         assert "the published pack is truncated" in msg
         assert hits <= 8, (name, hits)
+
+
+class GoneOnce:
+    """The first pack GET answers 404 ``version_gone`` (the pack was republished and the old
+    version collected mid-edit); the manifest is fetched again and the edit runs."""
+
+    def __init__(self, app):
+        self.app, self.gone, self.manifests = app, 1, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].endswith("manifest.json"):
+            self.manifests += 1
+        if (scope["type"] == "http" and scope["method"] == "GET"
+                and scope["path"].endswith(".pack") and self.gone > 0):
+            self.gone -= 1
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body",
+                        "body": b'{"error": "pack version superseded", "code": "version_gone"}'})
+            return
+        await self.app(scope, receive, send)
+
+
+@pytest.mark.parametrize("which", ["python", "native"])
+def test_a_superseded_pack_version_refetches_the_manifest(world, runtime, native_runtime,
+                                                          which):
+    rt = runtime if which == "python" else native_runtime
+    req = runtime.request(PROMPT, SEED)
+    app = GoneOnce(create_app(LocalStorage(world.catalog_dir)))
+    rt.manifests.clear()
+    with Server(app) as server:
+        res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                      options=EditOptions(local_fallback=False))
+    assert app.gone == 0 and app.manifests >= 2
+    assert any("republished" in w for w in res.warnings), res.warnings
+    assert res.bytes > 0

@@ -454,6 +454,10 @@ struct HttpReceiver::Impl {
     if (code < 200 || code >= 300) {
       const std::string msg = json_error(t.error_body);
       const std::string ecode = json_string(t.error_body, "code");
+      if (ecode == "version_gone") {  // republished: the runtime fetches the manifest again
+        throw FetchError("version_gone", t.req.url + ": HTTP " + std::to_string(code) +
+                                             (msg.empty() ? "" : ": " + msg));
+      }
       throw FetchError("http", t.req.url + ": HTTP " + std::to_string(code) +
                                    (msg.empty() ? "" : ": " + msg) +
                                    (permanent_code(ecode) ? " (the origin says " + ecode +
