@@ -57,7 +57,8 @@ Manifests: with a ``manifests`` dict (the device's manifest cache, kept across e
 known manifest is revalidated with ``If-None-Match: <etag>`` and a 304 answer moves no body.
 
 Failures: connection errors, timeouts and ``408 / 429 / 5xx`` answers are retried with
-exponential backoff while the request makes no progress for less than
+jittered exponential backoff (``RetryPolicy.jitter``; ``on_wait`` hears one line per retry:
+``sakura edit`` prints it) while the request makes no progress for less than
 ``RetryPolicy.window_s`` (30 s by default: long enough for ``sakura serve`` to restart), or
 until ``max_attempts`` consecutive failures when that is set; an attempt that brought new
 bytes before it broke is resumed at once, without backoff. Giving up names the URL the
@@ -67,7 +68,10 @@ other ``4xx`` raises :class:`OriginError` at once, and so does an answer whose J
 ``code`` is permanent (:data:`PERMANENT_CODES`: a damaged pack is reported in one request,
 not after 30 s as an unreachable server). The native runtime classifies the same way
 (``native/src/sakura/http.cpp``), and checks every 206's ``Content-Range`` total against
-the manifest's ``pack_bytes`` with the same words.
+the manifest's ``pack_bytes`` with the same words. A 404 whose code is ``version_gone``
+(the pack was republished and the old one collected) is :class:`VersionGone`: the runtime
+drops its cached manifest and runs the edit once more. A catalog or manifest request with
+no answer after :data:`HEDGE_JSON_S` goes out once more on a new connection.
 """
 
 from __future__ import annotations
