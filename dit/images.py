@@ -20,6 +20,7 @@ import io
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -74,23 +75,26 @@ def check_resolution(size: tuple[int, int], resolution: int, what: str) -> None:
                          f"resolution of at most {min(w, h)})")
 
 
+def _open_checked(source: str | Path | bytes, what: str, resolution: int | None) -> Any:
+    """:func:`open_image`, checked against ``resolution`` when given."""
+    im = open_image(source, what)
+    if resolution is not None:
+        check_resolution(im.size, resolution, what)
+    return im
+
+
 def read_rgb(source: str | Path | bytes, what: str, resolution: int | None = None
              ) -> np.ndarray:
     """An RGB image as ``uint8 [H, W, 3]`` (alpha dropped), checked against
     ``resolution`` when given."""
-    im = open_image(source, what)
-    if resolution is not None:
-        check_resolution(im.size, resolution, what)
-    return np.asarray(im.convert("RGB"))
+    return np.asarray(_open_checked(source, what, resolution).convert("RGB"))
 
 
 def read_mask(source: str | Path | bytes, what: str, resolution: int | None = None
               ) -> np.ndarray:
     """A mask as ``uint8 [H, W]`` (its first channel; white = editable), checked against
     ``resolution`` when given."""
-    im = open_image(source, what)
-    if resolution is not None:
-        check_resolution(im.size, resolution, what)
+    im = _open_checked(source, what, resolution)
     if im.mode in ("1", "L", "LA", "I", "I;16", "F"):
         return np.asarray(im.convert("L"))
     return np.asarray(im.convert("RGB"))[..., 0]

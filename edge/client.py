@@ -113,8 +113,8 @@ HEDGE_JSON_S = 0.25
 connection, the first answer winning. A lost SYN or SYN-ACK costs a new connection Linux's
 1 s initial retransmission timeout, which no route option scales: in ``sakura bench tail``
 (kernel link, 1% real loss) one manifest request took 1.0 s and made its edit 1.9x
-``local``. 0.25 s is above a cellular round trip plus the server's time to answer (the
-matched link's is 2-6 ms, a phone's 30-100 ms) and well under the 1 s it saves."""
+``local``. 0.25 s is above the replay's 30 ms round trip unscaled (the matched link carries
+1.4-5.7 ms) plus the server's time to answer, and well under the 1 s it saves."""
 
 
 @dataclass(frozen=True)

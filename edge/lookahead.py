@@ -23,8 +23,9 @@ The lookahead plans the next ``horizon`` shards at once and commits only the fir
   per shard);
 * **solver**: a dynamic program over the cumulative bytes in ``BINS`` steps of the last
   shard's budget (sizes rounded up, so a plan never exceeds a budget), ``horizon x BINS x
-  configurations`` operations (8 x 256 x ~20: ~40 k, well under a millisecond in C++; the
-  Python runtime uses NumPy). A shard with nothing that fits at some state takes its
+  configurations`` operations: on the demo's face-technologist pack (40 shards, up to 28
+  Pareto configurations) 0.025 ms per choice in C++ and 0.74 ms in the Python runtime's
+  NumPy version (200 choices timed on this 2-core host). A shard with nothing that fits at some state takes its
   smallest configuration there (it will be truncated or wait), and the shards after it see
   the link as full.
 

@@ -99,10 +99,6 @@ def _start(rec: dict[str, Any]) -> tuple:
     return (rec["template"], rec["network"], rec["trace"], rec["start_s"])
 
 
-def _finite(x: float) -> float | None:
-    return None if x is None or x != x or x in (float("inf"), float("-inf")) else float(x)
-
-
 def summarize(by_loss: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The bench's keys from the replay records of each loss rate (``local`` may appear at
     any of them; it is read wherever it is)."""
@@ -236,6 +232,10 @@ def repeat_edits(packs: Path, model: Any, log: Log, windows: tuple[float, ...] =
         "second_psnr_db": round(med(p["second"]["psnr_db"] for p in pairs), 3),
         "prior_psnr_db": round(med(p["prior"]["psnr_db"] for p in pairs), 3),
         "gap_db": round(med(p["second"]["psnr_db"] - p["first"]["psnr_db"] for p in pairs), 3),
+        "first_minus_prior_db": round(med(p["first"]["psnr_db"] - p["prior"]["psnr_db"]
+                                          for p in pairs), 3),
+        "second_minus_prior_db": round(med(p["second"]["psnr_db"] - p["prior"]["psnr_db"]
+                                           for p in pairs), 3),
         "second_first_configs": [p["second"]["first_configs"] for p in pairs],
         "conditions": {"link": "paced", "trace": REPEAT_TRACE, "scale": factor,
                        "link_rtt_ms": rtt, "loss": 0.0, "gap_s": gap_s, "runtime": "native"},
