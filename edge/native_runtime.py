@@ -361,21 +361,25 @@ class NativeEngine:
         return out
 
     def local_steps(self, template: Template, geo: Geometry, req: EditRequest,
-                    exec_s: list[float]) -> dict[str, Any]:
+                    exec_s: list[float], measured_step_s: float | None = None
+                    ) -> dict[str, Any]:
         """The local fallback's part of ``run_stream``: the full graphs (compiled the first
         time, as ``local``'s), their inputs, the masked tokens' rows and ``step_s``, one
-        local step's predicted time: the cached step's (``exec_s`` summed over the edit,
-        per step) times the image tokens a full step computes over the masked ones (an
-        estimate, no measurement of the full graphs: on the demo's template 0.20 s cached
-        and 0.59 s local over 20 steps, 20% masked: 10 ms x 5 = 50 ms against 30 ms
-        measured, so the wait before a local step errs long)."""
+        local step's time: ``measured_step_s`` (a timed ``local`` edit over its steps, as
+        ``NativeRunner.profile`` takes it once per layout) or, without one, the cached
+        step's (``exec_s`` summed over the edit, per step) times the image tokens a full
+        step computes over the masked ones (that estimate errs long: on the demo's
+        template 0.20 s cached and 0.59 s local over 20 steps, 20% masked: 10 ms x 5 =
+        50 ms against 30 ms measured)."""
         full_geo = self.geometry(template, geo, req, full=True)
         graphs = self.graphs(full_geo, step_groups(self.model.cfg.num_blocks,
                                                    self.model.cfg.num_blocks))
         cached_step = sum(exec_s) / max(1, template.steps)
         tokens = len(geo.masked) + len(geo.unmasked)
         # never below the stall floor: a shard under 50 ms late is not a stall (pipeline.py)
-        step_s = max(STALL_FLOOR_S, cached_step * tokens / max(1, len(geo.masked)))
+        estimate = (measured_step_s if measured_step_s is not None
+                    else cached_step * tokens / max(1, len(geo.masked)))
+        step_s = max(STALL_FLOOR_S, estimate)
         return {"graphs": graphs, "inputs": self.inputs(template, geo, req, full_geo),
                 "masked": [int(i) for i in geo.masked], "step_s": float(step_s)}
 

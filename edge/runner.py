@@ -19,6 +19,7 @@ class with these methods, registered in :data:`RUNNERS`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -57,6 +58,7 @@ class StreamJob:
     log: list[RequestRecord]
     derived: dict[str, Any]
     exec_s: list[float] = field(default_factory=list)  # predicted per-shard execution
+    local_step_s: float | None = None  # one full-token step, measured (ExecProfile)
 
     def describe(self, shard: int, config: int) -> dict[str, Any]:
         return dict(self.manifest.shard(shard).config(config).params)
@@ -249,7 +251,15 @@ class NativeRunner:
         if key not in device.profiles:
             device.profiles[key] = ExecProfile(
                 native.calibrate(prep.template, prep.geometry, req, bps))
-        return device.profiles[key]
+        profile = device.profiles[key]
+        if opts.local_fallback and profile.local_step_s is None:
+            # the local fallback's step, timed once per layout instead of estimated from
+            # the cached step (that estimate was 50 ms against 30 ms measured on the
+            # demo's template, so every fallback waited 20 ms per step too long)
+            began = time.perf_counter()
+            native.full_edit(prep.template, req)
+            profile.local_step_s = (time.perf_counter() - began) / max(1, prep.template.steps)
+        return profile
 
     def warm(self, device: EdgeRuntime, job_derived: dict[str, Any],
              manifest_dict: dict[str, Any], manifest: Manifest, url: str) -> None:
@@ -314,7 +324,8 @@ class NativeRunner:
             kind=decode_kind(codec_impl), decode=decode, rope=rope,
             pipeline_cpus=opts.pipeline_cpus)
         prep = job.prep
-        local = (native.local_steps(prep.template, prep.geometry, job.req, job.exec_s)
+        local = (native.local_steps(prep.template, prep.geometry, job.req, job.exec_s,
+                                    measured_step_s=job.local_step_s)
                  if opts.local_fallback else None)
         image, records, requests = native.streamed_edit(
             prep.template, prep.geometry, job.req, stream,

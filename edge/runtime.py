@@ -69,7 +69,7 @@ from sakura.edge.monitor import (
 )
 from sakura.edge.native_runtime import NativeEngine, check_runtime
 from sakura.edge.pipeline import NetLoop, stats_of
-from sakura.edge.quality import psnr, ssim
+from sakura.edge.quality import psnr, received_quality, ssim
 from sakura.edge.runner import NativeRunner, Runner, StreamJob, make_runner
 from sakura.edge.state import RateMemory
 from sakura.edge.timeline import setup_phases
@@ -79,9 +79,11 @@ from sakura.errors import SakuraError
 
 @dataclass
 class ExecProfile:
-    """Masked execution time of each block of one (steady-state) denoising step."""
+    """Masked execution time of each block of one (steady-state) denoising step, and
+    (native runtime, local fallback on) one full-token step's measured time."""
 
     block_s: list[float]
+    local_step_s: float | None = None  # a timed ``local`` edit / its steps (runner.py)
 
     @property
     def step_s(self) -> float:
@@ -176,6 +178,29 @@ class EditResult:
     psnr_db: float | None = None
     ssim: float | None = None
     warnings: list[str] = field(default_factory=list)
+    # what the edit received (edge.quality.received_quality): its share of the pack's
+    # full-quality bytes, the PSNR vs exact the pack's profile predicts (None: no profile),
+    # and how many shards ran below their largest configuration (link rate or deadline)
+    full_quality_byte_fraction: float | None = None
+    psnr_estimate_db: float | None = None
+    shards_below_largest: int = 0
+
+    def quality_line(self) -> str | None:
+        """One line on what quality the edit got (None for ``local``, which streams
+        nothing)."""
+        if self.full_quality_byte_fraction is None:
+            return None
+        text = f"{self.full_quality_byte_fraction:.3f} of full-quality bytes"
+        est = self.psnr_estimate_db
+        text += ("; no PSNR profile in the pack" if est is None else
+                 f"; PSNR vs exact ~{'inf' if math.isinf(est) else f'{est:.1f}'} dB "
+                 "(estimated from the pack's profile)")
+        if self.shards_below_largest:
+            text += (f"; limited: {self.shards_below_largest} of {len(self.configs)} "
+                     "shards below their largest configuration (chosen at the link's rate "
+                     f"estimate or by the policy; {self.truncations} truncated at their "
+                     "deadline)")
+        return text
 
     def compare(self, exact: torch.Tensor) -> EditResult:
         self.psnr_db = psnr(self.image, exact)
@@ -194,6 +219,9 @@ class EditResult:
             "configs": self.configs, "params": self.params,
             "psnr_db": _finite(self.psnr_db), "ssim": self.ssim,
             "warnings": self.warnings, "phases": self.phases,
+            "full_quality_byte_fraction": self.full_quality_byte_fraction,
+            "psnr_estimate_db": _finite(self.psnr_estimate_db),
+            "shards_below_largest": self.shards_below_largest,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -355,7 +383,9 @@ class EdgeRuntime:
             return
         try:
             doc = json.loads((self.state_dir / "state.json").read_text())
-            self.profiles = {k: ExecProfile([float(x) for x in v])
+            local = doc.get("local_step_s", {})
+            self.profiles = {k: ExecProfile([float(x) for x in v],
+                                            float(local[k]) if k in local else None)
                              for k, v in doc.get("profiles", {}).items()}
             self.rates = RateMemory.from_json(doc.get("rates"))
             for name in doc.get("manifests", []):
@@ -383,6 +413,8 @@ class EdgeRuntime:
             names.append(name)
         _atomic_text(self.state_dir / "state.json", json.dumps(
             {"profiles": {k: v.block_s for k, v in self.profiles.items()},
+             "local_step_s": {k: v.local_step_s for k, v in self.profiles.items()
+                              if v.local_step_s is not None},
              "rates": self.rates.to_json(), "manifests": names}, indent=1))
 
     def remembered_rate(self, server: str, now: float | None = None) -> float | None:
@@ -593,7 +625,8 @@ class EdgeRuntime:
                             manifest_dict=manifest_dict, manifest=manifest, prep=prep,
                             req=req, allocator=allocator, monitor=monitor,
                             progress=progress, origin=origin, opts=opts, log=log,
-                            derived=derived, exec_s=list(exec_s))
+                            derived=derived, exec_s=list(exec_s),
+                            local_step_s=profile.local_step_s)
             image, timeline = self.runner.stream(self, job)
             latency = time.monotonic() - origin
             if opts.remember_rate:
@@ -603,6 +636,10 @@ class EdgeRuntime:
             net.run(client.close(), timeout=10)
         result = self._result(image, policy, codec, latency, raw_len, allowance,
                               timeline, exec_s, log, warning)
+        got_q = received_quality(manifest_dict, timeline)
+        result.full_quality_byte_fraction = got_q["full_quality_byte_fraction"]
+        result.psnr_estimate_db = got_q["psnr_estimate_db"]
+        result.shards_below_largest = got_q["shards_below_largest"]
         result.phases = setup_phases(origin, got, loop_start[:1], first_byte_s, allowance)
         return result
 

@@ -27,7 +27,14 @@ from sakura.edge.netem import shaped
 from sakura.edge.runtime import EditOptions
 from sakura.traces import Trace
 
-from tests.edge.helpers import TEMPLATE_ID, FaultyApp, RecordingApp, Server, free_port
+from tests.edge.helpers import (
+    TEMPLATE_ID,
+    FakeEncoder,
+    FaultyApp,
+    RecordingApp,
+    Server,
+    free_port,
+)
 from tests.edge.test_edit import ONE_AT_A_TIME, PROMPT, SEED, check_timeline, exact_image
 
 TOL = 1e-4  # max abs error on the image between the runtimes (issue 18)
@@ -410,3 +417,33 @@ def test_an_outage_mid_edit_runs_the_rest_locally_after_the_shards_that_arrived(
     assert all(local[first_local:])  # once local, no shard can rejoin during the outage
     assert all(r["bytes"] > 0 for r in res.timeline[:first_local])
     assert res.local_fallbacks == len({r["step"] for r in res.timeline if r["local"]})
+
+
+def test_the_local_fallback_step_is_measured_once_and_kept_in_the_device_state(
+        world, runtime, compiled_dir, tmp_path):
+    """The wait before a local step is a timed ``local`` edit per step (not the cached
+    step scaled by tokens), taken in the profile before the clock, and saved with the
+    calibration so that the next process does not time it again."""
+    from sakura.edge.backends.base import BackendConfig
+    from sakura.edge.runtime import EdgeRuntime
+
+    def device():
+        return EdgeRuntime(world.model, encoder=FakeEncoder(), runtime="native",
+                           backend_config=BackendConfig(cache_dir=compiled_dir),
+                           state_dir=tmp_path / "state")
+
+    req = runtime.request(PROMPT, SEED)
+    first = device()
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        first.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                   options=EditOptions(initial_rate_bps=50e6))
+        first.save_state()
+        measured = [p.local_step_s for p in first.profiles.values()]
+        assert measured and all(s is not None and s > 0 for s in measured)
+        again = device()
+        assert [p.local_step_s for p in again.profiles.values()] == measured
+        without = device()
+        without.profiles.clear()
+        without.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                     options=EditOptions(initial_rate_bps=50e6, local_fallback=False))
+        assert all(p.local_step_s is None for p in without.profiles.values())
