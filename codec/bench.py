@@ -54,7 +54,7 @@ class BenchTemplate:
     """Pixel mask ``[H, W]`` of the edited region (PSNR is measured there)."""
     model: dict[str, Any] | None = None
     rope: dict[str, Any] | None = None
-    """The model's RoPE for the low-rank codecs (``codec.lowrank.rope_option``)."""
+    """The model's RoPE for the low-rank codecs (``dit.rope.rope_option``)."""
 
 
 # ------------------------------------------------------------------------------ sources
@@ -98,8 +98,8 @@ def model_templates(
     """Capture caches of catalog templates with the default model (importance profiled on
     the profiling requests; edits run on the evaluation requests)."""
     import torch.nn.functional as F
-    from sakura.codec.lowrank import rope_option
     from sakura.dit.editing import cached_edit, profile_importance, template_run
+    from sakura.dit.rope import rope_option
     from sakura.dit.templates import load_catalog
     from sakura.dit.text import TextEncoder
     from sakura.dit.weights import load_model

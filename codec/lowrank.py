@@ -84,7 +84,7 @@ class LowRankOptions:
     ``"all"`` (every uniform one as well, e.g. for fixed-bitwidth ablations)."""
     rope: dict[str, Any] | None = None
     """Optional axial RoPE of the model (``{"heads", "axes", "theta", "positions"}``, see
-    :func:`rope_option`): keys are factorized in the pre-rotation frame, where they are
+    ``sakura.dit.rope.rope_option``): keys are factorized in the pre-rotation frame, where they are
     far lower-rank, and re-rotated on decode (rotations keep per-token norms, so errors are
     the same in both frames)."""
 
@@ -575,20 +575,6 @@ def make_svd(**options: Any) -> LowRankCodec:
 
 
 # ---------------------------------------------------------------------------- RoPE frame
-def rope_option(positions: Any, axes: Any, theta: float, heads: int) -> dict[str, Any]:
-    """The ``rope`` option for a model with Flux-style axial RoPE.
-
-    ``positions [N, len(axes)]`` are the positions of the cached tokens (in cache order),
-    ``axes`` the rotary dims per position axis (summing to the head dim), ``theta`` the base.
-    Channel pairs ``(2j, 2j + 1)`` of each head rotate by ``pos[axis] * theta ** (-2i / dim)``.
-    """
-    pos = torch.as_tensor(positions, dtype=torch.float64)
-    opt = {"heads": int(heads), "axes": [int(a) for a in axes], "theta": float(theta),
-           "positions": [[float(v) for v in row] for row in pos.tolist()]}
-    check_rope(opt)
-    return opt
-
-
 def check_rope(rope: dict[str, Any]) -> None:
     try:
         heads, axes, theta = int(rope["heads"]), list(rope["axes"]), float(rope["theta"])

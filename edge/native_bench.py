@@ -86,9 +86,9 @@ def synthetic_cases(cfg: NativeBenchConfig) -> tuple[LowRankCodec, list[Case], d
     """Shards of a synthetic cache at the shipped model's geometry (204 tokens x 192
     channels, 6 heads, 4 blocks per shard), keys in a model-style RoPE frame."""
     from sakura.codec.base import get_codec
-    from sakura.codec.lowrank import rope_option
     from sakura.codec.shards import ShardLayout, shard_data
     from sakura.codec.synthetic import synthetic_cache
+    from sakura.dit.rope import rope_option
 
     cache = synthetic_cache(steps=2, blocks=4, grid=16, channels=192, heads=6, rank=24,
                             mask_ratio=0.2, seed=0)

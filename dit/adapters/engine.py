@@ -187,7 +187,7 @@ class DefaultEngine(EditEngine):
                 "heads": cfg.num_heads}
 
     def rope_option(self, prep):
-        from sakura.codec.lowrank import rope_option
+        from sakura.dit.rope import rope_option
 
         cfg, geo = self.model.cfg, prep.geometry
         return rope_option(geo.pos[geo.unmasked], cfg.rope_axes, cfg.rope_theta, cfg.num_heads)

@@ -185,7 +185,7 @@ class Flux2Adapter(ModelAdapter):
         return ctx.ref + (ctx.txt if layer >= double else 0)
 
     def rope_option(self, geo: AdapterGeometry) -> dict[str, Any]:
-        from sakura.codec.lowrank import rope_option
+        from sakura.dit.rope import rope_option
 
         cfg = self.model.config
         pos = image_ids(geo.grid)[geo.unmasked]

@@ -130,7 +130,7 @@ class QwenImageAdapter(ModelAdapter):
         return comb * (v_cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
 
     def rope_option(self, geo: AdapterGeometry) -> dict[str, Any]:
-        from sakura.codec.lowrank import rope_option
+        from sakura.dit.rope import rope_option
 
         h, w = geo.grid
         hh, ww = torch.meshgrid(centred(h), centred(w), indexing="ij")

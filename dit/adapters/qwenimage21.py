@@ -230,7 +230,7 @@ class QwenImage21Adapter(ModelAdapter):
 
     def rope_option(self, geo: AdapterGeometry, frame: int = 0) -> dict[str, Any]:
         """RoPE of the cached keys; ``frame`` = the template prompt's :meth:`frame_of`."""
-        from sakura.codec.lowrank import rope_option
+        from sakura.dit.rope import rope_option
 
         h, w = geo.grid
         hh, ww = torch.meshgrid(centred(h), centred(w), indexing="ij")

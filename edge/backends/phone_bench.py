@@ -38,8 +38,8 @@ def build_pack(model: MMDiT, template: Template, run: TemplateRun,
                blocks_per_shard: int = 4) -> Path:
     """A ``sakura`` pack (RoPE frame, importance from ``profiling``) of ``run``'s cache."""
     from sakura.codec.base import get_codec
-    from sakura.codec.lowrank import rope_option
     from sakura.codec.pack import write_pack
+    from sakura.dit.rope import rope_option
 
     profile_importance(model, template, run, list(profiling))
     geo, cfg = run.geometry, model.cfg

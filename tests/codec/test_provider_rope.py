@@ -3,12 +3,13 @@ import math
 import pytest
 import torch
 from sakura.codec import CodecError, PackError, get_codec
-from sakura.codec.lowrank import rope_angles, rope_option, rope_rotate
+from sakura.codec.lowrank import rope_angles, rope_rotate
 from sakura.codec.metrics import weighted_rel_error
 from sakura.codec.pack import PackReader, decode_config
 from sakura.codec.profile import select_for_ratio
 from sakura.codec.provider import DecodedProvider, PackProvider
 from sakura.codec.shards import ShardData, ShardSpec
+from sakura.dit.rope import rope_option
 
 
 def test_pack_provider_serves_steps_and_blocks(packs, small_cache):

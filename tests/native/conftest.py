@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from sakura.codec.base import get_codec
-from sakura.codec.lowrank import rope_option
 from sakura.codec.pack import Manifest, PackReader, write_pack
 from sakura.dit.editing import template_run
+from sakura.dit.rope import rope_option
 
 from tests.dit.common import tiny_model, tiny_template
 
