@@ -27,6 +27,8 @@ from sakura.cloud.publish import (
     template_content_hash,
 )
 
+from sakura.cachedir import cache_dir as sakura_cache_dir
+
 BUILDER_VERSION = "sakura-build-2"
 DEFAULT_CODECS = ("sakura", "svd", "fp16", "intq", "cachegen", "sakura-all")
 LOWRANK_CODECS = ("sakura", "svd", "sakura-all")
@@ -216,7 +218,6 @@ def _quality_fn(cfg: BuildConfig, measure, codec, layout, cache, content: str,
     configuration per shard has nothing to rank)."""
     import hashlib
     import json
-    import os
 
     if measure is None:
         return None
@@ -227,9 +228,7 @@ def _quality_fn(cfg: BuildConfig, measure, codec, layout, cache, content: str,
         return None
     from sakura.codec.profile import FittedPSNR
 
-    cache_dir = cfg.psnr_cache or os.path.join(
-        os.environ.get("SAKURA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                       "sakura"), "psnr")
+    cache_dir = cfg.psnr_cache or str(sakura_cache_dir("psnr"))
     key = hashlib.sha256(json.dumps([content, codec.name, codec.options, cfg.psnr_fit],
                                     sort_keys=True, default=str).encode()).hexdigest()[:32]
     fitted = FittedPSNR(measure, layout, cache, codec, cache_dir=cache_dir, key=key)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import tarfile
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sakura.cachedir import cache_dir as sakura_cache_dir
 from sakura.errors import SakuraError
 
 EMOJI_PACKAGE = "emoji-datasource-google@16.0.0"
@@ -40,7 +40,7 @@ class DataError(SakuraError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SAKURA_CACHE", Path.home() / ".cache" / "sakura"))
+    return sakura_cache_dir()
 
 
 def fetch_emoji_package(dest: Path | None = None) -> Path:

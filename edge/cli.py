@@ -11,7 +11,6 @@ without link emulation) and prints PSNR/SSIM against it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from sakura.argtypes import (
     prompt_text,
     seed,
 )
+from sakura.cachedir import cache_dir as sakura_cache_dir
 
 # what each non-torch backend imports (sakura.extras names the extra to install)
 BACKEND_MODULES = {"executorch": ("executorch",), "qnn": ("onnxruntime_qnn", "onnx")}
@@ -134,7 +134,8 @@ def register(commands: Any, bench: Any) -> None:
                         "graphs; qnn: QNN HTP context binaries, x86 simulator here)")
     p.add_argument("--compiled-dir", metavar="DIR",
                    help="compiled shard graphs are cached here (default "
-                        "$XDG_CACHE_HOME/sakura/compiled)")
+                        "compiled/ in the cache folder: $SAKURA_CACHE, else "
+                        "$XDG_CACHE_HOME/sakura, else ~/.cache/sakura)")
     runtime_arg(p)
     reconstruct_arg(p)
     p.set_defaults(func=_edit)
@@ -222,8 +223,7 @@ def resolve_runtime(args: argparse.Namespace, needs_python: list[str]) -> str:
 
 
 def default_state_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sakura" / "edge"
+    return sakura_cache_dir("edge")
 
 
 def load_image(path: str, size: int) -> Any:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SHARED = {"sakura", "sakura.errors", "sakura.output", "sakura.argtypes", "sakura.extras"}
+SHARED = {"sakura", "sakura.errors", "sakura.output", "sakura.argtypes", "sakura.extras",
+          "sakura.cachedir"}
 """The shared ground: errors, output, argument types and the extras table (which imports
 only sakura.errors); everything else directly under sakura/ is the app (CLI) layer."""
 

@@ -24,6 +24,8 @@ from sakura.dit.model import MMDiT
 from sakura.edge.backends.errors import BackendError, GeometryMismatch
 from sakura.edge.backends.shard import SHARD_FORMAT, ShardGeometry, ShardModule
 
+from sakura.cachedir import cache_dir as sakura_cache_dir
+
 
 def weights_sha256(model: MMDiT) -> str:
     """sha256 over the model's parameters and buffers (names, dtypes, shapes, bytes)."""
@@ -36,8 +38,7 @@ def weights_sha256(model: MMDiT) -> str:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sakura" / "compiled"
+    return sakura_cache_dir("compiled")
 
 
 @dataclass(frozen=True)
