@@ -454,6 +454,9 @@ def _print_summary(result: Any, out: Path, tl_json: Path, tl_png: Path | None) -
     if result.configs:
         w("configs     " + " ".join(
             _short(p) for p in result.params) + "\n")
+    quality = result.quality_line()
+    if quality:
+        w(f"quality     {quality}\n")
     if result.psnr_db is not None:
         w(f"vs exact    PSNR {result.psnr_db:.2f} dB, SSIM {result.ssim:.4f}\n")
     w(f"wrote       {out}, {tl_json}" + (f", {tl_png}" if tl_png else "") + "\n")
