@@ -27,6 +27,8 @@ from sakura.codec.base import Codec, get_codec
 from sakura.codec.errors import PackError
 from sakura.codec.shards import ShardLayout, ShardSpec, check_layout, shard_data, shard_spec
 
+from sakura.atomic import write_atomic
+
 MAGIC = b"SAKP"
 VERSION = 2  # 2: every configuration is one byte range (embedded streams)
 FORMAT = "sakura-pack"
@@ -421,7 +423,7 @@ def write_pack(
     manifest.pack_bytes = pack_bytes
     manifest.pack_sha256 = sha
     manifest.validate()
-    _atomic_write(manifest_path(out_dir, template_id), manifest.to_json().encode())
+    write_atomic(manifest_path(out_dir, template_id), manifest.to_json().encode())
     _fsync_dir(out_dir)
     return manifest
 
@@ -451,19 +453,6 @@ def _layout_header(manifest: Manifest) -> tuple[bytes, int]:
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _fsync_dir(path: Path) -> None:

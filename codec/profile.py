@@ -20,6 +20,8 @@ from sakura.codec.base import Codec, EncodedShard
 from sakura.codec.metrics import DEFAULT_FLOOR, err_to_db, weighted_rel_error
 from sakura.codec.shards import ShardData
 
+from sakura.atomic import write_atomic
+
 
 def profile_config(
     codec: Codec,
@@ -351,11 +353,8 @@ class FittedPSNR:
 
     def _save(self) -> None:
         import json
-        import os
 
         if self._file is None:
             return
         self._file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._file.with_name(self._file.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._memo))
-        os.replace(tmp, self._file)
+        write_atomic(self._file, json.dumps(self._memo))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -38,6 +37,8 @@ from sakura.edge.errors import EdgeError
 from sakura.edge.netem import matched_rtt_ms, shaped
 from sakura.edge.runtime import EdgeRuntime, EditOptions, EditResult
 from sakura.traces.impair import DEFAULT_RTT_MS
+
+from sakura.atomic import write_atomic
 
 DEFAULT_POLICIES = ("local", "fp16", "intq", "cachegen", "svd", "sakura",
                     "sakura-fixed-config", "sakura-fixed-bits")
@@ -614,7 +615,4 @@ def _vs_full(results: dict[str, list[EditResult]]) -> dict[str, Any] | None:
 
 
 def write(doc: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(doc, indent=1))

@@ -44,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -74,6 +73,7 @@ from sakura.edge.runner import NativeRunner, Runner, StreamJob, make_runner
 from sakura.edge.state import RateMemory
 from sakura.edge.timeline import setup_phases
 
+from sakura.atomic import write_atomic
 from sakura.errors import SakuraError
 
 
@@ -227,12 +227,6 @@ class EditResult:
     def to_json(self) -> dict[str, Any]:
         return {**self.summary(), "predicted_exec_s": self.predicted_exec_s,
                 "timeline": self.timeline}
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _finite(x: float | None) -> float | str | None:
@@ -406,12 +400,12 @@ class EdgeRuntime:
         for (template, codec), cached in self.manifests.items():
             name = f"{template}.{codec}.json"
             if self._saved.get(name) != cached.etag or not (folder / name).exists():
-                _atomic_text(folder / name, json.dumps(
+                write_atomic(folder / name, json.dumps(
                     {"template": template, "codec": codec, "etag": cached.etag,
                      "size": cached.size, "manifest": cached.data}, separators=(",", ":")))
                 self._saved[name] = cached.etag
             names.append(name)
-        _atomic_text(self.state_dir / "state.json", json.dumps(
+        write_atomic(self.state_dir / "state.json", json.dumps(
             {"profiles": {k: v.block_s for k, v in self.profiles.items()},
              "local_step_s": {k: v.local_step_s for k, v in self.profiles.items()
                               if v.local_step_s is not None},

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SHARED = {"sakura", "sakura.errors", "sakura.output", "sakura.argtypes", "sakura.extras",
-          "sakura.cachedir"}
+          "sakura.cachedir", "sakura.atomic"}
 """The shared ground: errors, output, argument types and the extras table (which imports
 only sakura.errors); everything else directly under sakura/ is the app (CLI) layer."""
 

@@ -35,6 +35,8 @@ import numpy as np
 from sakura.traces.errors import TraceFormatError
 from sakura.traces.model import Trace
 
+from sakura.atomic import write_atomic
+
 FORMATS = ("mahimahi", "lumos", "gnettrack", "bytes_csv")
 MAHIMAHI_PACKET_BYTES = 1500
 DEFAULT_MAHIMAHI_BIN_S = 0.1
@@ -376,10 +378,7 @@ def write_mahimahi(path: str | os.PathLike[str], trace: Trace, start_s: float = 
                    duration_s: float | None = None) -> Path:
     """Write :func:`to_mahimahi` to ``path`` (atomically); returns the path."""
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(to_mahimahi(trace, start_s, duration_s))
-    os.replace(tmp, out)
+    write_atomic(out, to_mahimahi(trace, start_s, duration_s))
     return out
 
 

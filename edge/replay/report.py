@@ -49,6 +49,8 @@ import numpy as np
 from sakura.edge.errors import EdgeError
 from sakura.edge.replay.results import META_FILE, ResultsFile, expand_timeline, number
 
+from sakura.atomic import write_atomic
+
 PSNR_CAP = 100.0
 POLICY_ORDER = ("sakura", "svd", "intq", "cachegen", "fp16", "local", "sakura-fixed-config",
                 "sakura-fixed-bits")
@@ -1093,10 +1095,7 @@ def write_report(dir_: str | Path, json_path: str | Path | None = None,
     path.write_text("\n".join(md) + "\n")
     if json_path:
         jp = Path(json_path)
-        jp.parent.mkdir(parents=True, exist_ok=True)
-        tmp = jp.with_name(jp.name + ".tmp")
-        tmp.write_text(json.dumps(_clean(heads), indent=1, allow_nan=False))
-        os.replace(tmp, jp)
+        write_atomic(jp, json.dumps(_clean(heads), indent=1, allow_nan=False))
     return path
 
 

@@ -54,6 +54,7 @@ from sakura.edge.replay.results import (
     template_key,
 )
 
+from sakura.atomic import write_atomic
 from sakura.errors import SakuraError
 
 Log = Callable[[str], None]
@@ -721,9 +722,7 @@ def _check_meta(out: Path, cfg: ReplayConfig, weights_sha: str) -> None:
         meta["resumed"] = old.get("resumed", 0) + 1
         meta["started_first"] = old.get("started_first", old.get("started"))
     out.mkdir(parents=True, exist_ok=True)
-    tmp = meta_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, meta_path)
+    write_atomic(meta_path, json.dumps(meta, indent=1))
 
 
 def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,

@@ -1,0 +1,58 @@
+"""One atomic write (``sakura.atomic``): whole file or the old one, no temporary file
+left, and no module renames a temporary file of its own outside the listed exceptions."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from sakura.atomic import write_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# writes that keep their own temp-then-rename, with the reason (sakura/atomic.py docstring)
+OWN_RENAMES = {
+    "sakura/atomic.py": "the rule itself",
+    "codec/pack.py": "the pack streams from a spool, hashed as written, and is named by its hash",
+    "cloud/storage.py": "streams a large source file in chunks",
+    "dit/weights.py": "safetensors writes the file itself",
+    "edge/backends/base.py": "renames a whole folder of compiled graphs",
+    "sakura/faults_bench.py": "plants a damaged pack on purpose",
+}
+
+
+def test_writes_text_and_bytes_and_leaves_no_temp(tmp_path):
+    path = write_atomic(tmp_path / "a" / "f.json", '{"x": 1}')
+    assert path.read_text() == '{"x": 1}'
+    write_atomic(path, b"\x00\x01")
+    assert path.read_bytes() == b"\x00\x01"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["f.json"]
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    import sakura.atomic
+
+    path = write_atomic(tmp_path / "f.txt", "old")
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sakura.atomic.os, "fsync", full_disk)  # after the bytes were written
+    with pytest.raises(OSError, match="No space"):
+        write_atomic(path, "new")
+    assert path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+
+
+def test_no_second_copy_of_the_rule():
+    renamers = set()
+    for folder in ("sakura", "codec", "dit", "traces", "cloud", "edge"):
+        for p in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "replace"
+                        and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "os"):
+                    renamers.add(str(p.relative_to(ROOT)))
+    assert renamers == set(OWN_RENAMES)
