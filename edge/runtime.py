@@ -180,7 +180,8 @@ class EditResult:
     warnings: list[str] = field(default_factory=list)
     # what the edit received (edge.quality.received_quality): its share of the pack's
     # full-quality bytes, the PSNR vs exact the pack's profile predicts (None: no profile),
-    # and how many shards ran below their largest configuration (link rate or deadline)
+    # and how many shards ran below their largest configuration (link rate, deadline, or
+    # a policy that fixes the configuration)
     full_quality_byte_fraction: float | None = None
     psnr_estimate_db: float | None = None
     shards_below_largest: int = 0
