@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from sakura.dit.errors import DataError
 
 from sakura.cachedir import cache_dir as sakura_cache_dir
-from sakura.errors import SakuraError
 
 EMOJI_PACKAGE = "emoji-datasource-google@16.0.0"
 CATEGORIES = (
@@ -34,9 +34,6 @@ SKIN_TONES = {
     "1F3FE": "medium-dark skin tone", "1F3FF": "dark skin tone",
 }
 
-
-class DataError(SakuraError):
-    """Training data cannot be fetched or read."""
 
 
 def cache_dir() -> Path:

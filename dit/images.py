@@ -23,13 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from sakura.errors import SakuraError
-
-
-class ImageError(SakuraError):
-    """A template image (or mask) cannot be used: unreadable, a decompression bomb, or
-    smaller than its declared resolution."""
+from sakura.dit.errors import ImageError
 
 
 def max_pixels() -> int:

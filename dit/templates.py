@@ -28,17 +28,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from sakura.dit.editing import EditRequest, Template, check_strength
+from sakura.dit.errors import CatalogError
 
 from sakura.argtypes import SEED_LIMIT
-from sakura.errors import SakuraError
 
 DEFAULT_CATALOG = Path(__file__).parent / "catalog" / "catalog.json"
 TEMPLATE_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 WORKLOADS = ("face-swap", "try-on", "instruction")
 
-
-class CatalogError(SakuraError):
-    """A catalog file or template entry is missing or malformed."""
 
 
 @dataclass

@@ -11,12 +11,7 @@ import os
 from pathlib import Path
 
 import torch
-
-from sakura.errors import SakuraError
-
-
-class TextEncoderError(SakuraError):
-    """The offline MiniLM text encoder is missing or broken."""
+from sakura.dit.errors import TextEncoderError
 
 
 def minilm_dir() -> Path:

@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from sakura.dit.data import CATEGORIES, EmojiDataset, category_prompt
+from sakura.dit.errors import TrainConfigError
 from sakura.dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, patchify
 from sakura.dit.text import TextEncoder
 from sakura.dit.weights import save_model
-
-from sakura.errors import SakuraError
 
 
 @dataclass
@@ -77,9 +76,6 @@ class TrainConfig:
         if problems:
             raise TrainConfigError("; ".join(problems))
 
-
-class TrainConfigError(SakuraError):
-    """A training setting out of range."""
 
 
 class TextTable:

@@ -11,15 +11,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
+from sakura.dit.errors import WeightsError
 from sakura.dit.model import MMDiT, MMDiTConfig
-
-from sakura.errors import SakuraError
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "sakura-mmdit.safetensors"
 
-
-class WeightsError(SakuraError):
-    """Model weights are missing or do not match the model."""
 
 
 def save_model(model: MMDiT, path: str | Path, meta: dict[str, str] | None = None) -> None:
