@@ -6,7 +6,7 @@ with their own packs; the q ablation (``sakura-q*``) and the second-resolution v
 (``<id>-<res>``) are reported in their own sections only.
 
 Aggregates: latency percentiles are linear-interpolated (numpy) and come with their
-sample count and a 95% bootstrap confidence interval (percentile bootstrap, seeded);
+sample count and a 95% bootstrap confidence interval (``scipy.stats.bootstrap``, percentile method, seeded);
 latency CDFs show ``n`` and a 95% Dvoretzky-Kiefer-Wolfowitz band. PSNR of identical images
 (``fp16`` vs ``exact``) is infinite: a group whose every image is identical is reported as
 ``inf`` (``identical``); a group with some identical images averages them as ``PSNR_CAP``
@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 from sakura.edge.errors import EdgeError
 from sakura.edge.replay.results import META_FILE, ResultsFile, expand_timeline, number
+from scipy import stats
 
 from sakura.atomic import write_atomic
 
@@ -112,10 +113,10 @@ def boot_ci(values: Iterable[float], q: float, *, seed: int = 0, b: int = BOOTST
     arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
     if arr.size < 2:
         return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    stats = np.percentile(arr[rng.integers(0, arr.size, (b, arr.size))], q, axis=1)
-    lo, hi = np.percentile(stats, [2.5, 97.5])
-    return float(lo), float(hi)
+    res = stats.bootstrap((arr,), lambda x, axis: np.percentile(x, q, axis=axis),
+                          n_resamples=b, method="percentile", vectorized=True,
+                          rng=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def boot_ratio_ci(num: Iterable[float], den: Iterable[float], q: float, *, seed: int = 0,
@@ -125,11 +126,12 @@ def boot_ratio_ci(num: Iterable[float], den: Iterable[float], q: float, *, seed:
     d = np.asarray(list(den), dtype=np.float64)
     if a.size < 2 or d.size < 2:
         return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    ra = np.percentile(a[rng.integers(0, a.size, (b, a.size))], q, axis=1)
-    rd = np.percentile(d[rng.integers(0, d.size, (b, d.size))], q, axis=1)
-    lo, hi = np.percentile(ra / rd, [2.5, 97.5])
-    return float(lo), float(hi)
+    res = stats.bootstrap(
+        (a, d), lambda x, y, axis: (np.percentile(x, q, axis=axis)
+                                    / np.percentile(y, q, axis=axis)),
+        n_resamples=b, method="percentile", vectorized=True, paired=False,
+        rng=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def dkw_eps(n: int, alpha: float = 0.05) -> float:
