@@ -26,6 +26,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "zstandard": "model",
     "constriction": "model",
     "skimage": "model",
+    "scipy": "model",
     "PIL": "model",
     "pytorch_msssim": "model",
     "matplotlib": "model",
