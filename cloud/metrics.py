@@ -46,6 +46,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # label values come from these sets or a route template only: a client cannot grow /metrics
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
 OTHER = "other"
+ZEROCOPY = "http.response.zerocopy"  # ASGI zero-copy send (cloud/zerocopy.py)
 
 
 def _escape(value: str) -> str:
@@ -168,6 +169,12 @@ class MetricsMiddleware:
                 body = message.get("body", b"")
                 await send(message)
                 state["bytes"] += len(body)
+                if not message.get("more_body", False):
+                    state["done"] = True
+                return
+            elif message["type"] == ZEROCOPY:  # cloud.zerocopy: raises if the client left
+                await send(message)
+                state["bytes"] += int(message.get("count", 0))
                 if not message.get("more_body", False):
                     state["done"] = True
                 return

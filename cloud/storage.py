@@ -74,6 +74,11 @@ class ObjectReader(ABC):
     def read_range(self, start: int, stop: int) -> bytes:
         return b"".join(self.iter_range(start, stop))
 
+    def fileno(self) -> int | None:
+        """The OS file descriptor holding this version (a local file), for sendfile;
+        None where the bytes do not come from one (a bucket)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the handle (idempotent)."""
 
@@ -165,6 +170,11 @@ class _LocalReader(ObjectReader):
                 raise StorageError(f"{self.info.key!r} is truncated at byte {pos}")
             pos += len(data)
             yield data
+
+    def fileno(self) -> int | None:
+        if self._fd is None:
+            raise StorageError(f"reader of {self.info.key!r} is closed")
+        return self._fd
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
