@@ -8,9 +8,11 @@ A published catalog directory (or bucket prefix) holds::
     templates/<template_id>/<codec>/<stem>.manifest.json  the manifest of that pack version
 
 Template ids match ``^[a-z0-9][a-z0-9_-]{0,63}$``, codec names ``^[a-z0-9][a-z0-9_-]{0,31}$``,
-pack files ``<codec>-<sha256 prefix>.pack``. The manifest schema is owned by ``codec``; this
-module only checks what serving relies on (pack identity, shard/config table, byte ranges
-inside the pack) and treats every other field as opaque.
+pack files ``<codec>-<sha256 prefix>.pack``. The manifest schema, its format and version
+constants and these name patterns are defined once, in ``sakura.codec.manifest`` (pydantic
+models, JSON Schema ``codec/manifest.schema.json``); :func:`validate_manifest` validates
+through it and adds what serving needs beyond it (the expected template and codec, the
+stored pack's size) and the index of the configurations' byte ranges.
 """
 
 from __future__ import annotations
@@ -22,16 +24,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from sakura.cloud.errors import ManifestError
+from sakura.codec.errors import PackError
+from sakura.codec.manifest import (
+    CODEC_PATTERN,
+    PACK_FILE_PATTERN,
+    SHA256_PATTERN,
+    TEMPLATE_ID_PATTERN,
+    parse_manifest,
+)
+from sakura.codec.manifest import FORMAT as MANIFEST_FORMAT  # noqa: F401 - re-exported
+from sakura.codec.manifest import VERSION as MANIFEST_VERSION  # noqa: F401 - re-exported
 
-TEMPLATE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-CODEC_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
-PACK_FILE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,95}(?:\.[a-z0-9_-]{1,32})?\.pack$")
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+TEMPLATE_ID_RE = re.compile(TEMPLATE_ID_PATTERN)
+CODEC_RE = re.compile(CODEC_PATTERN)
+PACK_FILE_RE = re.compile(PACK_FILE_PATTERN)
+SHA256_RE = re.compile(SHA256_PATTERN)
 
 CATALOG_KEY = "catalog.json"
 CATALOG_VERSION = 1
-MANIFEST_FORMAT = "sakura-pack"
-MANIFEST_VERSION = 2  # pack format 2: every configuration is one byte range
 MANIFEST_NAME = "manifest.json"
 
 
@@ -125,12 +135,6 @@ class ManifestIndex:
         return range(first, max(first, last))
 
 
-def _int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ManifestError(f"{what} must be an integer, got {value!r:.40}")
-    return value
-
-
 def validate_manifest(
     manifest: Any,
     *,
@@ -138,114 +142,32 @@ def validate_manifest(
     codec: str | None = None,
     pack_size: int | None = None,
 ) -> ManifestIndex:
-    """Check the serving-relevant parts of a manifest and index its configurations.
+    """Validate a published manifest against the schema (``sakura.codec.manifest``) and
+    index its configurations; raises one :class:`ManifestError` naming the field.
 
-    ``pack_size`` (the actual stored size), when given, must equal ``pack_bytes``.
+    ``template_id`` / ``codec``, when given, must be the manifest's; ``pack_size`` (the
+    actual stored size), when given, must equal ``pack_bytes``.
     """
-    if not isinstance(manifest, Mapping):
-        raise ManifestError("manifest must be a JSON object")
-    if manifest.get("format") != MANIFEST_FORMAT:
+    try:
+        m = parse_manifest(manifest)
+    except PackError as exc:
+        raise ManifestError(str(exc)) from None
+    if template_id is not None and m.template_id != template_id:
+        raise ManifestError(f"manifest is for template {m.template_id!r}, expected {template_id!r}")
+    if codec is not None and m.codec != codec:
+        raise ManifestError(f"manifest is for codec {m.codec!r}, expected {codec!r}")
+    if pack_size is not None and pack_size != m.pack_bytes:
         raise ManifestError(
-            f"manifest format must be {MANIFEST_FORMAT!r}, got {manifest.get('format')!r:.40}"
+            f"pack {m.pack_file} has {pack_size} bytes but the manifest says {m.pack_bytes}"
         )
-    if manifest.get("version") != MANIFEST_VERSION:
-        raise ManifestError(
-            f"unsupported manifest version {manifest.get('version')!r:.20} (expected "
-            f"{MANIFEST_VERSION}; rebuild the pack with this version of `sakura build`)"
-        )
-    tid, cname = manifest.get("template_id"), manifest.get("codec")
-    check_ids(tid, cname)
-    if template_id is not None and tid != template_id:
-        raise ManifestError(f"manifest is for template {tid!r}, expected {template_id!r}")
-    if codec is not None and cname != codec:
-        raise ManifestError(f"manifest is for codec {cname!r}, expected {codec!r}")
-    pack_file = manifest.get("pack_file")
-    if not isinstance(pack_file, str) or not valid_pack_file(pack_file):
-        raise ManifestError(f"manifest pack_file {pack_file!r:.80} is not a valid pack file name")
-    pack_bytes = _int(manifest.get("pack_bytes"), "pack_bytes")
-    if pack_bytes < 0:
-        raise ManifestError("pack_bytes must be >= 0")
-    sha = manifest.get("pack_sha256")
-    if not isinstance(sha, str) or not SHA256_RE.fullmatch(sha):
-        raise ManifestError("pack_sha256 must be 64 lowercase hex digits")
-    if pack_size is not None and pack_size != pack_bytes:
-        raise ManifestError(
-            f"pack {pack_file} has {pack_size} bytes but the manifest says {pack_bytes}"
-        )
-
-    def check_span(offset: Any, length: Any, what: str) -> tuple[int, int]:
-        offset, length = _int(offset, f"{what} offset"), _int(length, f"{what} length")
-        if offset < 0 or length < 0 or offset + length > pack_bytes:
-            raise ManifestError(
-                f"{what} [{offset}, +{length}) lies outside the pack ({pack_bytes} bytes)"
-            )
-        return offset, length
-
-    units = manifest.get("units", [])
-    if not isinstance(units, list):
-        raise ManifestError("units must be a list")
-    table: list[tuple[int, int, str]] = []
-    end = 0
-    for i, unit in enumerate(units):
-        if not isinstance(unit, (list, tuple)) or len(unit) < 3:
-            raise ManifestError(f"unit {i} must be [offset, length, sha256]")
-        offset, length = check_span(unit[0], unit[1], f"unit {i}")
-        if offset < end or not isinstance(unit[2], str) or not SHA256_RE.fullmatch(unit[2]):
-            raise ManifestError(f"unit {i} overlaps the one before or lacks a sha256")
-        end = offset + length
-        table.append((offset, length, unit[2]))
-    shards = manifest.get("shards")
-    if not isinstance(shards, list):
-        raise ManifestError("shards must be a list")
-    configs: dict[tuple[int, int], ConfigEntry] = {}
-    seen_shards: set[int] = set()
-    for shard in shards:
-        if not isinstance(shard, Mapping):
-            raise ManifestError("every shard must be a JSON object")
-        index = _int(shard.get("index"), "shard index")
-        if index in seen_shards:
-            raise ManifestError(f"duplicate shard index {index}")
-        seen_shards.add(index)
-        shard_configs = shard.get("configs")
-        if not isinstance(shard_configs, list):
-            raise ManifestError(f"shard {index} configs must be a list")
-        for cfg in shard_configs:
-            if not isinstance(cfg, Mapping):
-                raise ManifestError(f"shard {index}: every config must be a JSON object")
-            cid = _int(cfg.get("id"), f"shard {index} config id")
-            if (index, cid) in configs:
-                raise ManifestError(f"shard {index}: duplicate config id {cid}")
-            ranges = cfg.get("ranges")
-            if not isinstance(ranges, list):
-                raise ManifestError(f"shard {index} config {cid}: ranges must be a list")
-            spans = []
-            for rng in ranges:
-                if not isinstance(rng, (list, tuple)) or len(rng) != 2:
-                    raise ManifestError(
-                        f"shard {index} config {cid}: a range must be [offset, length]"
-                    )
-                spans.append(check_span(rng[0], rng[1], f"shard {index} config {cid} range"))
-            if len(spans) != 1:
-                raise ManifestError(
-                    f"shard {index} config {cid}: {len(spans)} ranges; pack format "
-                    f"{MANIFEST_VERSION} serves every configuration as exactly one range"
-                )
-            total = sum(length for _, length in spans)
-            declared = cfg.get("bytes", total)
-            if _int(declared, f"shard {index} config {cid} bytes") != total:
-                raise ManifestError(
-                    f"shard {index} config {cid}: bytes={declared} but its ranges hold {total}"
-                )
-            used = cfg.get("units", [])
-            if not isinstance(used, list) or not all(
-                isinstance(u, int) and not isinstance(u, bool) and 0 <= u < len(table)
-                for u in used
-            ):
-                raise ManifestError(f"shard {index} config {cid}: units must index the table")
-            if used and sum(table[u][1] for u in used) != total:
-                raise ManifestError(f"shard {index} config {cid}: units do not fill its range")
-            configs[(index, cid)] = ConfigEntry(index, cid, tuple(spans), total, tuple(used))
-    return ManifestIndex(tid, cname, pack_file, pack_bytes, sha, configs, tuple(table))
+    configs = {
+        (s.index, c.id): ConfigEntry(s.index, c.id, tuple(tuple(r) for r in c.ranges),
+                                     c.bytes, tuple(c.units))
+        for s in m.shards
+        for c in s.configs
+    }
+    return ManifestIndex(m.template_id, m.codec, m.pack_file, m.pack_bytes, m.pack_sha256,
+                         configs, tuple(tuple(u) for u in m.units))
 
 
 def validate_catalog(catalog: Any) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import struct
 import tempfile
 from collections.abc import Callable
@@ -24,39 +23,34 @@ from typing import Any
 import torch
 import zstandard
 from sakura.codec.base import Codec, get_codec
-from sakura.codec.errors import PackError
+from sakura.codec.errors import (
+    PackCorruptError,
+    PackError,
+    PackMagicError,
+    PackTruncatedError,
+    PackVersionError,
+)
+from sakura.codec.manifest import (
+    FORMAT,
+    TEMPLATE_ID,
+    VERSION,
+    PackManifest,
+    merge_ranges,
+    parse_manifest,
+)
 from sakura.codec.shards import ShardLayout, ShardSpec, check_layout, shard_data, shard_spec
 
 from sakura.atomic import write_atomic
 
 MAGIC = b"SAKP"
-VERSION = 2  # 2: every configuration is one byte range (embedded streams)
-FORMAT = "sakura-pack"
+# VERSION (pack and manifest format) and FORMAT come from the schema, sakura.codec.manifest
 PREAMBLE = struct.Struct("<4sHHQI32s")  # magic, version, flags, pack bytes, header len, sha256
 ALIGN = 64
 FLAG_ZSTD_HEADER = 1  # the header JSON is zstd-compressed
 KNOWN_FLAGS = FLAG_ZSTD_HEADER
-FILE_FIELDS = ("pack_file", "pack_bytes", "pack_sha256")
-TEMPLATE_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # as dit's catalog and cloud's layout
 
 QualityFn = Callable[[int, dict[str, Any], list[torch.Tensor]], "float | None"]
 """``quality_fn(shard, params, decoded) -> output PSNR (dB) on the profiling requests``."""
-
-
-class PackTruncatedError(PackError):
-    """The file or response is shorter than its header says."""
-
-
-class PackCorruptError(PackError):
-    """A checksum does not match or the header is not valid."""
-
-
-class PackMagicError(PackError):
-    """The file does not start with the pack magic ``SAKP``."""
-
-
-class PackVersionError(PackError):
-    """The pack was written in a version this reader does not support."""
 
 
 # ---------------------------------------------------------------------------- manifest
@@ -90,12 +84,11 @@ class ShardEntry:
         raise PackError(f"shard {self.index} has no configuration {config_id}")
 
 
-GEOMETRY_KEYS = ("steps", "blocks", "tokens", "channels", "heads", "blocks_per_shard", "dtype")
-
-
 @dataclass
 class Manifest:
-    """Dataclass view of a pack manifest (see ``FORMAT.md``)."""
+    """Dataclass view of a pack manifest (see ``FORMAT.md``), validated by the schema
+    (:mod:`sakura.codec.manifest`) plus the shard-layout rule; the field names are the
+    schema's (a test keeps the two equal)."""
 
     template_id: str
     codec: str
@@ -142,38 +135,31 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], embedded: bool = False) -> Manifest:
-        if not isinstance(d, dict):
-            raise PackCorruptError("manifest must be a JSON object")
-        if d.get("format") != FORMAT:
-            raise PackCorruptError(f"not a SAKURA manifest: format {d.get('format')!r}")
-        if d.get("version") != VERSION:
-            raise PackVersionError(
-                f"unsupported manifest version {d.get('version')!r} (this reader supports "
-                f"{VERSION}; rebuild the pack with this version of `sakura build`)"
-            )
-        need = ["template_id", "codec", "codec_options", "geometry", "model", "fp16_bytes",
-                "stored_bytes", "units", "shards"]
-        if not embedded:
-            need += list(FILE_FIELDS)
-        missing = [k for k in need if k not in d]
-        if missing:
-            raise PackCorruptError(f"manifest lacks {', '.join(missing)}")
-        try:
-            shards = [
+        """Validate ``d`` (the published manifest; with ``embedded`` the pack's header)
+        against the schema and the shard layout; raises :class:`PackCorruptError` or
+        :class:`PackVersionError` naming the field."""
+        parse_manifest(d, embedded=embedded)
+        known = set(PackManifest.model_fields)
+        # the schema is strict (no coercion), so the document's values are the typed ones
+        m = cls(
+            template_id=d["template_id"],
+            codec=d["codec"],
+            codec_options=dict(d["codec_options"]),
+            geometry=dict(d["geometry"]),
+            model=dict(d["model"]),
+            fp16_bytes=d["fp16_bytes"],
+            stored_bytes=d["stored_bytes"],
+            units=[[o, n, h] for o, n, h in d["units"]],
+            shards=[
                 ShardEntry(
-                    index=int(s["index"]),
-                    step=int(s["step"]),
-                    blocks=[int(b) for b in s["blocks"]],
+                    index=s["index"], step=s["step"], blocks=list(s["blocks"]),
                     compute_cost=float(s.get("compute_cost", 1.0)),
                     configs=[
                         ConfigEntry(
-                            id=int(c["id"]),
-                            params=dict(c["params"]),
-                            units=[int(u) for u in c["units"]],
-                            ranges=[[int(o), int(n)] for o, n in c["ranges"]],
-                            bytes=int(c["bytes"]),
+                            id=c["id"], params=dict(c["params"]), units=list(c["units"]),
+                            ranges=[[o, n] for o, n in c["ranges"]], bytes=c["bytes"],
                             quality=dict(c.get("quality", {})),
-                            pareto=bool(c.get("pareto", False)),
+                            pareto=c.get("pareto", False),
                             decode_ms=None if c.get("decode_ms") is None
                             else float(c["decode_ms"]),
                         )
@@ -181,26 +167,13 @@ class Manifest:
                     ],
                 )
                 for s in d["shards"]
-            ]
-            known = set(need) | set(FILE_FIELDS) | {"format", "version"}
-            m = cls(
-                template_id=str(d["template_id"]),
-                codec=str(d["codec"]),
-                codec_options=dict(d["codec_options"]),
-                geometry=dict(d["geometry"]),
-                model=dict(d["model"]),
-                fp16_bytes=int(d["fp16_bytes"]),
-                stored_bytes=int(d["stored_bytes"]),
-                units=[[int(u[0]), int(u[1]), str(u[2])] for u in d["units"]],
-                shards=shards,
-                pack_file=str(d.get("pack_file", "")),
-                pack_bytes=int(d.get("pack_bytes", 0)),
-                pack_sha256=str(d.get("pack_sha256", "")),
-                extra={k: v for k, v in d.items() if k not in known},
-            )
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise PackCorruptError(f"malformed manifest: {exc!r}") from None
-        m.validate(embedded=embedded)
+            ],
+            pack_file=d.get("pack_file", "") if not embedded else "",
+            pack_bytes=d.get("pack_bytes", 0) if not embedded else 0,
+            pack_sha256=d.get("pack_sha256", "") if not embedded else "",
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+        m.check_layout()
         return m
 
     @classmethod
@@ -220,55 +193,30 @@ class Manifest:
 
     # -- checks and helpers
     def validate(self, embedded: bool = False) -> None:
-        """Raise :class:`PackCorruptError` (with the reason) if the manifest is inconsistent."""
+        """Raise :class:`PackCorruptError` (with the reason) if the manifest is inconsistent:
+        the schema's checks of :meth:`to_dict`, then :meth:`check_layout`."""
+        parse_manifest(self.to_dict(embedded=embedded), embedded=embedded)
+        self.check_layout()
+
+    def check_layout(self) -> None:
+        """The rule the schema leaves to the codec: the shards are the ones the geometry
+        implies (their number, and each one's step and blocks)."""
 
         def bad(msg: str) -> PackCorruptError:
             return PackCorruptError(f"invalid manifest for {self.template_id!r}: {msg}")
 
-        if not TEMPLATE_ID.match(self.template_id):
-            raise bad(f"template_id must match {TEMPLATE_ID.pattern}")
-        missing = [k for k in GEOMETRY_KEYS if k not in self.geometry]
-        if missing:
-            raise bad(f"geometry lacks {', '.join(missing)}")
-        for k in GEOMETRY_KEYS:
-            v = self.geometry[k]
-            if k == "dtype" and not isinstance(v, str):
-                raise bad(f"geometry dtype must be a string, got {v!r:.40}")
-            if k != "dtype" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise bad(f"geometry {k} must be an integer >= 1, got {v!r:.40}")
         try:
             layout = self.layout()
         except Exception as exc:  # noqa: BLE001 - report any layout problem the same way
             raise bad(f"geometry: {exc}") from None
         if len(self.shards) != layout.num_shards:
             raise bad(f"{len(self.shards)} shards, geometry implies {layout.num_shards}")
-        prev_end = 0
-        for i, (off, length, digest) in enumerate(self.units):
-            if off < prev_end or length < 0 or not re.fullmatch(r"[0-9a-f]{64}", digest):
-                raise bad(f"unit {i} [{off}, {length}] overlaps, is negative or lacks a sha256")
-            prev_end = off + length
-        if not embedded and self.pack_bytes and prev_end > self.pack_bytes:
-            raise bad(f"units end at {prev_end} beyond pack_bytes {self.pack_bytes}")
         for i, s in enumerate(self.shards):
             step, blocks = layout.block_range(i)
             if (s.index != i or s.step != step or len(s.blocks) != len(blocks)
                     or s.blocks != list(blocks)):
                 raise bad(f"shard {i} is (index {s.index}, step {s.step}, blocks {s.blocks}), "
                           f"expected step {step} blocks {blocks}")
-            ids = set()
-            for c in s.configs:
-                if c.id in ids:
-                    raise bad(f"shard {i} repeats configuration id {c.id}")
-                ids.add(c.id)
-                if not c.units or c.units != sorted(set(c.units)) or c.units[-1] >= len(self.units):
-                    raise bad(f"shard {i} config {c.id} has bad units {c.units}")
-                if c.ranges != merge_ranges([self.units[u][:2] for u in c.units]):
-                    raise bad(f"shard {i} config {c.id}: ranges do not match its units")
-                if len(c.ranges) != 1:
-                    raise bad(f"shard {i} config {c.id}: {len(c.ranges)} ranges; format "
-                              f"{VERSION} serves every configuration as one range")
-                if c.bytes != sum(n for _, n in c.ranges):
-                    raise bad(f"shard {i} config {c.id}: bytes != sum of range lengths")
 
     def layout(self) -> ShardLayout:
         g = self.geometry
@@ -289,17 +237,6 @@ class Manifest:
 
     def make_codec(self) -> Codec:
         return get_codec(self.codec, **self.codec_options)
-
-
-def merge_ranges(spans: list[list[int]] | list[tuple[int, int]]) -> list[list[int]]:
-    """Merge ``(offset, length)`` spans that touch, in order."""
-    out: list[list[int]] = []
-    for off, length in spans:
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1][1] += length
-        else:
-            out.append([int(off), int(length)])
-    return out
 
 
 def sha256_hex(data: bytes) -> str:

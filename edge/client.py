@@ -89,6 +89,9 @@ from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
 import aiohttp
+from sakura.codec.manifest import FORMAT as MANIFEST_FORMAT
+from sakura.codec.manifest import PACK_FILE_PATTERN, TEMPLATE_ID_PATTERN
+from sakura.codec.manifest import VERSION as MANIFEST_VERSION
 from sakura.edge.errors import (
     EdgeError,
     IntegrityError,
@@ -101,11 +104,11 @@ RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 # error codes of `sakura serve` (cloud/errors.py, ErrorCode; edge does not import cloud)
 # that no retry of the same request changes: reported at once, whatever the status
 PERMANENT_CODES = frozenset({"pack_damaged", "publish_broken"})
-MANIFEST_VERSION = 2  # pack format 2 (codec/FORMAT.md): every configuration is one range
+# MANIFEST_FORMAT / MANIFEST_VERSION: the manifest schema's (sakura.codec.manifest)
 # the published layout (cloud/layout.py; edge does not import cloud)
 CATALOG_KEY = "catalog.json"
-_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-_PACK_FILE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,95}(?:\.[a-z0-9_-]{1,32})?\.pack$")
+_ID = re.compile(TEMPLATE_ID_PATTERN)  # (template ids; codec names are checked as loosely)
+_PACK_FILE = re.compile(PACK_FILE_PATTERN)
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 PRESIGN_EXPIRES_S = 3600
 HEDGE_JSON_S = 0.25
@@ -646,8 +649,9 @@ class PackClient:
             return ManifestFetch(cached.data, 0, got.start, got.first_byte, got.end, True,
                                  cached.etag)
         data = got.data
-        if not isinstance(data, dict) or data.get("format") != "sakura-pack":
-            raise EdgeError(f"{template}/{codec}: the origin's manifest is not a sakura-pack")
+        if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+            raise EdgeError(f"{template}/{codec}: the origin's manifest is not a "
+                            f"{MANIFEST_FORMAT}")
         if data.get("version") != MANIFEST_VERSION:
             raise EdgeError(f"{template}/{codec}: unsupported pack version "
                             f"{data.get('version')!r} (this client reads version "
