@@ -16,6 +16,18 @@ manifest's units, until the duration (or a request cap) is reached. Reported per
 config fetches per second, decimal GB/s of body bytes, p50/p90/p99 latency per fetch, and
 errors (must be 0); the top-level keys are the ``sakura`` server's, ``reference_*`` and
 ``nginx_*`` the others'.
+
+Ride-through (``--restart-at S``, :func:`run_ride_through`): only ``sakura serve``, and the
+clients are the product's own client (``edge/client.py``'s ``PackClient``: unit checks,
+retries with jittered backoff, resumes with ``If-Range``), handed in by the app layer
+(``sakura/serve_ride.py``; ``cloud`` does not import ``edge``). ``S`` seconds into the load
+the server gets SIGTERM (uvicorn's graceful stop, 2 s for requests in flight), its port is
+bound again and a new process started on it, as a supervisor restarts it. Every body the
+client returns is compared with the pack's bytes. Keys: ``errors_after_ride_through``
+(fetches the client gave up on: must be 0), ``wrong_bytes`` (bytes returned that are not
+the pack's: must be 0), ``p50_ms`` / ``p90_ms`` / ``p99_ms`` / ``max_ms`` per fetch,
+retries included, ``restart`` (when, how long the port was down, the fetches in flight
+across it), ``client_retries`` (the client's backoff waits).
 """
 
 from __future__ import annotations
@@ -32,10 +44,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sakura.cloud import layout
 from sakura.cloud.errors import CloudError
@@ -57,6 +69,7 @@ class BenchConfig:
     max_requests: int = 200_000
     verify_every: int = 8
     seed: int = 0
+    restart_at_s: float | None = None  # ride-through mode: restart the server this far in
 
     @classmethod
     def quick(cls, clients: int = 32) -> BenchConfig:
@@ -307,6 +320,204 @@ def run_bench(
             "platform": platform.platform(),
         },
         "detail": results,
+    }
+
+
+# ------------------------------------------------------------------------ ride-through
+
+
+class RideClient(Protocol):
+    """One device's client of ``sakura serve`` (the product's, retrying as it does)."""
+
+    retries: int  # backoff waits so far
+
+    async def __aenter__(self) -> RideClient: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+    async def fetch(self, shard: int, config: int) -> bytes:
+        """The verified bytes of one configuration (raises when the client gives up)."""
+        ...
+
+
+RideClientFactory = Callable[[str, str, str], RideClient]  # (base URL, template, codec)
+
+
+class _RestartableServer:
+    """``sakura serve``'s app in a child process on one loopback port, restartable."""
+
+    def __init__(self, catalog_dir: Path) -> None:
+        self.catalog_dir = catalog_dir
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        sock.listen(2048)
+        self.port = sock.getsockname()[1]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        root = Path(__file__).resolve().parent.parent
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sakura.cloud.bench", "sakura", str(self.catalog_dir),
+             str(sock.fileno())],
+            pass_fds=(sock.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        sock.close()  # the child holds the only listening socket: a stop refuses connects
+        _wait_ready(self.proc, self.url + "/healthz")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+    def restart(self) -> float:
+        """SIGTERM, wait for the exit, start again on the same port; the seconds it took."""
+        began = time.perf_counter()
+        self.stop()
+        self.start()
+        return time.perf_counter() - began
+
+
+async def _ride_load(
+    server: _RestartableServer,
+    jobs: list[tuple[int, int, int, int, str]],
+    pack: bytes,
+    config: BenchConfig,
+    make_client: RideClientFactory,
+) -> dict[str, Any]:
+    rng = random.Random(config.seed)
+    latencies: list[float] = []
+    spans: list[tuple[float, float]] = []  # (start, end) of each completed fetch
+    tally = {"requests": 0, "bytes": 0, "errors": 0, "wrong_bytes": 0, "wrong_bodies": 0}
+    first_error = ""
+    restart: dict[str, Any] = {}
+    clients = [make_client(server.url, TEMPLATE, "sakura") for _ in range(config.clients)]
+    began = time.perf_counter()
+    deadline = began + config.duration_s
+
+    async def device(client: RideClient) -> None:
+        nonlocal first_error
+        async with client:
+            while time.perf_counter() < deadline and tally["requests"] < config.max_requests:
+                _shard, cfg, offset, length, _sha = jobs[rng.randrange(len(jobs))]
+                start = time.perf_counter()
+                try:
+                    body = await client.fetch(_shard, cfg)
+                except Exception as exc:  # noqa: BLE001 - the client gave up: an error
+                    tally["errors"] += 1
+                    first_error = first_error or f"{type(exc).__name__}: {exc}"[:500]
+                    continue
+                end = time.perf_counter()
+                latencies.append(end - start)
+                spans.append((start, end))
+                tally["requests"] += 1
+                tally["bytes"] += len(body)
+                if body != pack[offset : offset + length]:
+                    tally["wrong_bodies"] += 1
+                    tally["wrong_bytes"] += max(len(body), length)
+
+    async def restarter() -> None:
+        assert config.restart_at_s is not None
+        await asyncio.sleep(max(0.0, began + config.restart_at_s - time.perf_counter()))
+        restart["at_s"] = round(time.perf_counter() - began, 3)
+        down = await asyncio.to_thread(server.restart)
+        restart["down_s"] = round(down, 3)
+
+    await asyncio.gather(restarter(), *(device(c) for c in clients))
+    elapsed = time.perf_counter() - began
+    ms = [x * 1000.0 for x in latencies]
+    if "at_s" in restart:
+        lo = began + restart["at_s"]
+        hi = lo + restart["down_s"]
+        restart["fetches_across"] = sum(1 for a, b in spans if a < hi and b > lo)
+    return {
+        "requests": tally["requests"],
+        "seconds": round(elapsed, 3),
+        "requests_per_s": round(tally["requests"] / elapsed, 1) if elapsed else 0.0,
+        "gbytes_per_s": round(tally["bytes"] / elapsed / 1e9, 4) if elapsed else 0.0,
+        "p50_ms": round(_percentile(ms, 50), 2),
+        "p90_ms": round(_percentile(ms, 90), 2),
+        "p99_ms": round(_percentile(ms, 99), 2),
+        "max_ms": round(max(ms), 2) if ms else 0.0,
+        "errors_after_ride_through": tally["errors"],
+        "first_error": first_error,
+        "wrong_bytes": tally["wrong_bytes"],
+        "wrong_bodies": tally["wrong_bodies"],
+        "client_retries": sum(c.retries for c in clients),
+        "restart": restart,
+        "bytes": tally["bytes"],
+    }
+
+
+def run_ride_through(
+    config: BenchConfig,
+    make_client: RideClientFactory,
+    work_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """``sakura bench serve --restart-at S``: the product's clients against one ``sakura
+    serve`` restarted once (see the module docstring); the JSON-ready result."""
+    if config.restart_at_s is None or not 0 < config.restart_at_s < config.duration_s:
+        raise ValueError("restart_at_s must lie inside the duration")
+    with contextlib.ExitStack() as stack:
+        root = (
+            Path(work_dir)
+            if work_dir
+            else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sakura-ride-")))
+        )
+        catalog_dir = root / "catalog"
+        spec = SyntheticSpec(config.shards, config.configs, config.unit_bytes, config.seed)
+        published = build_catalog(catalog_dir, [TEMPLATE], spec=spec, work_dir=root / "work")[
+            TEMPLATE
+        ]
+        manifest = json.loads((catalog_dir / published.versioned_manifest_key).read_text())
+        pack = (catalog_dir / layout.pack_key(TEMPLATE, "sakura", published.pack_file)).read_bytes()
+        jobs = [(shard["index"], cfg["id"], *cfg["ranges"][0], "")
+                for shard in manifest["shards"] for cfg in shard["configs"]]
+        server = _RestartableServer(catalog_dir)
+        load_start = [round(x, 2) for x in os.getloadavg()]
+        server.start()
+        stack.callback(server.stop)
+        result = asyncio.run(_ride_load(server, jobs, pack, config, make_client))
+        load_end = [round(x, 2) for x in os.getloadavg()]
+    return {
+        "bench": "serve-ride-through",
+        "clients": config.clients,
+        "duration_s": config.duration_s,
+        "restart_at_s": config.restart_at_s,
+        **{k: v for k, v in result.items() if k != "bytes"},
+        "load_avg_at_start": load_start,
+        "load_avg_at_end": load_end,
+        "pack_bytes": published.pack_bytes,
+        "configurations": len(jobs),
+        "server": "sakura serve's app under uvicorn, 1 worker process, SIGTERM then a new "
+        "process on the same port at restart_at_s",
+        "client": "the product's client (edge/client.py PackClient), one per simulated device, "
+        "each fetching one configuration after another; every unit verified by the client, "
+        "every body compared with the pack here",
+        "units": {"p99_ms": "per fetch, retries and resumes included"},
+        "config": asdict(config),
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "detail": {"bytes": result["bytes"]},
     }
 
 

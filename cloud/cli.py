@@ -119,7 +119,12 @@ def register(commands: Any, bench: Any) -> None:
                              help="concurrent clients (default 32)")
     bench_serve.add_argument("--duration", type=positive_float, metavar="S",
                              help="seconds of measured load per server")
-    bench_serve.set_defaults(func=_bench_serve)
+    bench_serve.add_argument("--restart-at", type=positive_float, metavar="S",
+                             help="ride-through mode: only sakura serve, the product's client "
+                                  "on every --clients, the server restarted S seconds into "
+                                  "--duration (keys errors_after_ride_through, wrong_bytes, "
+                                  "p99_ms)")
+    bench_serve.set_defaults(func=_bench_serve, ride_client=None)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -303,6 +308,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     config = BenchConfig.quick(args.clients) if args.quick else BenchConfig(clients=args.clients)
     if args.duration is not None:
         config = replace(config, duration_s=args.duration)
+    if args.restart_at is not None:
+        return _bench_ride_through(args, replace(config, restart_at_s=args.restart_at))
     result = run_bench(config)
     write_json(args.json, result)
     print(f"sakura bench serve: {result['requests_per_s']:.0f} requests/s, "
@@ -314,5 +321,31 @@ def _bench_serve(args: argparse.Namespace) -> int:
             f"sakura bench serve: {result['errors']} errors: {result['first_error']}",
             file=sys.stderr,
         )
+        return 1
+    return 0
+
+
+def _bench_ride_through(args: argparse.Namespace, config: Any) -> int:
+    from sakura.cloud.bench import run_ride_through
+
+    from sakura.output import write_json
+
+    if config.restart_at_s >= config.duration_s:
+        raise UsageError(f"--restart-at {config.restart_at_s:g} must be less than the "
+                         f"duration ({config.duration_s:g} s; set it with --duration)")
+    if args.ride_client is None:
+        raise UsageError("--restart-at needs the product's client (sakura.serve_ride_cli)")
+    result = run_ride_through(config, args.ride_client)
+    write_json(args.json, result)
+    restart = result["restart"]
+    print(f"sakura bench serve: ride-through, {result['clients']} clients, "
+          f"{result['requests_per_s']:.0f} fetches/s, p99 {result['p99_ms']:.1f} ms "
+          f"(max {result['max_ms']:.0f} ms), restart at {restart.get('at_s', 0):.1f} s "
+          f"down {restart.get('down_s', 0):.2f} s, "
+          f"{result['errors_after_ride_through']} errors after ride-through, "
+          f"{result['wrong_bytes']} wrong bytes")
+    if result["errors_after_ride_through"] or result["wrong_bytes"]:
+        print(f"sakura bench serve: {result['first_error'] or 'wrong bytes returned'}",
+              file=sys.stderr)
         return 1
     return 0

@@ -34,7 +34,7 @@ COMMAND_MODULES = (
     "sakura.cloud.cli", "sakura.cloud.render_cli", "sakura.edge.cli", "sakura.edge.replay.cli",
     "sakura.edge.backends.cli", "sakura.edge.backends.aihub_cli", "sakura.edge.native_cli",
     "sakura.demo", "sakura.cli_bench", "sakura.origins_bench",
-    "sakura.faults_bench",
+    "sakura.faults_bench", "sakura.serve_ride_cli",
 )
 
 # executorch depends on torchao, which transformers imports whenever it is installed; on
