@@ -13,8 +13,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sakura.cloud import zerocopy
+from sakura.cloud.auth import TokenSet
 from sakura.cloud.runner import serve_in_thread
-from sakura.cloud.server import PackResponse
+from sakura.cloud.server import PackResponse, create_app
+from sakura.cloud.storage import LocalStorage
+from sakura.cloud.synthetic import SyntheticSpec, build_catalog
 
 from tests.cloud.test_served_is_verified import (
     DATE,
@@ -145,3 +148,24 @@ def test_the_extension_is_offered_on_every_request(live):
         assert httpx.get(base + "/healthz").status_code == 200
         assert httpx.get(base + "/healthz").status_code == 200
     assert seen and all(zerocopy.EXTENSION in ext for ext in seen)
+
+
+def test_the_layout_route_still_checks_tokens(tmp_path):
+    """The pack route lost FastAPI's Security dependency (its cost), not the check: a
+    missing, wrong or out-of-scope token never gets a byte, over real HTTP."""
+    root = tmp_path / "catalog"
+    pubs = build_catalog(root, ["face-a", "face-b"], spec=SyntheticSpec(2, 2, 512, 1))
+    admin, partner = "a" * 24, "p" * 24
+    app = create_app(LocalStorage(root), TokenSet.parse(f"{admin}\n{partner} face-a\n"))
+    url = f"/templates/face-b/sakura/{pubs['face-b'].pack_file}"
+    pack = (root / pubs["face-b"].pack_key).read_bytes()
+    with serve_in_thread(app) as base, httpx.Client(base_url=base, timeout=10) as client:
+        for headers, status in [({}, 401), ({"Authorization": "Bearer " + "x" * 24}, 401),
+                                ({"Authorization": f"Bearer {partner}"}, 403)]:
+            r = client.get(url, headers={**headers, "Range": "bytes=0-99"})
+            assert r.status_code == status and pack[:100] not in r.content
+        r = client.get(url, headers={"Authorization": f"Bearer {admin}", "Range": "bytes=0-99"})
+        assert r.status_code == 206 and r.content == pack[:100]
+        spec = client.get("/openapi.json").json()
+        assert spec["paths"]["/templates/{template_id}/{codec}/{name}"]["get"]["security"] == [
+            {"HTTPBearer": []}]
