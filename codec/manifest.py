@@ -73,7 +73,7 @@ INT32_MAX = 2**31 - 1  # C++ `int` at the native binding (ids, steps, blocks, ra
 INT64_MAX = 2**63 - 1  # C++ `int64_t` (offsets, lengths, pack_bytes)
 
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
-SCHEMA_ID = "https://github.com/sakura-kv/sakura/codec/manifest.schema.json"
+SCHEMA_ID = "urn:sakura:pack-manifest:2"  # (format and version; no URL is promised)
 
 Index = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
@@ -265,7 +265,7 @@ def _error(exc: ValidationError, doc: Mapping[str, Any]) -> PackCorruptError:
     if e["type"] == "manifest_table":
         text = e["msg"]
     else:
-        text = f"{where}: {e['msg']} (got {_repr.repr(e['input'])})"
+        text = f"{where + ': ' if where else ''}{e['msg']} (got {_repr.repr(e['input'])})"
         if e["loc"] and e["loc"][-1] == "ranges" and e["type"] in ("too_long", "too_short"):
             text += f"; pack format {VERSION} serves every configuration as exactly one range"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -290,6 +290,8 @@ def parse_manifest(doc: Any, *, embedded: bool = False) -> ManifestHeader:
             f"unsupported manifest version {_repr.repr(version)} (this reader supports "
             f"{VERSION}; rebuild the pack with this version of `sakura build`)")
     model = ManifestHeader if embedded else PackManifest
+    if not isinstance(doc, dict):
+        doc = dict(doc)  # (any Mapping; pydantic validates dicts)
     try:
         return model.model_validate(doc)
     except ValidationError as exc:

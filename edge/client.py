@@ -717,7 +717,7 @@ class PackClient:
                 end = time.monotonic()
                 try:
                     data = json.loads(raw)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:  # (syntax, UTF-8, nesting)
                     raise EdgeError(f"{self.base_url}: {key} is not valid JSON "
                                     f"({exc})") from None
                 # the bytes on the wire (a gzip-encoded manifest is decoded by aiohttp):
@@ -916,7 +916,7 @@ def _error_code(body: bytes) -> str | None:
     """The machine-readable ``code`` of a ``sakura serve`` JSON error, if any."""
     try:
         doc = json.loads(body.decode("utf-8", "replace"))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     code = doc.get("code") if isinstance(doc, dict) else None
     return code if isinstance(code, str) else None
@@ -932,7 +932,7 @@ def _error_message(body: bytes) -> str:
         doc = json.loads(text)
         if isinstance(doc, dict) and isinstance(doc.get("error"), str):
             return doc["error"][:300]
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     m = re.search(r"<Message>(.*?)</Message>", text, re.S)
     if m:

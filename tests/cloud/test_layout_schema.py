@@ -4,8 +4,12 @@ on every document, and the synthetic catalogs the serve bench publishes are vali
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import http.server
 import json
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -20,6 +24,7 @@ from sakura.codec.errors import PackError
 from sakura.codec.pack import Manifest, write_pack
 from sakura.codec.synthetic import synthetic_cache
 from sakura.edge import client
+from sakura.edge.errors import EdgeError
 
 from tests.sakura.test_fuzz_inputs import json_values, mutated
 
@@ -114,3 +119,43 @@ def test_cloud_and_codec_agree_on_any_manifest(codec_doc, data):
         assert cloud_error is None
     if cloud_error is not None:
         assert codec_error == cloud_error
+
+
+CATALOG = {"version": 1, "templates": {"face-a": {"workload": "face-swap", "codecs": {
+    "sakura": {"manifest": "templates/face-a/sakura/manifest.json",
+               "pack_file": "sakura-0123456789abcdef.pack"}}}}}
+
+
+@SETTINGS
+@given(doc=st.one_of(json_values, mutated(CATALOG)))
+def test_any_catalog_is_checked_or_refused(doc):
+    try:
+        layout.validate_catalog(doc)
+    except ManifestError:
+        pass
+
+
+def test_a_deeply_nested_manifest_from_a_plain_origin_is_an_edge_error(tmp_path):
+    """A static origin (no server-side check) serving nesting json.loads cannot take: the
+    client's one EdgeError, not a RecursionError."""
+    folder = tmp_path / "templates" / "tpl" / "sakura"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_bytes(b'{"format": "sakura-pack", "shards": '
+                                           + b"[" * 100_000)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    async def fetch() -> None:
+        async with client.PackClient(f"http://127.0.0.1:{server.server_address[1]}") as c:
+            await c.manifest("tpl", "sakura")
+
+    try:
+        with pytest.raises(EdgeError, match="manifest.json is not valid JSON"):
+            asyncio.run(fetch())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert client._error_code(b"[" * 100_000) is None
+    assert client._error_message(b"[" * 100_000).startswith("[[[")
