@@ -131,6 +131,7 @@ def test_the_wheel_installs_and_runs_outside_the_repository(tmp_path):
     assert len([n for n in shipped if n.endswith(".png")]) == 16
     assert shipped <= names
     assert {"sakura/dit/weights/sakura-mmdit.safetensors", "sakura/codec/FORMAT.md",
+            "sakura/codec/manifest.schema.json",
             "sakura/edge/replay/configs/default.yaml", "sakura/edge/replay/configs/paper.yaml",
             "sakura/dit/adapters/cli.py", "sakura/cli.py"} <= names
 
