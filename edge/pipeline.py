@@ -194,6 +194,7 @@ class PipelineStats:
     hedges: int = 0
     damaged: list[str] = field(default_factory=list)
     local_steps: int = 0  # steps computed on the device (local fallback; native runtime)
+    outage_fallbacks: int = 0  # of them, begun early on outage evidence (no byte for the wait)
 
 
 def lookahead_wait(ahead: int, max_ahead: int, max_ahead_cap: int, until_start_s: float,
@@ -239,7 +240,8 @@ def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
         truncations=sum(1 for r in records if r.get("truncated")),
         hedges=sum(int(r.get("hedges") or 0) for r in records),
         damaged=[r["damage"] for r in records if r.get("damage")],
-        local_steps=len({r["step"] for r in records if r.get("local")}))
+        local_steps=len({r["step"] for r in records if r.get("local")}),
+        outage_fallbacks=len({r["step"] for r in records if r.get("outage")}))
 
 
 Fetch = Callable[[int, int, Transfer], Awaitable[Fetched]]

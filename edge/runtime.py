@@ -166,6 +166,9 @@ class EditResult:
     truncations: int = 0   # shards executed from the prefix received by their deadline
     hedges: int = 0        # transfers re-requested on a fresh connection
     local_fallbacks: int = 0  # steps computed on the device while no shard could arrive
+    # of the local fallbacks, those begun at once because the link had carried no byte for
+    # one local step while requests were out (outage evidence), not after waiting one out
+    outage_fallbacks: int = 0
     startup_s: float = 0.0
     startup_allowance_s: float = 0.0
     configs: list[int | None] = field(default_factory=list)
@@ -215,6 +218,7 @@ class EditResult:
             "stalls": self.stalls, "stall_s": self.stall_s, "startup_s": self.startup_s,
             "truncations": self.truncations, "hedges": self.hedges,
             "local_fallbacks": self.local_fallbacks,
+            "outage_fallbacks": self.outage_fallbacks,
             "startup_allowance_s": self.startup_allowance_s,
             "exec_s": self.exec_s, "requests": self.requests,
             "configs": self.configs, "params": self.params,
@@ -655,7 +659,8 @@ class EdgeRuntime:
             image=image, policy=policy, codec=codec, latency_s=latency, bytes=stats.bytes,
             manifest_bytes=raw_len, stalls=stats.stalls, stall_s=stats.stall_s,
             truncations=stats.truncations, hedges=stats.hedges,
-            local_fallbacks=stats.local_steps, startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
+            local_fallbacks=stats.local_steps, outage_fallbacks=stats.outage_fallbacks,
+            startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
             params=[r["params"] for r in timeline], timeline=timeline,
             predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),
             warnings=warnings)

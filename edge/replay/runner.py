@@ -612,6 +612,7 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
         "exec_s": res.exec_s, "requests": res.requests, "configs": res.configs,
         "truncations": res.truncations, "hedges": res.hedges,
         "local_fallbacks": res.local_fallbacks,
+        "outage_fallbacks": res.outage_fallbacks,
         "prior_mbps": None if prior is None else prior / 1e6,
         "warnings": res.warnings, **_quality(res.image, st),
         "load1": os.getloadavg()[0], "time": time.time(),

@@ -50,8 +50,8 @@ REPEAT_TRACE = "5g_trace_100_walking.txt"
 REPEAT_WINDOWS = (20.0, 110.0, 200.0)
 REPEAT_GAP_S = 30.0
 #: events the runtime counts per edit (``EditResult``); refinements are not built yet
-COUNTED_EVENTS = ("truncations", "hedges", "local_fallbacks")
-EVENTS = ("truncations", "hedges", "refinements", "local_fallbacks")
+COUNTED_EVENTS = ("truncations", "hedges", "local_fallbacks", "outage_fallbacks")
+EVENTS = ("truncations", "hedges", "refinements", "local_fallbacks", "outage_fallbacks")
 
 Log = Callable[[str], None]
 

@@ -419,6 +419,76 @@ def test_an_outage_mid_edit_runs_the_rest_locally_after_the_shards_that_arrived(
     assert res.local_fallbacks == len({r["step"] for r in res.timeline if r["local"]})
 
 
+class Trickle:
+    """ASGI wrapper: pack GETs send their real bytes one per ``gap_s`` (a link that still
+    carries bytes, far too slowly for any configuration to arrive in a step)."""
+
+    def __init__(self, app, gap_s=0.005):
+        self.app, self.gap_s = app, gap_s
+
+    async def __call__(self, scope, receive, send):
+        if not (scope["type"] == "http" and scope["method"] == "GET"
+                and scope["path"].endswith(".pack")):
+            await self.app(scope, receive, send)
+            return
+        import asyncio as _asyncio
+
+        async def slow(message):
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            body, more = message.get("body", b""), message.get("more_body", False)
+            for i in range(len(body)):
+                await send({"type": "http.response.body", "body": body[i:i + 1],
+                            "more_body": True})
+                await _asyncio.sleep(self.gap_s)
+            await send({"type": "http.response.body", "body": b"", "more_body": more})
+        try:
+            await self.app(scope, receive, slow)
+        except OSError:  # the client dropped the transfer (its step ran locally)
+            pass
+
+
+def test_a_silent_link_ends_the_wait_before_a_local_step_a_slow_one_does_not(
+        world, runtime, native_runtime):
+    """Outage evidence (issue 28): when requests are out and the link has carried no byte
+    for the wait's bound, the wait before a local step ends on that evidence (the record
+    says ``outage``), counted from the link's last byte, not from when the wait began. Here
+    the outage starts after two shards: their bytes came before their steps ran, so the
+    link had been quiet before the third shard's wait began. A link that still delivers
+    bytes is never taken for an outage: its first local step comes after the whole bound,
+    unflagged, and the edit equals ``local``'s image. (The bound is set to 1 s here so that
+    it, not 3 request latencies of a loaded machine, decides.)"""
+    req = runtime.request(PROMPT, SEED)
+    local = native_runtime.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req,
+                                "local")
+    opts = EditOptions(initial_rate_bps=50e6)
+    with serve(world) as server:  # the layout's profile, with its measured local step
+        native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                            options=opts)
+    saved = {k: p.local_step_s for k, p in native_runtime.profiles.items()}
+    try:
+        for p in native_runtime.profiles.values():
+            p.local_step_s = 1.0
+        with Server(OutageAfter(create_app(LocalStorage(world.catalog_dir)), 2)) as server:
+            silent = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req,
+                                         "sakura", options=opts)
+        with Server(Trickle(create_app(LocalStorage(world.catalog_dir)), 0.05)) as server:
+            slow = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req,
+                                       "sakura", options=opts)
+    finally:
+        for k, v in saved.items():
+            native_runtime.profiles[k].local_step_s = v
+    waited = [r for r in silent.timeline if r["local"]]
+    assert waited and waited[0]["outage"] and silent.outage_fallbacks == 1
+    assert waited[0]["stall_s"] < 1.0  # it waited less than the bound
+    assert slow.local_fallbacks == world.template.steps
+    assert (slow.image - local.image).abs().max().item() <= TOL
+    assert not any(r["outage"] for r in slow.timeline) and slow.outage_fallbacks == 0
+    assert slow.timeline[0]["stall_s"] >= 1.0 - 0.01  # the whole bound: bytes were arriving
+    assert all(r["bytes"] == 0 for r in slow.timeline)  # no configuration arrived
+
+
 def test_the_local_fallback_step_is_measured_once_and_kept_in_the_device_state(
         world, runtime, compiled_dir, tmp_path):
     """The wait before a local step is a timed ``local`` edit per step (not the cached

@@ -61,6 +61,7 @@ py::dict record_dict(const sakura::ShardRecord& r) {
   d["truncated"] = r.truncated;
   d["damage"] = r.damage.empty() ? py::object(py::none()) : py::object(py::str(r.damage));
   d["local"] = r.local;
+  d["outage"] = r.outage;
   return d;
 }
 

@@ -376,6 +376,7 @@ void StreamFeed::receive_loop() {
       for (int j : drop) http_.cancel(j);
     }
     origin_failing_.store(http_.failing());
+    link_quiet_since_.store(http_.quiet_since_s());
     if (next == n && http_.active() == 0) return;
     enforce_deadline(&wait);
     {
@@ -497,6 +498,18 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
     const double left = until - now_s();
     // an unreachable origin (a restart) is waited out within the retry window, never
     // computed around: the local fallback is for a link that carries nothing
+    // outage evidence: requests are out and the link has carried no byte for the whole wait
+    // bound (counted from before this wait began) and 3 request latencies: the step is
+    // computed now instead of waiting out the rest of the bound (issue 28)
+    const double quiet_since = link_quiet_since_.load();
+    const double quiet_until =
+        std::isnan(quiet_since) || origin_failing_.load()
+            ? std::numeric_limits<double>::infinity()
+            : quiet_since + std::max(timeout_s, 3.0 * monitor_->latency_s());
+    if (timeout_s > 0 && now_s() >= quiet_until) {
+      records_[j].outage = true;
+      break;
+    }
     if (left <= 0 && !origin_failing_.load()) break;
     if (waiting_ != j) {  // the receive thread enforces the deadline meanwhile
       waiting_ = j;
@@ -504,7 +517,8 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
       waiting_hedged_ = false;
       http_.wakeup();
     }
-    cv_.wait_for(lock, std::chrono::duration<double>(std::clamp(left, 0.001, 0.1)));
+    const double sleep = std::min(left, quiet_until - now_s());
+    cv_.wait_for(lock, std::chrono::duration<double>(std::clamp(sleep, 0.001, 0.1)));
   }
   if (error_) std::rethrow_exception(error_);
   waiting_ = -1;

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -55,6 +56,8 @@ struct ShardRecord {
   bool truncated = false;  // executed from the prefix received by its deadline
   std::string damage;      // a unit that failed its checksum ("" : none)
   bool local = false;      // its step was computed on the device (local fallback): no bytes
+  bool outage = false;     // the wait for it ended early: the link had carried nothing for
+                           // the wait bound while requests were out (outage evidence)
 };
 
 // Raised when an edit is cancelled (Ctrl-C in Python).
@@ -185,6 +188,9 @@ class StreamFeed final : public ShardFeed {
   bool waiting_hedged_ = false;
   std::vector<int> skipped_;    // shards computed locally whose transfers are to be dropped
   std::atomic<bool> origin_failing_{false};  // (receive thread) HttpReceiver::failing()
+  // (receive thread) HttpReceiver::quiet_since_s(): since when the link has carried no
+  // byte while requests were out (NaN: none out)
+  std::atomic<double> link_quiet_since_{std::numeric_limits<double>::quiet_NaN()};
   std::map<int, std::pair<int, std::vector<std::uint8_t>>> pending_;  // received
   std::map<int, std::vector<float>> ready_;                           // reconstructed
   std::exception_ptr error_;
@@ -225,7 +231,8 @@ struct EditInputs {
 // null for graphs that take no cache. Throws whatever a stage threw; Cancelled when
 // `cancel` becomes true.
 // Local fallback (issue 28 item 10): a step whose first shard is not ready within one local
-// step's time is computed on the device with the full graphs (every token, as `local` does:
+// step's time (or sooner, once the link has carried no byte for that long while requests
+// were out: outage evidence, counted from before the wait began) is computed on the device with the full graphs (every token, as `local` does:
 // the unmasked tokens pinned to the template trajectory, public catalog data), and so is
 // every next step until a shard is ready when its step begins (the edit rejoins the stream).
 struct LocalSteps {

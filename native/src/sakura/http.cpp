@@ -105,6 +105,7 @@ struct Transfer {
   int attempts = 0, resumes = 0, refetches = 0, failures = 0;
   double retry_at = 0;
   double last_progress = 0;  // when the transfer last received bytes (or started)
+  double* link_last_byte = nullptr;  // the receiver's last body byte of any transfer
   double attempt_start = 0;  // when the attempt in flight was sent
   double connect_s = 0;      // the first attempt's time to open a new connection (0: reused)
   std::string last_error;
@@ -199,6 +200,8 @@ struct HttpReceiver::Impl {
   HttpOptions opts;
   CURLM* multi = nullptr;
   std::list<Transfer> transfers;  // active (in flight or waiting to retry)
+  double last_byte = 0;           // when any transfer last received a body byte
+  double busy_since = 0;          // when transfers last became non-empty
   std::vector<CURL*> warming;     // HEAD requests opening connections (warm())
   curl_slist* warm_headers = nullptr;
   std::vector<RequestLogEntry> log;
@@ -291,6 +294,7 @@ struct HttpReceiver::Impl {
                   reinterpret_cast<std::uint8_t*>(data) + bytes);
     t->progressed = true;
     t->last_progress = now_s();
+    if (t->link_last_byte != nullptr) *t->link_last_byte = t->last_progress;
     t->stalled_restarts = 0;
     advance_verify(*t);
     if (t->damaged) {  // the rest of this body cannot be used: stop it now
@@ -573,10 +577,12 @@ void HttpReceiver::start(FetchRequest request) {
                                       std::to_string(request.config) +
                                       ": units do not add up to its bytes");
   }
+  if (impl_->transfers.empty()) impl_->busy_since = now_s();
   impl_->transfers.emplace_back();
   Transfer& t = impl_->transfers.back();
   t.req = std::move(request);
   t.start = t.last_progress = now_s();
+  t.link_last_byte = &impl_->last_byte;
   t.buf.reserve(static_cast<std::size_t>(t.req.length));
   impl_->begin_attempt(t);
 }
@@ -697,6 +703,11 @@ bool HttpReceiver::has_transfer(int shard) const {
     if (t.req.shard == shard) return true;
   }
   return false;
+}
+
+double HttpReceiver::quiet_since_s() const {
+  if (impl_->transfers.empty()) return std::numeric_limits<double>::quiet_NaN();
+  return std::max(impl_->last_byte, impl_->busy_since);
 }
 
 int HttpReceiver::active() const { return static_cast<int>(impl_->transfers.size()); }

@@ -136,6 +136,10 @@ class HttpReceiver {
   // Seconds since shard's transfer last received bytes (NaN: no such transfer).
   double idle_s(int shard) const;
   bool has_transfer(int shard) const;
+  // Since when the link has carried no body byte while requests were out: the later of the
+  // last byte any transfer received and the moment transfers became active; NaN: none active.
+  // (A new request does not restart it: it says nothing about the link.)
+  double quiet_since_s() const;
 
   int active() const;                     // transfers started and not yet done
   // Some transfer's last attempt failed (refused, reset, a retried status) and it has made
