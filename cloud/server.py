@@ -142,7 +142,7 @@ class JsonCache:
             token = reader.info.etag
         try:
             document = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ManifestError(f"{key} is not valid JSON: {exc}") from exc
         value = parse(document)
         with self._lock:

@@ -165,3 +165,27 @@ def test_storage_failure_mid_stream_aborts_that_response_only(big):
     assert r.status_code == 500 and "truncated" in r.json()["error"]
     assert r.json()["code"] == "pack_damaged"
     assert wait_until(lambda: app.state.sakura.metrics.in_flight == 0)
+
+
+@pytest.mark.parametrize("stored", ["manifest", "catalog"])
+def test_a_deeply_nested_stored_document_is_a_json_error_not_a_traceback(tmp_path, stored,
+                                                                          caplog):
+    """A manifest.json or catalog.json nested 100,000 levels deep (json.loads raises
+    RecursionError, not ValueError) is answered like any invalid JSON: 500 publish_broken
+    with the reason, and the server keeps answering (issue 29)."""
+    root = tmp_path / "catalog"
+    pub = build_catalog(root, ["small"], spec=SyntheticSpec(shards=2, configs=2,
+                                                            unit_bytes=256))["small"]
+    # the versioned manifest is the one the catalog names (the one the server reads)
+    target = (root / pub.versioned_manifest_key if stored == "manifest"
+              else root / "catalog.json")
+    target.write_text("[" * 100_000 + "]" * 100_000)
+    path = ("/v1/templates/small/sakura/manifest" if stored == "manifest"
+            else "/v1/templates")
+    with serve_in_thread(create_app(LocalStorage(root))) as url:
+        r = httpx.get(url + path, timeout=30)
+        assert r.status_code == 500, r.text
+        body = r.json()
+        assert body["code"] == "publish_broken"
+        assert "is not valid JSON" in body["error"] and "Traceback" not in r.text
+        assert httpx.get(url + "/healthz", timeout=30).status_code in (200, 503)
