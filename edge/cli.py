@@ -35,6 +35,9 @@ from sakura.argtypes import (
 )
 from sakura.cachedir import cache_dir as sakura_cache_dir
 
+#: EditOptions.max_inflight (edge/runtime.py imports torch; a test keeps them equal)
+MAX_INFLIGHT = 6
+
 # what each non-torch backend imports (sakura.extras names the extra to install)
 BACKEND_MODULES = {"executorch": ("executorch",), "qnn": ("onnxruntime_qnn", "onnx")}
 
@@ -95,6 +98,12 @@ def register(commands: Any, bench: Any) -> None:
                       help="a constant-rate link instead")
     p.add_argument("--start", type=nonnegative_float, default=0.0, metavar="S",
                    help="trace start offset in seconds (default 0)")
+    p.add_argument("--rtt-ms", type=nonnegative_float, default=30.0, metavar="MS",
+                   help="the emulated link's round trip (with --trace or --rate; default "
+                        "30 ms, a 5G round trip, as is: on this host that is ~4 shard "
+                        "executions, against ~0.3 on a phone; the demo and benches "
+                        "time-scale it, e.g. 1.8 ms for face-technologist: "
+                        "docs/bench/connections.json)")
     p.add_argument("--scale", type=positive_float, default=1.0, metavar="F",
                    help="multiply the trace/rate by this factor (default 1)")
     p.add_argument("--out", type=png_file, required=True, metavar="FILE",
@@ -123,6 +132,9 @@ def register(commands: Any, bench: Any) -> None:
                         "threads than free cores slow execution down many times)")
     p.add_argument("--max-ahead", type=positive_int, default=4, metavar="N",
                    help="shards fetched ahead of execution (default 4)")
+    p.add_argument("--max-inflight", type=positive_int, default=MAX_INFLIGHT,
+                   metavar="N", help="requests in flight at once, one connection each "
+                                     "(default %(default)s)")
     p.add_argument("--startup-fraction", type=startup_fraction,
                    default=DEFAULT_STARTUP_FRACTION, metavar="F",
                    help="startup allowance: execution may start up to F x the predicted "
@@ -342,7 +354,8 @@ def _edit(args: argparse.Namespace) -> int:
     reference = load_image(args.reference, template.size) if args.reference else None
     tokens = prompt_tokens(runtime, args.prompt)
     req = runtime.request(args.prompt, args.seed, reference)
-    options = EditOptions(max_ahead=args.max_ahead, pack=args.pack,
+    options = EditOptions(max_ahead=args.max_ahead, max_inflight=args.max_inflight,
+                          pack=args.pack,
                           reconstruct=args.reconstruct,
                           startup_fraction=args.startup_fraction, on_wait=say_waiting)
     link_info: dict[str, Any] = {"mode": "direct"}
@@ -352,7 +365,7 @@ def _edit(args: argparse.Namespace) -> int:
         link_info = {"mode": "paced", "trace": args.trace, "rate_mbps": args.rate,
                      "scale": args.scale, "start_s": args.start, "window_stats": stats}
         options.rate_origin = args.server  # (the link's proxy port changes every run)
-        with shaped(args.server, trace, args.start) as (url, link):
+        with shaped(args.server, trace, args.start, rtt_ms=args.rtt_ms) as (url, link):
             link_info.update(link.conditions())  # emulator, RTT, loss, its process and CPUs
             try:
                 result = runtime.edit(url, args.template, template, req, args.policy,

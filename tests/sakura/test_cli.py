@@ -287,12 +287,14 @@ def test_the_clis_copies_of_package_constants_agree():
     from sakura.dit.templates import DEFAULT_CATALOG, load_catalog
     from sakura.dit.train import TrainConfig
     from sakura.edge.backends import BACKENDS
-    from sakura.edge.cli import BACKEND_MODULES
+    from sakura.edge.cli import BACKEND_MODULES, MAX_INFLIGHT
+    from sakura.edge.runtime import EditOptions
 
     assert BUILD_CODECS == DEFAULT_CODECS and BENCH_MODELS == KINDS
     assert SHIPPED_CATALOG == DEFAULT_CATALOG and template_ids() == list(load_catalog())
     assert Path(DEFAULT_TRAIN_DIR) == Path(TrainConfig().out_dir)
     assert set(BACKEND_MODULES) == set(BACKENDS) - {"torch"}
+    assert MAX_INFLIGHT == EditOptions.max_inflight
 
 
 def test_bench_cli_times_every_help(tmp_path, capsys):
