@@ -828,10 +828,10 @@ class PackClient:
                             etag = None
                             raise _Retry("the pack changed under a resumed range "
                                          "(If-Range answered 200)")
-                        raise OriginError(
-                            f"{self.base_url}: the origin ignored the Range header for {key} "
-                            "(200 with the whole object); SAKURA needs an origin that serves "
-                            "byte ranges (HTTP 206)")
+                        raise OriginError(  # the native runtime's words (http.cpp)
+                            f"{self.base_url}: {key}: the origin ignored the Range request "
+                            "(HTTP 200 with the whole object); serve the pack from an origin "
+                            "that supports single-range GETs")
                     if resp.status == 416:
                         raise OriginError(
                             f"{self.base_url}: {key} is shorter than its manifest says "

@@ -179,7 +179,7 @@ class _BadOrigin:
 
 @pytest.mark.parametrize(("mode", "message"), [
     ("forbidden", "HTTP 403: AccessDenied: Access Denied"),
-    ("no-range", "ignored the Range header"),
+    ("no-range", "ignored the Range request"),
 ])
 def test_misbehaving_origins_give_one_clear_error(world, mode, message):
     recorder = RecordingApp(_BadOrigin(world.catalog_dir, mode))

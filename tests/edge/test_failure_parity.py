@@ -170,3 +170,17 @@ def test_a_superseded_pack_version_refetches_the_manifest(world, runtime, native
     assert app.gone == 0 and app.manifests >= 2
     assert any("republished" in w for w in res.warnings), res.warnings
     assert res.bytes > 0
+
+
+def test_an_origin_that_ignores_range_is_the_same_error_in_both_runtimes(world, runtime,
+                                                                         native_runtime):
+    from tests.edge.test_native_runtime import IgnoresRange
+
+    got = both(world, runtime, native_runtime,
+               lambda: Counting(IgnoresRange(create_app(LocalStorage(world.catalog_dir)))))
+    reasons = {}
+    for name, (msg, hits) in got.items():
+        assert "the origin ignored the Range request (HTTP 200 with the whole object)" in msg
+        assert hits <= 8, (name, hits)
+        reasons[name] = msg.split(".pack: ", 1)[1]  # after the URL (python: base URL: key)
+    assert reasons["python"] == reasons["native"]
