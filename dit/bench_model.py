@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from sakura.dit.data import CATEGORIES, EmojiDataset, category_prompt
-from sakura.dit.sampler import generate
+from sakura.dit.sampler import generate, renoise
 from sakura.dit.text import TextEncoder
 from sakura.dit.weights import load_model
 from torch import nn
@@ -139,7 +139,7 @@ def denoise_by_t(model=None, enc=None, ds: EmojiDataset | None = None,
     e = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
     out = {}
     for t in ts:
-        xt = (1 - t) * x0 + t * e
+        xt = renoise(x0, e, t)
         v = model(TokenBatch(img=xt, img_pos=pos, txt=txt, t=torch.full((len(idx),), t)))
         mse = float(((xt - t * v - x0) ** 2).mean())
         out[f"{t:g}"] = 10 * math.log10(4.0 / mse)

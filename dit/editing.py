@@ -7,6 +7,10 @@ their per-(step, block) K/V are computed once in the cloud (the *template run*).
 device, every step computes only the text tokens and the masked image tokens; at block b of
 step s their attention runs over ``[fresh tokens] + [cache(s, b)]``. The output is the
 template outside the mask and the edited content inside.
+
+Every run here is ``dit.sampler.denoise`` (the one denoising loop) with Euler steps over
+``edit_schedule``; the per-step model step builds the attention hook below that the run
+needs (capture, cached K/V, pins, importance).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch.nn.functional as F
 from sakura.dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
 from sakura.dit.cache import KVProvider, TemplateCache
 from sakura.dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
-from sakura.dit.sampler import noise_like, schedule
+from sakura.dit.sampler import EulerSteps, Trajectory, denoise, noise_like, renoise, schedule
 
 
 @dataclass
@@ -118,7 +122,7 @@ def edit_start(model: MMDiT, template: Template, seed: int) -> torch.Tensor:
     if template.strength == 1.0:
         return e
     x0 = patchify(template.image[None].float(), model.cfg.patch_size)
-    return (1 - template.strength) * x0 + template.strength * e
+    return renoise(x0, e, template.strength)
 
 
 def heads_to_channels(x: torch.Tensor) -> torch.Tensor:
@@ -243,15 +247,16 @@ def template_run(model: MMDiT, template: Template, keep_hidden: bool = False) ->
     e = template_noise(model, template)
     ts = edit_schedule(template)
     keys, values, hidden = [], [], []
-    for s in range(template.steps):
-        t = ts[s]
-        xt = (1 - t) * x0 + t * e
+
+    def capture(s: int, t: torch.Tensor, xt: torch.Tensor) -> None:
         hook = CaptureHook(model.cfg.attention_mode, geo.unmasked, keep_hidden)
         model(TokenBatch(img=xt, img_pos=geo.pos, txt=template.txt, t=t.reshape(1)), hook)
         keys.append(torch.stack([hook.keys[b] for b in range(model.cfg.num_blocks)]))
         values.append(torch.stack([hook.values[b] for b in range(model.cfg.num_blocks)]))
         if keep_hidden:
             hidden.append(hook.hidden)
+
+    denoise(x0, EulerSteps(ts), capture, pinned=Trajectory(x0, e), integrate=False)
     k, v = torch.stack(keys), torch.stack(values)
     cache = TemplateCache(keys=k, values=v, importance=torch.zeros(k.shape[:3]),
                           token_index=geo.unmasked, timesteps=ts[:-1].clone(),
@@ -318,9 +323,9 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     refs = ReferenceKV.extract(model, req, template.guidance) if has_refs and cache_refs else None
     ref_toks = reference_tokens(model, req.ref_images) if has_refs and not cache_refs else None
     text_kv = None
-    for s in range(start_step, template.steps):
-        if on_latent is not None:
-            on_latent(s, x)
+
+    def model_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        nonlocal text_kv
         extra: dict[int, list[KVSegment]] = {}
         for part in (refs.segments() if refs else {}, text_kv_segments(*text_kv) if text_kv else {}):
             for b, segs in part.items():
@@ -330,18 +335,19 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
         else:
             hook = CachedHook(mode, provider, s, heads, extra,
                               record_text=reuse_text_kv and s == 0)
-        batch = _cfg_batch(x, pos, req, ts[s], template.guidance)
+        batch = _cfg_batch(x, pos, req, t, template.guidance)
         if ref_toks is not None:
             n = batch.img.shape[0]
             batch.ref, batch.ref_pos, batch.ref_sizes = (ref_toks[0].expand(n, -1, -1),
                                                          ref_toks[1], ref_toks[2])
         batch.text_tokens = text_kv is None
-        v = _guided(model(batch, hook), template.guidance)
-        x = x + (ts[s + 1] - ts[s]) * v
+        v = model(batch, hook)
         if reuse_text_kv and s == 0:
             text_kv = (hook.text_k, hook.text_v)
-        if on_step is not None:
-            on_step(s)
+        return v
+
+    x = denoise(x, EulerSteps(ts), model_step, guide=lambda v: _guided(v, template.guidance),
+                start=start_step, before_step=on_latent, after_step=on_step)
     return compose(model, template, geo, x)
 
 
@@ -362,15 +368,14 @@ def pinned_reference_edit(model: MMDiT, template: Template, run: TemplateRun,
     geo = run.geometry
     x0 = patchify(template.image[None].float(), model.cfg.patch_size)
     e = template_noise(model, template)
-    x = edit_start(model, template, req.seed).clone()
-    ts = edit_schedule(template)
-    for s in range(template.steps):
-        t = ts[s]
-        x[:, geo.unmasked] = ((1 - t) * x0 + t * e)[:, geo.unmasked]
+
+    def model_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         hook = PinHook(model.cfg.attention_mode, run.hidden[s], geo.unmasked)
-        v = _guided(model(_cfg_batch(x, geo.pos, req, t, template.guidance), hook),
-                    template.guidance)
-        x = x + (ts[s + 1] - t) * v
+        return model(_cfg_batch(x, geo.pos, req, t, template.guidance), hook)
+
+    x = denoise(edit_start(model, template, req.seed), EulerSteps(edit_schedule(template)),
+                model_step, guide=lambda v: _guided(v, template.guidance),
+                pinned=Trajectory(x0, e, geo.unmasked))
     return compose(model, template, geo, x[:, geo.masked])
 
 
@@ -381,13 +386,10 @@ def full_edit(model: MMDiT, template: Template, req: EditRequest) -> torch.Tenso
     geo = Geometry.of(model, template)
     x0 = patchify(template.image[None].float(), model.cfg.patch_size)
     e = template_noise(model, template)
-    x = edit_start(model, template, req.seed).clone()
-    ts = edit_schedule(template)
-    for s in range(template.steps):
-        t = ts[s]
-        x[:, geo.unmasked] = ((1 - t) * x0 + t * e)[:, geo.unmasked]
-        v = _guided(model(_cfg_batch(x, geo.pos, req, t, template.guidance)), template.guidance)
-        x = x + (ts[s + 1] - t) * v
+    x = denoise(edit_start(model, template, req.seed), EulerSteps(edit_schedule(template)),
+                lambda s, t, x: model(_cfg_batch(x, geo.pos, req, t, template.guidance)),
+                guide=lambda v: _guided(v, template.guidance),
+                pinned=Trajectory(x0, e, geo.unmasked))
     return compose(model, template, geo, x[:, geo.masked])
 
 

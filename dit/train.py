@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from sakura.dit.data import CATEGORIES, EmojiDataset, category_prompt
 from sakura.dit.errors import TrainConfigError
 from sakura.dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, patchify
+from sakura.dit.sampler import renoise
 from sakura.dit.text import TextEncoder
 from sakura.dit.weights import save_model
 
@@ -195,7 +196,7 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
         t = torch.sigmoid(torch.randn(b))  # logit-normal
         t = torch.where(torch.rand(b) < cfg.t_uniform, torch.rand(b), t)
         e = torch.randn_like(x0)
-        xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * e
+        xt = renoise(x0, e, t[:, None, None])
         batch = TokenBatch(img=xt, img_pos=grid_positions(size // p, span), txt=txt, t=t,
                            ref=ref, ref_pos=ref_pos)
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup)

@@ -17,6 +17,10 @@ every adapter, and the editing algorithms below are written once for all models:
   unmasked hidden states pinned to the template run at the input of every block;
 * :meth:`ModelAdapter.full_edit` (``local``) and :meth:`ModelAdapter.profile_importance`.
 
+Each runs ``dit.sampler.denoise`` (the one denoising loop) with the pipeline's own scheduler
+as its step rule (``SchedulerSteps``) and a model step that builds the step's
+:class:`AdapterHook` per guidance branch.
+
 Everything works in the model's latent token space (row-major token grid, ``[N, C]`` with
 C = the transformer's input channels); VAEs and text encoders stay outside (see
 ``dit.adapters.pipeline``). The K/V of one attention call are one cache "block"; SD3.5's
@@ -39,7 +43,7 @@ from sakura.dit.adapters.errors import AdapterError, InputError, UnsupportedErro
 from sakura.dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
 from sakura.dit.cache import KVProvider, StepMemo, TemplateCache
 from sakura.dit.editing import channels_to_heads, heads_to_channels
-from sakura.dit.sampler import noise_like
+from sakura.dit.sampler import SchedulerSteps, Trajectory, denoise, noise_like
 from torch import nn
 
 EDIT_SEED_OFFSET = 1_000_003  # same convention as dit.editing.edit_noise
@@ -524,9 +528,13 @@ class ModelAdapter(ABC):
     def _guided(self, vs: list[torch.Tensor], scale: float) -> torch.Tensor:
         return vs[0] if len(vs) == 1 else self.combine_guidance(vs[0], vs[1], scale)
 
-    @staticmethod
-    def _step(sched, v: torch.Tensor, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return sched.step(v, t, x, return_dict=False)[0].float()
+    def _steps(self, template: LatentTemplate) -> SchedulerSteps:
+        """The pipeline's scheduler as the step rule of :func:`dit.sampler.denoise`."""
+        return SchedulerSteps(self.make_scheduler(template.steps, template.tokens),
+                              template.steps)
+
+    def _guide(self, template: LatentTemplate) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        return partial(self._guided, scale=template.guidance)
 
     # -- the algorithms --------------------------------------------------------------------
 
@@ -534,23 +542,25 @@ class ModelAdapter(ABC):
     def template_run(self, template: LatentTemplate, keep_hidden: bool = False) -> AdapterRun:
         """Run the model on the template's forward-noised trajectory; capture K/V."""
         geo = self.geometry(template)
-        sched = self.make_scheduler(template.steps, template.tokens)
+        steps = self._steps(template)
         x0 = template.latents.float()[None]
         e = self.template_noise(template)
         branch = self.prepare_branch(template.cond, None, True, template.embedded_guidance,
                                      template)
         rows = torch.arange(template.tokens)
         keys, values, hidden = [], [], []
-        for s in range(template.steps):
-            sigma = float(sched.sigmas[s])
-            xt = (1 - sigma) * x0 + sigma * e
+
+        def capture(s: int, t: torch.Tensor, xt: torch.Tensor) -> None:
             hook = AdapterHook(heads=self.heads, extra=branch.extra, capture=geo.unmasked)
             keep: dict[int, torch.Tensor] | None = {} if keep_hidden else None
-            self.velocity(xt, rows, template.grid, sched.timesteps[s], branch, hook, keep=keep)
+            self.velocity(xt, rows, template.grid, t, branch, hook, keep=keep)
             keys.append(torch.stack([hook.keys[b] for b in range(self.num_blocks)]))
             values.append(torch.stack([hook.values[b] for b in range(self.num_blocks)]))
             if keep is not None:
                 hidden.append(keep)
+
+        denoise(x0, steps, capture, pinned=Trajectory(x0, e), integrate=False)
+        sched = steps.scheduler
         k, v = torch.stack(keys), torch.stack(values)
         cache = TemplateCache(keys=k, values=v, importance=torch.zeros(k.shape[:3]),
                               token_index=geo.unmasked.clone(),
@@ -571,19 +581,18 @@ class ModelAdapter(ABC):
         branches = self._branches(template, req, cache_refs)
         if len(branches) > 1:  # the branches run one after the other: one fetch per block
             provider = StepMemo(provider)
-        sched = self.make_scheduler(template.steps, template.tokens)
-        x = self.edit_noise(template, req.seed)[:, geo.masked]
-        for s in range(template.steps):
-            t = sched.timesteps[s]
+
+        def model_step(s: int, t: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
             vs = []
             for br in branches:
                 hook = (hook_factory(s, br) if hook_factory else
                         AdapterHook(heads=self.heads, extra=br.extra, provider=provider, step=s,
                                     key_shift=br.key_shift))
                 vs.append(self.velocity(x, geo.masked, template.grid, t, br, hook))
-            x = self._step(sched, self._guided(vs, template.guidance), t, x)
-            if on_step is not None:
-                on_step(s)
+            return vs
+
+        x = denoise(self.edit_noise(template, req.seed)[:, geo.masked], self._steps(template),
+                    model_step, guide=self._guide(template), after_step=on_step)
         return self.compose(template, geo, x[0])
 
     @torch.inference_mode()
@@ -595,19 +604,18 @@ class ModelAdapter(ABC):
             raise InputError("template_run(..., keep_hidden=True) is needed for the reference")
         geo = run.geometry
         branches = self._branches(template, req, cache_refs=False)
-        sched = self.make_scheduler(template.steps, template.tokens)
         x0 = template.latents.float()[None]
-        e = self.template_noise(template)
-        x = self.edit_noise(template, req.seed).clone()
         rows = torch.arange(template.tokens)
-        for s in range(template.steps):
-            t, sigma = sched.timesteps[s], float(sched.sigmas[s])
-            x[:, geo.unmasked] = ((1 - sigma) * x0 + sigma * e)[:, geo.unmasked]
+
+        def model_step(s: int, t: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
             pins = Pins(run.hidden[s], geo.unmasked, template.cond)
-            vs = [self.velocity(x, rows, template.grid, t, br, AdapterHook(heads=self.heads,
-                                                                          extra=br.extra),
-                                pins=pins) for br in branches]
-            x = self._step(sched, self._guided(vs, template.guidance), t, x)
+            return [self.velocity(x, rows, template.grid, t, br,
+                                  AdapterHook(heads=self.heads, extra=br.extra), pins=pins)
+                    for br in branches]
+
+        x = denoise(self.edit_noise(template, req.seed), self._steps(template), model_step,
+                    guide=self._guide(template),
+                    pinned=Trajectory(x0, self.template_noise(template), geo.unmasked))
         return self.compose(template, geo, x[0, geo.masked])
 
     @torch.inference_mode()
@@ -616,17 +624,17 @@ class ModelAdapter(ABC):
         the template trajectory (the same masked-editing rule, computed locally)."""
         geo = self.geometry(template)
         branches = self._branches(template, req, cache_refs=True)
-        sched = self.make_scheduler(template.steps, template.tokens)
         x0 = template.latents.float()[None]
-        e = self.template_noise(template)
-        x = self.edit_noise(template, req.seed).clone()
         rows = torch.arange(template.tokens)
-        for s in range(template.steps):
-            t, sigma = sched.timesteps[s], float(sched.sigmas[s])
-            x[:, geo.unmasked] = ((1 - sigma) * x0 + sigma * e)[:, geo.unmasked]
-            vs = [self.velocity(x, rows, template.grid, t, br,
-                                AdapterHook(heads=self.heads, extra=br.extra)) for br in branches]
-            x = self._step(sched, self._guided(vs, template.guidance), t, x)
+
+        def model_step(s: int, t: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+            return [self.velocity(x, rows, template.grid, t, br,
+                                  AdapterHook(heads=self.heads, extra=br.extra))
+                    for br in branches]
+
+        x = denoise(self.edit_noise(template, req.seed), self._steps(template), model_step,
+                    guide=self._guide(template),
+                    pinned=Trajectory(x0, self.template_noise(template), geo.unmasked))
         return self.compose(template, geo, x[0, geo.masked])
 
     @torch.inference_mode()

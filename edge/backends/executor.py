@@ -4,8 +4,9 @@
 masked image tokens, template cache; no references, no text-KV reuse): per step the host
 embeds the fresh tokens (``MMDiT.embed``: three small linear layers) and computes the
 modulation vector, every shard graph runs its blocks with the shard's K/V from the
-provider, and the host applies the final layer, guidance and the Euler update. Compiled
-shards are kept per (geometry, block group) and reused for every step and edit.
+provider, and the host applies the final layer, guidance and the Euler update (the loop
+is ``dit.sampler.denoise``). Compiled shards are kept per (geometry, block group) and
+reused for every step and edit.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sakura.dit.editing import (
     edit_start,
 )
 from sakura.dit.model import MMDiT
+from sakura.dit.sampler import EulerSteps, denoise
 from sakura.edge.backends.base import BackendConfig, CompiledShard, ExecutionBackend, weights_sha256
 from sakura.edge.backends.errors import BackendError
 from sakura.edge.backends.shard import ShardGeometry
@@ -103,10 +105,9 @@ class ShardExecutor:
             angles = torch.cat([model.angles(model.text_positions(geometry.txt)),
                                 model.angles(pos)])
             cos, sin = angles.cos(), angles.sin()
-            ts = edit_schedule(template)
-            for s in range(template.steps):
-                batch = _cfg_batch(x, pos, req, ts[s], template.guidance)
-                seg = model.embed(batch)
+
+            def model_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+                seg = model.embed(_cfg_batch(x, pos, req, t, template.guidance))
                 txt, img = seg.txt, seg.img
                 for blocks in groups:
                     kv: list[torch.Tensor] = []
@@ -115,10 +116,10 @@ class ShardExecutor:
                     txt, img = self.shard(geometry, blocks).run(
                         txt, img, seg.vec_txt, seg.vec_img, cos, sin, *kv)
                 seg.txt, seg.img = txt, img
-                v = _guided(model.head(seg), template.guidance)
-                x = x + (ts[s + 1] - ts[s]) * v
-                if on_step is not None:
-                    on_step(s)
+                return model.head(seg)
+
+            x = denoise(x, EulerSteps(edit_schedule(template)), model_step,
+                        guide=lambda v: _guided(v, template.guidance), after_step=on_step)
             return compose(model, template, geo, x)
 
 
