@@ -960,13 +960,12 @@ def case_native_truncated_total_checked(work: Path, tally: Tally) -> tuple[str, 
 
 
 def error_numbers(message: str) -> list[int]:
-    """The numbers a failure message states (sizes, offsets, unit numbers, HTTP statuses),
-    in order: URLs and paths (their ports and hashes) left out, and the origin's own
-    ``Content-Range`` that the Python runtime's 416 message quotes (``bytes */N``)."""
+    """The numbers a failure message states (sizes, offsets, unit numbers, HTTP statuses,
+    the origin's own ``Content-Range`` that both runtimes' 416 message quotes), in order:
+    URLs and paths (their ports and hashes) left out."""
     import re
 
-    text = re.sub(r"\S*/\S*", " ", message.replace("bytes */", "bytes *"))
-    text = re.sub(r"bytes \*\d+", " ", text)
+    text = re.sub(r"\S*/\S*", " ", message.replace("bytes */", "bytes * "))
     return [int(x) for x in re.findall(r"(?<![\w.])\d+(?![\w.])", text)]
 
 

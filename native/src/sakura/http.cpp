@@ -447,7 +447,9 @@ struct HttpReceiver::Impl {
     if (code == 416) {  // as the Python client: permanent
       throw FetchError("http", t.req.url + " is shorter than its manifest says (416 for bytes " +
                                    std::to_string(t.req.offset) + "-" +
-                                   std::to_string(t.req.offset + t.req.length - 1) +
+                                   std::to_string(t.req.offset + t.req.length - 1) + ", " +
+                                   (t.content_range.empty() ? std::string("no Content-Range")
+                                                            : t.content_range) +
                                    "): the published pack is truncated");
     }
     if (retry_status(code) && !permanent_code(json_string(t.error_body, "code"))) {
