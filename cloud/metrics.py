@@ -1,24 +1,40 @@
-"""A tiny Prometheus text exposition (format 0.0.4) and the ASGI middleware that feeds it.
+"""``/metrics`` on prometheus_client, and the ASGI middleware that feeds it.
 
-Series (labels use the route *template*, e.g. ``/v1/templates/{template_id}/{codec}/pack``,
-never the raw path, and unknown routes and methods collapse to ``other``, so label
-cardinality stays bounded whatever clients send):
+prometheus_client (the Prometheus project's own Python client, as LMCache uses) writes the
+exposition, so the format, escaping and histogram arithmetic are not ours to maintain.
+
+Exposed, in Prometheus text format 0.0.4 (``generate_latest``; the content type is
+``CONTENT_TYPE``). Labels use the route *template*, e.g.
+``/v1/templates/{template_id}/{codec}/pack``, never the raw path, and unknown routes and
+methods collapse to ``other``, so label cardinality stays bounded whatever clients send:
 
 * ``sakura_http_requests_total{route,method,status}`` counter
 * ``sakura_http_response_bytes_total{route}`` counter: body bytes actually sent
-* ``sakura_http_request_duration_seconds{route}`` histogram: request start to last byte
+* ``sakura_http_request_duration_seconds{route}`` histogram (``_bucket``/``_sum``/``_count``):
+  request start to last byte
 * ``sakura_http_requests_in_flight`` gauge
 * ``sakura_http_client_disconnects_total`` counter: responses cut short by the client
+
+Each counter and the histogram also carry prometheus_client's ``*_created`` series (when the
+series was first seen, one per label set, so just as bounded). Values print as floats
+(``1.0``) and labels in name order (``method``, ``route``, ``status``), as the library writes
+them. Every ``Metrics`` has its own ``CollectorRegistry`` (the library's global ``REGISTRY``
+is never used), so several apps in one process, as the tests create, do not share counts.
+
+One worker only: ``sakura serve`` runs one uvicorn worker, so one in-process registry is
+the whole truth. With several workers, prometheus_client's multiprocess mode would be the
+way (``PROMETHEUS_MULTIPROC_DIR`` set before start, ``multiprocess.MultiProcessCollector``
+over that directory for ``/metrics``, ``multiprocess_mode`` on the gauge); it is not enabled.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -42,43 +58,61 @@ DEFAULT_BUCKETS = (
     10.0,
     30.0,
 )
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# generate_latest writes the 0.0.4 text format for names like ours (the library's
+# CONTENT_TYPE_LATEST says 1.0.0, which only differs for UTF-8 metric names)
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 # label values come from these sets or a route template only: a client cannot grow /metrics
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
 OTHER = "other"
 ZEROCOPY = "http.response.zerocopy"  # ASGI zero-copy send (cloud/zerocopy.py)
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+IN_FLIGHT = "sakura_http_requests_in_flight"
+DISCONNECTS = "sakura_http_client_disconnects_total"
 
 
-def _fmt(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-@dataclass
 class Metrics:
-    """Counters and a latency histogram, safe to update from any thread."""
+    """The server's series in a registry of its own; prometheus_client makes each update
+    thread-safe."""
 
-    buckets: tuple[float, ...] = DEFAULT_BUCKETS
-    requests: dict[tuple[str, str, str], int] = field(default_factory=lambda: defaultdict(int))
-    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    latency_counts: dict[str, list[int]] = field(default_factory=dict)
-    latency_sum: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    in_flight: int = 0
-    disconnects: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    def __init__(self, buckets: tuple[float, ...] = DEFAULT_BUCKETS) -> None:
+        self.buckets = tuple(buckets)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "sakura_http_requests_total",
+            "HTTP requests by route template, method and status.",
+            ("route", "method", "status"),
+            registry=self.registry,
+        )
+        self.bytes_sent = Counter(
+            "sakura_http_response_bytes_total",
+            "Response body bytes sent, by route template.",
+            ("route",),
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "sakura_http_request_duration_seconds",
+            "Time from request start to the last body byte.",
+            ("route",),
+            buckets=self.buckets,
+            registry=self.registry,
+        )
+        self._in_flight = Gauge(IN_FLIGHT, "Requests being served now.", registry=self.registry)
+        self._disconnects = Counter(
+            DISCONNECTS,
+            "Responses cut short by a client disconnect.",
+            registry=self.registry,
+        )
+
+    @property
+    def in_flight(self) -> int:
+        return int(self.registry.get_sample_value(IN_FLIGHT) or 0)
+
+    @property
+    def disconnects(self) -> int:
+        return int(self.registry.get_sample_value(DISCONNECTS) or 0)
 
     def started(self) -> None:
-        with self._lock:
-            self.in_flight += 1
+        self._in_flight.inc()
 
     def observe(
         self,
@@ -89,63 +123,17 @@ class Metrics:
         seconds: float,
         disconnected: bool = False,
     ) -> None:
-        with self._lock:
-            self.in_flight -= 1
-            self.requests[(route, method, str(status))] += 1
-            self.bytes_sent[route] += nbytes
-            counts = self.latency_counts.setdefault(route, [0] * (len(self.buckets) + 1))
-            for i, bound in enumerate(self.buckets):
-                if seconds <= bound:
-                    counts[i] += 1
-                    break
-            else:
-                counts[-1] += 1
-            self.latency_sum[route] += seconds
-            if disconnected:
-                self.disconnects += 1
+        """One finished request; ``route`` and ``method`` must already be bounded values."""
+        self._in_flight.dec()
+        self.requests.labels(route, method, str(status)).inc()
+        self.bytes_sent.labels(route).inc(nbytes)
+        self.latency.labels(route).observe(seconds)
+        if disconnected:
+            self._disconnects.inc()
 
-    def render(self) -> str:
-        """The Prometheus text exposition of every series."""
-        with self._lock:
-            lines = [
-                "# HELP sakura_http_requests_total HTTP requests by route template, method and status.",
-                "# TYPE sakura_http_requests_total counter",
-            ]
-            for (route, method, status), n in sorted(self.requests.items()):
-                lines.append(
-                    f"sakura_http_requests_total{_labels(route=route, method=method, status=status)} {n}"
-                )
-            lines += [
-                "# HELP sakura_http_response_bytes_total Response body bytes sent, by route template.",
-                "# TYPE sakura_http_response_bytes_total counter",
-            ]
-            for route, n in sorted(self.bytes_sent.items()):
-                lines.append(f"sakura_http_response_bytes_total{_labels(route=route)} {n}")
-            lines += [
-                "# HELP sakura_http_request_duration_seconds Time from request start to the last body byte.",
-                "# TYPE sakura_http_request_duration_seconds histogram",
-            ]
-            for route, counts in sorted(self.latency_counts.items()):
-                cumulative = 0
-                for bound, n in zip((*self.buckets, float("inf")), counts):
-                    cumulative += n
-                    le = _labels(route=route, le=_fmt(bound))
-                    lines.append(f"sakura_http_request_duration_seconds_bucket{le} {cumulative}")
-                lines.append(
-                    f"sakura_http_request_duration_seconds_sum{_labels(route=route)} {self.latency_sum[route]!r}"
-                )
-                lines.append(
-                    f"sakura_http_request_duration_seconds_count{_labels(route=route)} {cumulative}"
-                )
-            lines += [
-                "# HELP sakura_http_requests_in_flight Requests being served now.",
-                "# TYPE sakura_http_requests_in_flight gauge",
-                f"sakura_http_requests_in_flight {self.in_flight}",
-                "# HELP sakura_http_client_disconnects_total Responses cut short by a client disconnect.",
-                "# TYPE sakura_http_client_disconnects_total counter",
-                f"sakura_http_client_disconnects_total {self.disconnects}",
-            ]
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        """The text exposition of every series (serve it as ``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
 
 
 class MetricsMiddleware:

@@ -6,6 +6,7 @@ import hashlib
 import json
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sakura.cloud import layout
 from sakura.cloud.publish import publish_pack, update_catalog
 from sakura.cloud.synthetic import SyntheticSpec, make_pack
@@ -347,34 +348,33 @@ def test_errors_are_json_never_tracebacks(client):
         assert "Traceback" not in r.text
 
 
+def _samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of a text exposition: (name, its labels) -> value (label order aside)."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_metrics_count_requests_bytes_and_latency(client, published):
     client.get(PACK, headers={"Range": "bytes=0-99"})
     client.get(shard_url(0, 0))
     client.get("/v1/templates/zzz")
     text = client.get("/metrics").text
     assert client.get("/metrics").headers["content-type"].startswith("text/plain; version=0.0.4")
-    assert (
-        'sakura_http_requests_total{route="/v1/templates/{template_id}/{codec}/pack",method="GET",status="206"} 1'
-        in text
-    )
-    assert (
-        'sakura_http_requests_total{route="/v1/templates/{template_id}",method="GET",status="404"} 1'
-        in text
-    )
+    got = _samples(text)
+    pack_route = "/v1/templates/{template_id}/{codec}/pack"
+    shard_route = "/v1/templates/{template_id}/{codec}/shards/{shard}/{config}"
+
+    def value(name: str, **labels: str) -> float | None:
+        return got.get((name, frozenset(labels.items())))
+
+    assert value("sakura_http_requests_total", route=pack_route, method="GET", status="206") == 1
+    assert value("sakura_http_requests_total", route="/v1/templates/{template_id}",
+                 method="GET", status="404") == 1
     size = len(shard_bytes(published.pack("face-a"), published.manifest("face-a"), 0, 0))
-    assert (
-        f'sakura_http_response_bytes_total{{route="/v1/templates/{{template_id}}/{{codec}}/shards/{{shard}}/{{config}}"}} {size}'
-        in text
-    )
-    assert (
-        'sakura_http_response_bytes_total{route="/v1/templates/{template_id}/{codec}/pack"} 100'
-        in text
-    )
-    assert (
-        'sakura_http_request_duration_seconds_bucket{route="/v1/templates/{template_id}/{codec}/pack",le="+Inf"} 1'
-        in text
-    )
-    assert "sakura_http_requests_in_flight 1" in text  # this /metrics request itself
+    assert value("sakura_http_response_bytes_total", route=shard_route) == size
+    assert value("sakura_http_response_bytes_total", route=pack_route) == 100
+    assert value("sakura_http_request_duration_seconds_bucket", route=pack_route, le="+Inf") == 1
+    assert value("sakura_http_requests_in_flight") == 1  # this /metrics request itself
 
 
 def test_duplicate_range_headers_are_ignored(client, published):
