@@ -37,6 +37,17 @@ from sakura.edge.backends.executor import ShardExecutor, step_groups
 from tests.dit.common import tiny_model, tiny_request, tiny_template
 
 
+@pytest.fixture(autouse=True)
+def pinning_threads():
+    """The pins and canaries were computed with 2 intra-op threads (this 2-core machine's
+    default): a reduction's order, and so its bytes, follows the thread count, and earlier
+    tests of a full run set it to 1 (which skipped every pin in a clean-clone CI run)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(prev)
+
+
 def sha(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
