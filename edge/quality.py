@@ -51,7 +51,8 @@ def received_quality(manifest: Mapping[str, Any],
       requests with only that shard changed, ``cloud/psnr_profile.py``). The per-shard
       output MSEs ``10^(-psnr_db / 10)`` are summed (errors of different shards add to first
       order: the allocator's lookahead objective, ``edge/lookahead.py``) and the sum turned
-      back into dB; a locally computed step adds nothing. None when any shard the edit ran
+      back into dB; a locally computed step is not in it (the line says how many were), and
+      when every step ran locally there is no estimate. None when any shard the edit ran
       on lacks the profile. Its error against measured PSNR (``docs/bench/quality-estimate.
       json``, ``scripts/quality_estimate.py``, face-technologist): |error| 4.6 dB median,
       11.9 dB worst on the profiling prompts, low at small rates (the shards' errors partly
@@ -88,7 +89,10 @@ def received_quality(manifest: Mapping[str, Any],
         elif math.isfinite(float(db)):
             mse += 10.0 ** (-float(db) / 10.0)
     estimate = None
-    if profiled:
+    # a step computed on the device has no profile (its error against exact is not the
+    # pack's to predict): an edit that streamed nothing has no estimate, and one that
+    # streamed some shards has the estimate of those (the console line says so)
+    if profiled and local < len(timeline):
         estimate = math.inf if mse == 0 else -10.0 * math.log10(mse)
     return {"full_quality_byte_fraction": got / full if full else None,
             "psnr_estimate_db": estimate, "shards_below_largest": below,

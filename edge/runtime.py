@@ -196,9 +196,16 @@ class EditResult:
             return None
         text = f"{self.full_quality_byte_fraction:.3f} of full-quality bytes"
         est = self.psnr_estimate_db
-        text += ("; no PSNR profile in the pack" if est is None else
-                 f"; PSNR vs exact ~{'inf' if math.isinf(est) else f'{est:.1f}'} dB "
-                 "(estimated from the pack's profile)")
+        local = self.local_fallbacks
+        if est is None and local and local == len({r["step"] for r in self.timeline}):
+            text += "; every step computed on the device: no estimate from the pack's profile"
+        elif est is None:
+            text += "; no PSNR profile in the pack"
+        else:
+            text += (f"; PSNR vs exact ~{'inf' if math.isinf(est) else f'{est:.1f}'} dB "
+                     "(estimated from the pack's profile"
+                     + (f", over the streamed steps: {local} computed on the device are not "
+                        "in it)" if local else ")"))
         if self.shards_below_largest:
             text += (f"; limited: {self.shards_below_largest} of {len(self.configs)} "
                      "shards below their largest configuration (chosen at the link's rate "

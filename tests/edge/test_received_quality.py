@@ -113,3 +113,24 @@ def test_a_slow_link_lowers_the_fraction_and_a_pack_without_profile_has_no_estim
 def test_a_shard_missing_from_the_manifest_is_an_error(world):
     with pytest.raises(ValueError, match="shard 99"):
         received_quality(world.manifests["sakura"], [{"shard": 99, "config": 0}])
+
+
+def test_steps_computed_on_the_device_are_not_in_the_estimate(profiled):
+    """A local step has no profile: an edit whose every step ran on the device has no
+    estimate (not an infinite one), and one that streamed some shards is estimated from
+    those alone."""
+    _model, _template, _root, manifest = profiled
+    shards = [int(s["index"]) for s in manifest["shards"]]
+    streamed = [{"shard": j, "config": 0, "local": False} for j in shards]
+    everything = received_quality(manifest, streamed)
+    assert everything["psnr_estimate_db"] is not None and everything["local_shards"] == 0
+    all_local = received_quality(manifest, [{"shard": j, "config": None, "local": True}
+                                            for j in shards])
+    assert all_local["psnr_estimate_db"] is None
+    assert all_local["local_shards"] == len(shards)
+    assert all_local["full_quality_byte_fraction"] == 0.0
+    half = [dict(r, local=True, config=None) if r["shard"] % 2 else r for r in streamed]
+    some = received_quality(manifest, half)
+    alone = received_quality(manifest, [r for r in streamed if r["shard"] % 2 == 0])
+    assert some["psnr_estimate_db"] == pytest.approx(alone["psnr_estimate_db"])
+    assert some["psnr_estimate_db"] > everything["psnr_estimate_db"]  # fewer errors summed
