@@ -37,11 +37,12 @@ from sakura.edge.backends.executor import ShardExecutor, step_groups
 from tests.dit.common import tiny_model, tiny_request, tiny_template
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def pinning_threads():
     """The pins and canaries were computed with 2 intra-op threads (this 2-core machine's
     default): a reduction's order, and so its bytes, follows the thread count, and earlier
-    tests of a full run set it to 1 (which skipped every pin in a clean-clone CI run)."""
+    tests of a full run set it to 1 (which skipped every pin in a clean-clone CI run). Module
+    scope, and ``same_platform`` asks for it, so the canaries run under it too."""
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -203,7 +204,7 @@ PINS: dict[str, dict[str, str]] = {
 
 
 @pytest.fixture(scope="module")
-def same_platform():
+def same_platform(pinning_threads):
     got = canaries()
     if got != CANARIES:
         pytest.skip(f"plain forwards differ from the pinning platform ({got} != {CANARIES}): "
