@@ -234,6 +234,17 @@ def _summary(load: _Load, elapsed: float) -> dict[str, Any]:
     }
 
 
+def _bench_catalog(config: BenchConfig, root: Path) -> tuple[Path, Any, dict[str, Any], Any, bytes]:
+    """The bench's synthetic catalog under ``root``: (catalog dir, the published entry, its
+    manifest, the pack's key, the pack's bytes); shared by the plain and ride-through runs."""
+    catalog_dir = root / "catalog"
+    spec = SyntheticSpec(config.shards, config.configs, config.unit_bytes, config.seed)
+    published = build_catalog(catalog_dir, [TEMPLATE], spec=spec, work_dir=root / "work")[TEMPLATE]
+    manifest = json.loads((catalog_dir / published.versioned_manifest_key).read_text())
+    pack_rel = layout.pack_key(TEMPLATE, "sakura", published.pack_file)
+    return catalog_dir, published, manifest, pack_rel, (catalog_dir / pack_rel).read_bytes()
+
+
 def run_bench(
     config: BenchConfig, work_dir: str | os.PathLike[str] | None = None
 ) -> dict[str, Any]:
@@ -244,14 +255,7 @@ def run_bench(
             if work_dir
             else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sakura-bench-")))
         )
-        catalog_dir = root / "catalog"
-        spec = SyntheticSpec(config.shards, config.configs, config.unit_bytes, config.seed)
-        published = build_catalog(catalog_dir, [TEMPLATE], spec=spec, work_dir=root / "work")[
-            TEMPLATE
-        ]
-        manifest = json.loads((catalog_dir / published.versioned_manifest_key).read_text())
-        pack_rel = layout.pack_key(TEMPLATE, "sakura", published.pack_file)
-        pack = (catalog_dir / pack_rel).read_bytes()
+        catalog_dir, published, manifest, pack_rel, pack = _bench_catalog(config, root)
         jobs = []
         for shard in manifest["shards"]:
             for cfg in shard["configs"]:
@@ -480,13 +484,7 @@ def run_ride_through(
             if work_dir
             else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sakura-ride-")))
         )
-        catalog_dir = root / "catalog"
-        spec = SyntheticSpec(config.shards, config.configs, config.unit_bytes, config.seed)
-        published = build_catalog(catalog_dir, [TEMPLATE], spec=spec, work_dir=root / "work")[
-            TEMPLATE
-        ]
-        manifest = json.loads((catalog_dir / published.versioned_manifest_key).read_text())
-        pack = (catalog_dir / layout.pack_key(TEMPLATE, "sakura", published.pack_file)).read_bytes()
+        catalog_dir, published, manifest, _rel, pack = _bench_catalog(config, root)
         jobs = [(shard["index"], cfg["id"], *cfg["ranges"][0], "")
                 for shard in manifest["shards"] for cfg in shard["configs"]]
         server = _RestartableServer(catalog_dir)
