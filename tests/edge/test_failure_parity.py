@@ -21,7 +21,8 @@ from sakura.edge.runtime import EditOptions
 from tests.edge.helpers import TEMPLATE_ID, Server
 from tests.edge.test_edit import PROMPT, SEED
 
-# a retry window long enough that a retried permanent error would show in the request count
+# a retry window long enough that a retried permanent error would show in the request count:
+# retried within the 20 s window at <= 0.2 s backoff, one range is asked for >= 100 times
 # local_fallback off: with it, the tiny model's whole edit can run on the device (one local
 # step is the 50 ms stall floor) before the origin's error answer arrives, and whether it
 # does depends on the machine's load (a clean-clone CI run under load saw the native edit
@@ -30,12 +31,26 @@ PATIENT = EditOptions(retry=RetryPolicy(window_s=20.0, backoff_s=0.05, backoff_m
                       local_fallback=False)
 
 
+# ...while a transfer that has no answer yet may be restarted on a fresh connection (the
+# native runtime's stall restart, not a retry: no answer was read) when a loaded host's
+# in-process origin answers later than 50 ms, each restart in a row doubling its limit:
+# at most log2(20 s / 50 ms) + 1 = 10 requests of one range within the window (a clean-clone
+# CI run saw 12 requests for 6 ranges, each restarted once)
+MAX_ASKS_PER_RANGE = 10
+
+
 class Counting:
-    """ASGI wrapper counting pack requests; ``rewrite(status, headers)`` may change the
-    answer's start (status, headers)."""
+    """ASGI wrapper counting pack requests (``hits``) and how often each byte range was
+    asked for (``asks``); ``rewrite(status, headers)`` may change the answer's start."""
 
     def __init__(self, app, rewrite=None):
         self.app, self.rewrite, self.hits = app, rewrite, 0
+        self.asks: dict[bytes, int] = {}
+
+    @property
+    def most_asks(self) -> int:
+        """The most requests of one range: 1 where nothing was asked twice."""
+        return max(self.asks.values(), default=0)
 
     async def __call__(self, scope, receive, send):
         if (scope["type"] != "http" or not scope["path"].endswith(".pack")
@@ -43,6 +58,8 @@ class Counting:
             await self.app(scope, receive, send)
             return
         self.hits += 1
+        rng = dict(scope["headers"]).get(b"range", b"")
+        self.asks[rng] = self.asks.get(rng, 0) + 1
 
         async def start(message):
             if message["type"] == "http.response.start" and self.rewrite is not None:
@@ -68,7 +85,9 @@ def answers_416(status, headers):
 
 
 def both(world, runtime, native_runtime, app_factory, policy="sakura"):
-    """The error each runtime raises against a fresh origin, and the pack requests it took."""
+    """The error each runtime raises against a fresh origin, and the most requests of one
+    range it took (a permanent answer is not retried: at most the stall restarts of a
+    transfer still waiting for its answer)."""
     out = {}
     req = runtime.request(PROMPT, SEED)
     for name, rt in (("python", runtime), ("native", native_runtime)):
@@ -76,7 +95,7 @@ def both(world, runtime, native_runtime, app_factory, policy="sakura"):
         rt.manifests.clear()  # each runtime starts from its own manifest fetch
         with Server(app) as server, pytest.raises(OriginError) as err:
             rt.edit(server.url, TEMPLATE_ID, world.template, req, policy, options=PATIENT)
-        out[name] = (str(err.value), app.hits)
+        out[name] = (str(err.value), app.most_asks)
     return out
 
 
@@ -107,8 +126,8 @@ def test_a_damaged_pack_is_reported_at_once_with_the_servers_reason(world, runti
         m = re.search(r"unit (\d+)", msg)
         assert m, msg
         units[name] = int(m.group(1))
-        # no retry of a permanent answer: the requests in flight when it came, at most
-        assert hits <= 8, (name, hits)
+        # no retry of a permanent answer
+        assert 1 <= hits <= MAX_ASKS_PER_RANGE, (name, hits)
     assert units["python"] == units["native"]
 
 
@@ -119,7 +138,7 @@ def test_a_content_range_total_that_is_not_the_manifests_is_one_clear_error(
     for name, (msg, hits) in got.items():
         assert re.search(r"has \d+ bytes, its manifest says \d+: the published pack is "
                          r"truncated or was replaced", msg), (name, msg)
-        assert hits <= 8, (name, hits)
+        assert 1 <= hits <= MAX_ASKS_PER_RANGE, (name, hits)
     sizes = {name: re.search(r"has (\d+) bytes, its manifest says (\d+)", msg).groups()
              for name, (msg, _) in got.items()}
     assert sizes["python"] == sizes["native"]
@@ -133,7 +152,7 @@ def test_a_416_is_a_truncated_pack_in_both_runtimes(world, runtime, native_runti
     for name, (msg, hits) in got.items():
         assert "shorter than its manifest says (416" in msg, (name, msg)
         assert "the published pack is truncated" in msg
-        assert hits <= 8, (name, hits)
+        assert 1 <= hits <= MAX_ASKS_PER_RANGE, (name, hits)
     # the origin's Content-Range (here none) quoted by both (the range is each runtime's
     # own choice of configuration)
     said = {name: re.search(r"\(416 for bytes \d+-\d+, ([^)]*)\)", msg).group(1)
@@ -186,6 +205,6 @@ def test_an_origin_that_ignores_range_is_the_same_error_in_both_runtimes(world, 
     reasons = {}
     for name, (msg, hits) in got.items():
         assert "the origin ignored the Range request (HTTP 200 with the whole object)" in msg
-        assert hits <= 8, (name, hits)
+        assert 1 <= hits <= MAX_ASKS_PER_RANGE, (name, hits)
         reasons[name] = msg.split(".pack: ", 1)[1]  # after the URL (python: base URL: key)
     assert reasons["python"] == reasons["native"]
