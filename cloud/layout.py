@@ -18,6 +18,7 @@ stored pack's size) and the index of the configurations' byte ranges.
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -125,9 +126,15 @@ class ManifestIndex:
     def config(self, shard: int, config: int) -> ConfigEntry | None:
         return self.configs.get((shard, config))
 
+    @functools.cached_property
+    def unit_offsets(self) -> list[int]:
+        """The units' pack offsets, ascending (built once per manifest: rebuilding the list
+        on every range was ~0.1 ms of a ~1 ms request under ``sakura bench serve``)."""
+        return [u[0] for u in self.units]
+
     def units_in(self, start: int, stop: int) -> range:
         """Indices of the units overlapping pack bytes ``[start, stop)``."""
-        offsets = [u[0] for u in self.units]
+        offsets = self.unit_offsets
         first = max(0, bisect.bisect_right(offsets, start) - 1)
         while first < len(self.units) and sum(self.units[first][:2]) <= start:
             first += 1

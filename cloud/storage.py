@@ -189,17 +189,27 @@ class LocalStorage(Storage):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve()
+        self._root = str(self.root)
+        self._inside = self._root if self._root.endswith("/") else self._root + "/"
 
     def describe(self) -> str:
         return f"local folder {self.root}"
 
     def path(self, key: str) -> Path:
         """The filesystem path of ``key``, guaranteed to lie inside ``root``."""
+        return Path(self._real(key))
+
+    def _real(self, key: str) -> str:
+        """:meth:`path` as a string: symlinks resolved (``os.path.realpath``, what
+        ``Path.resolve`` calls), then contained in ``root``. Strings, not ``pathlib``: the
+        server resolves two keys per pack range (the catalog's stat, the pack's open), and
+        pathlib's parsing around the same ``realpath`` was half of that request's work
+        (85 of 155 us, measured in-process on the ``sakura bench serve`` pack)."""
         validate_key(key)
-        path = (self.root / key).resolve()
-        if not path.is_relative_to(self.root):
+        real = os.path.realpath(os.path.join(self._root, key))
+        if real != self._root and not real.startswith(self._inside):
             raise UnsafeKey(f"storage key {key[:80]!r} resolves outside the storage root")
-        return path
+        return real
 
     @staticmethod
     def token(st: os.stat_result) -> str:
@@ -212,9 +222,9 @@ class LocalStorage(Storage):
         return ObjectInfo(key, st.st_size, self.token(st), st.st_mtime)
 
     def stat(self, key: str) -> ObjectInfo:
-        path = self.path(key)
+        path = self._real(key)
         try:
-            st = path.stat()
+            st = os.stat(path)
         except FileNotFoundError as exc:
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from exc
         except OSError as exc:
@@ -222,7 +232,7 @@ class LocalStorage(Storage):
         return self._info(key, st)
 
     def open(self, key: str) -> ObjectReader:
-        path = self.path(key)
+        path = self._real(key)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError as exc:

@@ -169,3 +169,37 @@ def test_the_layout_route_still_checks_tokens(tmp_path):
         spec = client.get("/openapi.json").json()
         assert spec["paths"]["/templates/{template_id}/{codec}/{name}"]["get"]["security"] == [
             {"HTTPBearer": []}]
+
+
+def test_pack_ranges_take_the_fast_path(tmp_path, monkeypatch, no_streaming):
+    """``_PackFastPath`` answers the layout pack route on the event loop once the range's
+    units have passed, in a worker thread before (the first check reads them), and a
+    damaged pack still answers 500 ``pack_damaged`` there; the metric label is the route's."""
+    from sakura.cloud import server
+
+    calls = []
+    layout_pack = server._layout_pack
+
+    def recording(request, template_id, codec, name, *, inline=False):
+        calls.append(inline)
+        return layout_pack(request, template_id, codec, name, inline=inline)
+
+    monkeypatch.setattr(server, "_layout_pack", recording)
+    s = Served(tmp_path / "catalog")
+    url = routes(s)[0][1]
+    assert url.startswith("/templates/")
+    with serve_in_thread(s.app) as base, httpx.Client(base_url=base, timeout=10) as client:
+        for _ in range(2):
+            r = client.get(url, headers={"Range": "bytes=0-999"})
+            assert r.status_code == 206 and r.content == s.pack[:1000]
+        assert calls == [True, False, True]  # cold: retried off the loop; warm: inline
+        metrics = client.get("/metrics").text
+        assert ('sakura_http_requests_total{method="GET",'
+                'route="/templates/{template_id}/{codec}/{name}",status="206"} 2.0') in metrics
+        pack_path = tmp_path / "catalog" / s.pub.pack_key
+        data = bytearray(pack_path.read_bytes())
+        data[-10] ^= 0xFF
+        pack_path.write_bytes(bytes(data))  # a new version on disk: checked again
+        r = client.get(url, headers={"Range": f"bytes={len(data) - 20}-"})
+        assert r.status_code == 500 and r.json()["code"] == "pack_damaged"
+        assert r.content.find(bytes(data[-20:])) < 0
