@@ -1,17 +1,22 @@
-"""The replay configuration: a dataclass loaded from YAML over documented defaults.
+"""The replay configuration: pydantic models loaded from YAML over documented defaults.
 
-The defaults live in ``configs/default.yaml`` (shipped with the package); a user's file
-only names what it changes (nested ``ablation`` and ``profile`` keys merge one level
-deep). Unknown keys, wrong types, unknown workloads, templates, networks or policies are a
-:class:`ReplayConfigError` naming the key, never a traceback.
+Each setting is defined once, as a field below: its type, its default and its description
+(and the environment variable that stands in when it is unset, where one exists; see
+:func:`settings_table`). ``configs/default.yaml`` (shipped with the package) writes the same
+defaults out with comments for a user to copy; ``tests/edge/test_replay.py`` holds the two
+together. A user's file only names what it changes (nested ``ablation`` and ``profile``
+keys merge one level deep). Unknown keys, wrong types, unknown workloads, templates,
+networks or policies are a :class:`ReplayConfigError`: one line naming the file and the
+key, never a traceback.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
 from sakura.edge import RUNTIMES
 from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
 
@@ -31,65 +36,129 @@ class ReplayConfigError(SakuraError):
     """A replay configuration file or value is not usable."""
 
 
-@dataclass(frozen=True)
-class Ablation:
-    networks: tuple[str, ...] = ("5g",)
-    q: tuple[float, ...] = (0.25, 1.0)
-    resolutions: tuple[int, ...] = (32,)
-    resolution_templates: tuple[str, ...] = ("face-technologist",)
-    starts: int = 0  # start points of the ablation runs (0: the network's)
+# ---------------------------------------------------------------------------- field types
+# YAML's types as the configuration takes them: a number is never a bool (nor a bool a
+# number), a bool is written true or false, a list of one may be written as its item.
 
 
-@dataclass(frozen=True)
-class ProfileSpec:
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a bool is not a number")
+    return value
+
+
+def _listify(value: Any) -> Any:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return [value]
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+Bool = Annotated[bool, Strict()]
+Strs = Annotated[tuple[str, ...], BeforeValidator(_listify)]
+Ints = Annotated[tuple[Int, ...], BeforeValidator(_listify)]
+Floats = Annotated[tuple[Float, ...], BeforeValidator(_listify)]
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes``, validated like a loaded file."""
+        return type(self).model_validate({**dict(self), **changes})
+
+
+class Ablation(_Settings):
+    networks: Strs = Field(("5g",), description="where the ablations and the resolution run")
+    q: Floats = Field((0.25, 1.0), description="extra sakura packs (q = 0: svd, 0.5: sakura)")
+    resolutions: Ints = Field((32,), description="second resolution(s) of "
+                                                 "resolution_templates")
+    resolution_templates: Strs = Field(("face-technologist",),
+                                       description="templates of the resolution run")
+    starts: Int = Field(0, description="start points of the ablations (0: the network's)")
+
+
+class ProfileSpec(_Settings):
     """The phone the ``profile`` regime stands for (see ``edge/replay/profile.py``)."""
 
-    name: str = "flux2-klein-4b-sd8-elite-gen5"
-    local_s: float = 13.0
-    masked_s: float = 2.3
-    masked_ratio: float = 0.10
-    fp16_gib: float = 1.46
-    request_latency_s: float = 0.02
+    name: str = Field("flux2-klein-4b-sd8-elite-gen5", description="the profiled phone")
+    local_s: Float = Field(13.0, description="fully local generation (s)")
+    masked_s: Float = Field(2.3, description="masked execution window at masked_ratio of "
+                                             "the tokens (s)")
+    masked_ratio: Float = Field(0.10, description="share of the tokens masked_s is for")
+    fp16_gib: Float = Field(1.46, description="FP16 template cache at 512x512 (GiB)")
+    request_latency_s: Float = Field(0.02, description="the phone's request latency (s)")
 
 
-@dataclass(frozen=True)
-class ReplayConfig:
-    workloads: dict[str, tuple[str, ...]]
-    networks: tuple[str, ...]
-    policies: tuple[str, ...]
-    starts: int = 100
-    network_starts: dict[str, int] = field(default_factory=dict)  # per-network override
-    seed: int = 0
-    span_s: float = 60.0
-    prompt: int = 0
-    edit_seed: int = 100
-    regime: str = "matched"
-    regime_x: float = 10.0
-    regime_network: str = "5g"
-    link: str = "paced"
-    rtt_ms: float = 30.0
-    # matched: the link's RTT is rtt_ms x T / the phone's masked execution time (regime
-    # matching scales time as well as rates); none: rtt_ms as it is
-    rtt_scale: str = "matched"
-    loss: float = 0.0
-    pin_cpus: bool = True
-    # the device runtime of the timed edits: "native" (C++ shard loop) or "python"
-    runtime: str = "native"
-    startup_fraction: float = DEFAULT_STARTUP_FRACTION
-    headline_networks: tuple[str, ...] = ("5g",)
-    # sakura with a deadline of m x T (T: the measured masked execution time) on the
-    # headline networks: its latency-quality curve, for the iso-quality/iso-latency views
-    deadlines: tuple[float, ...] = (2.0, 3.0, 4.0)
-    ablation: Ablation = field(default_factory=Ablation)
-    packs_dir: str | None = None
-    weights: str | None = None
-    catalog: str | None = None
-    trace_dir: str | None = None
-    build_workers: int = 1
-    timelines: str = "all"
-    profile: ProfileSpec = field(default_factory=ProfileSpec)
-    quick: bool = False
-    source: str = str(DEFAULT_CONFIG)
+class ReplayConfig(_Settings):
+    workloads: dict[str, Strs] = Field(
+        {"face-swap": ("face-technologist", "face-cook", "face-student"),
+         "try-on": ("tryon-tuxedo", "tryon-farmer"),
+         "instruction": ("edit-car-top", "edit-apple-leaf", "edit-house-roof")},
+        description="workload -> catalog template ids (dit/catalog)")
+    networks: Strs = Field(("5g", "mixed", "lte", "ucc5g", "wifi"),
+                           description="named networks (edge/replay/networks.py)")
+    policies: Strs = Field(("local", "fp16", "intq", "cachegen", "svd", "sakura",
+                            "sakura-fixed-config", "sakura-fixed-bits"),
+                           description="the systems replayed side by side")
+    starts: Int = Field(100, description="start points per (template, network); the same "
+                                         "for every policy")
+    network_starts: dict[str, Int] = Field({}, description="start points of one network "
+                                                           "instead of starts")
+    seed: Int = Field(0, description="seeds the start points")
+    span_s: Float = Field(60.0, description="a start point leaves at least this much trace "
+                                            "after it (s)")
+    prompt: Int = Field(0, description="index of the template's evaluation prompt (never "
+                                       "used for the pack)")
+    edit_seed: Int = Field(100, description="the private edit's noise seed")
+    regime: str = Field("matched", description="matched (real compute, real HTTP, scaled "
+                                               "trace) or profile (phone)")
+    regime_x: Float = Field(10.0, description="matched: FP16 cache at the regime network's "
+                                              "median = regime_x x T")
+    regime_network: str = Field("5g", description="the network whose pooled median defines "
+                                                  "the one scale factor")
+    link: str = Field("paced", description="paced (proxy in its own process) or "
+                                           "kernel (netns + tbf, root)")
+    rtt_ms: Float = Field(30.0, description="propagation round trip of the network (ms; half "
+                                            "each way), on both links")
+    rtt_scale: str = Field("matched", description="matched: the link carries rtt_ms x T / "
+                                                  "the phone's masked execution time; none: "
+                                                  "rtt_ms unscaled")
+    loss: Float = Field(0.0, description="packet loss rate (modelled as retransmission "
+                                         "cost, traces/impair.py)")
+    pin_cpus: Bool = Field(True, description="2+ cores: the device on all but the last, "
+                                             "server + link on the last")
+    runtime: str = Field("native", description="the device runtime of the timed edits: "
+                                               "native (C++ shard loop) or python")
+    startup_fraction: Float = Field(DEFAULT_STARTUP_FRACTION,
+                                    description="execution may start up to this fraction of "
+                                                "the predicted execution time after the "
+                                                "manifest (0 to 1)")
+    headline_networks: Strs = Field(("5g",), description="the networks of the headline "
+                                                         "numbers")
+    deadlines: Floats = Field((2.0, 3.0, 4.0),
+                              description="sakura-d<m>: sakura given a deadline of m x T "
+                                          "(headline networks only)")
+    ablation: Ablation = Field(Ablation(), description="the q and resolution ablations")
+    packs_dir: str | None = Field(None, description="packs folder (default: <out>/packs, "
+                                                    "built when missing)")
+    weights: str | None = Field(None, description="model weights (default: the shipped "
+                                                  "model)")
+    catalog: str | None = Field(None, description="template catalog.json (default: the "
+                                                  "shipped dit/catalog)")
+    trace_dir: str | None = Field(None, description="the real-trace folder (default: "
+                                                    "../shared/traces)",
+                                  json_schema_extra={"env": "SAKURA_TRACES"})
+    build_workers: Int = Field(1, description="pack builds in parallel (processes); timed "
+                                              "runs are always sequential")
+    timelines: str = Field("all", description="all or first (per-shard timelines of every "
+                                              "run or start 0 only)")
+    profile: ProfileSpec = Field(ProfileSpec(), description="the phone of the profile "
+                                                            "regime")
+    quick: bool = Field(False, description="set by --quick (not a file key)")
+    source: str = Field(str(DEFAULT_CONFIG), description="the file it was read from (not a "
+                                                         "file key)")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -110,19 +179,19 @@ class ReplayConfig:
         nets = self.networks[:2]
         other = {net: min(n, QUICK_OTHER_STARTS) for net in nets
                  if net not in self.headline_networks}
-        return replace(
-            self, quick=True,
+        return self.replace(
+            quick=True,
             workloads={w: ts[:1] for w, ts in self.workloads.items()},
             networks=nets, starts=n, network_starts=other,
             deadlines=tuple(dict.fromkeys(self.deadlines[:1] + self.deadlines[-1:])),
-            ablation=replace(self.ablation, networks=self.ablation.networks[:1],
-                             resolution_templates=self.ablation.resolution_templates[:1],
-                             starts=min(n, QUICK_OTHER_STARTS)))
+            ablation=self.ablation.replace(
+                networks=self.ablation.networks[:1],
+                resolution_templates=self.ablation.resolution_templates[:1],
+                starts=min(n, QUICK_OTHER_STARTS)))
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = self.model_dump()
         d["workloads"] = {w: list(ts) for w, ts in self.workloads.items()}
-        d["network_starts"] = dict(self.network_starts)
         return d
 
     # ------------------------------------------------------------------ checks
@@ -211,6 +280,50 @@ class ReplayConfig:
         return self
 
 
+#: the keys a file (or the command line) may set; ``quick`` and ``source`` are the loader's
+FILE_KEYS = tuple(k for k in ReplayConfig.model_fields if k not in ("quick", "source"))
+_NESTED = {"ablation": Ablation, "profile": ProfileSpec}
+
+
+def settings_table() -> str:
+    """The settings as a Markdown table: key, type, default, environment variable,
+    description (nested keys dotted)."""
+    rows = ["| key | type | default | env | description |", "|---|---|---|---|---|"]
+
+    def add(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            if prefix == "" and name not in FILE_KEYS:
+                continue
+            if name in _NESTED and prefix == "":
+                add(_NESTED[name], f"{name}.")
+                continue
+            kind = _type_name(f.annotation)
+            env = (f.json_schema_extra or {}).get("env", "")
+            default = f.default.model_dump() if isinstance(f.default, BaseModel) else f.default
+            rows.append(f"| `{prefix}{name}` | {kind} | `{json.dumps(default)}` | "
+                        f"{f'`${env}`' if env else ''} | {f.description} |")
+
+    add(ReplayConfig, "")
+    return "\n".join(rows)
+
+
+def _type_name(ann: Any) -> str:
+    """``int``, ``list of str``, ``map of str to list of str``, ``str or null``."""
+    from typing import get_args, get_origin
+
+    args = [a for a in get_args(ann) if not hasattr(a, "func") and not isinstance(a, Strict)]
+    origin = get_origin(ann)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is tuple:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return f"map of {_type_name(args[0])} to {_type_name(args[1])}"
+    if args:  # X | None
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    return ann.__name__
+
+
 # ---------------------------------------------------------------------------- loading
 
 
@@ -222,7 +335,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ReplayConfigError(f"replay config {path} is not valid YAML: {exc}") from None
+        raise ReplayConfigError(f"replay config {path} is not valid YAML: "
+                                f"{' '.join(str(exc).split())}") from None
     if doc is None:
         return {}
     if not isinstance(doc, dict):
@@ -230,118 +344,83 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _tuple(value: Any, kind: type, key: str, source: str) -> tuple:
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        value = [value]
-    if not isinstance(value, list):
-        raise ReplayConfigError(f"{source}: {key} must be a list, got {value!r}")
-    try:
-        return tuple(kind(v) for v in value)
-    except (TypeError, ValueError):
-        raise ReplayConfigError(f"{source}: {key} must be a list of {kind.__name__}, "
-                                f"got {value!r}") from None
+_KINDS = {"int": "int", "float": "float", "string": "str", "bool": "bool"}
+_MAPS = {"workloads": "map a workload to template ids",
+         "network_starts": "map a network to a number of start points"}
 
 
-def _scalar(value: Any, kind: type, key: str, source: str) -> Any:
-    if value is None:
-        return None
-    if kind is str and not isinstance(value, str) or isinstance(value, (list, dict)):
-        raise ReplayConfigError(f"{source}: {key} must be a {kind.__name__}, got {value!r}")
-    if kind is bool and not isinstance(value, bool):
-        raise ReplayConfigError(f"{source}: {key} must be true or false, got {value!r}")
-    if isinstance(value, bool) and kind is not bool:
-        raise ReplayConfigError(f"{source}: {key} must be a {kind.__name__}, got {value!r}")
-    try:
-        out = kind(value)
-    except (TypeError, ValueError):
-        raise ReplayConfigError(f"{source}: {key} must be a {kind.__name__}, "
-                                f"got {value!r}") from None
-    if kind is int and float(value) != out:
-        raise ReplayConfigError(f"{source}: {key} must be an integer, got {value!r}")
-    return out
+def _error_line(exc: ValidationError, doc: dict[str, Any], source: str) -> ReplayConfigError:
+    """The first of pydantic's errors as one line naming the file and the key."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = [str(p) for p in first["loc"]]
+    if first["type"] == "extra_forbidden":
+        parent = loc[:-1]
+        unknown = [".".join(str(p) for p in e["loc"]) for e in errors
+                   if e["type"] == "extra_forbidden" and [str(p) for p in e["loc"][:-1]] == parent]
+        known = _NESTED[parent[0]].model_fields if parent else FILE_KEYS
+        return ReplayConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; "
+                                 f"known: {', '.join(known)}")
+    # the key a user wrote, and its value: a list's element names the list
+    value: Any = doc
+    key: list[str] = []
+    for p in first["loc"]:
+        if isinstance(p, int) and isinstance(value, list):
+            break
+        key.append(str(p))
+        value = value.get(p) if isinstance(value, dict) else None
+    name = ".".join(key)
+    kind = _KINDS.get(first["type"].split("_")[0])
+    if name in _MAPS and len(key) == 1:
+        return ReplayConfigError(f"{source}: {name} must {_MAPS[name]}, got {value!r}")
+    elif len(key) < len(first["loc"]):
+        what = f"a list of {kind or 'values'}, got {value!r}"
+    elif first["type"] in ("tuple_type", "list_type"):
+        what = f"a list, got {value!r}"
+    elif first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        what = f"a mapping, got {value!r}"
+    elif first["type"].startswith("bool"):
+        what = f"true or false, got {value!r}"
+    elif first["type"] == "int_from_float":
+        what = f"an integer, got {value!r}"
+    elif kind is not None or first["type"] == "value_error":
+        what = f"a {kind or _KINDS[_kind_of(key)]}, got {value!r}"
+    else:
+        return ReplayConfigError(f"{source}: {name}: {first['msg']}")
+    return ReplayConfigError(f"{source}: {name} must be {what}")
 
 
-_SCALARS: dict[str, type] = {
-    "starts": int, "seed": int, "span_s": float, "prompt": int, "edit_seed": int,
-    "regime": str, "regime_x": float, "regime_network": str, "link": str,
-    "rtt_ms": float, "rtt_scale": str, "loss": float, "pin_cpus": bool, "startup_fraction": float,
-    "runtime": str,
-    "packs_dir": str, "weights": str, "catalog": str, "trace_dir": str, "build_workers": int,
-    "timelines": str,
-}
+def _kind_of(key: list[str]) -> str:
+    """The scalar type of the field at ``key`` (``int`` or ``float``: a bool given for a
+    number is a value error before pydantic sees the type)."""
+    model: type[BaseModel] = _NESTED[key[0]] if len(key) > 1 else ReplayConfig
+    ann = str(model.model_fields[key[-1]].annotation)
+    return "float" if "float" in ann else "int"
 
 
-def _nested(cls: type, value: Any, key: str, source: str, base: Any) -> Any:
-    if value is None:
-        return base
-    if not isinstance(value, dict):
-        raise ReplayConfigError(f"{source}: {key} must be a mapping, got {value!r}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(value) - set(known))
-    if unknown:
-        raise ReplayConfigError(f"{source}: unknown key(s) {key}.{', '.join(unknown)}; "
-                                f"known: {', '.join(known)}")
-    out = {}
-    for k, v in value.items():
-        default = getattr(base, k)
-        if isinstance(default, tuple):
-            kind = type(default[0]) if default else str
-            out[k] = _tuple(v, kind, f"{key}.{k}", source)
-        else:
-            out[k] = _scalar(v, type(default), f"{key}.{k}", source)
-    return replace(base, **out)
-
-
-def _from_dict(doc: dict[str, Any], source: str, base: ReplayConfig | None) -> ReplayConfig:
-    known = {f.name for f in fields(ReplayConfig)} - {"quick", "source"}
-    unknown = sorted(set(doc) - known)
+def _from_dict(doc: dict[str, Any], source: str, base: ReplayConfig) -> ReplayConfig:
+    """``doc`` (a file's keys or the command line's) over ``base``, validated."""
+    unknown = sorted(set(doc) - set(FILE_KEYS))
     if unknown:
         raise ReplayConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; "
-                                f"known: {', '.join(sorted(known))}")
-    kw: dict[str, Any] = {}
-    if "workloads" in doc:
-        w = doc["workloads"]
-        if not isinstance(w, dict):
-            raise ReplayConfigError(f"{source}: workloads must map a workload to template ids")
-        kw["workloads"] = {str(k): _tuple(v, str, f"workloads.{k}", source)
-                           for k, v in w.items()}
-    for key in ("networks", "policies", "headline_networks"):
-        if key in doc:
-            kw[key] = _tuple(doc[key], str, key, source)
-    if "deadlines" in doc:
-        kw["deadlines"] = _tuple(doc["deadlines"], float, "deadlines", source)
-    if "network_starts" in doc:
-        ns = doc["network_starts"]
-        if not isinstance(ns, dict):
-            raise ReplayConfigError(f"{source}: network_starts must map a network to a "
-                                    f"number of start points, got {ns!r}")
-        kw["network_starts"] = {str(k): _scalar(v, int, f"network_starts.{k}", source)
-                                for k, v in ns.items()}
-    for key, kind in _SCALARS.items():
-        if key in doc:
-            kw[key] = _scalar(doc[key], kind, key, source)
-    if base is None:
-        missing = {"workloads", "networks", "policies"} - set(kw)
-        if missing:
-            raise ReplayConfigError(f"{source}: missing {', '.join(sorted(missing))}")
-        cfg = ReplayConfig(**{k: kw[k] for k in ("workloads", "networks", "policies")},
-                           source=source)
-        kw = {k: v for k, v in kw.items() if k not in ("workloads", "networks", "policies")}
-    else:
-        cfg = replace(base, source=source)
-    cfg = replace(cfg, **kw)
-    if "ablation" in doc:
-        cfg = replace(cfg, ablation=_nested(Ablation, doc["ablation"], "ablation", source,
-                                            cfg.ablation))
-    if "profile" in doc:
-        cfg = replace(cfg, profile=_nested(ProfileSpec, doc["profile"], "profile", source,
-                                           cfg.profile))
-    return cfg
+                                f"known: {', '.join(sorted(FILE_KEYS))}")
+    merged: dict[str, Any] = {**dict(base), "source": source}
+    for k, v in doc.items():
+        if k in _NESTED:
+            if v is None:
+                continue
+            if isinstance(v, dict):
+                v = {**dict(merged[k]), **v}
+        merged[k] = v
+    try:
+        return ReplayConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise _error_line(exc, doc, source) from None
 
 
 def default_config() -> ReplayConfig:
     """The shipped defaults (``configs/default.yaml``)."""
-    return _from_dict(_read_yaml(DEFAULT_CONFIG), str(DEFAULT_CONFIG), None)
+    return _from_dict(_read_yaml(DEFAULT_CONFIG), str(DEFAULT_CONFIG), ReplayConfig())
 
 
 def load_config(path: str | Path | None = None, *, quick: bool = False,

@@ -32,7 +32,6 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +71,9 @@ def tail_configs(quick: bool = False, starts: int | None = None,
         n = starts if starts is not None else (QUICK_STARTS if quick else None)
         cfg = load_config(TAIL_CONFIG, loss=loss, starts=n, packs_dir=packs_dir)
         if quick:
-            cfg = replace(cfg, quick=True, network_starts={"mixed": 1})
+            cfg = cfg.replace(quick=True, network_starts={"mixed": 1})
         if loss > 0:
-            cfg = replace(cfg, policies=tuple(p for p in cfg.policies if p != "local"))
+            cfg = cfg.replace(policies=tuple(p for p in cfg.policies if p != "local"))
         out[loss_key(loss)] = cfg.validate()
     return out
 

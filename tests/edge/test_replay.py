@@ -70,6 +70,31 @@ def test_config_file_overrides_and_merges(tmp_path):
     assert cfg.profile.local_s == 9.0 and cfg.profile.masked_s == 2.3
 
 
+def test_one_definition_per_setting():
+    """The fields are the definition: default.yaml writes out the same defaults, every
+    field has a description, and the README's settings table is the fields' table."""
+    from sakura.edge.replay.config import DEFAULT_CONFIG, FILE_KEYS, ReplayConfig, settings_table
+
+    shipped = default_config()
+    assert shipped.model_dump(exclude={"source"}) == \
+        ReplayConfig().model_dump(exclude={"source"})
+    import yaml
+
+    assert set(yaml.safe_load(DEFAULT_CONFIG.read_text())) == set(FILE_KEYS)
+    for model in (ReplayConfig, type(shipped.ablation), type(shipped.profile)):
+        assert all(f.description for f in model.model_fields.values()), model
+    readme = (Path(__file__).parents[2] / "edge" / "replay" / "README.md").read_text()
+    assert settings_table() in readme
+    assert ReplayConfig.model_fields["trace_dir"].json_schema_extra == {"env": "SAKURA_TRACES"}
+
+
+def test_replace_validates_like_a_file():
+    cfg = default_config()
+    assert cfg.replace(networks=["lte"]).networks == ("lte",)
+    with pytest.raises(ValueError):
+        cfg.replace(starts="many")
+
+
 @pytest.mark.parametrize("text, message", [
     ("startz: 3\n", "unknown key"),
     ("networks: [6g]\n", "unknown network '6g'"),
@@ -87,12 +112,24 @@ def test_config_file_overrides_and_merges(tmp_path):
     ("startup_fraction: -0.1\n", r"startup_fraction must be a number in \[0, 1\]"),
     ("startup_fraction: .nan\n", r"startup_fraction must be a number in \[0, 1\]"),
     ("startup_fraction: lots\n", "startup_fraction must be a float"),
+    ("starts: true\n", "starts must be a int, got True"),
+    ("starts: 2.5\n", "starts must be an integer"),
+    ("pin_cpus: 1\n", "pin_cpus must be true or false"),
+    ("networks: [1]\n", "networks must be a list of str"),
+    ("workloads: [a]\n", "workloads must map a workload to template ids"),
+    ("ablation: {q: [x]}\n", "ablation.q must be a list of float"),
+    ("ablation: 3\n", "ablation must be a mapping"),
+    ("profile: {colour: red}\n", r"unknown key\(s\) profile.colour"),
+    ("source: elsewhere\n", "unknown key"),
+    ("network_starts: {mixed: x}\n", "network_starts.mixed must be a int"),
 ])
 def test_bad_configs_are_clear_errors(tmp_path, text, message):
     p = tmp_path / "bad.yaml"
     p.write_text(text)
-    with pytest.raises(ReplayConfigError, match=message):
+    with pytest.raises(ReplayConfigError, match=message) as exc:
         load_config(p)
+    line = str(exc.value)
+    assert "\n" not in line.strip() and str(p) in line  # one line naming the file
 
 
 def test_startup_fraction_from_the_config_and_the_command_line(tmp_path, capsys):
