@@ -234,6 +234,11 @@ class NativeRunner:
         cached = device.manifests.get((template_id, codec))
         if cached is not None:
             doc = cached.data
+            # parsed once per ETag, as the edit's own check is (the schema's validation
+            # of the demo pack's manifest takes 26 ms, more than a local step)
+            bps = int(device._derived_manifest(device._derived_of(template_id, codec,
+                                                                  cached.etag),
+                                               doc, prep).geometry["blocks_per_shard"])
         else:
             async def get() -> dict[str, Any]:
                 async with PackClient(server, token=token, retry=opts.retry) as c:
@@ -241,7 +246,7 @@ class NativeRunner:
 
             with NetLoop() as net:
                 doc = net.run(get())
-        bps = int(device.check_manifest(doc, prep).geometry["blocks_per_shard"])
+            bps = int(device.check_manifest(doc, prep).geometry["blocks_per_shard"])
         uncond = getattr(req, "txt_uncond", None) is not None
         key = (f"{template_id}|runtime=native|bps={bps}|steps={prep.template.steps}"
                f"|cfg={uncond}|weights={native.weights_sha256[:12]}")

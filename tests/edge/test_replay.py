@@ -487,7 +487,12 @@ def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
     by = {(r["policy"], r["start_index"]): r for r in runs}
     assert by[("fp16", 0)]["psnr_exact"] == "inf" and by[("fp16", 0)]["bytes"] == t["fp16_bytes"]
     assert by[("local", 0)]["psnr_full"] == "inf" and by[("local", 0)]["bytes"] == 0
-    assert 0 < by[("sakura", 0)]["bytes"] < t["fp16_bytes"]
+    # streamed below fp16's bytes, or computed on the device: at 3 steps of 32 px the whole
+    # edit can run locally before a loaded host's first byte (a clean-clone CI run saw
+    # 0 bytes with every step local); then the record says so
+    s0 = by[("sakura", 0)]
+    assert 0 <= s0["bytes"] < t["fp16_bytes"]
+    assert s0["bytes"] > 0 or s0["local_fallbacks"] == t["steps"], s0
     assert by[("sakura-q1", 1)]["q"] == 1.0 and by[("sakura", 1)]["q"] == 0.5
     assert by[("sakura", 0)]["timeline"]["rows"]
     assert {r["trace"] for r in runs} <= {p.name for p in Path(
