@@ -40,7 +40,6 @@ this module imports no torch.
 from __future__ import annotations
 
 import json
-import re
 import reprlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,14 +59,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from sakura.codec.errors import PackCorruptError, PackVersionError
 
+from sakura.ids import TEMPLATE_ID, TEMPLATE_ID_PATTERN  # noqa: F401 - re-exported: one rule
+
 FORMAT = "sakura-pack"
 VERSION = 2  # 2: every configuration is one byte range (embedded streams)
 
-TEMPLATE_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"  # as dit's catalog
 CODEC_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
 PACK_FILE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,95}(?:\.[a-z0-9_-]{1,32})?\.pack$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
-TEMPLATE_ID = re.compile(TEMPLATE_ID_PATTERN)
 
 INT32_MAX = 2**31 - 1  # C++ `int` at the native binding (ids, steps, blocks, ranks)
 INT64_MAX = 2**63 - 1  # C++ `int64_t` (offsets, lengths, pack_bytes)

@@ -11,7 +11,8 @@ Schema of ``catalog.json`` (``dit/catalog/`` is the default catalog; see its REA
         "mask_ratio": float, "token_mask_ratio": float,
         "profiling_prompts": [...], "evaluation_prompts": [...], "source": {...}}}}
 
-Template ids match ``^[a-z0-9][a-z0-9_-]{0,63}$``.
+Template ids match ``sakura.ids.TEMPLATE_ID`` (a lowercase letter or digit, then up to 63
+of those, ``_`` and ``-``), the rule the pack manifest and the server check too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import base64
 import io
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,9 +31,9 @@ from sakura.dit.editing import EditRequest, Template, check_strength
 from sakura.dit.errors import CatalogError
 
 from sakura.argtypes import SEED_LIMIT
+from sakura.ids import TEMPLATE_ID  # the one template-id rule (codec checks the same)
 
 DEFAULT_CATALOG = Path(__file__).parent / "catalog" / "catalog.json"
-TEMPLATE_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 WORKLOADS = ("face-swap", "try-on", "instruction")
 
 

@@ -29,9 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SHARED = {"sakura", "sakura.errors", "sakura.output", "sakura.argtypes", "sakura.extras",
-          "sakura.cachedir", "sakura.atomic"}
-"""The shared ground: errors, output, argument types and the extras table (which imports
-only sakura.errors); everything else directly under sakura/ is the app (CLI) layer."""
+          "sakura.cachedir", "sakura.atomic", "sakura.ids"}
+"""The shared ground: errors, output, argument types, the extras table (which imports
+only sakura.errors), the cache-directory rule, the atomic write and the template-id rule;
+everything else directly under sakura/ is the app (CLI) layer."""
 
 LOWER = ("codec", "dit", "traces")
 

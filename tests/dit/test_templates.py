@@ -27,3 +27,19 @@ def test_bad_strength_is_a_catalog_error(tmp_path, bad):
     path.write_text(json.dumps({**doc, "templates": {tid: entry}}))
     with pytest.raises(CatalogError, match=tid):
         load_catalog(path)
+
+
+def test_one_template_id_rule():
+    """The catalog, the pack manifest (model and JSON Schema) and the server's layout check
+    template ids with the one rule of ``sakura.ids``, not copies of it."""
+    from sakura.codec import manifest
+    from sakura.dit import templates
+
+    from sakura import ids
+
+    assert templates.TEMPLATE_ID is ids.TEMPLATE_ID is manifest.TEMPLATE_ID
+    assert manifest.TEMPLATE_ID_PATTERN is ids.TEMPLATE_ID_PATTERN
+    schema = json.loads(manifest.SCHEMA_PATH.read_text())
+    assert schema["properties"]["template_id"]["pattern"] == ids.TEMPLATE_ID_PATTERN
+    for path in (templates.__file__, manifest.__file__):
+        assert ids.TEMPLATE_ID_PATTERN not in open(path).read()  # no second copy
