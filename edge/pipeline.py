@@ -152,6 +152,10 @@ class ShardRecord:
     hedges: int = 0               # re-requests on a fresh connection
     truncated: bool = False       # executed from the prefix received by its deadline
     damage: str | None = None     # a unit that failed its checksum (the prefix before it ran)
+    # computed on the device with every token (the native runtime's local fallback; the
+    # Python reference runtime has none, so both stay False there), and on outage evidence
+    local: bool = False
+    outage: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
