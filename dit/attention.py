@@ -117,8 +117,12 @@ class AttentionHook:
 
     # -- the attention ------------------------------------------------------------------
 
-    def attend(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               layout: Layout) -> torch.Tensor:
+    def gather(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               layout: Layout):
+        """The keys a block's queries attend to: ``on_kv`` sees the fresh K/V, the hook's
+        ``extra_kv`` segments are appended. Returns ``(k, v, q_segs, k_segs, mask)``, the
+        mask from the visibility rules (None: everything visible). :meth:`attend` and the
+        probing hooks of regional execution share it."""
         self.on_kv(block, k, v, layout)
         q_segs = layout.query_segments()
         k_segs = list(q_segs)
@@ -131,7 +135,11 @@ class AttentionHook:
         key = (tuple(q_segs), tuple(k_segs))
         if key not in self._mask_cache:
             self._mask_cache[key] = build_mask(self.mode, q_segs, k_segs)
-        mask = self._mask_cache[key]
+        return k, v, q_segs, k_segs, self._mask_cache[key]
+
+    def attend(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               layout: Layout) -> torch.Tensor:
+        k, v, q_segs, k_segs, mask = self.gather(block, q, k, v, layout)
         if self.needs_probs:
             scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
             if mask is not None:

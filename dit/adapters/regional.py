@@ -35,7 +35,7 @@ from sakura.dit.adapters.base import (
     LatentTemplate,
     ModelAdapter,
 )
-from sakura.dit.attention import CACHE, IMG, TXT, KVSegment, Layout, build_mask
+from sakura.dit.attention import CACHE, IMG, TXT, KVSegment, Layout
 from sakura.dit.cache import KVProvider
 from sakura.dit.regional import (
     FullResult,
@@ -86,19 +86,7 @@ class RegionalHook(AdapterHook):
         if block not in self.probe_blocks:
             return super().attend(block, q, k, v, layout)
         self._like = q
-        self.on_kv(block, k, v, layout)
-        q_segs = layout.query_segments()
-        k_segs = list(q_segs)
-        extra = self.extra_kv(block)
-        if extra:
-            b = q.shape[0]
-            k = torch.cat([k] + [e.k.expand(b, -1, -1, -1) for e in extra], dim=2)
-            v = torch.cat([v] + [e.v.expand(b, -1, -1, -1) for e in extra], dim=2)
-            k_segs += [(e.role, e.k.shape[2]) for e in extra]
-        key = (tuple(q_segs), tuple(k_segs))
-        if key not in self._mask_cache:
-            self._mask_cache[key] = build_mask(self.mode, q_segs, k_segs)
-        mask = self._mask_cache[key]
+        k, v, q_segs, k_segs, mask = self.gather(block, q, k, v, layout)
         ind = self._indicator(k_segs, k.shape[2]).to(v.device, v.dtype)
         mask = None if mask is None else mask.to(q.device)
         rows = torch.cat([torch.arange(at, at + n) for at, (r, n) in
