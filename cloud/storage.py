@@ -26,6 +26,8 @@ from urllib.parse import parse_qs, urlparse
 
 from sakura.cloud.errors import ObjectChanged, ObjectNotFound, StorageError, UnsafeKey
 
+from sakura.atomic import fsync_dir
+
 DEFAULT_CHUNK = 256 * 1024
 MAX_KEY_LENGTH = 1024
 TMP_PREFIX = ".tmp-"
@@ -265,20 +267,6 @@ class LocalStorage(Storage):
 
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so that a rename inside it is durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def atomic_write(path: Path, data: bytes | Path, *, chunk_size: int = 1 << 20) -> None:

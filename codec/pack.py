@@ -40,7 +40,7 @@ from sakura.codec.manifest import (
 )
 from sakura.codec.shards import ShardLayout, ShardSpec, check_layout, shard_data, shard_spec
 
-from sakura.atomic import write_atomic
+from sakura.atomic import fsync_dir, write_atomic
 
 MAGIC = b"SAKP"
 # VERSION (pack and manifest format) and FORMAT come from the schema, sakura.codec.manifest
@@ -361,7 +361,7 @@ def write_pack(
     manifest.pack_sha256 = sha
     manifest.validate()
     write_atomic(manifest_path(out_dir, template_id), manifest.to_json().encode())
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     return manifest
 
 
@@ -390,19 +390,6 @@ def _layout_header(manifest: Manifest) -> tuple[bytes, int]:
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------- reading

@@ -36,10 +36,16 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):  # not every file system lets a folder be opened
-        dir_fd = os.open(out.parent, os.O_RDONLY)
+    fsync_dir(out.parent)
+    return out
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """``fsync`` a folder so that a rename inside it survives a power cut (quietly nothing
+    where the file system does not let a folder be opened or synced)."""
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    return out

@@ -56,3 +56,21 @@ def test_no_second_copy_of_the_rule():
                         and node.func.value.id == "os"):
                     renamers.add(str(p.relative_to(ROOT)))
     assert renamers == set(OWN_RENAMES)
+
+
+def test_one_folder_fsync():
+    """Folder fsyncs (what makes a rename durable) go through ``sakura.atomic.fsync_dir``:
+    no other module opens a folder to fsync it (cloud/storage.py and codec/pack.py each had
+    their own copy)."""
+    syncing = set()  # modules that fsync a raw descriptor (a folder's), not file.fileno()
+    for folder in ("sakura", "codec", "dit", "traces", "cloud", "edge"):
+        for p in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "fsync" and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "os" and node.args
+                        and not (isinstance(node.args[0], ast.Call)
+                                 and isinstance(node.args[0].func, ast.Attribute)
+                                 and node.args[0].func.attr == "fileno")):
+                    syncing.add(str(p.relative_to(ROOT)))
+    assert syncing == {"sakura/atomic.py"}

@@ -157,12 +157,16 @@ def test_a_stalled_transfer_costs_one_shard_quality_never_seconds(world, runtime
                                                       local_fallback=False))
         assert faulty.hits == 1
         assert res.latency_s < 5.0, res.timeline[0]  # (the clock starts after compiling)
-        first = res.timeline[0]
-        assert first["truncated"] or first["hedges"] >= 1, first
+        # the stalled transfer is the first pack GET to reach the origin: with requests in
+        # flight on several connections that is usually shard 0's, not always (a run saw
+        # shard 0 complete and another shard take the stall)
+        hit = [r for r in res.timeline if r["truncated"] or r["hedges"] >= 1]
+        assert hit, res.timeline[:3]
+        first = hit[0]
         if first["truncated"]:
             assert first["config"] != first["requested"] and res.truncations >= 1
-            assert first["bytes"] < [c for c in world.manifests["sakura"]["shards"][0]
-                                     ["configs"] if c["id"] == first["requested"]][0]["bytes"]
+            assert first["bytes"] < [c for c in world.manifests["sakura"]["shards"][first[
+                "shard"]]["configs"] if c["id"] == first["requested"]][0]["bytes"]
         check_timeline(res)
         assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
 
