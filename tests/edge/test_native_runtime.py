@@ -173,7 +173,7 @@ def test_a_stalled_transfer_costs_one_shard_quality_never_seconds(world, runtime
 
 def test_a_damaged_unit_inside_a_prefix_runs_the_shard_on_what_verified_before_it(
         world, runtime, native_runtime):
-    """A byte flipped at 90% of the first shard's body: the shard runs on the largest
+    """A byte flipped at 90% of the first requested body: the shard runs on the largest
     configuration verified before the damaged unit; the edit finishes with one warning
     naming the unit and its pack offsets, and its image is exactly that configuration's."""
     req = runtime.request(PROMPT, SEED)
@@ -183,15 +183,20 @@ def test_a_damaged_unit_inside_a_prefix_runs_the_shard_on_what_verified_before_i
         res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                                   options=EditOptions(initial_rate_bps=50e6, deadline_s=5.0,
                                                       local_fallback=False))
-        first = res.timeline[0]
-        assert faulty.hits == 1, first
+        assert faulty.hits == 1
+        # the damaged body is the first pack GET to reach the origin: usually shard 0's,
+        # not always with 6 requests in flight (a run saw shard 0 arrive intact)
+        hit = [r for r in res.timeline if r["damage"] is not None or r["refetches"] >= 1]
+        assert len(hit) == 1, json.dumps(res.timeline[:3])
+        first = hit[0]
         if first["damage"] is None:  # the smallest configuration was chosen: refetched
             assert first["refetches"] == 1, json.dumps(first)
         else:
-            assert re.search(r"unit \d+ of shard 0 \(pack bytes \d+\.\.\d+\) fails its "
-                             r"checksum", first["damage"])
+            j = first["shard"]
+            assert re.search(rf"unit \d+ of shard {j} \(pack bytes \d+\.\.\d+\) fails "
+                             r"its checksum", first["damage"])
             assert first["config"] != first["requested"]
-            assert [w for w in res.warnings if "damaged data" in w and "shard 0" in w]
+            assert [w for w in res.warnings if "damaged data" in w and f"shard {j} " in w]
         assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
 
 
