@@ -76,10 +76,16 @@ class NginxOrigin:
     """``with NginxOrigin(catalog_dir) as url:`` nginx serving the catalog on 127.0.0.1."""
 
     def __init__(self, root: str | os.PathLike[str], port: int | None = None,
-                 workers: int = 1) -> None:
+                 workers: int = 1, http2: bool = False, access_log: bool = False) -> None:
         self.root = Path(root).resolve()
         self.port = port or free_port()
         self.workers = workers
+        # a second listener with the same site speaking HTTP/2 over cleartext with prior
+        # knowledge only (`listen PORT http2;`: nginx 1.22 has no h2c upgrade and no
+        # HTTP/1.1 on that port), at h2_url
+        self.h2_port = free_port() if http2 else None
+        # log each request's protocol and connection (read with access_log_lines())
+        self.access_log = access_log
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -87,17 +93,38 @@ class NginxOrigin:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def h2_url(self) -> str:
+        """The HTTP/2 (h2c, prior knowledge) listener's URL (``http2=True``)."""
+        if self.h2_port is None:
+            raise CloudError("this nginx origin has no HTTP/2 listener (http2=True)")
+        return f"http://127.0.0.1:{self.h2_port}"
+
+    def access_log_lines(self) -> list[str]:
+        """The access log so far, one ``PROTOCOL CONNECTION METHOD URI STATUS`` line a
+        request (``access_log=True``; nginx writes each line when its request ends)."""
+        if self._dir is None or not self.access_log:
+            return []
+        path = Path(self._dir.name) / "access.log"
+        return path.read_text().splitlines() if path.exists() else []
+
     def config(self, prefix: Path) -> str:
         user = "user root;\n" if os.geteuid() == 0 else ""  # workers must read the catalog
         temp = "\n".join(f"    {name}_temp_path {prefix}/{name};"
                          for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        log = (f"    log_format proto '$server_protocol $connection $request_method $uri "
+               f"$status';\n    access_log {prefix}/access.log proto;"
+               if self.access_log else "    access_log off;")
+        h2 = ("" if self.h2_port is None else
+              f"    server {{\n        listen 127.0.0.1:{self.h2_port} http2;\n"
+              f"        root {self.root};\n        include {NGINX_LOCATIONS};\n    }}\n")
         return f"""{user}daemon off;
 worker_processes {self.workers};
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
 events {{ worker_connections 1024; }}
 http {{
-    access_log off;
+{log}
     sendfile on;
     tcp_nopush on;
     keepalive_requests 100000;
@@ -107,7 +134,7 @@ http {{
         root {self.root};
         include {NGINX_LOCATIONS};
     }}
-}}
+{h2}}}
 """
 
     def start(self) -> str:

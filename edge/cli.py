@@ -135,6 +135,13 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--max-inflight", type=positive_int, default=MAX_INFLIGHT,
                    metavar="N", help="requests in flight at once, one connection each "
                                      "(default %(default)s)")
+    p.add_argument("--http-version", choices=("1.1", "2"), default="1.1",
+                   help="the native runtime's HTTP for pack ranges: 1.1 (default), or 2 "
+                        "(h2c with prior knowledge, e.g. nginx's `listen PORT http2;`; "
+                        "`sakura serve` speaks HTTP/1.1 only; needs libcurl >= 7.89.0)")
+    p.add_argument("--pack-origin", default=None, metavar="URL",
+                   help="read pack ranges from this scheme://host:port (same paths as "
+                        "--server; e.g. nginx 1.22's separate HTTP/2 listener)")
     p.add_argument("--startup-fraction", type=startup_fraction,
                    default=DEFAULT_STARTUP_FRACTION, metavar="F",
                    help="startup allowance: execution may start up to F x the predicted "
@@ -355,7 +362,8 @@ def _edit(args: argparse.Namespace) -> int:
     tokens = prompt_tokens(runtime, args.prompt)
     req = runtime.request(args.prompt, args.seed, reference)
     options = EditOptions(max_ahead=args.max_ahead, max_inflight=args.max_inflight,
-                          pack=args.pack,
+                          pack=args.pack, http_version=args.http_version,
+                          pack_origin=args.pack_origin,
                           reconstruct=args.reconstruct,
                           startup_fraction=args.startup_fraction, on_wait=say_waiting)
     link_info: dict[str, Any] = {"mode": "direct"}

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 from sakura.codec.pack import Manifest, decode_config
@@ -134,6 +135,9 @@ class PythonRunner:
     def stream(self, device: EdgeRuntime, job: StreamJob
                ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
         manifest, opts = job.manifest, job.opts
+        if opts.http_version != "1.1" or opts.pack_origin:
+            raise EdgeError("the python runtime speaks HTTP/1.1 to the server only "
+                            "(http_version 2 and pack_origin are the native runtime's)")
         layout = manifest.layout()
         codec_impl = manifest.make_codec()
 
@@ -316,12 +320,22 @@ class NativeRunner:
                 "max_attempts": retry.max_attempts, "backoff_s": retry.backoff_s,
                 "backoff_max_s": retry.backoff_max_s, "max_refetch": retry.max_refetch,
                 "max_connections": opts.max_inflight,
-                "warm_connections": opts.max_inflight - 1 if opts.warm_connections else 0,
+                # HTTP/2: one connection carries every request (opened early when warm);
+                # a hedge opens its own (native/src/sakura/http.hpp)
+                "warm_connections": (0 if not opts.warm_connections
+                                     else 1 if opts.http_version == "2"
+                                     else opts.max_inflight - 1),
+                "http_version": opts.http_version,
                 "warm_hedges": opts.warm_connections,
                 "headers": [f"{k}: {v}" for k, v in where.headers.items()],
                 "display_url": client.base_url}
+        pack_url = where.url
+        if opts.pack_origin:  # the same path on another listener (h2c: EditOptions)
+            base = urlsplit(opts.pack_origin)
+            pack_url = urlunsplit(urlsplit(pack_url)._replace(scheme=base.scheme,
+                                                              netloc=base.netloc))
         shards, rope = self._derived_stream(device, job.derived, job.manifest_dict,
-                                            manifest, where.url)
+                                            manifest, pack_url)
         stream = stream_spec(
             shards, geometry, http=http,
             origin=job.origin, max_ahead=opts.max_ahead, max_ready=opts.max_ready,

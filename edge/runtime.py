@@ -272,6 +272,10 @@ def _finite(x: float | None) -> float | str | None:
     return x
 
 
+#: the HTTP versions EditOptions.http_version takes (HTTP/2: the native runtime only)
+HTTP_VERSIONS = ("1.1", "2")
+
+
 @dataclass
 class EditOptions:
     """Knobs of a streamed edit (defaults are the design's)."""
@@ -283,6 +287,14 @@ class EditOptions:
     # pack each: public) and let hedges take an idle one from that pool, so no handshake
     # crosses a downlink queue that a body has filled (native runtime; docs/RESULTS.md)
     warm_connections: bool = True
+    # the native runtime's HTTP: "1.1", or "2" (h2c with prior knowledge, every request a
+    # stream of one connection; nginx's `listen PORT http2;`, never `sakura serve`, which
+    # speaks HTTP/1.1 only); docs/bench/http2.json measured both (edge/README.md)
+    http_version: str = "1.1"
+    # the scheme://host:port the native runtime reads pack ranges from, the same paths as
+    # the server's (None: the server's): Debian 12's nginx 1.22 speaks h2c on a listener of
+    # its own only, while manifests still come over HTTP/1.1 from the server URL
+    pack_origin: str | None = None
     # the local fallback (native runtime; issue 28 item 10): a step whose first shard is not
     # in within one local step's predicted time is computed on the device with every token,
     # as `local` does, and so is each next step until a shard is in when its step begins
@@ -343,6 +355,9 @@ class EditOptions:
             raise EdgeError(f"lookahead_rtts must be >= 0, got {self.lookahead_rtts!r}")
         if min(self.max_ahead, self.max_ready, self.max_inflight) < 1:
             raise EdgeError("max_ahead, max_ready and max_inflight must be >= 1")
+        if self.http_version not in HTTP_VERSIONS:
+            raise EdgeError(f"http_version must be one of {', '.join(HTTP_VERSIONS)}, got "
+                            f"{self.http_version!r}")
         if self.reconstruct != "cpu" and not self.reconstruct.startswith("opencl"):
             raise EdgeError(f"reconstruct must be cpu or opencl[:device], got "
                             f"{self.reconstruct!r}")

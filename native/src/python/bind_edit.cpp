@@ -233,6 +233,13 @@ sakura::HttpOptions http_options(const py::dict& d) {
   o.max_connections = d["max_connections"].cast<int>();
   if (d.contains("warm_connections")) o.warm_connections = d["warm_connections"].cast<int>();
   if (d.contains("warm_hedges")) o.warm_hedges = d["warm_hedges"].cast<bool>();
+  if (d.contains("http_version")) {
+    const auto v = d["http_version"].cast<std::string>();
+    if (v != "1.1" && v != "2") {
+      throw py::value_error("http_version must be \"1.1\" or \"2\", got \"" + v + "\"");
+    }
+    o.http_version = v == "2" ? 2 : 1;
+  }
   o.headers = d["headers"].cast<std::vector<std::string>>();
   o.display_url = d["display_url"].cast<std::string>();
   return o;

@@ -130,6 +130,16 @@ struct Transfer {
 
 namespace {
 
+// HTTP/2 over cleartext with prior knowledge (h2c without an Upgrade round trip); curl built
+// without nghttp2 refuses it, which is reported once instead of silently speaking HTTP/1.1.
+void set_http2(CURL* e) {
+  if (curl_easy_setopt(e, CURLOPT_HTTP_VERSION,
+                       static_cast<long>(CURL_HTTP_VERSION_2_PRIOR_KNOWLEDGE)) != CURLE_OK) {
+    throw FetchError("http", "HTTP/2 was asked for, but this libcurl has no HTTP/2 "
+                             "(nghttp2) support");
+  }
+}
+
 // The body starts over: nothing received, nothing verified.
 void reset_body(Transfer& t) {
   t.buf.clear();
@@ -340,9 +350,17 @@ struct HttpReceiver::Impl {
     // when none is idle; forcing a fresh connection cost a handshake through the congested
     // downlink, and a SYN-ACK the queue dropped cost the initial SYN timeout, 1 s
     // (docs/RESULTS.md, the tail bench), unless warm_hedges is off
+    // With HTTP/2, ending the stalled attempt resets its stream only: its connection stays
+    // open with the other transfers' streams, and curl would put the hedge on it again, so
+    // a hedge always opens a connection of its own; the other transfers wait for the first
+    // connection to say it multiplexes (PIPEWAIT) and share it.
+    const bool h2 = opts.http_version == 2;
+    if (h2) set_http2(e);
     if (t.fresh) {
-      if (!opts.warm_hedges) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
+      if (h2 || !opts.warm_hedges) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
       t.fresh = false;
+    } else if (h2) {
+      curl_easy_setopt(e, CURLOPT_PIPEWAIT, 1L);
     }
     curl_slist* headers = nullptr;
     std::vector<std::string> sent;
@@ -514,8 +532,31 @@ HttpReceiver::HttpReceiver(HttpOptions options) : impl_(std::make_unique<Impl>()
   impl_->opts = std::move(options);
   impl_->multi = curl_multi_init();
   if (impl_->multi == nullptr) throw std::runtime_error("curl_multi_init failed");
-  curl_multi_setopt(impl_->multi, CURLMOPT_MAX_HOST_CONNECTIONS,
-                    static_cast<long>(std::max(1, impl_->opts.max_connections)));
+  if (impl_->opts.http_version != 1 && impl_->opts.http_version != 2) {
+    throw std::invalid_argument("http_version must be 1 (HTTP/1.1) or 2 (HTTP/2)");
+  }
+  if (impl_->opts.http_version == 2) {
+    curl_version_info_data* v = curl_version_info(CURLVERSION_NOW);
+    if (v == nullptr || (v->features & CURL_VERSION_HTTP2) == 0) {
+      throw FetchError("http", "HTTP/2 was asked for, but this libcurl has no HTTP/2 "
+                               "(nghttp2) support");
+    }
+    // libcurl before 7.89.0 fails every request that reuses a prior-knowledge connection
+    // ("Error in the HTTP2 framing layer", curl#10634, fixed by curl#10643): measured with
+    // Debian 12's 7.88.1 against nginx 1.22, the first stream is answered and every later
+    // one fails, so no transfer could be multiplexed
+    if (v->version_num < 0x075900) {
+      throw FetchError("http", std::string("HTTP/2 was asked for, but libcurl ") + v->version +
+                                   " cannot reuse an h2c prior-knowledge connection "
+                                   "(curl#10634, fixed in 7.89.0); use HTTP/1.1");
+    }
+    // streams of one connection, hedges on their own (begin_attempt): a cap would hold a
+    // hedge pending behind connections that still carry streams
+    curl_multi_setopt(impl_->multi, CURLMOPT_PIPELINING, CURLPIPE_MULTIPLEX);
+  } else {
+    curl_multi_setopt(impl_->multi, CURLMOPT_MAX_HOST_CONNECTIONS,
+                      static_cast<long>(std::max(1, impl_->opts.max_connections)));
+  }
 }
 
 HttpReceiver::~HttpReceiver() {
@@ -557,6 +598,7 @@ void HttpReceiver::warm(const std::string& url, int n) {
                      static_cast<long>(std::ceil(impl_->opts.read_timeout_s * 1000)));
     curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
     curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);  // each its own connection
+    if (impl_->opts.http_version == 2) set_http2(e);
     curl_easy_setopt(e, CURLOPT_PRIVATE, static_cast<void*>(nullptr));
     {
       std::lock_guard<std::mutex> lock(impl_->log_mu);

@@ -61,6 +61,12 @@ struct HttpOptions {
   int max_connections = 3;       // kept-alive connections to the origin
   bool warm_hedges = true;       // a hedge may take an idle pooled connection (false: a new one)
   int warm_connections = 0;      // connections the edit opens before its first request (warm())
+  // 1: HTTP/1.1 (a connection per transfer in flight); 2: HTTP/2 over cleartext with prior
+  // knowledge (h2c, no Upgrade: nginx's `listen PORT http2;`), every transfer a stream of
+  // one multiplexed connection (PIPEWAIT), a hedge on a connection of its own
+  // (FRESH_CONNECT: a new stream on the stalled connection would stall with it), and no
+  // cap on connections (max_connections counts HTTP/1.1 connections only)
+  int http_version = 1;
   std::vector<std::string> headers;  // e.g. "Authorization: Bearer ..." (never request data)
   std::string display_url;           // the server URL the user gave (for messages)
 };
