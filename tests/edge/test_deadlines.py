@@ -323,11 +323,14 @@ def test_a_stalled_transfer_costs_one_shard_quality_never_seconds(world, runtime
                            request_log=log, options=EditOptions(initial_rate_bps=50e6))
         assert faulty.hits == 1
         assert res.latency_s < BOUND_S, res.timeline[0]
-        first = res.timeline[0]
-        assert first["truncated"] or first["hedges"] >= 1, first
+        # the stalled transfer is the first pack GET to reach the origin: usually shard 0's,
+        # not always with several requests in flight (seen in the native twin of this test)
+        hit = [r for r in res.timeline if r["truncated"] or r["hedges"] >= 1]
+        assert hit, res.timeline[:3]
+        first = hit[0]
         if first["truncated"]:
             assert first["config"] != first["requested"] and res.truncations >= 1
-            assert first["bytes"] < requested_bytes(world, 0, first["requested"])
+            assert first["bytes"] < requested_bytes(world, first["shard"], first["requested"])
         else:  # re-requested: the shard ran whole
             assert first["config"] == first["requested"]
             # every hedge is one more request the client sent (the origin may never see
@@ -349,16 +352,20 @@ def test_a_damaged_unit_inside_a_prefix_runs_the_shard_on_what_verified_before_i
         # a 5 s deadline for the edit: shard 0 goes at its best configuration
         res = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                            options=EditOptions(initial_rate_bps=50e6, deadline_s=5.0))
-        first = res.timeline[0]
-        assert faulty.hits == 1, first
+        assert faulty.hits == 1
+        # the damaged body is the first pack GET to reach the origin (not always shard 0's)
+        hit = [r for r in res.timeline if r["damage"] is not None or r["refetches"] >= 1]
+        assert len(hit) == 1, res.timeline[:3]
+        first = hit[0]
+        j = first["shard"]
         if first["damage"] is None:  # the smallest configuration was chosen: refetched
             assert first["refetches"] == 1, first
         else:
-            assert re.fullmatch(r"unit \d+ of shard 0 \(pack bytes \d+\.\.\d+\) fails its "
-                                r"checksum", first["damage"])
+            assert re.fullmatch(rf"unit \d+ of shard {j} \(pack bytes \d+\.\.\d+\) fails "
+                                r"its checksum", first["damage"])
             assert first["config"] != first["requested"] and first["refetches"] == 0
-            assert first["bytes"] < requested_bytes(world, 0, first["requested"])
-            warned = [w for w in res.warnings if "damaged data" in w and "shard 0" in w]
+            assert first["bytes"] < requested_bytes(world, j, first["requested"])
+            warned = [w for w in res.warnings if "damaged data" in w and f"shard {j} " in w]
             assert len(warned) == 1 and first["damage"] in warned[0]
         assert res.latency_s < BOUND_S
         check_records(res)
@@ -375,9 +382,11 @@ def test_a_connection_reset_mid_body_is_resumed_or_runs_on_its_prefix(world, run
         runtime.warm(server.url, TEMPLATE_ID, world.template, "sakura")
         res = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                            request_log=log, options=EditOptions(initial_rate_bps=50e6))
-        first = res.timeline[0]
         assert faulty.hits == 1
-        assert first["resumes"] >= 1 or first["truncated"], first
+        # the cut body is the first pack GET to reach the origin (not always shard 0's)
+        hit = [r for r in res.timeline if r["resumes"] >= 1 or r["truncated"]]
+        assert hit, res.timeline[:3]
+        first = hit[0]
         if first["resumes"]:  # (sent by the client; a truncation may have cancelled it)
             resumed = [r.headers for r in log if r.url.endswith(".pack")
                        and "If-Range" in r.headers]
