@@ -15,6 +15,8 @@ from sakura.traces.bench import choose_piece
 from sakura.traces.link import PacedLink, PacedLinkThread
 from sakura.traces.measure import BlastServer, measure_paced, read_until, receive_for
 
+from tests.traces.common import assert_follows_the_trace
+
 MB = 1e6
 
 
@@ -23,12 +25,7 @@ def test_constant_rate_accuracy(mbps: float) -> None:
     m = measure_paced(Trace.constant(mbps * MB), window_s=2.0, n_windows=1, settle_s=0.3)
     (w,) = m.windows
     assert w.expected_bytes == pytest.approx(mbps * MB / 8 * 2.0)
-    # never faster than the trace: a pacing property, whatever the host's load
-    assert w.measured_bytes <= 1.05 * w.expected_bytes, m.to_dict()
-    # and not slower beyond 5%, except at 200 Mbit/s: 25 MB/s through the Python relay
-    # fell 6% short in a clean-clone CI run with two other jobs on the 2 cores (the link's
-    # accuracy figure is the bench's, ``sakura bench link``: paced_rel_error)
-    assert w.measured_bytes >= (0.85 if mbps >= 200 else 0.95) * w.expected_bytes, m.to_dict()
+    assert_follows_the_trace(m)
 
 
 @pytest.mark.parametrize(
@@ -43,7 +40,7 @@ def test_real_trace_accuracy(trace_dir: Path, rel: str, seed: int) -> None:
     assert piece.scale == 1.0
     m = measure_paced(piece.trace, window_s=2.0, n_windows=2, settle_s=0.3)
     assert all(not w.outage for w in m.windows)
-    assert m.max_rel_error < 0.05, m.to_dict()
+    assert_follows_the_trace(m)
 
 
 def test_real_outage_delivers_nothing_then_resumes(trace_dir: Path) -> None:
@@ -56,12 +53,12 @@ def test_real_outage_delivers_nothing_then_resumes(trace_dir: Path) -> None:
     outage, after = m.windows
     assert outage.outage and outage.measured_bytes == 0, m.to_dict()
     assert after.expected_bytes == pytest.approx(13.613904e6 / 8, rel=1e-6)
-    assert after.rel_error < 0.05, m.to_dict()
+    assert_follows_the_trace(m, [after])
 
 
 def test_connections_share_one_bottleneck() -> None:
     m = measure_paced(Trace.constant(20 * MB), window_s=2.0, n_windows=1, connections=4)
-    assert m.max_rel_error < 0.05, m.to_dict()
+    assert_follows_the_trace(m)
 
 
 def test_shares_are_fair_and_counters_match() -> None:
