@@ -426,6 +426,12 @@ def test_an_outage_mid_edit_runs_the_rest_locally_after_the_shards_that_arrived(
     assert all(local[first_local:])  # once local, no shard can rejoin during the outage
     assert all(r["bytes"] > 0 for r in res.timeline[:first_local])
     assert res.local_fallbacks == len({r["step"] for r in res.timeline if r["local"]})
+    # a step is local as a whole: a group that had run before its step's next group was
+    # late says local too, and keeps the times it ran at (never an end before its start)
+    steps = {r["step"]: [q["local"] for q in res.timeline if q["step"] == r["step"]]
+             for r in res.timeline}
+    assert all(all(v) or not any(v) for v in steps.values()), steps
+    assert all(r["exec_start"] <= r["exec_end"] for r in res.timeline), res.timeline
 
 
 class Trickle:

@@ -529,17 +529,32 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
 void StreamFeed::skip(int j) {
   const double now = now_s();
   end_current(j, now);
+  bool ran = false, ended = false;  // j had run as a cached group (stamped only now)
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (executing_ >= 0 && executing_ != j) ready_.erase(executing_);
     ShardRecord& rec = records_[j];
-    rec.local = true;
-    rec.exec_start = now - spec_.origin;
-    executing_ = j;
-    pending_.erase(j);
-    ready_.erase(j);
-    if (waiting_ == j) waiting_ = -1;
-    skipped_.push_back(j);  // the receive thread drops its transfer
+    ran = !std::isnan(rec.exec_start);
+    if (ran) {
+      // A group that ran before a later group of its step was late: the step is computed
+      // locally and this output discarded, so the record says local but keeps its times.
+      ended = std::isnan(rec.exec_end);
+      if (ended) rec.exec_end = now - spec_.origin;
+      rec.local = true;
+      ready_.erase(j);
+    } else {
+      rec.local = true;
+      rec.exec_start = now - spec_.origin;
+      executing_ = j;
+      pending_.erase(j);
+      ready_.erase(j);
+      if (waiting_ == j) waiting_ = -1;
+      skipped_.push_back(j);  // the receive thread drops its transfer
+    }
+  }
+  if (ran) {
+    if (ended) progress_->exec_ended(j, now);  // it ran as a cached group: a true sample
+    return;
   }
   progress_->exec_started(j, now);
   cv_.notify_all();
