@@ -23,8 +23,20 @@ class KVProvider(Protocol):
     """Supplies the cached K/V of the unmasked tokens, in execution order."""
 
     def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(keys, values)`` for one block of one step, each ``[N, C]``."""
+        """Return ``(keys, values)`` for one block of one step, each ``[N, C]``; a streaming
+        provider may raise :class:`StepLate` instead (the local fallback)."""
         ...
+
+
+class StepLate(Exception):  # noqa: N818 - a signal between provider and loop, not an error
+    """Raised by a provider's ``get`` when step ``step``'s cache cannot arrive before the
+    device could compute that step itself with every token (as ``local`` does: the template
+    image and its noise are public catalog data). A loop that can, computes the step so and
+    goes on (``dit.editing.cached_edit``); its cache is never asked for again."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step} is computed locally")
+        self.step = step
 
 
 class StepMemo:

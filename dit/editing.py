@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from sakura.dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
-from sakura.dit.cache import KVProvider, TemplateCache
+from sakura.dit.cache import KVProvider, StepLate, TemplateCache
 from sakura.dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
 from sakura.dit.sampler import EulerSteps, Trajectory, denoise, noise_like, renoise, schedule
 
@@ -323,8 +323,26 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     refs = ReferenceKV.extract(model, req, template.guidance) if has_refs and cache_refs else None
     ref_toks = reference_tokens(model, req.ref_images) if has_refs and not cache_refs else None
     text_kv = None
+    trajectory = None  # the unmasked tokens' (for a step computed locally), made once
+
+    def local_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Step ``s`` with every token, the unmasked ones on the template trajectory: what
+        ``full_edit`` computes at that step (the provider raised StepLate)."""
+        nonlocal trajectory
+        if trajectory is None:
+            trajectory = Trajectory(patchify(template.image[None].float(), model.cfg.patch_size),
+                                    template_noise(model, template))
+        xf = trajectory.at(t).clone()
+        xf[:, geo.masked] = x
+        return model(_cfg_batch(xf, geo.pos, req, t, template.guidance))[:, geo.masked]
 
     def model_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return cached_step(s, t, x)
+        except StepLate:  # (as full_edit: no reference tokens, text tokens computed)
+            return local_step(s, t, x)
+
+    def cached_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         nonlocal text_kv
         extra: dict[int, list[KVSegment]] = {}
         for part in (refs.segments() if refs else {}, text_kv_segments(*text_kv) if text_kv else {}):

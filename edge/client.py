@@ -374,6 +374,11 @@ class Transfer:
         now = time.monotonic() if now is None else now
         return now - max(self.last_progress, self.attempt_start)
 
+    def backing_off(self) -> bool:
+        """Between attempts after a failed one (the client's retry backoff: the origin is
+        failing, e.g. restarting), not on a restart that goes out at once."""
+        return self.attempts > 0 and self._attempt is None and not self._fresh
+
     def restart(self) -> bool:
         """End the attempt in flight: the client re-requests the remaining range at once, on
         a fresh connection (a hedge). False: no attempt in flight to restart."""

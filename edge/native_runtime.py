@@ -66,7 +66,7 @@ from sakura.edge.errors import (
     VersionGone,
 )
 from sakura.edge.native_status import native_module
-from sakura.edge.pipeline import STALL_FLOOR_S
+from sakura.edge.pipeline import local_wait_s
 
 # Bump when the graphs' computation or their input/output contract changes (cache key).
 GRAPHS_FORMAT = 1
@@ -364,22 +364,13 @@ class NativeEngine:
                     exec_s: list[float], measured_step_s: float | None = None
                     ) -> dict[str, Any]:
         """The local fallback's part of ``run_stream``: the full graphs (compiled the first
-        time, as ``local``'s), their inputs, the masked tokens' rows and ``step_s``, one
-        local step's time: ``measured_step_s`` (a timed ``local`` edit over its steps, as
-        ``NativeRunner.profile`` takes it once per layout) or, without one, the cached
-        step's (``exec_s`` summed over the edit, per step) times the image tokens a full
-        step computes over the masked ones (that estimate errs long: on the demo's
-        template 0.20 s cached and 0.59 s local over 20 steps, 20% masked: 10 ms x 5 =
-        50 ms against 30 ms measured)."""
+        time, as ``local``'s), their inputs, the masked tokens' rows and ``step_s``, the
+        wait bound of one local step (:func:`~edge.pipeline.local_wait_s`)."""
         full_geo = self.geometry(template, geo, req, full=True)
         graphs = self.graphs(full_geo, step_groups(self.model.cfg.num_blocks,
                                                    self.model.cfg.num_blocks))
-        cached_step = sum(exec_s) / max(1, template.steps)
-        tokens = len(geo.masked) + len(geo.unmasked)
-        # never below the stall floor: a shard under 50 ms late is not a stall (pipeline.py)
-        estimate = (measured_step_s if measured_step_s is not None
-                    else cached_step * tokens / max(1, len(geo.masked)))
-        step_s = max(STALL_FLOOR_S, estimate)
+        step_s = local_wait_s(measured_step_s, exec_s, template.steps,
+                              len(geo.masked) + len(geo.unmasked), len(geo.masked))
         return {"graphs": graphs, "inputs": self.inputs(template, geo, req, full_geo),
                 "masked": [int(i) for i in geo.masked], "step_s": float(step_s)}
 
@@ -450,7 +441,8 @@ def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
                 reconstruct: str, kind: str,
                 decode: Callable[[int, int, bytes], np.ndarray],
                 rope: np.ndarray | None,
-                pipeline_cpus: Sequence[int] | None = None) -> dict[str, Any]:
+                pipeline_cpus: Sequence[int] | None = None,
+                refine: bool = True) -> dict[str, Any]:
     """What ``run_stream`` needs: the shard table (``sakura_native.StreamTable`` of
     :func:`stream_shards`), the HTTP
     settings, the pipeline's limits and the decoder ``kind`` (:func:`decode_kind`;
@@ -461,6 +453,7 @@ def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
             "matrix_floats": int(geometry["tokens"]) * int(geometry["channels"]),
             "max_ahead": max_ahead, "max_ready": max_ready, "max_inflight": max_inflight,
             "lookahead_rtts": lookahead_rtts, "max_ahead_cap": max_ahead_cap,
+            "refine": refine,
             "reconstruct": reconstruct,
             "pipeline_cpus": None if pipeline_cpus is None else [int(c) for c in pipeline_cpus],
             "origin": origin}

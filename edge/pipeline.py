@@ -45,6 +45,15 @@ any moment. A watchdog on the network loop (waking at least every ``WATCH_CAP_S`
 * **damage**: a unit that fails its checksum ends the body; the shard runs on the largest
   fallback verified before it (``damage`` names the unit), else the client refetches it.
 
+**The local fallback** (``local_step_s``, the native ``run_edit``'s rule): execution waits
+for a step's first shard at most one local step (none while the previous step was computed
+locally), and for its other shards at most one local step each, or less on outage evidence
+(requests are out and no byte has arrived for that bound and 3 request latencies). Past
+that, :meth:`Pipeline.get` raises :class:`~dit.cache.StepLate`: the DiT loop computes that
+step with every token, as ``local`` does, the step's shards say ``local`` and are never
+requested (or their transfers dropped), and the next step's shards are waited for again. An
+origin in its retry backoff (a restart) is waited out, never computed around.
+
 Every shard gets a :class:`ShardRecord` (stage start/end times relative to the edit start,
 bytes, configuration, window, carry-over and rate estimate the allocator saw). A failure
 in any stage stops the others and is raised from the executing thread.
@@ -61,6 +70,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
+from sakura.dit.cache import StepLate
 from sakura.edge.client import Fetched, Transfer
 from sakura.edge.errors import EdgeError
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress, Window
@@ -152,10 +162,11 @@ class ShardRecord:
     hedges: int = 0               # re-requests on a fresh connection
     truncated: bool = False       # executed from the prefix received by its deadline
     damage: str | None = None     # a unit that failed its checksum (the prefix before it ran)
-    # computed on the device with every token (the native runtime's local fallback; the
-    # Python reference runtime has none, so both stay False there), and on outage evidence
+    # its step was computed on the device with every token (the local fallback: no bytes
+    # used), and that began early on outage evidence
     local: bool = False
     outage: bool = False
+    refinements: int = 0          # extensions of its received configuration (refinement)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,8 +208,9 @@ class PipelineStats:
     truncations: int = 0
     hedges: int = 0
     damaged: list[str] = field(default_factory=list)
-    local_steps: int = 0  # steps computed on the device (local fallback; native runtime)
+    local_steps: int = 0  # steps computed on the device (the local fallback)
     outage_fallbacks: int = 0  # of them, begun early on outage evidence (no byte for the wait)
+    refinements: int = 0  # received configurations extended before their shard ran
 
 
 def lookahead_wait(ahead: int, max_ahead: int, max_ahead_cap: int, until_start_s: float,
@@ -232,6 +244,21 @@ def stall_limit_s(remaining_bytes: int, rate_bps: float, latency_s: float,
     return limit * 2.0 ** min(max(0, restarts), 10)
 
 
+def local_wait_s(measured_step_s: float | None, exec_s: list[float], steps: int,
+                 tokens: int, masked: int) -> float:
+    """The local fallback's wait bound, one local step: ``measured_step_s`` (a timed
+    ``local`` edit over its steps, as the runners take it once per layout) or, without one,
+    the cached step's time (``exec_s`` summed over the edit, per step) times the image tokens
+    a full step computes over the masked ones (that estimate errs long: on the demo's
+    template 0.20 s cached and 0.59 s local over 20 steps, 20% masked: 10 ms x 5 = 50 ms
+    against 30 ms measured); never below the stall floor (a shard under 50 ms late is not a
+    stall). Both runtimes use this rule."""
+    cached_step = sum(exec_s) / max(1, steps)
+    estimate = (measured_step_s if measured_step_s is not None
+                else cached_step * tokens / max(1, masked))
+    return max(STALL_FLOOR_S, estimate)
+
+
 def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
     """Stalls, startup, bytes and choices of an edit from its shard records (the timeline
     of either runtime: these records, or the native runtime's of the same fields)."""
@@ -245,7 +272,8 @@ def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
         hedges=sum(int(r.get("hedges") or 0) for r in records),
         damaged=[r["damage"] for r in records if r.get("damage")],
         local_steps=len({r["step"] for r in records if r.get("local")}),
-        outage_fallbacks=len({r["step"] for r in records if r.get("outage")}))
+        outage_fallbacks=len({r["step"] for r in records if r.get("outage")}),
+        refinements=sum(int(r.get("refinements") or 0) for r in records))
 
 
 Fetch = Callable[[int, int, Transfer], Awaitable[Fetched]]
@@ -274,6 +302,7 @@ class Pipeline:
                  max_inflight: int = 2, lookahead_rtts: float = 0.0,
                  max_ahead_cap: int | None = None,
                  fallbacks: Fallbacks | None = None,
+                 local_step_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_ahead < 1 or max_ready < 1:
             raise ValueError("max_ahead and max_ready must be >= 1")
@@ -306,6 +335,13 @@ class Pipeline:
         self._slot_event: asyncio.Event | None = None
         self._watch_event: asyncio.Event | None = None
         self._waiting: _Wait | None = None  # guarded by _cond
+        # the local fallback: one full-token step's time (None: off), whether the last step
+        # ran locally (its next step's first shard is then not waited for)
+        self.local_step_s = local_step_s
+        self._local_mode = False
+        # the link's last body byte and when transfers were last out again (outage
+        # evidence; the client's clock, time.monotonic)
+        self._last_byte = self._busy_since = 0.0
         self.provider = ShardProvider(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -323,9 +359,7 @@ class Pipeline:
         now = self.clock()
         with self._cond:
             last = self._executing
-        if last >= 0 and self.records[last].exec_end is None:
-            self.records[last].exec_end = now - self.origin
-            self.progress.exec_ended(last, now)
+        self._end_current(last, -1, now)
         self.close()
         return self.stats()
 
@@ -421,6 +455,8 @@ class Pipeline:
                     await self._wait_link()
                 if self._error is not None:
                     return
+                if self.records[j].local:  # its step ran on the device: never requested
+                    continue
                 now = self.clock()
                 window = self.progress.window(j, now)
                 rate = self.monitor.estimate_bps() or 0.0
@@ -440,6 +476,8 @@ class Pipeline:
                 fallbacks = self.fallbacks(j, config) if self.fallbacks else []
                 entry = _InFlight(j, config, size, Transfer(fallbacks))
                 entry.task = asyncio.ensure_future(self._transfer(entry))
+                if not self._inflight:
+                    self._busy_since = time.monotonic()
                 self._inflight[j] = entry
                 self._watch_event.set()
             while self._inflight and self._error is None:
@@ -479,9 +517,13 @@ class Pipeline:
         rec.truncated, rec.damage = truncated, got.damage
         if config != entry.config and self.describe:
             rec.params = dict(self.describe(j, config))
+        if got.data:
+            self._last_byte = max(self._last_byte, entry.transfer.last_progress)
         self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
         self.progress.received(j, got.end)
         with self._cond:
+            if rec.local:  # its step ran locally meanwhile: a rate sample only
+                return
             self._pending[j] = (config, got.data)
             self._cond.notify_all()
 
@@ -597,7 +639,7 @@ class Pipeline:
             rec.recon_start, rec.recon_end = self._rel(t0), self._rel(t1)
             self.progress.reconstructed(j, t0, t1)
             with self._cond:
-                if j > self._executing:
+                if j > self._executing and not rec.local:
                     self._ready[j] = tensors
                 self._cond.notify_all()
 
@@ -614,30 +656,117 @@ class Pipeline:
             tensors = self._enter(j, current)
         return tensors[2 * k], tensors[2 * k + 1]
 
+    def _end_current(self, current: int, j: int, now: float) -> None:
+        rec = self.records[current] if current >= 0 and current != j else None
+        if rec is None or rec.exec_end is not None:
+            return
+        rec.exec_end = self._rel(now)
+        if rec.local:  # a local step's time says nothing about cached execution's
+            self.progress.exec_ended_local(current, now)
+        else:
+            self.progress.exec_ended(current, now)
+
+    def _wait_bound(self, j: int) -> float | None:
+        """How long execution waits for shard ``j`` before its step is computed locally
+        (None: no local fallback, as long as it takes)."""
+        if self.local_step_s is None:
+            return None
+        first = j == 0 or self.shard_blocks[j - 1][0] != self.shard_blocks[j][0]
+        return 0.0 if first and self._local_mode else self.local_step_s
+
+    def _link_silent(self, bound: float) -> bool:
+        """Outage evidence: transfers are out, none in a retry backoff, and the link has
+        carried no body byte (of any transfer) for ``bound`` and 3 request latencies,
+        counted from the later of its last byte and when transfers were last out again
+        (the native ``HttpReceiver::quiet_since_s``: a hedge does not reset it)."""
+        entries = list(self._inflight.values())
+        if not entries or any(e.transfer.backing_off() for e in entries):
+            return False
+        last = max([self._last_byte, self._busy_since]
+                   + [e.transfer.last_progress for e in entries if e.transfer.received > 0])
+        return time.monotonic() - last >= max(bound, 3.0 * self.monitor.latency_s())
+
+    def _backing_off(self) -> bool:
+        return any(e.transfer.backing_off() for e in list(self._inflight.values()))
+
+    def _skip_step(self, j: int, now: float, outage: bool) -> None:
+        """Shard ``j``'s step is computed on the device from now (under ``_cond``): every
+        shard of it says local, those not yet run are never requested (transfers in flight
+        dropped); a group that already ran keeps its times."""
+        step = self.shard_blocks[j][0]
+        shards = [i for i, (s, _) in enumerate(self.shard_blocks) if s == step]
+        for i in shards:
+            rec = self.records[i]
+            rec.local = True
+            self._ready.pop(i, None)
+            self._pending.pop(i, None)
+            if rec.exec_start is not None:
+                if rec.exec_end is None:
+                    rec.exec_end = self._rel(now)
+                    self.progress.exec_ended(i, now)  # it ran as a cached group
+                continue
+            self._end_current(self._executing, i, now)
+            rec.exec_start = self._rel(now)
+            self.progress.exec_started(i, now)
+            self._executing = i
+        self.records[j].outage = outage
+        self._local_mode = True
+        if self._net is not None:
+            try:
+                self._net.call(self._drop, shards)
+            except RuntimeError:  # loop closed
+                pass
+        self._cond.notify_all()
+
+    def _drop(self, shards: list[int]) -> None:
+        """(On the network loop.) Cancel the transfers of shards computed locally."""
+        for i in shards:
+            entry = self._inflight.pop(i, None)
+            if entry is not None:
+                entry.task.cancel()
+        self._wake_receiver()
+
     def _enter(self, j: int, current: int) -> list[torch.Tensor]:
         now = self.clock()
-        if current >= 0 and current != j:
-            self.records[current].exec_end = self._rel(now)
-            self.progress.exec_ended(current, now)
+        self._end_current(current, j, now)
+        bound = self._wait_bound(j)
         with self._cond:
             if current >= 0 and current != j:
                 self._ready.pop(current, None)
             if j not in self._ready and self._error is None:
                 self._waiting = _Wait(j, now)  # the deadline rule watches this wait
                 self._wake(self._watch_event)
+            late = outage = False
             while j not in self._ready and self._error is None:
-                self._cond.wait(0.5)
+                if bound is None:
+                    self._cond.wait(0.5)
+                    continue
+                left = now + bound - self.clock()
+                if bound > 0 and self._link_silent(bound):
+                    late = outage = True
+                    break
+                if left <= 0 and not self._backing_off():
+                    late = True
+                    break
+                self._cond.wait(min(0.01, max(0.001, left)))
             self._waiting = None
             if self._error is not None:
                 err = self._error
                 if isinstance(err, SakuraError):
                     raise err
                 raise EdgeError(f"shard {j} could not be delivered: {err!r}") from err
+            if late:
+                self.records[j].stall_s += self.clock() - now  # waited either way
+                self._skip_step(j, self.clock(), outage)
+                raise StepLate(self.shard_blocks[j][0])
+            first = j == 0 or self.shard_blocks[j - 1][0] != self.shard_blocks[j][0]
+            if first:
+                self._local_mode = False
             tensors = self._ready[j]
             # the start is stamped before the other stages can see the slot it frees
             start = self.clock()
             rec = self.records[j]
-            rec.stall_s = start - now
+            rec.stall_s += start - now
             rec.exec_start = self._rel(start)
             self.progress.exec_started(j, start)
             self._executing = j

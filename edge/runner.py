@@ -30,7 +30,7 @@ from sakura.codec.pack import Manifest, decode_config
 from sakura.edge.client import PackClient, RequestRecord, Transfer, prefix_fallbacks
 from sakura.edge.errors import EdgeError, NativeUnavailable
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress
-from sakura.edge.pipeline import NetLoop, Pipeline
+from sakura.edge.pipeline import NetLoop, Pipeline, local_wait_s
 
 if TYPE_CHECKING:  # (the runtime imports this module)
     from sakura.dit.adapters.engine import Prepared
@@ -117,9 +117,22 @@ class PythonRunner:
                  now: float) -> ExecutionProgress:
         return ExecutionProgress.with_allowance(exec_s, origin, allowance_s, now=now)
 
+    @staticmethod
+    def computes_late_steps(device: EdgeRuntime) -> bool:
+        """Whether this device's loop has the local fallback: the torch engine's
+        ``cached_edit`` does (``StepLate``), a compiled backend's or an adapter's not."""
+        return device.backend.is_torch and device.engine.computes_late_steps
+
     def profile(self, device: EdgeRuntime, server: str, template_id: str, prep: Prepared,
                 req: Any, codec: str, token: str | None, opts: EditOptions) -> ExecProfile:
-        return device.profile(template_id, prep, req)
+        profile = device.profile(template_id, prep, req)
+        if (opts.local_fallback and profile.local_step_s is None
+                and self.computes_late_steps(device)):
+            # the local fallback's step, timed once per layout (as the native runner's)
+            began = time.perf_counter()
+            device.engine.local_edit(prep, req)
+            profile.local_step_s = (time.perf_counter() - began) / max(1, prep.template.steps)
+        return profile
 
     def warm(self, device: EdgeRuntime, job_derived: dict[str, Any],
              manifest_dict: dict[str, Any], manifest: Manifest, url: str) -> None:
@@ -168,12 +181,17 @@ class PythonRunner:
 
         shard_blocks = [layout.blocks_of(i) for i in range(layout.num_shards)]
         backend = device.backend
+        geo = job.prep.geometry
+        local_s = (local_wait_s(job.local_step_s, job.exec_s, job.prep.template.steps,
+                                len(geo.masked) + len(geo.unmasked), len(geo.masked))
+                   if opts.local_fallback and self.computes_late_steps(device) else None)
         pipe = Pipeline(shard_blocks, fetch=fetch, decode=decode, allocate=allocate,
                         monitor=job.monitor, progress=job.progress(), origin=job.origin,
                         max_ahead=opts.max_ahead, max_ready=opts.max_ready,
                         describe=job.describe, config_bytes=config_bytes,
                         max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
-                        max_ahead_cap=opts.max_ahead_cap, fallbacks=fallbacks)
+                        max_ahead_cap=opts.max_ahead_cap, fallbacks=fallbacks,
+                        local_step_s=local_s)
         pipe.start(job.net)
         try:
             prep = job.prep
@@ -342,7 +360,7 @@ class NativeRunner:
             max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
             max_ahead_cap=opts.max_ahead_cap, reconstruct=opts.reconstruct,
             kind=decode_kind(codec_impl), decode=decode, rope=rope,
-            pipeline_cpus=opts.pipeline_cpus)
+            pipeline_cpus=opts.pipeline_cpus, refine=opts.refine)
         prep = job.prep
         local = (native.local_steps(prep.template, prep.geometry, job.req, job.exec_s,
                                     measured_step_s=job.local_step_s)

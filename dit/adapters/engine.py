@@ -53,6 +53,9 @@ class EditEngine(ABC):
     name: str
     default_steps: int = 20
     default_guidance: float = 3.0
+    # whether edit() computes a step with every token when its provider raises
+    # dit.cache.StepLate (the device's local fallback; dit.editing.cached_edit does)
+    computes_late_steps: bool = False
 
     @abstractmethod
     def prepare(self, image: torch.Tensor, mask: torch.Tensor, prompt: str, seed: int,
@@ -109,6 +112,7 @@ class DefaultEngine(EditEngine):
     """The shipped SAKURA MMDiT with its MiniLM text encoder (``dit.editing``)."""
 
     name = "sakura-mmdit"
+    computes_late_steps = True
 
     def __init__(self, model, encoder=None, weights_sha256: str | None = None):
         self.model, self._encoder = model, encoder

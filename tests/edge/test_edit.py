@@ -231,9 +231,12 @@ def test_allocator_adapts_to_the_link_rate(tmp_path):
         rt.edit(server.url, TEMPLATE_ID, deep.template, req, "sakura")  # caches the manifest
         for rate in (slow_bps, fast_bps):
             with shaped(server.url, Trace.constant(rate)) as (url, _):
+                # (no local fallback: at 0.05 Mbit/s every step would be computed on the
+                # device, which is the fallback's test, not the allocator's)
                 results[rate] = rt.edit(url, TEMPLATE_ID, deep.template, req, "sakura",
                                         options=EditOptions(max_ahead=6,
-                                                            initial_rate_bps=rate))
+                                                            initial_rate_bps=rate,
+                                                            local_fallback=False))
     slow, fast = results[slow_bps], results[fast_bps]
     assert slow.timeline[0]["rate_bps"] == slow_bps and fast.timeline[0]["rate_bps"] == fast_bps
     assert slow.bytes < fast.bytes
@@ -253,8 +256,10 @@ def test_a_remembered_rate_is_the_next_edits_prior_decayed_by_its_age(world):
 
     def first_shard(url: str) -> dict:
         # the manifest is cached: revalidated without a body, so no sample of this edit's
-        # own comes before shard 0's choice, which is made at the prior alone
-        return rt.edit(url, TEMPLATE_ID, world.template, req, "sakura").timeline[0]
+        # own comes before shard 0's choice, which is made at the prior alone (no local
+        # fallback: shard 0 late on a loaded host would run its step without its bytes)
+        return rt.edit(url, TEMPLATE_ID, world.template, req, "sakura",
+                       options=EditOptions(local_fallback=False)).timeline[0]
 
     with Server(create_app(LocalStorage(world.catalog_dir))) as server:
         rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")  # caches the manifest
