@@ -472,6 +472,9 @@ def _print_summary(result: Any, out: Path, tl_json: Path, tl_png: Path | None) -
     if result.truncations or result.hedges or result.local_fallbacks:
         w(f"deadlines   {result.truncations} shards truncated, {result.hedges} re-requested, "
           f"{result.local_fallbacks} steps computed on the device (nothing could arrive)\n")
+    if result.refinements:
+        w(f"refinements {result.refinements} shards extended by one more range before they "
+          "ran (the link was faster than their choice assumed)\n")
     if result.configs:
         w("configs     " + " ".join(
             _short(p) for p in result.params) + "\n")

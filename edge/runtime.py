@@ -181,6 +181,9 @@ class EditResult:
     # of the local fallbacks, those begun at once because the link had carried no byte for
     # one local step while requests were out (outage evidence), not after waiting one out
     outage_fallbacks: int = 0
+    # received configurations extended by one more range of the pack before their shard
+    # ran (prefix refinement: the link was faster than the choice assumed)
+    refinements: int = 0
     startup_s: float = 0.0
     startup_allowance_s: float = 0.0
     configs: list[int | None] = field(default_factory=list)
@@ -238,6 +241,7 @@ class EditResult:
             "truncations": self.truncations, "hedges": self.hedges,
             "local_fallbacks": self.local_fallbacks,
             "outage_fallbacks": self.outage_fallbacks,
+            "refinements": self.refinements,
             "startup_allowance_s": self.startup_allowance_s,
             "exec_s": self.exec_s, "requests": self.requests,
             "configs": self.configs, "params": self.params,
@@ -295,10 +299,15 @@ class EditOptions:
     # the server's (None: the server's): Debian 12's nginx 1.22 speaks h2c on a listener of
     # its own only, while manifests still come over HTTP/1.1 from the server URL
     pack_origin: str | None = None
-    # the local fallback (native runtime; issue 28 item 10): a step whose first shard is not
+    # the local fallback (both runtimes; issue 28 item 10): a step whose first shard is not
     # in within one local step's predicted time is computed on the device with every token,
     # as `local` does, and so is each next step until a shard is in when its step begins
     local_fallback: bool = True
+    # prefix refinement (native runtime; issue 28 item 5): while the link is idle and no
+    # shard may be requested yet, a received shard whose execution is at least twice the
+    # extension's expected time away is extended to a larger configuration of its policy by
+    # one more single-range GET of the same pack (its bytes are a prefix of that one's)
+    refine: bool = True
     # beyond max_ahead, up to max_ahead_cap shards, a shard is requested once its predicted
     # execution start is lookahead_rtts request latencies away: with the native runtime a
     # shard executes in ~10 ms, less than one 5G round trip, so 4 shards ahead left no time
@@ -718,6 +727,7 @@ class EdgeRuntime:
             manifest_bytes=raw_len, stalls=stats.stalls, stall_s=stats.stall_s,
             truncations=stats.truncations, hedges=stats.hedges,
             local_fallbacks=stats.local_steps, outage_fallbacks=stats.outage_fallbacks,
+            refinements=stats.refinements,
             startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
             params=[r["params"] for r in timeline], timeline=timeline,
             predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),

@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from sakura.atomic import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]

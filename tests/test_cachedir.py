@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from sakura.cachedir import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -613,6 +613,7 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
         "truncations": res.truncations, "hedges": res.hedges,
         "local_fallbacks": res.local_fallbacks,
         "outage_fallbacks": res.outage_fallbacks,
+        "refinements": res.refinements,
         # what the device told the user it got (edge/quality.py), beside the measured PSNR
         "psnr_estimate_db": res.psnr_estimate_db,
         "full_quality_byte_fraction": res.full_quality_byte_fraction,

@@ -19,8 +19,9 @@ latency ratios are per template (the p90 over its starts, linear-interpolated), 
 median over templates, as the replay report does; PSNR is against ``exact``, pooled over
 every run of a policy at that loss; ``max_stall_s`` is the largest total stall of one edit;
 ``max_latency_over_local`` the largest ratio of sakura's latency to ``local``'s at the same
-(template, start). Events that the runtime does not implement yet (refinements) are
-``null``, never 0; ``local_fallbacks`` counts steps computed on the device.
+(template, start). ``local_fallbacks`` counts steps computed on the device,
+``refinements`` the received configurations extended by one more range before their shard
+ran (prefix refinement).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ REPEAT_TEMPLATE = "face-technologist"
 REPEAT_TRACE = "5g_trace_100_walking.txt"
 REPEAT_WINDOWS = (20.0, 110.0, 200.0)
 REPEAT_GAP_S = 30.0
-#: events the runtime counts per edit (``EditResult``); refinements are not built yet
-COUNTED_EVENTS = ("truncations", "hedges", "local_fallbacks", "outage_fallbacks")
+#: events the runtime counts per edit (``EditResult``)
+COUNTED_EVENTS = ("truncations", "hedges", "refinements", "local_fallbacks",
+                  "outage_fallbacks")
 EVENTS = ("truncations", "hedges", "refinements", "local_fallbacks", "outage_fallbacks")
 
 Log = Callable[[str], None]

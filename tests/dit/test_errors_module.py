@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import sakura.dit.errors as errors
+
 from sakura.errors import SakuraError
 
 DIT = Path(__file__).resolve().parents[2] / "dit"

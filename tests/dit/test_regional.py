@@ -11,10 +11,8 @@ from sakura.dit.editing import cached_edit, template_run
 from sakura.dit.regional import (
     FullResult,
     KVStore,
-    ImportanceGate,
     PatchGate,
     PatchResult,
-    PeriodicGate,
     ProbeResult,
     RegionalConfig,
     RegionalState,

@@ -370,8 +370,11 @@ class Outage:
         if (scope["type"] == "http" and scope["method"] == "GET"
                 and scope["path"].endswith(".pack")):
             self.hits += 1
+            # the headers a real origin sends for the range asked (both clients check them)
+            asked = dict(scope["headers"]).get(b"range", b"bytes=0-0").split(b"=", 1)[1]
             await send({"type": "http.response.start", "status": 206,
-                        "headers": [(b"content-type", b"application/octet-stream")]})
+                        "headers": [(b"content-type", b"application/octet-stream"),
+                                    (b"content-range", b"bytes " + asked + b"/*")]})
             import asyncio as _asyncio
 
             await _asyncio.sleep(self.stall_s)
@@ -379,17 +382,21 @@ class Outage:
         await self.app(scope, receive, send)
 
 
+BOTH = pytest.mark.parametrize("which", ["native", "python"])
+
+
+@BOTH
 def test_an_outage_from_the_start_computes_every_step_locally_as_local_does(
-        world, runtime, native_runtime):
+        world, runtime, native_runtime, which):
     """No byte can arrive: each step waits one local step at most (the first), then runs on
     the device with every token; the image is exactly the ``local`` edit's, and the edit
-    never waits out the outage."""
+    never waits out the outage. Both runtimes."""
     req = runtime.request(PROMPT, SEED)
-    local = native_runtime.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req,
-                                "local")
+    rt = native_runtime if which == "native" else runtime
+    local = rt.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
     with Server(Outage(create_app(LocalStorage(world.catalog_dir)))) as server:
-        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                                  options=EditOptions(initial_rate_bps=50e6))
+        res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                      options=EditOptions(initial_rate_bps=50e6))
     assert res.local_fallbacks == world.template.steps
     assert all(r["local"] and r["bytes"] == 0 for r in res.timeline)
     assert (res.image - local.image).abs().max().item() <= TOL
@@ -413,13 +420,15 @@ class OutageAfter(Outage):
         await super().__call__(scope, receive, send)
 
 
+@BOTH
 def test_an_outage_mid_edit_runs_the_rest_locally_after_the_shards_that_arrived(
-        world, runtime, native_runtime):
+        world, runtime, native_runtime, which):
     req = runtime.request(PROMPT, SEED)
+    rt = native_runtime if which == "native" else runtime
     with Server(OutageAfter(create_app(LocalStorage(world.catalog_dir)), 3)) as server:
-        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                                  options=EditOptions(initial_rate_bps=50e6, max_inflight=1,
-                                                      max_ahead=1))
+        res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                      options=EditOptions(initial_rate_bps=50e6, max_inflight=1,
+                                          max_ahead=1))
     local = [r["local"] for r in res.timeline]
     assert not local[0] and any(local)
     first_local = local.index(True)
@@ -464,8 +473,9 @@ class Trickle:
             pass
 
 
+@BOTH
 def test_a_silent_link_ends_the_wait_before_a_local_step_a_slow_one_does_not(
-        world, runtime, native_runtime):
+        world, runtime, native_runtime, which):
     """Outage evidence (issue 28): when requests are out and the link has carried no byte
     for the wait's bound, the wait before a local step ends on that evidence (the record
     says ``outage``), counted from the link's last byte, not from when the wait began. Here
@@ -475,28 +485,33 @@ def test_a_silent_link_ends_the_wait_before_a_local_step_a_slow_one_does_not(
     unflagged, and the edit equals ``local``'s image. (The bound is set to 1 s here so that
     it, not 3 request latencies of a loaded machine, decides.)"""
     req = runtime.request(PROMPT, SEED)
-    local = native_runtime.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req,
-                                "local")
+    rt = native_runtime if which == "native" else runtime
+    local = rt.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
     opts = EditOptions(initial_rate_bps=50e6)
     with serve(world) as server:  # the layout's profile, with its measured local step
-        native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                            options=opts)
-    saved = {k: p.local_step_s for k, p in native_runtime.profiles.items()}
+        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
+    saved = {k: p.local_step_s for k, p in rt.profiles.items()}
     try:
-        for p in native_runtime.profiles.values():
+        for p in rt.profiles.values():
             p.local_step_s = 1.0
         with Server(OutageAfter(create_app(LocalStorage(world.catalog_dir)), 2)) as server:
-            silent = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req,
-                                         "sakura", options=opts)
+            silent = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                             options=opts)
         with Server(Trickle(create_app(LocalStorage(world.catalog_dir)), 0.05)) as server:
-            slow = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req,
-                                       "sakura", options=opts)
+            slow = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                           options=opts)
     finally:
         for k, v in saved.items():
-            native_runtime.profiles[k].local_step_s = v
+            rt.profiles[k].local_step_s = v
     waited = [r for r in silent.timeline if r["local"]]
     assert waited and waited[0]["outage"] and silent.outage_fallbacks == 1
-    assert waited[0]["stall_s"] < 1.0  # it waited less than the bound
+    # counted from the link's last byte: never before it was quiet for the whole bound,
+    # and (native: its shards' bytes came well before the wait) less than the bound of
+    # the wait itself; the Python loop's wait begins ms after the last byte
+    last_byte = max(r["recv_end"] for r in silent.timeline if r["bytes"])
+    assert waited[0]["exec_start"] >= last_byte + 1.0 - 0.01, silent.timeline
+    if which == "native":
+        assert waited[0]["stall_s"] < 1.0
     assert slow.local_fallbacks == world.template.steps
     assert (slow.image - local.image).abs().max().item() <= TOL
     assert not any(r["outage"] for r in slow.timeline) and slow.outage_fallbacks == 0
@@ -532,3 +547,68 @@ def test_the_local_fallback_step_is_measured_once_and_kept_in_the_device_state(
         without.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                      options=EditOptions(initial_rate_bps=50e6, local_fallback=False))
         assert all(p.local_step_s is None for p in without.profiles.values())
+
+
+class SlowRange:
+    """ASGI wrapper: pack GETs whose Range starts at ``offset`` answer after ``delay_s``
+    (one shard's bytes come late from the origin; every other range at once)."""
+
+    def __init__(self, app, offset, delay_s):
+        self.app, self.prefix, self.delay_s = app, f"bytes={offset}-".encode(), delay_s
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] == "http" and scope["method"] == "GET"
+                and dict(scope["headers"]).get(b"range", b"").startswith(self.prefix)):
+            import asyncio as _asyncio
+
+            await _asyncio.sleep(self.delay_s)
+        await self.app(scope, receive, send)
+
+
+def test_a_shard_received_long_before_it_runs_is_extended_by_one_more_range(
+        world, runtime, native_runtime):
+    """Prefix refinement (issue 28 item 5). The allocator takes the smallest configurations
+    (safety 1e-9: no budget), the edit has a 3 s deadline and shard 0's bytes come 0.3 s
+    late, so the shards after it are in long before execution can start: each that the
+    reconstructor has not taken is extended to a larger configuration of its policy by one
+    more single-range GET of the same pack, starting where its bytes ended. The records say
+    so (``refinements``, ``config`` above ``requested``, the larger configuration's
+    bytes), the image is exactly that of the configurations they name, and with ``refine``
+    off nothing is extended."""
+    m = world.manifests["sakura"]
+
+    def ranges(j, c):
+        conf = next(x for x in m["shards"][j]["configs"] if x["id"] == c)
+        (offset, length), = conf["ranges"]
+        return offset, length
+
+    req = runtime.request(PROMPT, SEED)
+    base = EditOptions(initial_rate_bps=50e6, deadline_s=3.0, safety=1e-9,
+                       local_fallback=False)
+    first = min(x["bytes"] for x in m["shards"][0]["configs"])
+    offset0 = next(ranges(0, x["id"])[0] for x in m["shards"][0]["configs"]
+                   if x["bytes"] == first)
+    log: list = []
+    with serve(world, lambda app: SlowRange(app, offset0, 0.3)) as server:
+        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                                  request_log=log, options=base)
+        off = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                                  options=replace(base, refine=False))
+        assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
+    refined = [r for r in res.timeline if r["refinements"]]
+    assert refined, res.timeline
+    assert res.refinements == sum(r["refinements"] for r in res.timeline)
+    gets = {r.headers.get("Range") for r in log if r.method == "GET"}
+    for r in refined:
+        j, asked, got = r["shard"], r["requested"], r["config"]
+        assert got != asked and not r["truncated"], r
+        (o, n), (_, n2) = ranges(j, asked), ranges(j, got)
+        assert n2 > n and r["bytes"] == n2 == requested_bytes(world, j, got)
+        assert f"bytes={o + n}-{o + n2 - 1}" in gets, (r, sorted(gets))
+    assert off.refinements == 0
+    assert all(r["config"] == r["requested"] for r in off.timeline if not r["truncated"])
+
+
+def requested_bytes(world, shard, config):
+    s = world.manifests["sakura"]["shards"][shard]
+    return next(c["bytes"] for c in s["configs"] if c["id"] == config)

@@ -31,7 +31,7 @@ def test_ratios_are_per_template_p90_then_the_median_over_templates():
     for t, k in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
         for s in range(10):
             runs.append(rec("sakura", t, s, 1.0 * k, 30.0, truncations=1, hedges=2,
-                            local_fallbacks=s % 2))
+                            local_fallbacks=s % 2, refinements=3))
             runs.append(rec("cachegen", t, s, 2.0 * k * (1 + (t == "c")), 28.0))
             runs.append(rec("intq", t, s, 1.5 * k, 29.0))
             runs.append(rec("sakura-fixed-bits", t, s, 1.0 * k, 27.0 - (s == 0) * 10))
@@ -45,7 +45,7 @@ def test_ratios_are_per_template_p90_then_the_median_over_templates():
     assert doc["events"]["0"]["truncations"] == 30 and doc["events"]["0"]["hedges"] == 60
     assert doc["events"]["0"]["local_fallbacks"] == 15
     assert set(doc["events"]["0"]) == set(EVENTS)
-    assert doc["events"]["0"]["refinements"] is None  # not built: never reported as 0
+    assert doc["events"]["0"]["refinements"] == 90
     t = targets(doc)
     assert t["p90_ratio_vs_cachegen[0]"] is True and t["p90_ratio_vs_intq[0]"] is False
     assert t["max_latency_over_local[0]"] is False

@@ -62,6 +62,7 @@ py::dict record_dict(const sakura::ShardRecord& r) {
   d["damage"] = r.damage.empty() ? py::object(py::none()) : py::object(py::str(r.damage));
   d["local"] = r.local;
   d["outage"] = r.outage;
+  d["refinements"] = r.refinements;
   return d;
 }
 
@@ -336,6 +337,7 @@ py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dic
   spec.options.max_ready = stream["max_ready"].cast<int>();
   spec.options.max_inflight = stream["max_inflight"].cast<int>();
   spec.options.lookahead_rtts = stream["lookahead_rtts"].cast<double>();
+  if (stream.contains("refine")) spec.options.refine = stream["refine"].cast<bool>();
   spec.reconstruct = stream["reconstruct"].cast<std::string>();
   if (stream.contains("pipeline_cpus") && !stream["pipeline_cpus"].is_none()) {
     spec.pipeline_cpus = stream["pipeline_cpus"].cast<std::vector<int>>();

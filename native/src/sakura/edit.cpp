@@ -31,6 +31,12 @@ constexpr double kPollCapS = 0.05;  // longest poll while waiting for a slot or 
 constexpr double kGraceFraction = 0.5;
 constexpr double kMinGraceS = 0.001;
 constexpr double kStallFloorS = 0.05;
+// Prefix refinement (issue 28 item 5): a received shard is extended by the next ranges of
+// its stream only if the extension's expected time (its bytes at the rate estimate plus one
+// request latency), taken kRefineMargin times, ends before the shard's predicted execution
+// start; a late extension costs at most the deadline's grace, then the shard runs on what
+// it had.
+constexpr double kRefineMargin = 2.0;
 
 // Pin the calling thread to ``cpus`` (none: unchanged).
 void pin_this_thread(const std::vector<int>& cpus) {
@@ -277,6 +283,81 @@ void StreamFeed::issue(int j) {
   http_.start(std::move(req));
 }
 
+bool StreamFeed::try_refine() {
+  if (!spec_.options.refine || http_.active() > 0) return false;
+  const double estimate = monitor_->estimate_bps();
+  if (std::isnan(estimate) || estimate <= 0) return false;
+  const double latency = monitor_->latency_s();
+  std::vector<std::pair<int, int>> received;  // (shard, configuration) that may grow
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [j, got] : pending_) {
+      const ShardRecord& rec = records_[j];
+      if (j <= executing_ || rec.local || rec.truncated || !rec.damage.empty()) continue;
+      received.emplace_back(j, got.first);
+    }
+  }
+  for (const auto& [j, config] : received) {
+    auto b = spec_.configs[j].find(config);
+    if (b == spec_.configs[j].end()) continue;
+    const FetchRequest& base = b->second.request;
+    const double now = now_s();
+    const double slack = progress_->deadline(j, now) - now;
+    // the policy's configurations whose stream starts with this one's bytes (prefix)
+    std::vector<std::pair<int, const FetchRequest*>> longer;
+    for (int id : allocator_->fallbacks(j)) {
+      auto f = spec_.configs[j].find(id);
+      if (f == spec_.configs[j].end()) continue;
+      const FetchRequest& fr = f->second.request;
+      if (fr.url != base.url || fr.offset != base.offset || fr.length <= base.length ||
+          fr.units.size() <= base.units.size()) {
+        continue;
+      }
+      bool prefix = true;
+      for (std::size_t u = 0; u < base.units.size() && prefix; ++u) {
+        prefix = fr.units[u].length == base.units[u].length &&
+                 fr.units[u].sha256 == base.units[u].sha256;
+      }
+      if (prefix) longer.emplace_back(id, &fr);
+    }
+    // the longest extension that fits in time
+    const FetchRequest* best = nullptr;
+    int best_id = -1;
+    for (const auto& [id, fr] : longer) {
+      const double need = static_cast<double>(fr->length - base.length) * 8.0 / estimate + latency;
+      if (kRefineMargin * need <= slack && (best == nullptr || fr->length > best->length)) {
+        best = fr;
+        best_id = id;
+      }
+    }
+    if (best == nullptr) continue;
+    FetchRequest ext;
+    ext.shard = j;
+    ext.config = best_id;
+    ext.url = base.url;
+    ext.offset = base.offset + base.length;
+    ext.length = best->length - base.length;
+    ext.pack_bytes = base.pack_bytes;
+    ext.units.assign(best->units.begin() + static_cast<std::ptrdiff_t>(base.units.size()),
+                     best->units.end());
+    for (const auto& [id, fr] : longer) {  // those in between: the extension's fallbacks
+      if (fr->length < best->length) ext.fallbacks.emplace_back(id, fr->length - base.length);
+    }
+    std::sort(ext.fallbacks.begin(), ext.fallbacks.end(),
+              [](const auto& x, const auto& y) { return x.second > y.second; });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto p = pending_.find(j);  // (the reconstruct thread may have taken it meanwhile)
+      if (p == pending_.end() || p->second.first != config) continue;
+      refining_[j] = std::move(p->second);
+      pending_.erase(p);
+    }
+    http_.start(std::move(ext));
+    return true;
+  }
+  return false;
+}
+
 void StreamFeed::complete(FetchDone&& done) {
   const int j = done.shard;
   // a request on a kept-alive connection pays one round trip, a new connection one more:
@@ -287,6 +368,23 @@ void StreamFeed::complete(FetchDone&& done) {
   progress_->received(j, done.end);
   std::lock_guard<std::mutex> lock(mu_);
   ShardRecord& rec = records_[j];
+  auto refined = refining_.find(j);
+  if (refined != refining_.end()) {  // an extension of what the shard had
+    auto got = std::move(refined->second);
+    refining_.erase(refined);
+    if (rec.local) return;
+    if (!done.data.empty()) {
+      got.second.insert(got.second.end(), done.data.begin(), done.data.end());
+      got.first = done.config;
+      rec.config = done.config;
+      rec.bytes = static_cast<std::int64_t>(got.second.size());
+      rec.recv_end = done.end - spec_.origin;
+      rec.refinements += 1;
+    }
+    pending_[j] = std::move(got);
+    cv_.notify_all();
+    return;
+  }
   if (rec.local) return;  // its step ran locally meanwhile: a rate sample only
   rec.recv_start = done.start - spec_.origin;
   rec.recv_first_byte = done.first_byte - spec_.origin;
@@ -316,6 +414,11 @@ void StreamFeed::enforce_deadline(double* wait_s) {
   }
   if (w < 0 || !http_.has_transfer(w)) return;
   const double grace = std::max(kMinGraceS, kGraceFraction * progress_->predicted_exec_s(w));
+  bool refining;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    refining = refining_.count(w) > 0;
+  }
   // execution asks for shard 0 at once, but its deadline is the predicted start (the
   // startup allowance): the wait counts from there
   const double waited = now_s() - std::max(since, progress_->start_not_before());
@@ -326,6 +429,17 @@ void StreamFeed::enforce_deadline(double* wait_s) {
   FetchDone done;
   if (http_.take_prefix(w, &done)) {
     complete(std::move(done));
+    return;
+  }
+  if (refining) {  // a late extension: the shard runs on what it had, now
+    http_.cancel(w);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto r = refining_.find(w);
+    if (r != refining_.end()) {
+      pending_[w] = std::move(r->second);
+      refining_.erase(r);
+      cv_.notify_all();
+    }
     return;
   }
   // a hedge only for a transfer that has stalled, not one waiting for its first byte
@@ -377,6 +491,7 @@ void StreamFeed::receive_loop() {
     }
     origin_failing_.store(http_.failing());
     link_quiet_since_.store(http_.quiet_since_s());
+    if (!slot_free && try_refine()) continue;  // the link is idle, no shard may go yet
     if (next == n && http_.active() == 0) return;
     enforce_deadline(&wait);
     {
@@ -547,6 +662,7 @@ void StreamFeed::skip(int j) {
       rec.exec_start = now - spec_.origin;
       executing_ = j;
       pending_.erase(j);
+      refining_.erase(j);
       ready_.erase(j);
       if (waiting_ == j) waiting_ = -1;
       skipped_.push_back(j);  // the receive thread drops its transfer

@@ -58,6 +58,7 @@ struct ShardRecord {
   bool local = false;      // its step was computed on the device (local fallback): no bytes
   bool outage = false;     // the wait for it ended early: the link had carried nothing for
                            // the wait bound while requests were out (outage evidence)
+  int refinements = 0;     // extensions of its received configuration (prefix refinement)
 };
 
 // Raised when an edit is cancelled (Ctrl-C in Python).
@@ -123,6 +124,10 @@ struct StreamOptions {
   // execution start is within lookahead_rtts request latencies (lookahead_wait)
   double lookahead_rtts = 0.0;
   int max_ahead_cap = 0;
+  // prefix refinement: while the link is idle and no shard may be requested yet, a
+  // received shard whose execution is far enough away is extended by the next ranges of
+  // its stream (one more single-range GET of the same pack; edit.cpp, try_refine)
+  bool refine = true;
 };
 
 
@@ -167,6 +172,7 @@ class StreamFeed final : public ShardFeed {
   void reconstruct_loop();
   bool link_allows(double* wait_s);
   void issue(int j);
+  bool try_refine();  // (receive thread) one refinement request, if one is worth it
   void enforce_deadline(double* wait_s);
   void complete(FetchDone&& done);
   void end_current(int next, double now);  // stamps the end of the shard executing (if any)
@@ -192,6 +198,8 @@ class StreamFeed final : public ShardFeed {
   // byte while requests were out (NaN: none out)
   std::atomic<double> link_quiet_since_{std::numeric_limits<double>::quiet_NaN()};
   std::map<int, std::pair<int, std::vector<std::uint8_t>>> pending_;  // received
+  // received shards whose extension is in flight: their configuration and bytes so far
+  std::map<int, std::pair<int, std::vector<std::uint8_t>>> refining_;
   std::map<int, std::vector<float>> ready_;                           // reconstructed
   std::exception_ptr error_;
   bool closing_ = false;
