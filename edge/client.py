@@ -228,6 +228,29 @@ def config_entry(manifest: Mapping[str, Any], shard: int, config: int) -> Mappin
     raise EdgeError(f"manifest: no shard {shard}")
 
 
+def prefix_extensions(manifest: Mapping[str, Any], shard: int, config: int,
+                      candidates: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(config id, bytes)`` of the ``candidates`` whose bodies begin with the whole body
+    of ``config`` (the same range start, more bytes, ``config``'s units first), shortest
+    first: what a received ``config`` may be extended to (prefix refinement; the rule of
+    the native ``StreamFeed::try_refine``)."""
+    have = BodySpec.from_manifest(manifest, shard, config)
+    out: list[tuple[int, int]] = []
+    for c in candidates:
+        if int(c) == int(config):
+            continue
+        try:
+            spec = BodySpec.from_manifest(manifest, shard, int(c))
+        except EdgeError:
+            continue
+        if (spec.offset != have.offset or spec.nbytes <= have.nbytes or not have.units
+                or spec.units[: len(have.units)] != have.units):
+            continue
+        out.append((int(c), spec.nbytes))
+    out.sort(key=lambda f: f[1])
+    return out
+
+
 def prefix_fallbacks(manifest: Mapping[str, Any], shard: int, config: int,
                      candidates: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
     """``(config id, bytes)`` of the ``candidates`` (e.g. the allocator's ``fallbacks``)
@@ -683,6 +706,23 @@ class PackClient:
         spec = BodySpec.from_manifest(manifest, shard, config)
         key = pack_key(template, codec, manifest.get("pack_file"))  # type: ignore[arg-type]
         return await self._fetch_range(key, spec, progress, transfer, shard)
+
+    async def fetch_extension(self, template: str, codec: str, shard: int, base: int,
+                              config: int, *, manifest: Mapping[str, Any],
+                              transfer: Transfer | None = None) -> Fetched:
+        """The bytes of configuration ``config`` of ``shard`` after those of ``base``, whose
+        body is a prefix of it (prefix refinement): one ``Range`` GET from where ``base``'s
+        bytes end, verified unit by unit against ``config``'s later units."""
+        whole = BodySpec.from_manifest(manifest, shard, config)
+        have = BodySpec.from_manifest(manifest, shard, base)
+        if (have.offset != whole.offset or have.nbytes >= whole.nbytes
+                or whole.units[: len(have.units)] != have.units):
+            raise EdgeError(f"manifest: configuration {base} of shard {shard} is not a "
+                            f"prefix of configuration {config}")
+        spec = BodySpec(whole.nbytes - have.nbytes, whole.units[len(have.units):],
+                        whole.offset + have.nbytes, whole.pack_bytes)
+        key = pack_key(template, codec, manifest.get("pack_file"))  # type: ignore[arg-type]
+        return await self._fetch_range(key, spec, None, transfer, shard)
 
     # ------------------------------------------------------------------ internals
     async def _get_json(self, key: str, etag: str | None = None,

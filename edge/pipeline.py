@@ -84,6 +84,8 @@ GRACE_FRACTION = 0.5   # a waited-for shard runs on its verified prefix after th
 MIN_GRACE_S = 0.001    # ... its predicted execution time (at least this long)
 STALL_FLOOR_S = 0.05   # the shortest silence that restarts a transfer (a hedge)
 WATCH_CAP_S = 0.05     # the watchdog looks at the transfers at least this often
+REFINE_MARGIN = 2.0    # an extension's expected time, taken this often, must end before
+                       # its shard's predicted start (prefix refinement; kRefineMargin)
 
 
 class NetLoop:
@@ -181,6 +183,7 @@ class _InFlight:
     nbytes: int
     transfer: Transfer
     task: asyncio.Future[None] = field(default=None)  # type: ignore[assignment]
+    base: int | None = None  # an extension of this received configuration (refinement)
 
     @property
     def received(self) -> int:
@@ -278,6 +281,7 @@ def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
 
 Fetch = Callable[[int, int, Transfer], Awaitable[Fetched]]
 Fallbacks = Callable[[int, int], list[tuple[int, int]]]
+FetchMore = Callable[[int, int, int, Transfer], Awaitable[Fetched]]
 Decode = Callable[[int, int, bytes], list[torch.Tensor]]
 Allocate = Callable[[int, Window, float], int]
 
@@ -303,6 +307,7 @@ class Pipeline:
                  max_ahead_cap: int | None = None,
                  fallbacks: Fallbacks | None = None,
                  local_step_s: float | None = None,
+                 extensions: Fallbacks | None = None, fetch_more: FetchMore | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_ahead < 1 or max_ready < 1:
             raise ValueError("max_ahead and max_ready must be >= 1")
@@ -342,6 +347,12 @@ class Pipeline:
         # the link's last body byte and when transfers were last out again (outage
         # evidence; the client's clock, time.monotonic)
         self._last_byte = self._busy_since = 0.0
+        # prefix refinement: ``extensions(shard, config)`` -> (config, bytes) of the policy's
+        # configurations that begin with config's body, shortest first; ``fetch_more(shard,
+        # base, config, transfer)`` their bytes after base's; received shards whose extension
+        # is in flight, with their configuration and bytes so far (guarded by _cond)
+        self.extensions, self.fetch_more = extensions, fetch_more
+        self._refining: dict[int, tuple[int, bytes]] = {}
         self.provider = ShardProvider(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -419,6 +430,8 @@ class Pipeline:
             self._slot_event.clear()
             if (wait := self._slot_wait(shard)) == 0.0:
                 break
+            if self._try_refine():  # the link is idle and no shard may go yet
+                wait = min(wait, 1e-3) if wait is not None else 1e-3
             try:
                 await asyncio.wait_for(self._slot_event.wait(), wait)
             except TimeoutError:
@@ -480,7 +493,7 @@ class Pipeline:
                     self._busy_since = time.monotonic()
                 self._inflight[j] = entry
                 self._watch_event.set()
-            while self._inflight and self._error is None:
+            while self._error is None and (self._inflight or self._try_refine()):
                 await asyncio.wait([f.task for f in self._inflight.values()],
                                    return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -488,25 +501,79 @@ class Pipeline:
             for f in list(self._inflight.values()):
                 f.task.cancel()
 
+    def _try_refine(self) -> bool:
+        """(On the network loop.) With nothing in flight, extend the lowest received shard
+        the reconstructor has not taken, to the largest configuration of its policy whose
+        extension (its bytes at the rate estimate plus one request latency, taken
+        ``REFINE_MARGIN`` times) ends before the shard's predicted start; True if a request
+        went out (the rule of the native ``StreamFeed::try_refine``)."""
+        if (self._inflight or self.extensions is None or self.fetch_more is None
+                or self._watch_event is None):
+            return False
+        rate = self.monitor.estimate_bps() or 0.0
+        if rate <= 0:
+            return False
+        latency = self.monitor.latency_s()
+        with self._cond:
+            received = [(j, c) for j, (c, _) in sorted(self._pending.items())
+                        if j > self._executing and not self.records[j].local
+                        and not self.records[j].truncated and not self.records[j].damage]
+        for j, config in received:
+            now = self.clock()
+            slack = self.progress.deadline(j, now) - now
+            have = self.config_bytes(j, config) if self.config_bytes else 0
+            longer = self.extensions(j, config)
+            fits = [(c, n) for c, n in longer
+                    if REFINE_MARGIN * ((n - have) * 8.0 / rate + latency) <= slack]
+            if not fits:
+                continue
+            best, size = fits[-1]
+            between = sorted(((c, n - have) for c, n in longer if n < size),
+                             key=lambda f: -f[1])
+            with self._cond:
+                got = self._pending.get(j)
+                if got is None or got[0] != config:  # (taken by the reconstructor meanwhile)
+                    continue
+                self._refining[j] = self._pending.pop(j)
+            entry = _InFlight(j, best, size - have, Transfer(between), base=config)
+            entry.task = asyncio.ensure_future(self._transfer(entry))
+            self._busy_since = time.monotonic()
+            self._inflight[j] = entry
+            self._watch_event.set()
+            return True
+        return False
+
     async def _transfer(self, entry: _InFlight) -> None:
         j = entry.shard
         try:
-            got = await self.fetch(j, entry.config, entry.transfer)
+            if entry.base is not None:
+                assert self.fetch_more is not None
+                got = await self.fetch_more(j, entry.base, entry.config, entry.transfer)
+            else:
+                got = await self.fetch(j, entry.config, entry.transfer)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the executing thread
+            if entry.base is not None:  # an extension that failed: what the shard had
+                self._unrefine(j)
+                return
             self.fail(exc)
             return
         finally:
             if self._inflight.get(j) is entry:
                 del self._inflight[j]
         self._complete(entry, got)
+        if self._slot_event is not None:  # the link may be idle now: a refinement may go
+            self._slot_event.set()
 
     def _complete(self, entry: _InFlight, got: Fetched, truncated: bool = False) -> None:
         """Shard ``entry.shard``'s bytes are in (its choice, or a fallback: ``got.config``)."""
         j = entry.shard
         config = entry.config if got.config is None else int(got.config)
         rec = self.records[j]
+        if entry.base is not None:  # an extension of what the shard had
+            self._extended(entry, got, config)
+            return
         rec.recv_start = self._rel(got.start)
         rec.recv_first_byte = self._rel(got.first_byte)
         rec.recv_end = self._rel(got.end)
@@ -526,6 +593,35 @@ class Pipeline:
                 return
             self._pending[j] = (config, got.data)
             self._cond.notify_all()
+
+    def _extended(self, entry: _InFlight, got: Fetched, config: int) -> None:
+        """An extension's bytes are in (or the part of them verified by the deadline)."""
+        j = entry.shard
+        rec = self.records[j]
+        if got.data:
+            self._last_byte = max(self._last_byte, entry.transfer.last_progress)
+        self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
+        with self._cond:
+            base = self._refining.pop(j, None)
+            if base is None or rec.local:
+                return
+            if got.data:
+                base = (config, base[1] + got.data)
+                rec.config, rec.bytes = config, len(base[1])
+                rec.recv_end = self._rel(got.end)
+                rec.refinements += 1
+                if self.describe:
+                    rec.params = dict(self.describe(j, config))
+            self._pending[j] = base
+            self._cond.notify_all()
+
+    def _unrefine(self, j: int) -> None:
+        """A late extension with nothing verified: the shard runs on what it had."""
+        with self._cond:
+            base = self._refining.pop(j, None)
+            if base is not None and not self.records[j].local:
+                self._pending[j] = base
+                self._cond.notify_all()
 
     # ------------------------------------------------------------------ deadlines
     async def _watch_loop(self) -> None:
@@ -585,6 +681,12 @@ class Pipeline:
             del self._inflight[j]
             entry.task.cancel()
             self._complete(entry, t.result(fallback), truncated=True)
+            self._wake_receiver()
+            return WATCH_CAP_S
+        if entry.base is not None:  # a late extension: the shard runs on what it had, now
+            del self._inflight[j]
+            entry.task.cancel()
+            self._unrefine(j)
             self._wake_receiver()
             return WATCH_CAP_S
         idle = t.idle_s()  # (the client's clock: time.monotonic)
@@ -700,6 +802,7 @@ class Pipeline:
             rec.local = True
             self._ready.pop(i, None)
             self._pending.pop(i, None)
+            self._refining.pop(i, None)
             if rec.exec_start is not None:
                 if rec.exec_end is None:
                     rec.exec_end = self._rel(now)

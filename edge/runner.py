@@ -27,7 +27,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 from sakura.codec.pack import Manifest, decode_config
-from sakura.edge.client import PackClient, RequestRecord, Transfer, prefix_fallbacks
+from sakura.edge.client import (
+    PackClient,
+    RequestRecord,
+    Transfer,
+    prefix_extensions,
+    prefix_fallbacks,
+)
 from sakura.edge.errors import EdgeError, NativeUnavailable
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress
 from sakura.edge.pipeline import NetLoop, Pipeline, local_wait_s
@@ -170,6 +176,21 @@ class PythonRunner:
                                                     candidates)
             return job.derived[key]
 
+        async def fetch_more(shard: int, base: int, config: int, transfer: Transfer):
+            return await job.client.fetch_extension(job.template_id, job.codec, shard, base,
+                                                    config, manifest=job.manifest_dict,
+                                                    transfer=transfer)
+
+        def extensions(shard: int, config: int) -> list[tuple[int, int]]:
+            # the policy's configurations of this shard that begin with this one's bytes
+            accepted = getattr(job.allocator, "fallbacks", None)
+            candidates = tuple(accepted(shard)) if accepted is not None else ()
+            key = ("extensions", shard, config, candidates)
+            if key not in job.derived:
+                job.derived[key] = prefix_extensions(job.manifest_dict, shard, config,
+                                                     candidates)
+            return job.derived[key]
+
         def decode(shard: int, config: int, data: bytes) -> list[torch.Tensor]:
             return decode_config(manifest, shard, config, data, codec_impl)
 
@@ -191,7 +212,9 @@ class PythonRunner:
                         describe=job.describe, config_bytes=config_bytes,
                         max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
                         max_ahead_cap=opts.max_ahead_cap, fallbacks=fallbacks,
-                        local_step_s=local_s)
+                        local_step_s=local_s,
+                        extensions=extensions if opts.refine else None,
+                        fetch_more=fetch_more)
         pipe.start(job.net)
         try:
             prep = job.prep

@@ -303,7 +303,7 @@ class EditOptions:
     # in within one local step's predicted time is computed on the device with every token,
     # as `local` does, and so is each next step until a shard is in when its step begins
     local_fallback: bool = True
-    # prefix refinement (native runtime; issue 28 item 5): while the link is idle and no
+    # prefix refinement (both runtimes; issue 28 item 5): while the link is idle and no
     # shard may be requested yet, a received shard whose execution is at least twice the
     # extension's expected time away is extended to a larger configuration of its policy by
     # one more single-range GET of the same pack (its bytes are a prefix of that one's)

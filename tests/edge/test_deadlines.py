@@ -8,7 +8,9 @@ First the rules with scripted transfers (no network, no model), then the same fa
 tests/edge/test_native_runtime.py against a real local server: headers then silence, 60%
 of a body then silence, a damaged unit inside the prefix, a connection reset mid-body.
 Each edit finishes far below the 30 s stall and its image is exactly the cached edit of the
-configurations it ran on. Properties are asserted, not timings.
+configurations it ran on (without the local fallback: a step computed on the device
+would run around the fault, which tests/edge/test_native_runtime.py tests for both
+runtimes). Properties are asserted, not timings.
 """
 
 from __future__ import annotations
@@ -320,7 +322,8 @@ def test_a_stalled_transfer_costs_one_shard_quality_never_seconds(world, runtime
     with server:
         runtime.warm(server.url, TEMPLATE_ID, world.template, "sakura")
         res = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                           request_log=log, options=EditOptions(initial_rate_bps=50e6))
+                           request_log=log, options=EditOptions(initial_rate_bps=50e6,
+                                               local_fallback=False))
         assert faulty.hits == 1
         assert res.latency_s < BOUND_S, res.timeline[0]
         # the stalled transfer is the first pack GET to reach the origin: usually shard 0's,
@@ -351,7 +354,8 @@ def test_a_damaged_unit_inside_a_prefix_runs_the_shard_on_what_verified_before_i
     with server:
         # a 5 s deadline for the edit: shard 0 goes at its best configuration
         res = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                           options=EditOptions(initial_rate_bps=50e6, deadline_s=5.0))
+                           options=EditOptions(initial_rate_bps=50e6, deadline_s=5.0,
+                                               local_fallback=False))
         assert faulty.hits == 1
         # the damaged body is the first pack GET to reach the origin (not always shard 0's)
         hit = [r for r in res.timeline if r["damage"] is not None or r["refetches"] >= 1]
@@ -381,7 +385,8 @@ def test_a_connection_reset_mid_body_is_resumed_or_runs_on_its_prefix(world, run
     with server:
         runtime.warm(server.url, TEMPLATE_ID, world.template, "sakura")
         res = runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                           request_log=log, options=EditOptions(initial_rate_bps=50e6))
+                           request_log=log, options=EditOptions(initial_rate_bps=50e6,
+                                               local_fallback=False))
         assert faulty.hits == 1
         # the cut body is the first pack GET to reach the origin (not always shard 0's)
         hit = [r for r in res.timeline if r["resumes"] >= 1 or r["truncated"]]

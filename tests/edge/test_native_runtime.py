@@ -565,8 +565,9 @@ class SlowRange:
         await self.app(scope, receive, send)
 
 
+@BOTH
 def test_a_shard_received_long_before_it_runs_is_extended_by_one_more_range(
-        world, runtime, native_runtime):
+        world, runtime, native_runtime, which):
     """Prefix refinement (issue 28 item 5). The allocator takes the smallest configurations
     (safety 1e-9: no budget), the edit has a 3 s deadline and shard 0's bytes come 0.3 s
     late, so the shards after it are in long before execution can start: each that the
@@ -583,6 +584,7 @@ def test_a_shard_received_long_before_it_runs_is_extended_by_one_more_range(
         return offset, length
 
     req = runtime.request(PROMPT, SEED)
+    rt = native_runtime if which == "native" else runtime
     base = EditOptions(initial_rate_bps=50e6, deadline_s=3.0, safety=1e-9,
                        local_fallback=False)
     first = min(x["bytes"] for x in m["shards"][0]["configs"])
@@ -590,10 +592,10 @@ def test_a_shard_received_long_before_it_runs_is_extended_by_one_more_range(
                    if x["bytes"] == first)
     log: list = []
     with serve(world, lambda app: SlowRange(app, offset0, 0.3)) as server:
-        res = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                                  request_log=log, options=base)
-        off = native_runtime.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                                  options=replace(base, refine=False))
+        res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                      request_log=log, options=base)
+        off = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                      options=replace(base, refine=False))
         assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
     refined = [r for r in res.timeline if r["refinements"]]
     assert refined, res.timeline
