@@ -614,3 +614,48 @@ def test_a_shard_received_long_before_it_runs_is_extended_by_one_more_range(
 def requested_bytes(world, shard, config):
     s = world.manifests["sakura"]["shards"][shard]
     return next(c["bytes"] for c in s["configs"] if c["id"] == config)
+
+
+class StallRanges:
+    """ASGI wrapper: pack GETs whose Range starts anywhere but at ``starts`` (a shard's
+    first byte) never answer: every extension of a received shard hangs."""
+
+    def __init__(self, app, starts):
+        self.app, self.starts = app, {int(s) for s in starts}
+
+    async def __call__(self, scope, receive, send):
+        asked = dict(scope.get("headers") or []).get(b"range", b"")
+        if (scope["type"] == "http" and scope["method"] == "GET" and asked
+                and int(asked.split(b"=", 1)[1].split(b"-", 1)[0]) not in self.starts):
+            import asyncio as _asyncio
+
+            await _asyncio.sleep(30.0)
+            return
+        await self.app(scope, receive, send)
+
+
+@BOTH
+def test_a_hanging_extension_is_cut_at_the_deadline_and_the_shard_runs_on_what_it_had(
+        world, runtime, native_runtime, which):
+    """The refinement test's edit with every extension hanging at the origin: they are
+    asked for, and when execution reaches each shard it runs, after its grace, on the
+    configuration it had; the edit ends far below the 30 s hang, nothing is counted as
+    refined or truncated, and the image is exactly that of the configurations chosen."""
+    m = world.manifests["sakura"]
+    starts = {c["ranges"][0][0] for s in m["shards"] for c in s["configs"]}
+    offset0 = min(c["ranges"][0][0] for c in m["shards"][0]["configs"])
+    req = runtime.request(PROMPT, SEED)
+    rt = native_runtime if which == "native" else runtime
+    log: list = []
+    opts = EditOptions(initial_rate_bps=50e6, deadline_s=3.0, safety=1e-9,
+                       local_fallback=False)
+    with serve(world, lambda app: SlowRange(StallRanges(app, starts), offset0, 0.3)) as server:
+        res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                      request_log=log, options=opts)
+        assert_image_of_the_chosen_configs(world, server.url, "sakura", res, req)
+    extensions = [r for r in log if r.method == "GET" and "Range" in r.headers
+                  and int(r.headers["Range"].split("=")[1].split("-")[0]) not in starts]
+    assert extensions, "no extension was asked for"
+    assert res.refinements == 0 and res.truncations == 0
+    assert all(r["config"] == r["requested"] for r in res.timeline)
+    assert res.latency_s < 10.0
