@@ -304,8 +304,10 @@ def check_records(res):
         assert r["requested"] is not None
         if r["truncated"]:
             assert r["config"] != r["requested"]
-        if r["config"] != r["requested"]:
-            assert r["truncated"] or r["damage"]
+        if r["config"] != r["requested"]:  # cut at its deadline, damaged, or extended
+            assert r["truncated"] or r["damage"] or r["refinements"]
+        if r["refinements"]:  # an extension of what was received whole and verified
+            assert not r["truncated"] and not r["damage"] and not r["local"]
     assert res.truncations == sum(1 for r in res.timeline if r["truncated"])
     assert res.hedges == sum(r["hedges"] for r in res.timeline)
 
