@@ -549,6 +549,41 @@ def test_the_local_fallback_step_is_measured_once_and_kept_in_the_device_state(
         assert all(p.local_step_s is None for p in without.profiles.values())
 
 
+def test_a_new_process_derives_its_plan_from_the_cached_manifest_before_the_clock(
+        world, runtime, compiled_dir, tmp_path):
+    """A second process on the same device state (the CLI's case: every `sakura edit` is a
+    new process) derives the manifest's plan (parsed manifest, candidate tables, the native
+    shard table) from its cached manifest before the edit's clock starts; the edit's 304
+    revalidation keeps the ETag and the edit uses those same objects, so none of that work
+    is timed."""
+    from sakura.edge.backends.base import BackendConfig
+    from sakura.edge.runtime import EdgeRuntime
+
+    def device():
+        return EdgeRuntime(world.model, encoder=FakeEncoder(), runtime="native",
+                           backend_config=BackendConfig(cache_dir=compiled_dir),
+                           state_dir=tmp_path / "state")
+
+    req = runtime.request(PROMPT, SEED)
+    opts = EditOptions(initial_rate_bps=50e6, local_fallback=False)
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        device().edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
+        again = device()
+        key = (TEMPLATE_ID, "sakura")
+        assert key in again.manifests and not again._derived
+        prep = again.prepared(TEMPLATE_ID, world.template)
+        again._derive_from_cache(server.url, TEMPLATE_ID, "sakura", prep, None, opts)
+        etag, derived = again._derived[key]
+        assert etag == again.manifests[key].etag
+        made = {k: derived[k] for k in derived}
+        assert {"manifest", "tables", "rope"} <= set(made)
+        assert any(isinstance(k, tuple) and k[0] == "shards" for k in made)
+        res = again.edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
+        assert res.manifest_bytes == 0  # revalidated: a 304
+        assert again._derived[key][1] is derived
+        assert all(derived[k] is v for k, v in made.items())  # nothing derived again
+
+
 class SlowRange:
     """ASGI wrapper: pack GETs whose Range starts at ``offset`` answer after ``delay_s``
     (one shard's bytes come late from the origin; every other range at once)."""
