@@ -35,11 +35,20 @@ class TextEncoder:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         path = minilm_dir()
         self.max_tokens = max_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.model = AutoModel.from_pretrained(str(path)).eval()
+        # a local 90 MB file: transformers' "Loading weights" bar only cluttered every
+        # `sakura edit` (restored afterwards: the switch is transformers' global)
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            self.model = AutoModel.from_pretrained(str(path)).eval()
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
         self.dim = int(self.model.config.hidden_size)
 
     @torch.inference_mode()
