@@ -360,6 +360,7 @@ class NativeRunner:
                 "read_timeout_s": retry.read_timeout_s, "window_s": retry.window_s,
                 "max_attempts": retry.max_attempts, "backoff_s": retry.backoff_s,
                 "backoff_max_s": retry.backoff_max_s, "max_refetch": retry.max_refetch,
+                "jitter": retry.jitter, "on_wait": opts.on_wait,
                 "max_connections": opts.max_inflight,
                 # HTTP/2: one connection carries every request (opened early when warm);
                 # a hedge opens its own (native/src/sakura/http.hpp)

@@ -338,7 +338,8 @@ class EditOptions:
     pack: str | None = None     # stream this codec's pack instead of the policy's default
     policy_options: dict[str, Any] = field(default_factory=dict)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    # told, a line per retry, what the edit's Python client waits for (PackClient.on_wait)
+    # told, a line per retry, what the edit's client waits for (PackClient.on_wait; the
+    # native receive stage says the same words: HttpOptions::on_wait)
     on_wait: Callable[[str], None] | None = None
     # execution may start this fraction of the predicted execution time after the manifest
     # is in, so the first shards fit better configurations (0: start as soon as possible)

@@ -208,3 +208,46 @@ def test_an_origin_that_ignores_range_is_the_same_error_in_both_runtimes(world, 
         assert 1 <= hits <= MAX_ASKS_PER_RANGE, (name, hits)
         reasons[name] = msg.split(".pack: ", 1)[1]  # after the URL (python: base URL: key)
     assert reasons["python"] == reasons["native"]
+
+
+class Unavailable:
+    """ASGI wrapper: every pack GET answers 503 for ``down_s`` after the first one (an
+    origin overloaded or restarting behind a proxy), then the app answers as usual."""
+
+    def __init__(self, app, down_s):
+        self.app, self.down_s, self.since = app, down_s, None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].endswith(".pack") \
+                and scope["method"] == "GET":
+            import time as _time
+
+            now = _time.monotonic()
+            self.since = now if self.since is None else self.since
+            if now - self.since < self.down_s:
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": [(b"content-type", b"text/plain")]})
+                await send({"type": "http.response.body", "body": b"busy"})
+                return
+        await self.app(scope, receive, send)
+
+
+def test_both_runtimes_say_what_they_wait_for_in_the_same_words(world, runtime,
+                                                                 native_runtime):
+    """A transient answer mid-edit (503 for 0.5 s) is retried with jittered backoff, and
+    both runtimes tell the edit's ``on_wait`` one line per retry in the Python client's
+    words; the edit then finishes on the exact image."""
+    req = runtime.request(PROMPT, SEED)
+    pattern = (r"waiting for {url}: HTTP 503(: busy)?, retry (\d+) in \d+\.\d s "
+               r"\(giving up in \d+ s without progress\)")
+    for name, rt in (("python", runtime), ("native", native_runtime)):
+        lines: list[str] = []
+        with Server(Unavailable(create_app(LocalStorage(world.catalog_dir)), 0.5)) as server:
+            res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "fp16",
+                          options=EditOptions(retry=PATIENT.retry, local_fallback=False,
+                                              on_wait=lines.append))
+        assert lines, name
+        for line in lines:
+            assert re.fullmatch(pattern.format(url=re.escape(server.url)), line), (name, line)
+        assert sum(r["attempts"] for r in res.timeline) > len(res.timeline), name
+        assert res.image is not None and res.bytes > 0

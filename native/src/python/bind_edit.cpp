@@ -243,6 +243,23 @@ sakura::HttpOptions http_options(const py::dict& d) {
   }
   o.headers = d["headers"].cast<std::vector<std::string>>();
   o.display_url = d["display_url"].cast<std::string>();
+  if (d.contains("jitter")) o.jitter = d["jitter"].cast<double>();
+  if (d.contains("on_wait") && !d["on_wait"].is_none()) {
+    // called on the receive thread: the GIL is taken for the call and for the release of
+    // the function, and what the callback raises is not the edit's concern
+    std::shared_ptr<py::function> fn(new py::function(d["on_wait"].cast<py::function>()),
+                                     [](py::function* f) {
+                                       py::gil_scoped_acquire gil;
+                                       delete f;
+                                     });
+    o.on_wait = [fn](const std::string& line) {
+      py::gil_scoped_acquire gil;
+      try {
+        (*fn)(line);
+      } catch (py::error_already_set&) {
+      }
+    };
+  }
   return o;
 }
 

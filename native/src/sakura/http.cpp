@@ -5,11 +5,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <list>
 #include <mutex>
+#include <random>
 #include <sstream>
 
 namespace sakura {
@@ -216,6 +219,8 @@ struct HttpReceiver::Impl {
   curl_slist* warm_headers = nullptr;
   std::vector<RequestLogEntry> log;
   std::mutex log_mu;
+  std::mt19937_64 rng{std::random_device{}()};  // the backoff's jitter
+  int retries_said = 0;  // the highest retry number told to on_wait (one line per retry)
 
   std::string unreachable(const Transfer& t) const {
     std::ostringstream os;
@@ -432,11 +437,23 @@ struct HttpReceiver::Impl {
     if (capped || now_s() - t.last_progress >= opts.window_s) {
       throw FetchError("unreachable", unreachable(t));
     }
-    const double delay =
+    double delay =
         t.failures ? std::min(opts.backoff_max_s,
                               opts.backoff_s * std::pow(2.0, std::max(0, t.failures - 1)))
                    : 0.0;
+    delay *= 1.0 - opts.jitter * std::uniform_real_distribution<double>(0.0, 1.0)(rng);
     t.retry_at = now_s() + delay;
+    if (t.failures == 0) {
+      retries_said = 0;  // progress: the next failure starts a new count
+    } else if (opts.on_wait && t.failures > retries_said) {
+      // several transfers in flight fail together (a restart): one line per retry number
+      retries_said = t.failures;
+      const double left = std::max(0.0, opts.window_s - (now_s() - t.last_progress));
+      char when[64];
+      std::snprintf(when, sizeof when, "%.1f s (giving up in %.0f s", delay, left);
+      opts.on_wait("waiting for " + opts.display_url + ": " + error + ", retry " +
+                   std::to_string(t.failures) + " in " + when + " without progress)");
+    }
   }
 
   // Handles one finished attempt; returns true when the transfer is complete.
@@ -445,6 +462,8 @@ struct HttpReceiver::Impl {
     curl_easy_getinfo(t.easy, CURLINFO_RESPONSE_CODE, &code);
     if (!t.attempt_etag.empty() && code >= 200 && code < 300) t.etag = t.attempt_etag;
     const std::string errbuf = t.errbuf;
+    long os_errno = 0;  // (a connection refused is named as the Python client names it)
+    curl_easy_getinfo(t.easy, CURLINFO_OS_ERRNO, &os_errno);
     end_attempt(t);
     if (t.fatal) throw FetchError("http", t.abort_reason);
     if (t.damaged) {
@@ -459,6 +478,10 @@ struct HttpReceiver::Impl {
       std::string why = !t.abort_reason.empty() ? t.abort_reason
                         : res == CURLE_OPERATION_TIMEDOUT ? "timed out"
                         : std::string(curl_easy_strerror(res)) + (errbuf.empty() ? "" : ": " + errbuf);
+      if (t.abort_reason.empty() && res == CURLE_COULDNT_CONNECT) {  // the Python client's words
+        why = os_errno == ECONNREFUSED ? std::string("connection refused")
+                                       : "cannot connect (" + why + ")";
+      }
       failed_attempt(t, why);
       return false;
     }

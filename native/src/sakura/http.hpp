@@ -27,6 +27,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -57,6 +58,13 @@ struct HttpOptions {
   int max_attempts = 0;          // ... or after this many failed attempts in a row (0: no cap)
   double backoff_s = 0.1;
   double backoff_max_s = 2.0;
+  // each backoff is drawn in [1 - jitter, 1] x its exponential value (RetryPolicy.jitter of
+  // the Python client), so devices that lost one origin together do not return together
+  double jitter = 0.5;
+  // told one line per retry without progress ("waiting for URL: connection refused, retry 3
+  // in 0.4 s (giving up in 29 s without progress)", the Python client's on_wait words);
+  // called on the receive thread
+  std::function<void(const std::string&)> on_wait;
   int max_refetch = 3;           // refetches of a body that fails verification
   int max_connections = 3;       // kept-alive connections to the origin
   bool warm_hedges = true;       // a hedge may take an idle pooled connection (false: a new one)
