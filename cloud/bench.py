@@ -5,8 +5,9 @@ same requests: ``GET /templates/<id>/sakura/<pack_file>`` with ``Range: bytes=a-
 servers run in child processes on the same synthetic pack, each on its own 127.0.0.1 port:
 
 * ``sakura``: the FastAPI app (:func:`cloud.server.create_app`) under uvicorn, one worker,
-  its pack ranges answered by the fast path in front of FastAPI (``_PackFastPath``),
-  sending the verified ranges of one pinned pack reader by sendfile (``cloud/zerocopy.py``);
+  its pack ranges answered by the fast path in front of FastAPI
+  (:class:`cloud.middleware.PackFastPath`), sending the verified ranges of one pinned pack
+  reader by sendfile (``cloud/zerocopy.py``);
 * ``reference``: a plain aiohttp static file server (``FileResponse``, sendfile);
 * ``nginx``: the distribution's nginx with the repository's site locations
   (``cloud/origins.py``, one worker process), the static server operators deploy.
@@ -308,8 +309,8 @@ def run_bench(
         "configurations": len(jobs),
         "mean_config_bytes": round(mean_bytes),
         "server": "sakura: FastAPI app under uvicorn (h11, asyncio loop), 1 worker process, "
-        "pack ranges answered by the ASGI fast path in front of FastAPI (cloud/server.py "
-        "_PackFastPath), verified ranges sent by sendfile from one pinned reader (ASGI "
+        "pack ranges answered by the ASGI fast path in front of FastAPI (cloud/middleware.py "
+        "PackFastPath), verified ranges sent by sendfile from one pinned reader (ASGI "
         "zero-copy send, cloud/zerocopy.py)",
         "reference_server": "aiohttp FileResponse (sendfile), 1 process",
         "nginx_server": "nginx (distribution package) with cloud/deploy/nginx/sakura-packs.locations, "

@@ -25,7 +25,7 @@ does, for uvicorn's h11 protocol (the one :mod:`cloud.runner` already subclasses
 
 What is sent is exactly ``count`` bytes at ``offset`` of the file the app passed: the
 server passes the descriptor of the one pinned pack reader whose units it has just
-verified (:class:`cloud.server.PackResponse`), so the bytes verified and the bytes sent
+verified (:class:`cloud.responses.PackResponse`), so the bytes verified and the bytes sent
 are the same bytes of the same inode. A file that ends before ``offset + count`` (cut in
 place after the check) sends fewer bytes: the connection is then closed, so the client
 sees a short body against Content-Length and never a complete-looking wrong one.
@@ -127,7 +127,7 @@ def _sendfile_now(transport: Any, file: Any, offset: int, count: int) -> int:
     cProfile in ``sakura bench serve`` (1.7 s in ``loop.sendfile`` for 4582 ranges, 1.0 s
     of it in ``os.sendfile``); here that is paid only by the ranges the socket could not
     take whole. Measured as the server's CPU time per range (``/proc/<pid>/stat``, 32
-    clients, with :class:`cloud.server._PackFastPath` on): 1311 -> 928 and 862 -> 751 us
+    clients, with :class:`cloud.middleware.PackFastPath` on): 1311 -> 928 and 862 -> 751 us
     in two alternating runs on the shared 2-core host.
 
     uvloop is not used for this reason too: it has no ``loop.sendfile``, and its

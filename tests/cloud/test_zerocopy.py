@@ -172,19 +172,19 @@ def test_the_layout_route_still_checks_tokens(tmp_path):
 
 
 def test_pack_ranges_take_the_fast_path(tmp_path, monkeypatch, no_streaming):
-    """``_PackFastPath`` answers the layout pack route on the event loop once the range's
+    """``PackFastPath`` answers the layout pack route on the event loop once the range's
     units have passed, in a worker thread before (the first check reads them), and a
     damaged pack still answers 500 ``pack_damaged`` there; the metric label is the route's."""
-    from sakura.cloud import server
+    from sakura.cloud import layout_routes
 
     calls = []
-    layout_pack = server._layout_pack
+    layout_pack = layout_routes.layout_pack
 
     def recording(request, template_id, codec, name, *, inline=False):
         calls.append(inline)
         return layout_pack(request, template_id, codec, name, inline=inline)
 
-    monkeypatch.setattr(server, "_layout_pack", recording)
+    monkeypatch.setattr(layout_routes, "layout_pack", recording)
     s = Served(tmp_path / "catalog")
     url = routes(s)[0][1]
     assert url.startswith("/templates/")
