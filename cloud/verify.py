@@ -119,10 +119,7 @@ class UnitVerifier:
 
     @staticmethod
     def _check_header(reader: ObjectReader, first_unit: int) -> None:
-        # imported here, not at the top: sakura.codec.pack imports torch, and importing the
-        # server does not
         from sakura.codec.pack import MAGIC, PREAMBLE
-
         head = reader.read_range(0, min(first_unit, reader.size))
         if len(head) < PREAMBLE.size or head[:4] != MAGIC:
             raise _Damaged("the preamble is not a SAKURA pack's")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import reprlib
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -63,6 +64,10 @@ from sakura.ids import TEMPLATE_ID, TEMPLATE_ID_PATTERN  # noqa: F401 - re-expor
 
 FORMAT = "sakura-pack"
 VERSION = 2  # 2: every configuration is one byte range (embedded streams)
+# the pack file's first bytes (codec/FORMAT.md): magic, version, flags, pack bytes, header
+# length, the header's sha256; here, with the schema, so the torch-free server checks them
+MAGIC = b"SAKP"
+PREAMBLE = struct.Struct("<4sHHQI32s")
 
 CODEC_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
 PACK_FILE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,95}(?:\.[a-z0-9_-]{1,32})?\.pack$"

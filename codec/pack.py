@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +29,10 @@ from sakura.codec.errors import (
     PackTruncatedError,
     PackVersionError,
 )
-from sakura.codec.manifest import (
+from sakura.codec.manifest import (  # noqa: F401 - MAGIC, PREAMBLE re-exported
     FORMAT,
+    MAGIC,
+    PREAMBLE,
     TEMPLATE_ID,
     VERSION,
     PackManifest,
@@ -42,9 +43,8 @@ from sakura.codec.shards import ShardLayout, ShardSpec, check_layout, shard_data
 
 from sakura.atomic import fsync_dir, write_atomic
 
-MAGIC = b"SAKP"
-# VERSION (pack and manifest format) and FORMAT come from the schema, sakura.codec.manifest
-PREAMBLE = struct.Struct("<4sHHQI32s")  # magic, version, flags, pack bytes, header len, sha256
+# MAGIC and PREAMBLE (the pack file's first bytes), VERSION (pack and manifest format) and
+# FORMAT come from the schema, sakura.codec.manifest, which the torch-free server reads too
 ALIGN = 64
 FLAG_ZSTD_HEADER = 1  # the header JSON is zstd-compressed
 KNOWN_FLAGS = FLAG_ZSTD_HEADER

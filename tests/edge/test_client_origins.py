@@ -266,3 +266,43 @@ def test_a_public_bucket_is_read_without_credentials(world, s3, s3_env, monkeypa
     for (shard, cfg), data in got.items():
         assert data == expected(world, "sakura", shard, cfg)
     assert not any("X-Amz-Signature" in r.url for r in log)  # plain URLs
+
+
+def test_sakura_serve_verifies_a_real_packs_header_without_torch(world):
+    """`pip install .` (no torch) is enough for `sakura serve`: a fresh process with torch
+    blocked answers a range that covers a real pack's preamble and embedded header
+    (checked against the manifest before it is sent) and never imports torch (the pack's
+    preamble constants live in the torch-free schema, sakura.codec.manifest; the check used
+    to import them from sakura.codec.pack, which imports torch: a 500 on a torch-free
+    server)."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    manifest = json.loads((world.catalog_dir / "templates" / TEMPLATE_ID / "sakura"
+                           / "manifest.json").read_text())
+    key = f"templates/{TEMPLATE_ID}/sakura/{manifest['pack_file']}"
+    first_unit = manifest["units"][0][0]
+    assert first_unit > 0  # the range below covers the header, not only units
+    script = textwrap.dedent(f"""
+        import json, sys, urllib.request
+        sys.modules["torch"] = None
+        from sakura.cloud.runner import serve_in_thread
+        from sakura.cloud.server import create_app
+        from sakura.cloud.storage import LocalStorage
+        with serve_in_thread(create_app(LocalStorage({str(world.catalog_dir)!r}))) as url:
+            req = urllib.request.Request(url + "/" + {key!r},
+                                         headers={{"Range": "bytes=0-{first_unit + 9}"}})
+            with urllib.request.urlopen(req) as r:
+                status, body = r.status, r.read()
+        print(json.dumps({{"status": status, "body": body.hex(),
+                           "torch": sys.modules.get("torch") is not None}}))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert doc["status"] == 206 and not doc["torch"]
+    pack = (world.catalog_dir / key).read_bytes()
+    assert bytes.fromhex(doc["body"]) == pack[: first_unit + 10]
