@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from sakura.cloud.api_errors import ApiError
 from sakura.cloud.errors import ErrorCode, StorageError
 from sakura.cloud.storage import ObjectReader
+from sakura.codec.manifest import MAGIC, PREAMBLE
 
 if TYPE_CHECKING:  # resolve -> state -> verify at run time
     from sakura.cloud.resolve import Resolved
@@ -119,7 +120,6 @@ class UnitVerifier:
 
     @staticmethod
     def _check_header(reader: ObjectReader, first_unit: int) -> None:
-        from sakura.codec.pack import MAGIC, PREAMBLE
         head = reader.read_range(0, min(first_unit, reader.size))
         if len(head) < PREAMBLE.size or head[:4] != MAGIC:
             raise _Damaged("the preamble is not a SAKURA pack's")
