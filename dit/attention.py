@@ -86,6 +86,27 @@ def build_mask(mode: str, q_segs: list[tuple[str, int]],
     return torch.cat(rows, dim=0)
 
 
+def segment_span(segs: list[tuple[str, int]], role: str) -> tuple[int, int] | None:
+    """``(start, end)`` of the (last) segment of ``role`` in ``segs``, or None."""
+    start, span = 0, None
+    for r, n in segs:
+        if r == role:
+            span = (start, start + n)
+        start += n
+    return span
+
+
+def cache_mass(probs: torch.Tensor, q_segs: list[tuple[str, int]],
+               k_segs: list[tuple[str, int]]) -> torch.Tensor | None:
+    """Attention mass of the image queries on the cached keys, per cached token ``[U]``
+    (float32, summed over batch, heads and queries, on ``probs``' device): what importance
+    profiling accumulates. None when the call has no image queries or no cached keys."""
+    q_rng, k_rng = segment_span(q_segs, IMG), segment_span(k_segs, CACHE)
+    if q_rng is None or k_rng is None:
+        return None
+    return probs[:, :, q_rng[0]:q_rng[1], k_rng[0]:k_rng[1]].float().sum(dim=(0, 1, 2))
+
+
 class AttentionHook:
     """Base hook: plain attention over the computed tokens plus any extra segments."""
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from sakura.dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
+from sakura.dit.attention import CACHE, AttentionHook, KVSegment, Layout, cache_mass
 from sakura.dit.cache import KVProvider, StepLate, TemplateCache
 from sakura.dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
 from sakura.dit.sampler import EulerSteps, Trajectory, denoise, noise_like, renoise, schedule
@@ -197,20 +197,9 @@ class ImportanceHook(CachedHook):
         self.importance = importance  # [B_blocks, U] view for this step
 
     def on_probs(self, block: int, probs, q_segs, k_segs) -> None:
-        q0 = k0 = 0
-        q_rng = k_rng = None
-        for role, n in q_segs:
-            if role == IMG:
-                q_rng = (q0, q0 + n)
-            q0 += n
-        for role, n in k_segs:
-            if role == CACHE:
-                k_rng = (k0, k0 + n)
-            k0 += n
-        if q_rng is None or k_rng is None:
-            return
-        mass = probs[:, :, q_rng[0] : q_rng[1], k_rng[0] : k_rng[1]].sum(dim=(0, 1, 2))
-        self.importance[block] += mass
+        mass = cache_mass(probs, q_segs, k_segs)
+        if mass is not None:
+            self.importance[block] += mass
 
 
 class PinHook(AttentionHook):

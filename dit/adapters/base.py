@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from sakura.dit.adapters.errors import AdapterError, InputError, UnsupportedError
-from sakura.dit.attention import CACHE, IMG, AttentionHook, KVSegment, Layout
+from sakura.dit.attention import CACHE, AttentionHook, KVSegment, Layout, cache_mass
 from sakura.dit.cache import KVProvider, StepMemo, TemplateCache
 from sakura.dit.editing import channels_to_heads, heads_to_channels
 from sakura.dit.sampler import SchedulerSteps, Trajectory, denoise, noise_like
@@ -245,20 +245,9 @@ class AdapterHook(AttentionHook):
                 for s in segs]
 
     def on_probs(self, block: int, probs, q_segs, k_segs) -> None:
-        q0 = k0 = 0
-        q_rng = k_rng = None
-        for role, n in q_segs:
-            if role == IMG:
-                q_rng = (q0, q0 + n)
-            q0 += n
-        for role, n in k_segs:
-            if role == CACHE:
-                k_rng = (k0, k0 + n)
-            k0 += n
-        if q_rng is None or k_rng is None or self.importance is None:
-            return
-        mass = probs[:, :, q_rng[0]:q_rng[1], k_rng[0]:k_rng[1]].float().sum(dim=(0, 1, 2))
-        self.importance[block] += mass.cpu()
+        mass = cache_mass(probs, q_segs, k_segs)
+        if mass is not None and self.importance is not None:
+            self.importance[block] += mass.cpu()
 
 
 def hook_attend(hook: AttentionHook, block: int, q: torch.Tensor, k: torch.Tensor,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from sakura.argtypes import json_path
@@ -41,7 +40,7 @@ def check_model_options(model: str | None, model_path: str | None,
     from sakura.extras import require
 
     require("diffusers", what="--model")
-    from sakura.dit.adapters.registry import MODELS, check_checkpoint, find_checkpoint
+    from sakura.dit.adapters.registry import MODELS, read_checkpoint
 
     if model not in MODELS:
         raise UsageError(f"--model: unknown model {model!r}; choose one of "
@@ -49,12 +48,7 @@ def check_model_options(model: str | None, model_path: str | None,
     if not Path(model_path).expanduser().is_dir():
         raise SakuraError(f"--model-path: no such folder: {model_path}")
     # the checkpoint's own config says whether it is that model (no weights read yet)
-    folder, _ = find_checkpoint(model_path)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise SakuraError(f"cannot read {folder / 'config.json'}: {exc}") from None
-    check_checkpoint(MODELS[model], config, folder)
+    read_checkpoint(model, model_path)
 
 
 def _bench_adapters(args: argparse.Namespace) -> int:

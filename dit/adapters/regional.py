@@ -273,33 +273,13 @@ def meta_adapter(name: str, path) -> ModelAdapter:
     """The adapter of checkpoint ``path`` (model ``name``) over a weightless copy of its
     transformer (PyTorch's ``meta`` device): geometry, the pipeline's schedule and the cost
     model without reading or holding any weights (what a scheduler process needs)."""
-    import json
-
     import diffusers
-    from sakura.dit.adapters.errors import ModelPathError, UnknownModelError
-    from sakura.dit.adapters.registry import (
-        MODELS,
-        adapter_class,
-        check_checkpoint,
-        find_checkpoint,
-    )
+    from sakura.dit.adapters.registry import adapter_class, read_checkpoint
 
-    if name not in MODELS:
-        raise UnknownModelError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
-    spec = MODELS[name]
-    tdir, sched_file = find_checkpoint(path)
-    try:
-        config = json.loads((tdir / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelPathError(f"cannot read {tdir / 'config.json'}: {exc}") from None
-    check_checkpoint(spec, config, tdir)
+    spec, _, config, sched = read_checkpoint(name, path)
     cls = getattr(diffusers, spec.model_class)
     with torch.device("meta"):
         model = cls.from_config(config)
-    sched = None
-    if sched_file is not None:
-        sched = {k: v for k, v in json.loads(sched_file.read_text()).items()
-                 if not k.startswith("_")}
     return adapter_class(spec)(model, sched, name=name)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from sakura.dit.adapters.base import ModelAdapter
@@ -112,6 +112,39 @@ def check_checkpoint(spec: ModelSpec, config: dict[str, Any], where: Path) -> No
             f"{where} is not {spec.description}: " + ", ".join(wrong))
 
 
+class CheckpointConfig(NamedTuple):
+    """What a checkpoint folder says about itself, read before any weights."""
+
+    spec: ModelSpec
+    folder: Path  # the transformer folder (its config.json and weights)
+    config: dict[str, Any]  # its config.json
+    scheduler: dict[str, Any] | None  # scheduler_config.json without the ``_`` keys
+
+
+def read_checkpoint(name: str, path: str | Path) -> CheckpointConfig:
+    """The configs of the local checkpoint at ``path``, checked to be model ``name``; reads
+    no weights (:func:`load_adapter` and the weightless ``regional.meta_adapter`` build on
+    it). Raises :class:`UnknownModelError`, :class:`ModelPathError` or
+    :class:`CheckpointMismatchError`."""
+    if name not in MODELS:
+        raise UnknownModelError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    spec = MODELS[name]
+    tdir, sched_file = find_checkpoint(path)
+    try:
+        config = json.loads((tdir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelPathError(f"cannot read {tdir / 'config.json'}: {exc}") from None
+    check_checkpoint(spec, config, tdir)
+    sched = None
+    if sched_file is not None:
+        try:
+            sched = {k: v for k, v in json.loads(sched_file.read_text()).items()
+                     if not k.startswith("_")}
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ModelPathError(f"cannot read {sched_file}: {exc}") from None
+    return CheckpointConfig(spec, tdir, config, sched)
+
+
 def adapter_class(spec: ModelSpec) -> type[ModelAdapter]:
     import importlib
 
@@ -124,15 +157,7 @@ def load_adapter(name: str, path: str | Path, *, dtype: torch.dtype | None = Non
     """Load the local checkpoint at ``path`` as model ``name`` (see :data:`MODELS`)."""
     import diffusers
 
-    if name not in MODELS:
-        raise UnknownModelError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
-    spec = MODELS[name]
-    tdir, sched_file = find_checkpoint(path)
-    try:
-        config = json.loads((tdir / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelPathError(f"cannot read {tdir / 'config.json'}: {exc}") from None
-    check_checkpoint(spec, config, tdir)
+    spec, tdir, _, sched = read_checkpoint(name, path)
     cls = getattr(diffusers, spec.model_class)
     try:
         model = cls.from_pretrained(tdir, torch_dtype=dtype, local_files_only=True,
@@ -145,12 +170,8 @@ def load_adapter(name: str, path: str | Path, *, dtype: torch.dtype | None = Non
                 f"the weights in {tdir} do not match its config.json ({first})") from None
         raise ModelPathError(f"cannot load {spec.model_class} weights from {tdir}: {first}") from None
     model = model.to(device)
-    sched = None
-    if sched_file is not None:
-        sched = {k: v for k, v in json.loads(sched_file.read_text()).items()
-                 if not k.startswith("_")}
     return adapter_class(spec)(model, sched, name=name)
 
 
-__all__ = ["MODELS", "ModelSpec", "adapter_class", "check_checkpoint", "find_checkpoint",
-           "load_adapter"]
+__all__ = ["MODELS", "CheckpointConfig", "ModelSpec", "adapter_class", "check_checkpoint",
+           "find_checkpoint", "load_adapter", "read_checkpoint"]

@@ -1,8 +1,9 @@
-"""Fixtures for the cloud tests: small published catalogs, an app, a TestClient."""
+"""Fixtures for the cloud tests: small published catalogs, an app, a TestClient, an S3 server."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,18 @@ def published(tmp_path: Path) -> Published:
 def client(published: Published) -> TestClient:
     with TestClient(create_app(LocalStorage(published.root)), raise_server_exceptions=False) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3-speaking HTTP server (moto, in this process) on 127.0.0.1, one per test
+    module that asks for it (test_storage_backends, test_serve_cli); yields its URL."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -33,19 +32,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     bench = commands.add_parser("bench").add_subparsers(dest="bench")
     cli.register(commands, bench)
     return parser.parse_args(argv)
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 def test_serve_refuses_a_missing_dir_or_catalog(tmp_path):

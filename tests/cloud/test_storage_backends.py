@@ -10,20 +10,6 @@ from sakura.cloud.errors import ObjectChanged, ObjectNotFound, StorageError, Uns
 from sakura.cloud.storage import LocalStorage, S3Storage, open_storage, validate_key
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """A real S3-speaking HTTP server (moto) on 127.0.0.1, for the whole module."""
-    from moto.server import ThreadedMotoServer
-
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 def make_bucket(endpoint: str, name: str) -> None:
     import boto3
 
