@@ -27,6 +27,7 @@ from urllib.parse import parse_qs, urlparse
 from sakura.cloud.errors import ObjectChanged, ObjectNotFound, StorageError, UnsafeKey
 
 from sakura.atomic import fsync_dir
+from sakura.s3 import endpoint_of, s3_client
 
 DEFAULT_CHUNK = 256 * 1024
 MAX_KEY_LENGTH = 1024
@@ -365,31 +366,19 @@ class S3Storage(Storage):
         if prefix:
             validate_key(prefix)
         self.prefix = f"{prefix}/" if prefix else ""
-        # the standard AWS variables name a non-AWS endpoint (moto, MinIO, a CDN's S3 API)
-        endpoint_url = (endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
-                        or os.environ.get("AWS_ENDPOINT_URL") or None)
-        self.endpoint_url = endpoint_url
         if client is None:
-            import boto3
+            # the endpoint and its addressing are botocore's (sakura.s3): endpoint_url, else
+            # AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (moto, MinIO, a CDN's S3 API), else AWS
             from botocore.config import Config
 
-            config = Config(
-                max_pool_connections=max_pool_connections,
-                retries={"max_attempts": 3, "mode": "standard"},
-                s3={"addressing_style": "path"} if endpoint_url else {},
-            )
-            client = boto3.client(
-                "s3",
-                endpoint_url=endpoint_url,
-                region_name=region_name or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-                config=config,
-                **client_kwargs,
-            )
+            config = Config(max_pool_connections=max_pool_connections,
+                            retries={"max_attempts": 3, "mode": "standard"})
+            client = s3_client(endpoint_url, region_name, config=config, **client_kwargs)
         self.client = client
+        self.endpoint_url = endpoint_of(client)
 
     def describe(self) -> str:
-        where = f" at {self.endpoint_url}" if self.endpoint_url else ""
-        return f"S3 bucket {self.bucket}/{self.prefix}{where}"
+        return f"S3 bucket {self.bucket}/{self.prefix} at {self.endpoint_url}"
 
     def _full(self, key: str) -> str:
         return self.prefix + validate_key(key)

@@ -13,8 +13,9 @@ URL the user gives:
   catalog and metrics), nginx or any static server or CDN in front of the published folder;
   ``token`` is sent as ``Authorization: Bearer`` when given;
 - ``s3://bucket/prefix``: an S3 bucket (or any S3-compatible store), read with presigned GET
-  URLs made locally from the standard AWS environment (credentials, ``AWS_ENDPOINT_URL``,
-  ``AWS_DEFAULT_REGION``; ``?endpoint_url=...&region=...`` in the URL override them), or
+  URLs made locally from the standard AWS environment (credentials, ``AWS_ENDPOINT_URL_S3`` /
+  ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``, read by botocore: ``sakura.s3``;
+  ``?endpoint_url=...&region=...`` in the URL override them), or
   with plain URLs when there are no credentials (a public-read bucket).
 
 A shard configuration is ONE byte range of the pack (pack format 2, ``codec/FORMAT.md``), so
@@ -79,7 +80,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import random
 import re
 import time
@@ -99,6 +99,8 @@ from sakura.edge.errors import (
     ServerUnreachable,
     VersionGone,
 )
+
+from sakura.s3 import endpoint_of, s3_client
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 # error codes of `sakura serve` (cloud/errors.py, ErrorCode; edge does not import cloud)
@@ -493,6 +495,9 @@ class HttpOrigin:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
+    def describe(self, url: str) -> str:
+        return url
+
 
 class S3Origin:
     """An S3 bucket prefix, read with presigned GET URLs (made locally by botocore)."""
@@ -511,17 +516,18 @@ class S3Origin:
             from botocore.config import Config
         except ImportError as exc:  # pragma: no cover - boto3 is a dependency
             raise EdgeError(f"an s3:// origin needs boto3 ({exc})") from None
-        endpoint = (query.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
-                    or os.environ.get("AWS_ENDPOINT_URL"))
-        region = query.get("region") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         session = boto3.session.Session()
         # no credentials: a public-read bucket, read with plain (unsigned) URLs
-        signed = session.get_credentials() is not None
-        self.signed = signed
-        config = Config(signature_version="s3v4" if signed else UNSIGNED,
-                        s3={"addressing_style": "path"} if endpoint else {})
-        self.client = session.client("s3", endpoint_url=endpoint, region_name=region,
-                                     config=config)
+        self.signed = session.get_credentials() is not None
+        config = Config(signature_version="s3v4" if self.signed else UNSIGNED)
+        # the endpoint (?endpoint_url=, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS)
+        # and its addressing are botocore's, as for the cloud's storage (sakura.s3)
+        self.client = s3_client(query.get("endpoint_url"), query.get("region"), session=session,
+                                config=config)
+        self.endpoint = endpoint_of(self.client)
+
+    def describe(self, url: str) -> str:
+        return f"{url} (S3 endpoint {self.endpoint})"
 
     def url(self, key: str) -> str:
         return self.client.generate_presigned_url(
@@ -832,7 +838,8 @@ class PackClient:
         if isinstance(exc, _Retry) and exc.answered:
             return OriginError(f"{self.base_url} answered {exc} for {key} ({tried})")
         return ServerUnreachable(
-            f"cannot reach the SAKURA server at {self.base_url}: {_describe(exc)} ({tried}); "
+            f"cannot reach the SAKURA server at {self.origin.describe(self.base_url)}: "
+            f"{_describe(exc)} ({tried}); "
             "check that the server is running (`sakura serve DIR`, or the nginx / S3 origin) "
             "and that the URL and network are right")
 

@@ -151,3 +151,21 @@ def test_open_storage_urls(tmp_path: Path, s3_endpoint):
     assert isinstance(s3, S3Storage) and s3.bucket == "bkt" and s3.prefix == "pre/fix/"
     with pytest.raises(StorageError, match="unknown storage scheme"):
         open_storage("ftp://x/y")
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+def test_s3_endpoint_from_the_environment_is_botocore_s_and_named_in_errors(
+        s3_endpoint, monkeypatch, variable):
+    """No endpoint given: botocore reads the standard variable (sakura.s3), addresses the
+    bucket path-style on it, and the storage names the endpoint it resolved."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, s3_endpoint)
+    make_bucket(s3_endpoint, "from-env")
+    storage = open_storage("s3://from-env/p")
+    assert storage.endpoint_url == s3_endpoint
+    storage.put_atomic("k", b"data")
+    assert storage.read_bytes("k") == b"data"
+    with pytest.raises(ObjectNotFound, match=f"no object 'gone' in S3 bucket from-env/p/ at "
+                                             f"{s3_endpoint}"):
+        storage.stat("gone")

@@ -205,6 +205,29 @@ def test_unreachable_server_fails_clearly_after_its_window():
     assert url in message and "cannot reach" in message and "sakura serve" in message
 
 
+@pytest.mark.parametrize("named", [True, False])
+def test_an_unreachable_s3_origin_names_the_endpoint_botocore_chose(monkeypatch, named):
+    pytest.importorskip("boto3")
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    if named:  # ?endpoint_url= in the URL
+        url = f"s3://packs/prod?endpoint_url={endpoint}"
+    else:  # from the environment, read by botocore
+        url = "s3://packs/prod"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+
+    async def go():
+        async with PackClient(url, retry=RetryPolicy(window_s=0.5, backoff_s=0.05,
+                                                     backoff_max_s=0.1)) as c:
+            await c.manifest(TEMPLATE_ID, "sakura")
+
+    with pytest.raises(ServerUnreachable, match=f"at s3://packs/prod.* \\(S3 endpoint "
+                                                f"{endpoint}\\): connection refused"):
+        run(go())
+
+
 def test_a_5xx_with_a_reason_is_reported_with_it_not_as_unreachable(world, tmp_path):
     import shutil
 
