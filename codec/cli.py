@@ -1,4 +1,4 @@
-"""`sakura bench codec` and `sakura pack inspect`: the codec package's commands.
+"""`sakura pack inspect`: the codec package's command, and the codec-name check.
 
 ``sakura pack inspect TARGET`` takes a ``.pack`` file, a manifest, a folder written by
 ``write_pack`` or a published catalog folder (what ``sakura build --out`` writes): manifests
@@ -6,6 +6,9 @@ are found in the folder and its subfolders (a folder holding a current ``manifes
 offers only that one, not the versioned manifests of earlier packs beside it), and
 ``--template`` / ``--codec`` pick one when there are several. Every unit checksum and the
 file hash are verified (``--no-verify`` skips that): a corrupt pack is one error, exit 1.
+
+``sakura bench codec`` runs the model, which ``codec`` does not import: the app layer owns
+it (``sakura/codec_bench_cli.py``, ``sakura/codec_bench.py``).
 """
 
 from __future__ import annotations
@@ -15,45 +18,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sakura.codec.errors import PackError
+from sakura.codec.errors import CodecError, PackError
 
-from sakura.argtypes import json_out, positive_int
+from sakura.argtypes import json_out
 from sakura.errors import UsageError
+from sakura.output import write_json
 
 CURRENT_MANIFEST = "manifest.json"  # cloud.layout.MANIFEST_NAME (codec knows nothing of cloud)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.cache:
-        missing = [f for f in args.cache if not Path(f).is_file()]
-        if missing:
-            raise PackError(f"cannot read cache {missing[0]}: no such file")
-    if args.template:
-        from sakura.dit.cli import check_template
-
-        for template in args.template:
-            check_template(template)
-    if args.codec:
-        check_codecs(args.codec, "--codec")
-    from sakura.codec.bench import main
-
-    return main(
-        args.json,
-        quick=args.quick,
-        cache_files=args.cache,
-        synthetic=args.synthetic,
-        weights=args.weights,
-        templates=args.template,
-        steps=args.steps,
-        codecs=args.codec,
-        blocks_per_shard=args.blocks_per_shard,
-        verbose=not args.silent,
-    )
-
-
 def check_codecs(names: list[str] | tuple[str, ...], option: str) -> None:
     """Raise :class:`UsageError` (exit 2) for a codec name that is not registered."""
-    from sakura.codec import CodecError, get_codec
+    from sakura.codec.base import get_codec  # torch off the --help path
 
     if not names:
         raise UsageError(f"{option}: give at least one codec")
@@ -105,7 +81,7 @@ def _open(target: str, template: str | None, codec: str | None) -> tuple[Any, An
         raise PackError(f"{path}: no such file or folder")
     if path.is_dir():
         path = pick_manifest(path, template, codec)
-    from sakura.codec.pack import Manifest, PackReader
+    from sakura.codec.pack import Manifest, PackReader  # torch off the --help path
 
     if path.name.endswith(".json"):
         manifest = Manifest.load(path)
@@ -118,12 +94,10 @@ def _open(target: str, template: str | None, codec: str | None) -> tuple[Any, An
 
 def _inspect(args: argparse.Namespace) -> int:
     manifest, reader = _open(args.target, args.template, args.codec)
-    from sakura.codec.profile import rate_quality_curve
+    from sakura.codec.profile import rate_quality_curve  # torch off the --help path
 
     with reader:
         if args.json:
-            from sakura.output import write_json
-
             write_json(args.json, json.loads(manifest.to_json()), indent=1)
         g = manifest.geometry
         configs = sum(len(s.configs) for s in manifest.shards)
@@ -160,29 +134,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def register(commands, bench) -> None:
-    b = bench.add_parser("codec", help="codecs at ~5x/15x/50x vs FP16: bytes, KV error, edit PSNR",
-                         description="Every codec at about 5x, 15x and 50x below FP16: bytes, "
-                                     "importance-weighted KV error and edit PSNR.")
-    json_out(b)
-    b.add_argument("--quick", action="store_true",
-                   help="one template, 6 steps, 1 profiling and 2 evaluation requests (< 60 s)")
-    src = b.add_mutually_exclusive_group()
-    src.add_argument("--cache", action="append", metavar="FILE",
-                     help="a saved TemplateCache (.safetensors); repeatable; KV metrics only")
-    src.add_argument("--synthetic", action="store_true",
-                     help="seeded synthetic caches instead of the model's (KV metrics only)")
-    b.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
-    b.add_argument("--template", action="append", metavar="ID",
-                   help="catalog template id; repeatable (default: every template)")
-    b.add_argument("--steps", type=positive_int, metavar="N",
-                   help="denoising steps (default: the template's)")
-    b.add_argument("--codec", action="append", metavar="NAME",
-                   help="a codec to run; repeatable (default: all)")
-    b.add_argument("--blocks-per-shard", type=positive_int, default=2, metavar="N",
-                   help="blocks per shard (default %(default)s)")
-    b.add_argument("--silent", action="store_true", help="no progress lines")
-    b.set_defaults(func=_bench)
-
     p = commands.add_parser("pack", help="inspect and verify template packs",
                             description="Inspect and verify template packs.")
     sub = p.add_subparsers(dest="pack_command", metavar="ACTION")

@@ -1,10 +1,15 @@
-"""Seeded synthetic template caches for the codec's own tests and benchmarks only.
+"""Seeded synthetic template caches: stand-ins for what ``template_run`` captures, no model.
 
-Real caches come from ``dit``; these stand-ins have the properties the codecs exploit or
-suffer from: a decaying low-rank structure that is smooth over the token grid and drifts
-slowly across steps and blocks, additive noise, a few outlier channels in the keys
-(massive activations), a few high-norm tokens, and heavy-tailed importance with exact
-zeros (tokens the masked queries never attend to).
+Real caches come from a template run (``dit.editing.template_run``); these stand-ins have
+the properties the codecs exploit or suffer from: a decaying low-rank structure that is
+smooth over the token grid and drifts slowly across steps and blocks, additive noise, a few
+outlier channels in the keys (massive activations), a few high-norm tokens, and
+heavy-tailed importance with exact zeros (tokens the masked queries never attend to).
+
+They serve the codec's tests and the benches that need a cache but no model (``sakura bench
+codec --synthetic``, ``sakura bench native``, ``sakura bench faults``). The module lives in
+``dit`` because what it builds is a :class:`~sakura.dit.cache.TemplateCache` and it needs
+nothing else; ``codec`` imports nothing of ``dit`` and takes the cache by duck typing.
 """
 
 from __future__ import annotations

@@ -23,9 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 from sakura.codec import native as codec_native
+from sakura.codec.base import get_codec
 from sakura.codec.lowrank import LowRankCodec
-from sakura.codec.shards import ShardSpec
+from sakura.codec.pack import Manifest, PackReader, manifest_path
+from sakura.codec.shards import ShardLayout, ShardSpec, shard_data
 from sakura.dit.bench_kv import median_time
+from sakura.dit.rope import rope_option
+from sakura.dit.synthetic import synthetic_cache
 from sakura.edge.errors import EdgeError
 
 
@@ -58,8 +62,6 @@ def _spread(items: list, k: int) -> list:
 
 
 def pack_cases(cfg: NativeBenchConfig) -> tuple[LowRankCodec, list[Case], dict[str, Any]]:
-    from sakura.codec.pack import Manifest, PackReader, manifest_path
-
     d = Path(cfg.pack_dir)  # type: ignore[arg-type]
     path = manifest_path(d, cfg.template) if cfg.template else d / "manifest.json"
     if not path.exists():
@@ -85,11 +87,6 @@ def pack_cases(cfg: NativeBenchConfig) -> tuple[LowRankCodec, list[Case], dict[s
 def synthetic_cases(cfg: NativeBenchConfig) -> tuple[LowRankCodec, list[Case], dict[str, Any]]:
     """Shards of a synthetic cache at the shipped model's geometry (204 tokens x 192
     channels, 6 heads, 4 blocks per shard), keys in a model-style RoPE frame."""
-    from sakura.codec.base import get_codec
-    from sakura.codec.shards import ShardLayout, shard_data
-    from sakura.codec.synthetic import synthetic_cache
-    from sakura.dit.rope import rope_option
-
     cache = synthetic_cache(steps=2, blocks=4, grid=16, channels=192, heads=6, rank=24,
                             mask_ratio=0.2, seed=0)
     n = cache.tokens

@@ -12,7 +12,16 @@ bytes reconstructed per second, one thread).
 
 Cache sources: the default model's catalog templates (needs ``dit`` and trained weights),
 saved caches (``--cache FILE.safetensors`` from ``TemplateCache.state_dict()``, KV metrics
-only), or seeded synthetic caches (``--synthetic``, KV metrics only).
+only), or seeded synthetic caches (``--synthetic``, ``dit.synthetic``; KV metrics only).
+
+Why here, in the app layer: the bench runs the model (``dit``: template runs, importance,
+edits, the model's RoPE) to score the codecs (``codec``) by edit PSNR, and ``codec`` and
+``dit`` import nothing of each other, so it sits above both. ``sakura/`` is where the
+benches that span several packages live (``origins_bench.py``, ``faults_bench.py``); the
+other place above both, ``cloud/``, is the serving side (the builder, the server, the
+render engine), which this bench neither uses nor measures. The command and its argument
+checks are in the light ``sakura/codec_bench_cli.py``; this module imports torch and the
+model code, and loads only when the bench runs.
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
 from sakura.codec.base import get_codec
 from sakura.codec.errors import CodecError
 from sakura.codec.metrics import err_to_db, weighted_rel_error
@@ -35,6 +47,13 @@ from sakura.codec.pack import PackReader, write_pack
 from sakura.codec.profile import select_for_ratio
 from sakura.codec.provider import DecodedProvider
 from sakura.codec.shards import shard_data
+from sakura.dit.cache import TemplateCache
+from sakura.dit.editing import cached_edit, profile_importance, region_psnr, template_run
+from sakura.dit.rope import rope_option
+from sakura.dit.synthetic import synthetic_cache
+from sakura.dit.templates import load_catalog
+from sakura.dit.text import TextEncoder
+from sakura.dit.weights import load_model
 
 RATIOS = (5, 15, 50)
 CODEC_ORDER = ("fp16", "intq", "cachegen", "svd", "sakura")
@@ -48,7 +67,7 @@ EditFn = Callable[[Any], list[torch.Tensor]]
 @dataclass
 class BenchTemplate:
     template_id: str
-    cache: Any  # dit.cache.TemplateCache
+    cache: TemplateCache
     edit: EditFn | None = None
     region: torch.Tensor | None = None
     """Pixel mask ``[H, W]`` of the edited region (PSNR is measured there)."""
@@ -59,9 +78,6 @@ class BenchTemplate:
 
 # ------------------------------------------------------------------------------ sources
 def file_templates(paths: list[str]) -> list[BenchTemplate]:
-    from safetensors.torch import load_file
-    from sakura.dit.cache import TemplateCache
-
     out = []
     for p in paths:
         try:
@@ -78,8 +94,6 @@ def file_templates(paths: list[str]) -> list[BenchTemplate]:
 
 
 def synthetic_templates(quick: bool) -> list[BenchTemplate]:
-    from sakura.codec.synthetic import synthetic_cache
-
     n = 1 if quick else 3
     return [
         BenchTemplate(
@@ -97,13 +111,6 @@ def model_templates(
 ) -> list[BenchTemplate]:
     """Capture caches of catalog templates with the default model (importance profiled on
     the profiling requests; edits run on the evaluation requests)."""
-    import torch.nn.functional as F
-    from sakura.dit.editing import cached_edit, profile_importance, template_run
-    from sakura.dit.rope import rope_option
-    from sakura.dit.templates import load_catalog
-    from sakura.dit.text import TextEncoder
-    from sakura.dit.weights import load_model
-
     model = load_model(weights)
     enc = TextEncoder()
     catalog = load_catalog()
@@ -148,7 +155,7 @@ def model_templates(
 
 # ------------------------------------------------------------------------------ metrics
 def _ssim(a: torch.Tensor, b: torch.Tensor) -> float:
-    from pytorch_msssim import ssim
+    from pytorch_msssim import ssim  # needed only when a model's edits are scored
 
     win = 11 if min(a.shape[-2:]) >= 11 else 3
     return float(ssim((a[None] + 1) / 2, (b[None] + 1) / 2, data_range=1.0, win_size=win))
@@ -181,8 +188,6 @@ def run_codec_bench(
     blocks_per_shard: int = 2,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
-    from sakura.dit.editing import region_psnr  # only used when the templates carry a model
-
     torch.set_num_threads(1)
     codecs = codecs or {name: {} for name in CODEC_ORDER}
     per_template: dict[str, Any] = {}

@@ -76,12 +76,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sakura.argtypes import json_out
+from sakura.cloud.origins import free_port
+from sakura.dit.cli import SHIPPED_CATALOG
+from sakura.edge.errors import EdgeError, OriginError, ServerUnreachable
+from sakura.errors import UsageError
+from sakura.output import write_json
+
+# The imports inside functions below keep torch, the model and the web stack (FastAPI,
+# uvicorn, aiohttp, pydantic) off `sakura --help`: this module registers the command.
+
 TEMPLATE = "face-a"
 
 
 def register(commands: Any, bench: Any) -> None:
-    from sakura.argtypes import json_out
-
     b = bench.add_parser(
         "faults", help="integrity and fault tolerance of serving, case by case (loopback)",
         description="Corrupted and repaired packs, hostile methods, a server restart mid-edit, "
@@ -114,7 +122,7 @@ def check(condition: bool, message: str) -> None:
 
 
 def _catalog(root: Path, shards: int = 4, configs: int = 3, unit_bytes: int = 4096) -> Any:
-    from sakura.cloud.synthetic import SyntheticSpec, build_catalog
+    from sakura.cloud.synthetic import SyntheticSpec, build_catalog  # pydantic
 
     return build_catalog(root, [TEMPLATE], spec=SyntheticSpec(shards, configs, unit_bytes))[
         TEMPLATE]
@@ -126,7 +134,7 @@ def _manifest(root: Path, pub: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _server(root: Path, header_timeout_s: float | None = None) -> Iterator[tuple[str, Any]]:
-    from sakura.cloud.runner import HEADER_TIMEOUT_S, serve_in_thread
+    from sakura.cloud.runner import HEADER_TIMEOUT_S, serve_in_thread  # the web stack
     from sakura.cloud.server import create_app
     from sakura.cloud.storage import LocalStorage
 
@@ -158,7 +166,7 @@ def _alive(url: str, tally: Tally) -> None:
 
 def _fetch(url: str, manifest: dict[str, Any] | None, shard: int, config: int,
            retry: Any = None) -> bytes:
-    from sakura.edge.client import PackClient, RetryPolicy
+    from sakura.edge.client import PackClient, RetryPolicy  # aiohttp
 
     policy = retry or RetryPolicy(window_s=2.0, backoff_s=0.05, backoff_max_s=0.2)
 
@@ -229,8 +237,6 @@ def case_repair_after_corruption(work: Path, tally: Tally) -> str:
 
 
 def case_corrupt_pack_served(work: Path, tally: Tally) -> str:
-    from sakura.edge.errors import EdgeError
-
     root = work / "catalog"
     pub = _catalog(root)
     m = _manifest(root, pub)
@@ -338,8 +344,7 @@ def _serve_process(root: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
 def case_restart_mid_edit(work: Path, tally: Tally) -> str:
     import threading
 
-    from sakura.cloud.origins import free_port
-    from sakura.edge.client import PackClient, RetryPolicy
+    from sakura.edge.client import PackClient, RetryPolicy  # aiohttp
 
     root = work / "catalog"
     pub = _catalog(root, shards=2, configs=2, unit_bytes=1 << 20)  # a 6 MB configuration
@@ -389,8 +394,6 @@ def case_restart_mid_edit(work: Path, tally: Tally) -> str:
 
 
 def case_truncated_pack_message(work: Path, tally: Tally) -> str:
-    from sakura.edge.errors import OriginError
-
     root = work / "catalog"
     pub = _catalog(root)
     m = _manifest(root, pub)
@@ -412,7 +415,7 @@ def case_truncated_pack_message(work: Path, tally: Tally) -> str:
 
 
 def case_killed_build_cleanup(work: Path, tally: Tally) -> str:
-    from sakura.cloud.publish import build_workdir, sweep_stale_builds
+    from sakura.cloud.publish import build_workdir, sweep_stale_builds  # pydantic
 
     root = work / "catalog"
     root.mkdir(parents=True)
@@ -589,8 +592,6 @@ def case_healthz_truncated_pack(work: Path, tally: Tally) -> str:
 
 
 def case_serve_refuses_bad_catalog(work: Path, tally: Tally) -> str:
-    from sakura.cloud.origins import free_port
-
     root = work / "catalog"
     _catalog(root)
     first = ""
@@ -619,9 +620,9 @@ def case_serve_refuses_bad_catalog(work: Path, tally: Tally) -> str:
 
 
 def case_reproducible_build(work: Path, tally: Tally) -> str:
-    from sakura.codec import get_codec
+    from sakura.codec import get_codec  # torch
     from sakura.codec.pack import write_pack
-    from sakura.codec.synthetic import synthetic_cache
+    from sakura.dit.synthetic import synthetic_cache
 
     cache = synthetic_cache(steps=1, blocks=2, grid=8, channels=32, heads=2, seed=5)
     names = ("sakura", "svd", "sakura-all", "fp16", "intq", "cachegen")
@@ -712,8 +713,6 @@ def case_empty_prompt(work: Path, tally: Tally) -> str:
 def case_bomb_image(work: Path, tally: Tally) -> str:
     """A catalog whose template image is a 20000 x 20000 PNG: refused by `sakura edit
     --catalog` and by `sakura build`, naming the image, before torch is imported."""
-    from sakura.dit.cli import SHIPPED_CATALOG
-
     catalog = work / "catalog"
     catalog.mkdir()
     doc = json.loads(SHIPPED_CATALOG.read_text())
@@ -733,8 +732,7 @@ def case_damaged_pack_reported_not_unreachable(work: Path, tally: Tally) -> str:
     """A flipped byte in a pack on `sakura serve`: the client (its default 30 s retry
     window) reports the server's own reason (code pack_damaged) at once, not 'cannot
     reach the server' after the window."""
-    from sakura.edge.client import RetryPolicy
-    from sakura.edge.errors import OriginError, ServerUnreachable
+    from sakura.edge.client import RetryPolicy  # aiohttp
 
     root = work / "catalog"
     pub = _catalog(root)
@@ -764,8 +762,7 @@ def case_unreachable_origin_progress(work: Path, tally: Tally) -> str:
     (not silence until the retry window ends), then gives up naming the cause."""
     import socket
 
-    from sakura.edge.client import PackClient, RetryPolicy
-    from sakura.edge.errors import ServerUnreachable
+    from sakura.edge.client import PackClient, RetryPolicy  # aiohttp
 
     with socket.socket() as sock:  # a port with nothing behind it
         sock.bind(("127.0.0.1", 0))
@@ -830,7 +827,7 @@ class RealWorld:
 def _real_world(work: Path) -> RealWorld:
     if "world" in _SHARED:
         return _SHARED["world"]
-    from sakura.cloud.build import BuildConfig, build
+    from sakura.cloud.build import BuildConfig, build  # torch and the model
     from sakura.dit.adapters.engine import load_engine
     from sakura.edge.runtime import EdgeRuntime
 
@@ -915,8 +912,6 @@ def _edit_error(world: RealWorld, runtime: str, url: str) -> tuple[BaseException
     """The error ``EdgeRuntime.edit`` of the runtime raises against ``url`` (the default
     options: the product's 30 s retry window), and when it was raised
     (``time.perf_counter()``)."""
-    from sakura.edge.errors import EdgeError
-
     rt = world.runtimes[runtime]
     rt.manifests.clear()  # each edit starts from its own manifest fetch
     template = rt.fetch_template(url, REAL_TEMPLATE)
@@ -937,8 +932,6 @@ def case_native_truncated_total_checked(work: Path, tally: Tally) -> tuple[str, 
 
     The real product path: the shipped model and a real build (shared, see
     :func:`shared_work`); seconds counted from the first pack GET the origin received."""
-    from sakura.edge.errors import OriginError
-
     world = _real_world(work)
     pack = _copy_catalog(world, work / "truncated")
     full = int(world.manifest["pack_bytes"])
@@ -1104,9 +1097,6 @@ def run(names: list[str] | None = None) -> dict[str, Any]:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from sakura.errors import UsageError
-    from sakura.output import write_json
-
     names = None
     if args.cases:
         names = [n.strip() for n in args.cases.split(",") if n.strip()]

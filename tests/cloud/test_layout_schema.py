@@ -22,7 +22,7 @@ from sakura.codec import get_codec
 from sakura.codec import manifest as schema
 from sakura.codec.errors import PackError
 from sakura.codec.pack import Manifest, write_pack
-from sakura.codec.synthetic import synthetic_cache
+from sakura.dit.synthetic import synthetic_cache
 from sakura.edge import client
 from sakura.edge.errors import EdgeError
 

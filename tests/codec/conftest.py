@@ -18,7 +18,7 @@ if getattr(sys.modules.get("codec"), "__file__", "") is None:
 
 from sakura.codec import get_codec  # noqa: E402
 from sakura.codec.pack import write_pack  # noqa: E402
-from sakura.codec.synthetic import synthetic_cache  # noqa: E402
+from sakura.dit.synthetic import synthetic_cache  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

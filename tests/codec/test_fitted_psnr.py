@@ -9,7 +9,7 @@ from sakura.codec.metrics import err_to_db, weighted_rel_error
 from sakura.codec.pack import write_pack
 from sakura.codec.profile import FittedPSNR
 from sakura.codec.shards import shard_data
-from sakura.codec.synthetic import synthetic_cache
+from sakura.dit.synthetic import synthetic_cache
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from sakura.codec.errors import PackError
 from sakura.codec.lowrank import LowRankCodec
 from sakura.codec.quant import ProgressiveQuantizer, SegmentPlan, unpack_codes
 from sakura.codec.shards import ShardData, ShardLayout, ShardSpec, shard_data
-from sakura.codec.synthetic import synthetic_cache
+from sakura.dit.synthetic import synthetic_cache
 
 
 def _both(codec: LowRankCodec, params, data, spec, native, threads: int = 1):

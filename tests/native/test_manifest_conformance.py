@@ -31,7 +31,7 @@ from sakura.codec.manifest import (
     parse_manifest,
 )
 from sakura.codec.pack import write_pack
-from sakura.codec.synthetic import synthetic_cache
+from sakura.dit.synthetic import synthetic_cache
 from sakura.edge.native_runtime import stream_shards, stream_spec
 
 URL = "http://127.0.0.1:9/templates/t/sakura/sakura-0123456789abcdef.pack"

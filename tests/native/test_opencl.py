@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from sakura.codec.base import get_codec
 from sakura.codec.shards import ShardLayout, shard_data
-from sakura.codec.synthetic import synthetic_cache
+from sakura.dit.synthetic import synthetic_cache
 
 
 @pytest.fixture(scope="module")

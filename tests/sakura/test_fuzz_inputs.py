@@ -139,7 +139,7 @@ def test_the_shipped_catalog_still_loads():
 def manifest_doc(tmp_path_factory) -> dict[str, Any]:
     from sakura.codec import get_codec
     from sakura.codec.pack import write_pack
-    from sakura.codec.synthetic import synthetic_cache
+    from sakura.dit.synthetic import synthetic_cache
 
     cache = synthetic_cache(steps=2, blocks=3, grid=4, channels=16, heads=2, rank=4, seed=1)
     m = write_pack(tmp_path_factory.mktemp("pack"), "tpl", cache, get_codec("sakura"),
