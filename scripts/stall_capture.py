@@ -1,0 +1,137 @@
+"""Capture the packets of chosen replay runs over the kernel link (issue 28 item 9).
+
+    python scripts/stall_capture.py --out DIR [--trace 5g_trace_50] [--template face-technologist]
+                                    [--policies sakura,sakura-fixed-config] [--repeat N]
+
+Runs the `sakura replay --quick --link kernel` plan's runs that match (template, 5G trace
+name, policies) exactly as the replay runs them (same packs folder, factor, start point,
+round trip, rto_min, options), with ``tcpdump`` on the client side of the veth pair, and
+writes per run: the record (``runs.jsonl``), the capture (``<policy>-<n>.pcap``, headers
+only) and a summary of the capture: bytes delivered per 10 ms, retransmitted segments,
+the longest gap in delivery while a request was unanswered. Needs root, tcpdump (Debian
+``tcpdump``) and the packs of ``--packs`` (built by the replay or ``sakura replay``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from sakura.dit.templates import load_catalog
+from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
+from sakura.edge.bench import file_sha256
+from sakura.edge.replay.config import load_config
+from sakura.edge.replay.networks import pooled_median_bps
+from sakura.edge.replay.results import ResultsFile
+from sakura.edge.replay.runner import Links, plan, run_matched, setup_template
+from sakura.traces import require_trace_dir
+
+
+def summarize(pcap: Path, server_port: int) -> dict[str, object]:
+    """What the capture (client side of the veth) shows, in seconds from its first packet:
+    bytes the server delivered per 10 ms, the longest silences of the server (no packet of
+    any kind from it: no data, no ACK, no SYN-ACK), client segments sent again (TCP
+    retransmissions of requests), and SYNs against SYN-ACKs (connections the server
+    never answered)."""
+    text = subprocess.run(["tcpdump", "-r", str(pcap), "-tt", "-nn", "-S", "tcp"],
+                          capture_output=True, text=True, check=False).stdout
+    # "TIME [IFACE In|Out ]IP SRC.PORT > DST.PORT: Flags [..][, seq A:B]..." (-i any adds the
+    # interface and direction)
+    pat = re.compile(r"^(\d+\.\d+) (?:\S+\s+(?:In|Out)\s+)?IP \S+\.(\d+) > \S+\.(\d+): "
+                     r"Flags \[([^\]]*)\](?:, seq (\d+):(\d+))?")
+    t0: float | None = None
+    bins: dict[int, int] = defaultdict(int)
+    sent: dict[int, set[int]] = defaultdict(set)
+    retx: list[float] = []
+    from_server: list[float] = []
+    syns = synacks = 0
+    for line in text.splitlines():
+        m = pat.match(line)
+        if not m:
+            continue
+        t, sport, dport, flags, a, b = m.groups()
+        t = float(t)
+        t0 = t if t0 is None else t0
+        t -= t0
+        if int(sport) == server_port:
+            from_server.append(t)
+            synacks += flags == "S."
+            if a is not None:
+                bins[int(t * 100)] += int(b) - int(a)
+        else:
+            syns += flags == "S"
+            if a is not None and int(b) > int(a):
+                if int(a) in sent[int(sport)]:
+                    retx.append(round(t, 4))
+                sent[int(sport)].add(int(a))
+    gaps = sorted(((y - x, x) for x, y in zip(from_server, from_server[1:])), reverse=True)[:5]
+    return {"server_packets": len(from_server), "client_retransmissions_s": retx[:50],
+            "syn": syns, "syn_ack": synacks,
+            "server_silences_s": [(round(g, 4), round(at, 4)) for g, at in gaps],
+            "delivered_bytes_per_10ms": {k: v for k, v in sorted(bins.items())}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--packs", default="runs/packs")
+    ap.add_argument("--trace", default="5g_trace_50")
+    ap.add_argument("--template", default="face-technologist")
+    ap.add_argument("--policies", default="sakura,sakura-fixed-config")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--replay", default="runs/replay-kernel",
+                    help="the replay whose template records (factor, T) the runs reuse")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(None, quick=True, link="kernel", packs_dir=args.packs)
+    root = cfg.trace_dir or str(require_trace_dir())
+    policies = args.policies.split(",")
+    runs = [r for r in plan(cfg, root) if r.template == args.template
+            and r.key.network == "5g" and args.trace in str(r.start.trace)
+            and r.key.policy in policies and r.variant == "main"]
+    if not runs:
+        print("no such run in the plan", file=sys.stderr)
+        return 1
+    catalog = load_catalog(cfg.catalog)
+    model = load_model(DEFAULT_WEIGHTS)
+    sha = file_sha256(DEFAULT_WEIGHTS)
+    results = ResultsFile(Path(args.replay))  # its template records: the same factor
+    with Links(cfg, Path(args.packs), ["main"], print) as links:
+        st = setup_template(cfg, args.template, args.template, ["main"], links, model, sha,
+                            catalog, results, Path(args.packs),
+                            pooled_median_bps(cfg.regime_network, root), print)
+        link = links.links["main"]
+        port = int(links.urls["main"].rsplit(":", 1)[1])
+        out = args.out / "runs.jsonl"
+        for n in range(args.repeat):
+            for r in runs:
+                pcap = args.out / f"{r.key.policy}-{n}.pcap"
+                dump = subprocess.Popen(
+                    ["ip", "netns", "exec", link.client_ns, "tcpdump", "-i", "any", "-s",
+                     "96", "-w", str(pcap), "tcp"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)
+                rec = run_matched(r, st, cfg, links, root)
+                time.sleep(0.5)
+                dump.terminate()
+                dump.wait(10)
+                rec["capture"] = summarize(pcap, port)
+                with out.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                c = rec["capture"]
+                print(f"{r.key.policy} #{n}: {rec['latency_s']:.2f} s, {rec['bytes']} B, "
+                      f"local steps {rec['local_fallbacks']}, stalls {rec['stall_s']:.2f} s, "
+                      f"load {rec['load1']:.1f}; capture: server silent "
+                      f"{c['server_silences_s'][:2]}, {len(c['client_retransmissions_s'])} "
+                      f"request retransmissions, {c['syn']} SYN / {c['syn_ack']} SYN-ACK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
