@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from sakura.dit.text import minilm_dir
 
 from sakura.cli import main
 
@@ -62,3 +63,13 @@ def test_standalone_executable_builds_and_matches_python(native, tmp_path):
     over = json.loads(subprocess.run([str(exe), "overhead", "2000"], capture_output=True,
                                      text=True, check=True).stdout)
     assert over["shards"] == 2000 and over["us_per_shard"] > 0
+    if native.tokenizer_available()[0]:  # the text encoder's tokenizer (utf8proc found)
+        vocab = str(minilm_dir() / "vocab.txt")
+        prompts = ["Café, ΣΑΣ 野口!", "people & body: man technologist: light skin tone",
+                   "a very long prompt " * 9]
+        tok = subprocess.run([str(exe), "tokenize", vocab], input="\n".join(prompts),
+                             capture_output=True, text=True, check=True)
+        for p, line in zip(prompts, tok.stdout.splitlines(), strict=True):
+            ids, mask = native.tokenize(p, vocab, 16)
+            got = json.loads(line)
+            assert (got["ids"], got["attention_mask"]) == (ids.tolist(), mask.tolist())

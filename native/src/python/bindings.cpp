@@ -351,4 +351,9 @@ PYBIND11_MODULE(sakura_native, m) {
   // (src/python/bind_opencl.cpp; issue 23)
   void bind_opencl(py::module_ & m);
   bind_opencl(m);
+
+  // the text side: tokenize, Tokenizer, TextEncoder, TokenizerError (src/python/bind_text.cpp;
+  // issue 31)
+  void bind_text(py::module_ & m);
+  bind_text(m);
 }

@@ -7,6 +7,10 @@
 //       reconstruct (native decode) -> execute (compare with the expected tensors written
 //       by the host, then hold the shard X ms, standing in for the DiT shard's compute)
 //
+//   sakura-native tokenize VOCAB [--max-tokens T] [TEXT]
+//       the text encoder's WordPiece ids and attention mask of TEXT (or of each line of
+//       stdin) as one JSON line each (built with utf8proc: SAKURA_HAVE_TEXT)
+//
 // DIR/shards.txt (written by `sakura bench native --export DIR`):
 //   rope FILE                       optional: float32 [N, C/2, 2] cos/sin of the keys
 //   shard FILE RANKS EXPECTED       RANKS = r0,r1,...; EXPECTED = float32 [M, N, C] or "-"
@@ -15,6 +19,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -27,6 +32,9 @@
 
 #include "sakura/pipeline.hpp"
 #include "sakura/shard.hpp"
+#ifdef SAKURA_HAVE_TEXT
+#include "sakura/tokenizer.hpp"
+#endif
 
 namespace {
 
@@ -199,6 +207,42 @@ int run(const std::string& dir, int threads, std::size_t capacity, double exec_m
   return mismatches || s.executed != entries.size() ? 1 : 0;
 }
 
+#ifdef SAKURA_HAVE_TEXT
+void print_ids(const char* key, const std::vector<std::int64_t>& v) {
+  std::printf("\"%s\": [", key);
+  for (std::size_t i = 0; i < v.size(); ++i) std::printf(i ? ", %lld" : "%lld", static_cast<long long>(v[i]));
+  std::printf("]");
+}
+
+int tokenize(int argc, char** argv) {
+  const sakura::WordPieceTokenizer tok = sakura::WordPieceTokenizer::from_file(argv[2]);
+  int max_tokens = 16;
+  std::vector<std::string> texts;
+  bool from_stdin = true;
+  for (int i = 3; i < argc; ++i) {
+    const std::string opt = argv[i];
+    if (opt == "--max-tokens" && i + 1 < argc) {
+      max_tokens = std::stoi(argv[++i]);
+    } else {
+      texts.push_back(opt);
+      from_stdin = false;
+    }
+  }
+  if (from_stdin) {
+    for (std::string line; std::getline(std::cin, line);) texts.push_back(line);
+  }
+  for (const std::string& text : texts) {
+    const sakura::TokenizedPrompt out = tok.encode(text, max_tokens);
+    std::printf("{");
+    print_ids("ids", out.ids);
+    std::printf(", ");
+    print_ids("attention_mask", out.mask);
+    std::printf(", \"total\": %d}\n", out.total);
+  }
+  return 0;
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -219,9 +263,16 @@ int main(int argc, char** argv) {
       }
       return run(argv[2], threads, capacity, exec_ms);
     }
+#ifdef SAKURA_HAVE_TEXT
+    if (cmd == "tokenize" && argc > 2) return tokenize(argc, argv);
+#endif
     std::fprintf(stderr,
                  "usage: sakura-native selftest | overhead [SHARDS] | run DIR [--threads T] "
-                 "[--capacity C] [--exec-ms X]\n");
+                 "[--capacity C] [--exec-ms X]"
+#ifdef SAKURA_HAVE_TEXT
+                 " | tokenize VOCAB [--max-tokens T] [TEXT]"
+#endif
+                 "\n");
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "sakura-native: error: %s\n", e.what());
