@@ -137,7 +137,13 @@ def test_compiled_encoder_matches_torch(text_program, native_encoder, text_encod
     want = text_encoder.encode(prompts).numpy()
     got = np.stack([native_encoder.encode(p) for p in prompts])
     assert got.shape == want.shape == (len(prompts), MAX_TOKENS, text_encoder.dim)
-    assert float(np.abs(got - want).max()) <= 1e-4
+    # the tokens the prompt fills: 4.8e-6 at worst over all 120 prompts
+    # (docs/bench/text-encoder.json); padding positions are ill-conditioned in fp32 (torch's
+    # own fp32 output is 4.7e-5 from a float64 run there, the program's 6.4e-5, 8.0e-5
+    # apart on this CPU): a looser bound, so another CPU's rounding does not fail it
+    real = np.stack([tokenizer.encode(p, MAX_TOKENS)[1] for p in prompts]).astype(bool)
+    assert float(np.abs(got - want)[real].max()) <= 1e-4
+    assert float(np.abs(got - want).max()) <= 1e-3
     ids, mask = tokenizer.encode(prompts[0], MAX_TOKENS)
     assert np.array_equal(native_encoder.run(ids.tolist(), mask.tolist()), got[0])
     # the second lookup finds the program in the cache
