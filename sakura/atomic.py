@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -36,6 +38,27 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    fsync_dir(out.parent)
+    return out
+
+
+def publish_folder(final: str | os.PathLike[str], build: Callable[[Path], None]) -> Path:
+    """Make a whole folder appear at ``final`` at once: ``build(tmp)`` fills a fresh
+    temporary folder beside it, a stale or damaged folder under the name is removed, and
+    the temporary one is renamed into place (the parent ``fsync``-ed); on any error nothing
+    is left behind. Used for the compiled-graph folders of the execution backends and the
+    text encoder's program (``edge/backends/``)."""
+    out = Path(final)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
+    try:
+        build(tmp)
+        if out.exists():
+            shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(out.parent)
     return out
 

@@ -14,11 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # writes that keep their own temp-then-rename, with the reason (sakura/atomic.py docstring)
 OWN_RENAMES = {
-    "sakura/atomic.py": "the rule itself",
+    "sakura/atomic.py": "the rule itself (a file: write_atomic; a folder: publish_folder)",
     "codec/pack.py": "the pack streams from a spool, hashed as written, and is named by its hash",
     "cloud/storage.py": "streams a large source file in chunks",
     "dit/weights.py": "safetensors writes the file itself",
-    "edge/backends/base.py": "renames a whole folder of compiled graphs",
     "sakura/faults_bench.py": "plants a damaged pack on purpose",
 }
 
@@ -75,3 +74,27 @@ def test_one_folder_fsync():
                                  and node.args[0].func.attr == "fileno")):
                     syncing.add(str(p.relative_to(ROOT)))
     assert syncing == {"sakura/atomic.py"}
+
+
+def test_a_folder_appears_whole_or_the_old_one_stays(tmp_path):
+    from sakura.atomic import publish_folder
+
+    def fill(text):
+        def build(tmp):
+            (tmp / "a.txt").write_text(text)
+            (tmp / "b.txt").write_text(text)
+        return build
+
+    final = publish_folder(tmp_path / "graphs" / "g1", fill("one"))
+    assert sorted(p.name for p in final.iterdir()) == ["a.txt", "b.txt"]
+
+    def broken(tmp):
+        (tmp / "a.txt").write_text("half")
+        raise RuntimeError("export failed")
+
+    with pytest.raises(RuntimeError, match="export failed"):
+        publish_folder(final, broken)
+    assert (final / "a.txt").read_text() == "one"  # the old folder stays
+    publish_folder(final, fill("two"))  # a new one replaces it whole
+    assert (final / "b.txt").read_text() == "two"
+    assert sorted(p.name for p in final.parent.iterdir()) == ["g1"]  # no .build-* left

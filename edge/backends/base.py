@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +21,7 @@ from sakura.dit.model import MMDiT
 from sakura.edge.backends.errors import BackendError, GeometryMismatch
 from sakura.edge.backends.shard import SHARD_FORMAT, ShardGeometry, ShardModule
 
+from sakura.atomic import publish_folder
 from sakura.cachedir import cache_dir as sakura_cache_dir
 
 
@@ -95,23 +93,16 @@ class ArtifactCache:
 
     def publish(self, key: ArtifactKey, build) -> Path:
         """Run ``build(tmp_folder)`` and move the folder into place (first writer wins)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=self.root))
-        try:
+
+        def fill(tmp: Path) -> None:
             build(tmp)
             (tmp / "key.json").write_text(json.dumps(
                 {"digest": key.digest(), "weights_sha256": key.weights_sha256,
                  "geometry": key.geometry.to_dict(), "blocks": list(key.blocks),
                  "backend": key.backend, "backend_version": key.backend_version,
                  "shard_format": SHARD_FORMAT}, indent=1))
-            final = self.path(key)
-            if final.exists():  # a stale or damaged folder under the same name
-                shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            return final
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+
+        return publish_folder(self.path(key), fill)
 
 
 class CompiledShard(ABC):

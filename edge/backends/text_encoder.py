@@ -32,10 +32,10 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from sakura.dit.templates import load_catalog
@@ -43,6 +43,8 @@ from sakura.dit.text import minilm_dir
 from sakura.edge.backends.base import default_cache_dir
 from sakura.edge.backends.delegation import XnnpackDelegation
 from sakura.edge.backends.executorch_backend import lower
+
+from sakura.atomic import publish_folder
 
 TEXT_GRAPH_FORMAT = 1
 PTE_NAME = "text_encoder.pte"
@@ -154,22 +156,19 @@ def compiled_text_encoder(max_tokens: int = 16, cache_dir: Path | None = None
                                       XnnpackDelegation.read(folder))
     except (OSError, ValueError, KeyError):
         pass
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    try:
+    made: dict[str, Any] = {}
+
+    def fill(tmp: Path) -> None:
         t0 = time.perf_counter()
-        delegation = export_text_encoder(tmp / PTE_NAME, max_tokens)
-        export_s = time.perf_counter() - t0
-        delegation.write(tmp)
+        made["delegation"] = export_text_encoder(tmp / PTE_NAME, max_tokens)
+        made["export_s"] = time.perf_counter() - t0
+        made["delegation"].write(tmp)
         shutil.copyfile(minilm_dir() / VOCAB_NAME, tmp / VOCAB_NAME)
-        (tmp / KEY_NAME).write_text(json.dumps({**key, "export_s": round(export_s, 2)},
-                                               indent=1))
-        if folder.exists():  # a damaged folder under the same name
-            shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / KEY_NAME).write_text(json.dumps(
+            {**key, "export_s": round(made["export_s"], 2)}, indent=1))
+
+    publish_folder(folder, fill)
+    export_s, delegation = made["export_s"], made["delegation"]
     return TextEncoderProgram(folder, max_tokens, round(export_s, 2), True, delegation)
 
 
