@@ -343,6 +343,7 @@ class KernelShapedLink(LinkEmulator):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._cond = threading.Condition()
+        self._tc_lock = threading.Lock()  # one tc command on the qdisc at a time
         self._error: str = ""
         self._last: tuple[int, int, int] | None = None
         self._kick_sock: socket.socket | None = None
@@ -498,7 +499,52 @@ class KernelShapedLink(LinkEmulator):
             "limit", str(limit),
         ]  # fmt: skip
 
+    def _static_neighbours(self) -> None:
+        """Each end knows the other's MAC for good (``nud permanent``): ARP would otherwise
+        cross tbf, and a reply queued behind a backlog (or an outage's 8 bit/s) failed the
+        neighbour entry, so the next connections got EHOSTUNREACH ("No route to host";
+        seen in a replay after an FP16 run gave up inside an outage, and every run after it
+        failed). A phone's radio link has no ARP on its bottleneck."""
+        macs = {}
+        for ns, dev in ((self.server_ns, self.server_dev), (self.client_ns, self.client_dev)):
+            res = _run(["ip", "-n", ns, "-o", "link", "show", "dev", dev])
+            m = re.search(r"link/ether ([0-9a-f:]{17})", res.stdout)
+            if res.returncode != 0 or m is None:
+                raise LinkError(f"cannot read the MAC of {dev} in {ns}: {res.stderr.strip()}")
+            macs[ns] = m.group(1)
+        for ns, dev, peer, peer_ns in (
+            (self.server_ns, self.server_dev, self.client_addr, self.client_ns),
+            (self.client_ns, self.client_dev, self.server_addr, self.server_ns),
+        ):
+            self._must(["ip", "-n", ns, "neigh", "replace", str(peer), "lladdr", macs[peer_ns],
+                        "dev", dev, "nud", "permanent"])
+
+    def restart(self, start_s: float | None = None) -> None:
+        """Start the trace again (a new run), on an empty bottleneck: what a previous run
+        left queued in tbf (an abandoned transfer's bytes, e.g. behind an outage) is dropped
+        (the qdisc is deleted and added again at the new start's setting), so it neither
+        delays the new run's first packets nor takes its bandwidth."""
+        if self._thread is None:
+            super().restart(start_s)
+            return
+        with self._tc_lock:
+            self.schedule.restart(start_s)
+            now = time.monotonic()
+            params = self._tbf_params(self._control_rate(now), self._control_run(now))
+            _run(["tc", "-n", self.server_ns, "qdisc", "del", "dev", self.server_dev, "root"])
+            res = _run(self._tc_tbf("add", *params))
+            if res.returncode != 0:
+                self._error = f"tc add failed: {res.stderr.strip()}"
+            else:
+                self._last = params
+                self.applied.append(TbfSetting(now, self._control_rate(now), *params))
+        self._changed()
+
     def _apply(self, rate_bps: float, run_s: float) -> None:
+        with self._tc_lock:
+            self._apply_locked(rate_bps, run_s)
+
+    def _apply_locked(self, rate_bps: float, run_s: float) -> None:
         params = self._tbf_params(rate_bps, run_s)
         if params == self._last:
             return
@@ -620,6 +666,7 @@ class KernelShapedLink(LinkEmulator):
                 self._must(["ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev])
                 self._must(["ip", "-n", ns, "link", "set", dev, "up"])
                 self._must(["ip", "-n", ns, "link", "set", "lo", "up"])
+            self._static_neighbours()
             if self.rto_min_ms is not None:
                 self._apply_rto_min(self.rto_min_ms)
             if self.real_loss and self.impairment.loss > 0:
@@ -731,7 +778,8 @@ class KernelShapedLink(LinkEmulator):
             out.update(
                 sent_bytes=int(m.group(1)), sent_packets=int(m.group(2)), dropped=int(m.group(3))
             )
-        m = re.search(r"backlog (\d+)b", text)
+        # tc prints a size that is (nearly) a whole number of KiB or MiB as "80Kb" / "1Mb"
+        m = re.search(r"backlog (\d+)([KM]?)b", text)
         if m:
-            out["backlog_bytes"] = int(m.group(1))
+            out["backlog_bytes"] = int(m.group(1)) * {"": 1, "K": 1024, "M": 1 << 20}[m.group(2)]
         return out
