@@ -21,6 +21,11 @@ An outage (rate 0) sets tbf to 8 bit/s with a one-frame burst: packets stay queu
 is dropped) and nothing is delivered; the switch is made early by the tc latency and the
 time of the one frame the refill lets out, so that frame belongs to the previous slice.
 
+Between runs: each end has a permanent neighbour entry for the other (no ARP crosses tbf,
+where a reply queued behind a backlog or an outage failed the neighbour and gave the next
+connections "No route to host"), and :meth:`KernelShapedLink.restart` drops what an earlier
+run left queued, so every run starts on an empty bottleneck.
+
 Delay: this kernel has no ``netem``, so :meth:`KernelShapedLink.delay_stage` starts a relay
 process inside the server namespace (a :class:`traces.linkproc.PacedLinkProcess` without a
 bottleneck) that gives the server's bytes their one-way delay before they enter tbf, and
