@@ -17,7 +17,10 @@ SLOWEST = 0.8
 
 def assert_follows_the_trace(m, windows=None, slowest: float = SLOWEST) -> None:
     """Every window (or those given) of measurement ``m`` delivered no more than 5% over
-    the trace and no less than ``slowest`` of it."""
+    the trace and no less than ``slowest`` of it. "No more" is checked on the bytes surely
+    delivered inside the window (``inner_bytes``): the sink's read times lag the kernel's
+    by however long it was not scheduled."""
     for w in m.windows if windows is None else windows:
-        assert w.measured_bytes <= FASTEST * w.expected_bytes, m.to_dict()
+        inner = w.measured_bytes if w.inner_bytes is None else w.inner_bytes
+        assert inner <= FASTEST * w.expected_bytes, m.to_dict()
         assert w.measured_bytes >= slowest * w.expected_bytes, m.to_dict()

@@ -217,3 +217,18 @@ def test_busy_link_catches_up_after_event_loop_stall_but_idle_link_saves_little(
         assert first <= rate / 8 * (0.1 + 0.02) + 65536 + 1500
         window = lg.cum_at(t0 + 1.9) - lg.cum_at(t0 + 0.3)
         assert window == pytest.approx(link.expected_bytes(t0 + 0.3, t0 + 1.9), rel=0.05)
+
+
+def test_a_late_read_is_not_counted_as_delivered_inside_the_window() -> None:
+    # The sink was not scheduled from 0.40 to 0.68 s: what the kernel took in before the
+    # window's start (0.5 s) is read at 0.68 s. measured_bytes counts it; inner_bytes, the
+    # bytes surely delivered in the window, does not.
+    from sakura.traces.measure import ReceiveLog, windows_from_log
+
+    log = ReceiveLog(
+        [0.0, 0.40, 0.68, 1.0, 2.5, 2.6], [0, 50_000, 85_000, 125_000, 315_000, 325_000]
+    )
+    (w,) = windows_from_log(log, lambda a, b: 125_000 * (b - a), 0.0, 0.5, 2.0, 1)
+    assert w.measured_bytes == 315_000 - 50_000
+    assert w.inner_bytes == 315_000 - 85_000
+    assert w.inner_bytes <= 1.05 * w.expected_bytes < w.measured_bytes
