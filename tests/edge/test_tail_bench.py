@@ -58,3 +58,22 @@ def test_local_is_read_from_loss_zero_for_the_other_losses():
     doc = summarize({"0": zero, "0.03": lossy})
     assert doc["max_latency_over_local"]["0.03"] == pytest.approx(1.2)
     assert doc["max_stall_s"]["sakura"]["0.03"] == pytest.approx(0.3)
+
+
+def test_the_p90_bound_takes_local_at_outage_starts_and_the_floor_elsewhere():
+    # 10 starts; at 2 of them CacheGen computed 16 of 20 steps locally (an outage start):
+    # no policy can beat local (1.4 s) there, nor the masked execution (0.45 s) anywhere.
+    runs = []
+    for s in range(10):
+        outage = s in (3, 7)
+        runs.append(rec("cachegen", "a", s, 1.6 if outage else 0.9, 30.0,
+                        local_fallbacks=16 if outage else 2))
+        runs.append(rec("sakura", "a", s, 1.45 if outage else 0.5, 33.0))
+        runs.append(rec("local", "a", s, 1.4, 40.0))
+    doc = summarize({"0": runs}, {"a": {"steps": 20, "masked_exec_s": 0.45}})
+    bound = doc["p90_bound_vs_cachegen"]["0"]
+    assert bound["outage_start_share"] == pytest.approx(0.2)
+    # p90 of CacheGen: 1.6 (two starts at 1.6); of the best case: 1.4 (two starts at local)
+    assert bound["ratio"] == pytest.approx(1.6 / 1.4, rel=1e-3)
+    assert doc["p90_ratio_vs_cachegen"]["0"] <= bound["ratio"]
+    assert "p90_bound_vs_cachegen" not in summarize({"0": runs})  # no template records
