@@ -77,3 +77,17 @@ def test_the_p90_bound_takes_local_at_outage_starts_and_the_floor_elsewhere():
     assert bound["ratio"] == pytest.approx(1.6 / 1.4, rel=1e-3)
     assert doc["p90_ratio_vs_cachegen"]["0"] <= bound["ratio"]
     assert "p90_bound_vs_cachegen" not in summarize({"0": runs})  # no template records
+
+
+def test_the_cached_p10_gain_leaves_out_starts_with_local_steps():
+    runs = []
+    for s in range(10):
+        outage = s < 3  # both policies computed steps locally: local's PSNR, 26.5 dB
+        runs.append(rec("sakura", "a", s, 0.5, 26.5 if outage else 30.0 + s,
+                        local_fallbacks=20 if outage else 0))
+        runs.append(rec("sakura-fixed-bits", "a", s, 0.5, 26.5 if outage else 28.0,
+                        local_fallbacks=20 if outage else 0))
+    doc = summarize({"0": runs})
+    assert doc["psnr_p10_gain_db_vs_fixed_bits"]["0"] == pytest.approx(0.0)
+    # over starts 3-9: sakura 33-39 dB (p10 33.6), fixed-bits 28 dB
+    assert doc["psnr_p10_gain_db_vs_fixed_bits_cached"]["0"] == pytest.approx(5.6)
