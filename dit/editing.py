@@ -16,6 +16,7 @@ needs (capture, cached K/V, pins, importance).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from sakura.dit.attention import CACHE, AttentionHook, KVSegment, Layout, cache_
 from sakura.dit.cache import KVProvider, StepLate, TemplateCache
 from sakura.dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
 from sakura.dit.sampler import EulerSteps, Trajectory, denoise, noise_like, renoise, schedule
+from sakura.dit.stale import STALE_MAX_AGE, StaleReuse
 
 
 @dataclass
@@ -290,7 +292,8 @@ def region_psnr(a: torch.Tensor, b: torch.Tensor, region: torch.Tensor | None = 
 def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVProvider,
                 req: EditRequest, *, cache_refs: bool = True, reuse_text_kv: bool = False,
                 hook_factory=None, on_step=None, start_step: int = 0,
-                x_start: torch.Tensor | None = None, on_latent=None) -> torch.Tensor:
+                x_start: torch.Tensor | None = None, on_latent=None,
+                stale_max_age: int = STALE_MAX_AGE) -> torch.Tensor:
     """The device path: only text + masked (+ reference) tokens are computed; the template
     cache of the unmasked tokens comes from ``provider``, step by step, block by block.
 
@@ -299,6 +302,8 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     reuse their K/V afterwards (an approximation in joint attention). ``on_latent(s, x)``
     sees the masked latent entering step ``s``; ``start_step`` with that ``x_start`` resumes
     an edit there (output-PSNR profiling re-runs only the steps after a changed shard).
+    A step whose cache is late (``StepLate``) runs on each block's last K/V if it is at most
+    ``stale_max_age`` steps old (``dit.stale``; 0: never), else with every token.
     """
     from sakura.dit.refcache import ReferenceKV, reference_tokens, text_kv_segments
 
@@ -313,6 +318,9 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     ref_toks = reference_tokens(model, req.ref_images) if has_refs and not cache_refs else None
     text_kv = None
     trajectory = None  # the unmasked tokens' (for a step computed locally), made once
+    # a late step reuses each block's last K/V when it is recent enough (dit/stale.py)
+    kept = (StaleReuse(provider, model.cfg.num_blocks, stale_max_age)
+            if stale_max_age > 0 and hook_factory is None else None)
 
     def local_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Step ``s`` with every token, the unmasked ones on the template trajectory: what
@@ -328,10 +336,18 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     def model_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         try:
             return cached_step(s, t, x)
-        except StepLate:  # (as full_edit: no reference tokens, text tokens computed)
-            return local_step(s, t, x)
+        except StepLate:
+            src = kept.sources(s) if kept is not None else None
+            if src is None:  # (as full_edit: no reference tokens, text tokens computed)
+                return local_step(s, t, x)
+            began = time.perf_counter()
+            v = cached_step(s, t, x, kept.kept(s))
+            ran_stale = getattr(provider, "ran_stale", None)
+            if ran_stale is not None:  # the streaming provider's records and wait rule
+                ran_stale(s, src, time.perf_counter() - began)
+            return v
 
-    def cached_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def cached_step(s: int, t: torch.Tensor, x: torch.Tensor, source=None) -> torch.Tensor:
         nonlocal text_kv
         extra: dict[int, list[KVSegment]] = {}
         for part in (refs.segments() if refs else {}, text_kv_segments(*text_kv) if text_kv else {}):
@@ -340,7 +356,7 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
         if hook_factory:
             hook = hook_factory(s, extra)
         else:
-            hook = CachedHook(mode, provider, s, heads, extra,
+            hook = CachedHook(mode, source or kept or provider, s, heads, extra,
                               record_text=reuse_text_kv and s == 0)
         batch = _cfg_batch(x, pos, req, t, template.guidance)
         if ref_toks is not None:
