@@ -26,14 +26,16 @@ PHASE_COLORS = {"open": "#BBBBBB", "manifest": "#8172B3", "plan": "#937860",
 
 
 def setup_phases(origin: float, manifest: Any, loop_start: list[float], first_byte_s: float,
-                 allowance_s: float) -> list[dict[str, Any]]:
+                 allowance_s: float, latency_s: float | None = None) -> list[dict[str, Any]]:
     """The set-up of a streamed edit, in seconds from its start (``origin``, monotonic):
     ``open`` (client set-up before the manifest request), ``manifest`` (its request, sent
     to last byte; ``cached``: a 304 revalidated the device's copy), ``plan`` (manifest
     parsed, allocator and backend ready, until the shard loop starts: ``loop_start``, empty
     when it never did) and ``startup allowance`` (from one request latency after the loop
     starts: execution may start up to this late, so the first shards fit better
-    configurations)."""
+    configurations). The allowance is a permission, placed from the manifest's request
+    latency: an edit whose shard 0 came sooner can end before it does, so with
+    ``latency_s`` it is cut at the edit's end (and left out if it begins after it)."""
 
     def rel(t: float) -> float:
         return round(max(0.0, t - origin), 6)
@@ -47,8 +49,12 @@ def setup_phases(origin: float, manifest: Any, loop_start: list[float], first_by
         out.append({"phase": "plan", "start": rel(manifest.end), "end": rel(loop_start[0])})
         if allowance_s > 0:
             begin = rel(loop_start[0]) + max(0.0, first_byte_s)
-            out.append({"phase": "startup allowance", "start": round(begin, 6),
-                        "end": round(begin + allowance_s, 6)})
+            end = begin + allowance_s
+            if latency_s is not None:
+                end = min(end, latency_s)
+            if end > begin:
+                out.append({"phase": "startup allowance", "start": round(begin, 6),
+                            "end": round(end, 6)})
     return out
 
 

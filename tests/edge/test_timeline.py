@@ -39,10 +39,14 @@ def test_the_result_records_the_set_up_phases(paced):
     first_request = min(r["recv_start"] for r in paced.timeline)
     assert phases["plan"]["end"] <= first_request + 1e-6  # set-up ends before shard 0 asks
     assert phases["manifest"]["end"] <= phases["plan"]["start"] + 1e-6
-    if paced.startup_allowance_s > 0:
+    if paced.startup_allowance_s > 0 and "startup allowance" in phases:
+        # the allowance's window, cut at the edit's end (a CI run under load placed it after
+        # an edit whose shard 0 came sooner than the manifest's request latency)
         allowance = phases["startup allowance"]
-        assert allowance["end"] - allowance["start"] == pytest.approx(
-            paced.startup_allowance_s, abs=1e-5)
+        length = allowance["end"] - allowance["start"]
+        assert length == pytest.approx(paced.startup_allowance_s, abs=1e-5) or (
+            allowance["end"] == pytest.approx(paced.latency_s, abs=1e-5)
+            and length < paced.startup_allowance_s)
     assert json.loads(json.dumps(paced.summary()))["phases"] == paced.phases
 
 
@@ -91,3 +95,18 @@ def test_a_timeline_without_phases_or_rates_still_plots(tmp_path):
 ])
 def test_config_labels(row, label):
     assert config_label(row) == label
+
+
+def test_the_allowance_window_is_cut_at_the_edits_end():
+    from types import SimpleNamespace
+
+    from sakura.edge.timeline import setup_phases
+
+    got = SimpleNamespace(start=10.01, end=10.05, cached=False)
+    # the loop starts at 0.06 s, the manifest's request latency was 0.3 s: the allowance
+    # window [0.36, 0.46] is a permission; the edit ended at 0.40
+    phases = setup_phases(10.0, got, [10.06], 0.3, 0.1, latency_s=0.40)
+    assert phases[-1] == {"phase": "startup allowance", "start": 0.36, "end": 0.4}
+    assert setup_phases(10.0, got, [10.06], 0.3, 0.1)[-1]["end"] == pytest.approx(0.46)
+    late = setup_phases(10.0, got, [10.06], 0.5, 0.1, latency_s=0.40)
+    assert [p["phase"] for p in late] == ["open", "manifest", "plan"]
