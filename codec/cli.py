@@ -29,7 +29,7 @@ CURRENT_MANIFEST = "manifest.json"  # cloud.layout.MANIFEST_NAME (codec knows no
 
 def check_codecs(names: list[str] | tuple[str, ...], option: str) -> None:
     """Raise :class:`UsageError` (exit 2) for a codec name that is not registered."""
-    from sakura.codec.base import get_codec  # torch off the --help path
+    from sakura.codec.base import get_codec  # lazy: torch
 
     if not names:
         raise UsageError(f"{option}: give at least one codec")
@@ -81,7 +81,7 @@ def _open(target: str, template: str | None, codec: str | None) -> tuple[Any, An
         raise PackError(f"{path}: no such file or folder")
     if path.is_dir():
         path = pick_manifest(path, template, codec)
-    from sakura.codec.pack import Manifest, PackReader  # torch off the --help path
+    from sakura.codec.pack import Manifest, PackReader  # lazy: torch
 
     if path.name.endswith(".json"):
         manifest = Manifest.load(path)
@@ -94,7 +94,7 @@ def _open(target: str, template: str | None, codec: str | None) -> tuple[Any, An
 
 def _inspect(args: argparse.Namespace) -> int:
     manifest, reader = _open(args.target, args.template, args.codec)
-    from sakura.codec.profile import rate_quality_curve  # torch off the --help path
+    from sakura.codec.profile import rate_quality_curve  # lazy: torch
 
     with reader:
         if args.json:

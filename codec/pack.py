@@ -39,6 +39,7 @@ from sakura.codec.manifest import (  # noqa: F401 - MAGIC, PREAMBLE re-exported
     merge_ranges,
     parse_manifest,
 )
+from sakura.codec.profile import decode_ms, mark_pareto, profile_config
 from sakura.codec.shards import ShardLayout, ShardSpec, check_layout, shard_data, shard_spec
 
 from sakura.atomic import fsync_dir, write_atomic
@@ -270,8 +271,6 @@ def write_pack(
     ``shard_meta`` (a list), when given, receives every shard's encoder notes
     (``EncodedShard.meta``, e.g. the low-rank codecs' ``bytes_vs_pareto``).
     """
-    from sakura.codec.profile import decode_ms, mark_pareto, profile_config
-
     if not TEMPLATE_ID.match(template_id):
         raise PackError(
             f"bad template id {template_id!r}: use 1-64 characters of [a-z0-9_-], "

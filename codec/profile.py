@@ -18,7 +18,7 @@ from typing import Any
 
 from sakura.codec.base import Codec, EncodedShard
 from sakura.codec.metrics import DEFAULT_FLOOR, err_to_db, weighted_rel_error
-from sakura.codec.shards import ShardData
+from sakura.codec.shards import ShardData, shard_data
 
 from sakura.atomic import write_atomic
 
@@ -191,8 +191,6 @@ class FittedPSNR:
                  cache_dir: str | None = None, key: str = "") -> None:
         import json
         from pathlib import Path
-
-        from sakura.codec.shards import shard_data
 
         if sample_steps < 1 or max_per_shard < 2 or not spacing_db >= 0:
             raise ValueError("sample_steps >= 1, max_per_shard >= 2 and spacing_db >= 0")
