@@ -27,7 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from sakura.dit.data import CATEGORIES, EmojiDataset, category_prompt
+from sakura.dit.editing import exact_edits, region_psnr
+from sakura.dit.model import TokenBatch, grid_positions, patchify
 from sakura.dit.sampler import generate, renoise
+from sakura.dit.templates import load_catalog
 from sakura.dit.text import TextEncoder
 from sakura.dit.weights import load_model
 from torch import nn
@@ -126,8 +129,6 @@ def denoise_by_t(model=None, enc=None, ds: EmojiDataset | None = None,
     """One-step denoising quality per noise level: PSNR of the predicted clean image
     ``x_t - t v`` against the real one (64 px training images with their captions, fixed
     noise). The noisy input itself scores about ``10 log10(4 / t^2)``."""
-    from sakura.dit.model import TokenBatch, grid_positions, patchify
-
     model = model or load_model()
     enc = enc or TextEncoder()
     ds = ds or EmojiDataset.load()
@@ -154,8 +155,6 @@ def masked_self_edit(model, enc, seeds: tuple[int, ...] = (0, 1)) -> dict:
     from the template noised to ``t = strength``); ``from_noise_psnr_db`` at strength 1,
     where the model alone must invent the region from its context, which is the fair match
     for biharmonic inpainting (which also sees only the context)."""
-    from sakura.dit.editing import exact_edits, region_psnr
-    from sakura.dit.templates import load_catalog
     from skimage.restoration import inpaint_biharmonic
 
     def self_psnr(tpl, base) -> float:

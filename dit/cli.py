@@ -48,7 +48,7 @@ def check_template_images(catalog: str | Path | None, templates: list[str] | tup
     an unreadable image, a decompression bomb or a declared resolution (``resolution``:
     the one a build asks for instead) above the image's size is one
     :class:`~sakura.dit.images.ImageError` (``dit.images``)."""
-    from sakura.dit.images import check_template_files
+    from sakura.dit.images import check_template_files  # lazy: CLI --help stays fast
 
     path, doc = _catalog_doc(catalog)
     for tid in templates:
@@ -84,7 +84,7 @@ def check_file(path: str | None, option: str) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sakura.dit.train import TrainConfig, train
+    from sakura.dit.train import TrainConfig, train  # lazy: torch
 
     cfg = TrainConfig(steps=args.steps, out_dir=args.out_dir, weights_out=args.weights_out,
                       threads=args.threads, batch_size=args.batch_size,
@@ -96,7 +96,7 @@ def _train(args: argparse.Namespace) -> int:
 def _bench_kv(args: argparse.Namespace) -> int:
     check_template(args.template)
     import torch
-    from sakura.dit.bench_kv import main
+    from sakura.dit.bench_kv import main  # lazy: torch
 
     torch.set_num_threads(args.threads)
     return main(args.json, args.quick, args.template)
@@ -104,7 +104,7 @@ def _bench_kv(args: argparse.Namespace) -> int:
 
 def _bench_model(args: argparse.Namespace) -> int:
     check_file(args.weights, "--weights")
-    from sakura.dit.bench_model import main
+    from sakura.dit.bench_model import main  # lazy: torch
 
     return main(args.json, args.quick, args.grid, args.weights)
 

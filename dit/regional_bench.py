@@ -28,10 +28,18 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+from sakura.dit.attention import AttentionHook
 from sakura.dit.editing import cached_edit, template_run
-from sakura.dit.regional import RegionalConfig, salient_token_mask
-from sakura.dit.regional_mmdit import regional_edit, regional_generate
-from sakura.dit.sampler import generate
+from sakura.dit.model import TokenBatch
+from sakura.dit.regional import (
+    DEFAULT_EPS,
+    ProbeDone,
+    RegionalConfig,
+    make_partition,
+    salient_token_mask,
+)
+from sakura.dit.regional_mmdit import generation_backend, regional_edit, regional_generate
+from sakura.dit.sampler import generate, noise_like
 
 
 @dataclass
@@ -260,10 +268,6 @@ def probe_timing(model, encoder, ref: Reference, size: int, steps: int, cfg: Reg
     """Wall time of one probe (fused kernel + reduction) against the same probe with the
     attention matrix materialised, and against a full guided step (the paper's Fig. 13
     question: what does gating cost)."""
-    from sakura.dit.regional import make_partition
-    from sakura.dit.regional_mmdit import generation_backend
-    from sakura.dit.sampler import noise_like
-
     unc = encoder.encode([""])
     be = generation_backend(model, ref.txt, unc, size, ref.guidance)
     n = len(be.coords)
@@ -292,10 +296,6 @@ def probe_timing(model, encoder, ref: Reference, size: int, steps: int, cfg: Reg
 def _explicit_probe(be, t: float, x: torch.Tensor, parts) -> torch.Tensor:
     """The probe with the attention matrix materialised (the reference the fused kernel
     replaces): block 0, cond branch, then the forward is cut."""
-    from sakura.dit.attention import AttentionHook
-    from sakura.dit.model import TokenBatch
-    from sakura.dit.regional import ProbeDone
-
     T = be.text_tokens
     out = {}
 
@@ -319,8 +319,6 @@ def paper_study(model, encoder, refs: list[Reference], size: int, steps: int,
                 drift_eps=(0.6, 0.8, 1.0, 1.4)) -> dict:
     """The bench's ``epsilon_sweep``, ``cap_only``, ``partition_comparison``,
     ``alternatives`` and ``probe_overhead`` (see the module doc)."""
-    from sakura.dit.regional import DEFAULT_EPS
-
     out: dict = {}
     sweep_rows = sweep(model, encoder, refs, size, steps, cfg, eps_values)
     out["epsilon_sweep"] = sweep_rows

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from sakura.dit.editing import EditRequest, Template, check_strength
 from sakura.dit.errors import CatalogError
+from sakura.dit.images import read_mask, read_rgb
 
 from sakura.argtypes import SEED_LIMIT
 from sakura.ids import TEMPLATE_ID  # the one template-id rule (codec checks the same)
@@ -60,16 +61,12 @@ class TemplateSpec:
         """The image ``[3, R, R]`` in [-1, 1], resized down to the resolution R (an
         :class:`~sakura.dit.images.ImageError` for an unreadable image, a decompression
         bomb, or one smaller than R)."""
-        from sakura.dit.images import read_rgb
-
         what = f"template {self.id!r}: image {self.image_path.name}"
         arr = read_rgb(self.image_path, what, self.resolution).astype(np.float32) / 127.5 - 1
         x = torch.from_numpy(arr).permute(2, 0, 1)
         return _resize(x, self.resolution)
 
     def load_mask(self) -> torch.Tensor:
-        from sakura.dit.images import read_mask
-
         what = f"template {self.id!r}: mask {self.mask_path.name}"
         m = torch.from_numpy(read_mask(self.mask_path, what, self.resolution) > 127)
         if m.shape[-1] != self.resolution:
@@ -211,8 +208,6 @@ def template_assets(spec: TemplateSpec, template: Template) -> dict:
 
 def decode_assets(entry: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Published catalog entry -> (image ``[3, H, W]`` in [-1, 1], mask ``[H, W]`` bool)."""
-    from sakura.dit.images import read_mask, read_rgb
-
     t = entry["template"]
     img = read_rgb(base64.b64decode(t["image_png_b64"]), "the published template image")
     mask = read_mask(base64.b64decode(t["mask_png_b64"]), "the published template mask")

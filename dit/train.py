@@ -25,7 +25,7 @@ from sakura.dit.errors import TrainConfigError
 from sakura.dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, patchify
 from sakura.dit.sampler import renoise
 from sakura.dit.text import TextEncoder
-from sakura.dit.weights import save_model
+from sakura.dit.weights import load_model, metadata, save_model
 
 
 @dataclass
@@ -160,8 +160,6 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
         log(f"resumed from {ckpt_path} at step {step}")
     elif Path(cfg.weights_out).exists():
         # Warm start from the committed EMA weights (optimizer state starts afresh).
-        from sakura.dit.weights import load_model, metadata
-
         shipped = load_model(cfg.weights_out)
         model.load_state_dict(shipped.state_dict())
         ema.load_state_dict(shipped.state_dict())

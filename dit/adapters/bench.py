@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sakura.dit.adapters.base import AdapterHook
+from sakura.dit.adapters.base import AdapterHook, Branch, LatentImage, LatentTemplate
+from sakura.dit.adapters.errors import UnknownModelError
 from sakura.dit.adapters.geometry import paper_comparison, released
 from sakura.dit.adapters.tiny import (
     KINDS,
@@ -41,8 +42,7 @@ from sakura.dit.bench_kv import median_time
 
 
 def _reference_kv(adapter, spec, repeats: int) -> dict[str, float]:
-    from sakura.dit.adapters.base import Branch, LatentImage
-    from sakura.dit.adapters.flux2 import native_velocity
+    from sakura.dit.adapters.flux2 import native_velocity  # lazy: diffusers
 
     gen = torch.Generator().manual_seed(11)
     n = spec.grid[0] * spec.grid[1]
@@ -64,8 +64,7 @@ def _reference_kv(adapter, spec, repeats: int) -> dict[str, float]:
 
 
 def _prefix_kv(adapter, spec, repeats: int) -> dict[str, float]:
-    from sakura.dit.adapters.base import LatentTemplate
-    from sakura.dit.adapters.qwenimage21 import native_velocity
+    from sakura.dit.adapters.qwenimage21 import native_velocity  # lazy: diffusers
 
     gen = torch.Generator().manual_seed(12)
     n = spec.grid[0] * spec.grid[1]
@@ -139,8 +138,6 @@ def run_bench(quick: bool = False, kinds: tuple[str, ...] = KINDS) -> dict[str, 
 
 
 def main(json_path: str | None, quick: bool = False, models: str | None = None) -> int:
-    from sakura.dit.adapters.errors import UnknownModelError
-
     kinds = tuple(m.strip() for m in models.split(",")) if models else KINDS
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:

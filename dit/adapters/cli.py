@@ -7,6 +7,7 @@ from pathlib import Path
 
 from sakura.argtypes import json_path
 from sakura.errors import SakuraError, UsageError
+from sakura.extras import require
 
 # dit.adapters.bench.KINDS (not imported: it imports torch; tests/sakura checks they agree)
 BENCH_MODELS = ("flux2", "sd3.5", "qwenimage", "qwenimage-2.1")
@@ -37,10 +38,9 @@ def check_model_options(model: str | None, model_path: str | None,
                          "--model-path")
     if model_path is None:
         raise UsageError(f"--model {model} needs --model-path (a local checkpoint folder)")
-    from sakura.extras import require
 
     require("diffusers", what="--model")
-    from sakura.dit.adapters.registry import MODELS, read_checkpoint
+    from sakura.dit.adapters.registry import MODELS, read_checkpoint  # lazy: torch
 
     if model not in MODELS:
         raise UsageError(f"--model: unknown model {model!r}; choose one of "
@@ -52,10 +52,8 @@ def check_model_options(model: str | None, model_path: str | None,
 
 
 def _bench_adapters(args: argparse.Namespace) -> int:
-    from sakura.extras import require
-
     require("diffusers", what="sakura bench adapters")
-    from sakura.dit.adapters.bench import main
+    from sakura.dit.adapters.bench import main  # lazy: torch
 
     return main(args.json, args.quick, ",".join(args.models) if args.models else None)
 

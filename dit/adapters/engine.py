@@ -28,9 +28,28 @@ from typing import Any
 
 import torch
 from sakura.dit.adapters.base import LatentRequest, LatentTemplate, ModelAdapter
-from sakura.dit.adapters.errors import InputError
-from sakura.dit.adapters.latents import ImageLatents
+from sakura.dit.adapters.errors import InputError, ModelPathError
+from sakura.dit.adapters.latents import (
+    ImageLatents,
+    encode_prompt,
+    family_of,
+    load_image_latents,
+    load_pipeline,
+)
+from sakura.dit.adapters.registry import MODELS, load_adapter
 from sakura.dit.cache import KVProvider
+from sakura.dit.editing import (
+    EditRequest,
+    Geometry,
+    Template,
+    cached_edit,
+    full_edit,
+    profile_importance,
+    template_run,
+)
+from sakura.dit.rope import rope_option
+from sakura.dit.text import TextEncoder
+from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
 
 
 @dataclass
@@ -121,8 +140,6 @@ class DefaultEngine(EditEngine):
     @property
     def encoder(self):
         if self._encoder is None:  # MiniLM loads in seconds: only when a prompt is encoded
-            from sakura.dit.text import TextEncoder
-
             self._encoder = TextEncoder(self.model.cfg.text_tokens)
         return self._encoder
 
@@ -132,14 +149,10 @@ class DefaultEngine(EditEngine):
 
     def device_prepare(self, template) -> Prepared:
         # the device's template has no prompt embeddings: the cached edit never needs them
-        from sakura.dit.editing import Geometry
-
         return Prepared(template, Geometry.of(self.model, template), template.prompt)
 
     def prepare(self, image, mask, prompt, seed, steps=None, guidance=None,
                 strength=1.0) -> Prepared:
-        from sakura.dit.editing import Geometry, Template
-
         tpl = Template(image=image, mask=mask, txt=self.encoder.encode([prompt]), seed=seed,
                        steps=steps or self.default_steps,
                        guidance=self.default_guidance if guidance is None else guidance,
@@ -147,31 +160,21 @@ class DefaultEngine(EditEngine):
         return Prepared(tpl, Geometry.of(self.model, tpl), prompt)
 
     def request(self, prompt, seed, negative="", references=None):
-        from sakura.dit.editing import EditRequest
-
         return EditRequest(txt=self.encoder.encode([prompt]),
                            txt_uncond=self.encoder.encode([negative]), seed=seed,
                            ref_images=references)
 
     def template_run(self, prep):
-        from sakura.dit.editing import template_run
-
         return template_run(self.model, prep.template)
 
     def profile_importance(self, prep, run, requests):
-        from sakura.dit.editing import profile_importance
-
         return profile_importance(self.model, prep.template, run, requests)
 
     def edit(self, prep, provider, req, on_step=None):
-        from sakura.dit.editing import cached_edit
-
         return cached_edit(self.model, prep.template, prep.geometry, provider, req,
                            on_step=on_step)
 
     def local_edit(self, prep, req):
-        from sakura.dit.editing import full_edit
-
         return full_edit(self.model, prep.template, req)
 
     def model_info(self):
@@ -191,8 +194,6 @@ class DefaultEngine(EditEngine):
                 "heads": cfg.num_heads}
 
     def rope_option(self, prep):
-        from sakura.dit.rope import rope_option
-
         cfg, geo = self.model.cfg, prep.geometry
         return rope_option(geo.pos[geo.unmasked], cfg.rope_axes, cfg.rope_theta, cfg.num_heads)
 
@@ -266,7 +267,7 @@ class DiffusersEngine(EditEngine):
                 "tokens": len(geo.unmasked), "channels": geo.channels, "heads": geo.heads}
 
     def rope_option(self, prep):
-        from sakura.dit.adapters.qwenimage21 import QwenImage21Adapter
+        from sakura.dit.adapters.qwenimage21 import QwenImage21Adapter  # lazy: diffusers
 
         if isinstance(self.adapter, QwenImage21Adapter):
             return self.adapter.rope_option(prep.geometry,
@@ -281,25 +282,12 @@ def load_engine(model: str | None = None, model_path: str | Path | None = None, 
     checkpoint folder ``model_path`` (transformer, VAE and text encoders) as ``model``."""
     if model is None:
         if model_path is not None:
-            from sakura.dit.adapters.errors import ModelPathError
-
             raise ModelPathError("--model-path needs --model (the checkpoint's model name)")
-        from sakura.dit.text import TextEncoder
-        from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
 
         path = Path(weights) if weights else DEFAULT_WEIGHTS
         net = load_model(path)
         return DefaultEngine(net, TextEncoder(net.cfg.text_tokens), _sha256(path))
     from functools import partial
-
-    from sakura.dit.adapters.errors import ModelPathError
-    from sakura.dit.adapters.latents import (
-        encode_prompt,
-        family_of,
-        load_image_latents,
-        load_pipeline,
-    )
-    from sakura.dit.adapters.registry import MODELS, load_adapter
 
     if model_path is None:
         raise ModelPathError(f"--model {model} needs --model-path (a local checkpoint folder)")

@@ -38,6 +38,7 @@ from sakura.dit.adapters.base import (
 )
 from sakura.dit.adapters.errors import InputError
 from sakura.dit.attention import AttentionHook, KVSegment
+from sakura.dit.rope import rope_option
 
 REF_ROLE = "ref:0"  # all reference tokens form one self-attending segment (Klein KV)
 
@@ -185,8 +186,6 @@ class Flux2Adapter(ModelAdapter):
         return ctx.ref + (ctx.txt if layer >= double else 0)
 
     def rope_option(self, geo: AdapterGeometry) -> dict[str, Any]:
-        from sakura.dit.rope import rope_option
-
         cfg = self.model.config
         pos = image_ids(geo.grid)[geo.unmasked]
         return rope_option(pos, list(cfg.axes_dims_rope), float(cfg.rope_theta), self.heads)

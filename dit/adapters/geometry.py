@@ -83,7 +83,7 @@ def cache_geometry(name: str, class_name: str, config: dict[str, Any], resolutio
 
 def released(resolution: int = 512) -> dict[str, CacheGeometry]:
     """Geometry of every released checkpoint named in the registry, at its default steps."""
-    from sakura.dit.adapters.registry import MODELS
+    from sakura.dit.adapters.registry import MODELS  # lazy: torch
 
     return {s.name: cache_geometry(s.name, s.model_class, s.config, resolution, s.default_steps)
             for s in MODELS.values() if s.config and not s.name.endswith("-kv")}

@@ -32,6 +32,7 @@ from sakura.dit.adapters.base import (
 )
 from sakura.dit.adapters.errors import InputError
 from sakura.dit.attention import AttentionHook
+from sakura.dit.rope import rope_option
 
 
 class QwenImageProcessor:
@@ -130,8 +131,6 @@ class QwenImageAdapter(ModelAdapter):
         return comb * (v_cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
 
     def rope_option(self, geo: AdapterGeometry) -> dict[str, Any]:
-        from sakura.dit.rope import rope_option
-
         h, w = geo.grid
         hh, ww = torch.meshgrid(centred(h), centred(w), indexing="ij")
         pos = torch.stack([torch.zeros_like(hh), hh, ww], -1).reshape(-1, 3)[geo.unmasked]

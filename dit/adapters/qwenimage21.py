@@ -47,6 +47,7 @@ from sakura.dit.adapters.base import (
 from sakura.dit.adapters.errors import InputError, UnsupportedError
 from sakura.dit.adapters.qwenimage import centred
 from sakura.dit.attention import TXT, AttentionHook, KVSegment
+from sakura.dit.rope import rope_option
 
 TOKENS_PER_SLOT = 4
 ROPE_THETA = 10000.0
@@ -230,8 +231,6 @@ class QwenImage21Adapter(ModelAdapter):
 
     def rope_option(self, geo: AdapterGeometry, frame: int = 0) -> dict[str, Any]:
         """RoPE of the cached keys; ``frame`` = the template prompt's :meth:`frame_of`."""
-        from sakura.dit.rope import rope_option
-
         h, w = geo.grid
         hh, ww = torch.meshgrid(centred(h), centred(w), indexing="ij")
         pos = torch.stack([torch.full_like(hh, float(frame)), hh, ww], -1).reshape(-1, 3)

@@ -35,6 +35,7 @@ from sakura.dit.adapters.base import (
     LatentTemplate,
     ModelAdapter,
 )
+from sakura.dit.adapters.registry import adapter_class, read_checkpoint
 from sakura.dit.attention import CACHE, IMG, TXT, KVSegment, Layout
 from sakura.dit.cache import KVProvider
 from sakura.dit.regional import (
@@ -274,7 +275,6 @@ def meta_adapter(name: str, path) -> ModelAdapter:
     transformer (PyTorch's ``meta`` device): geometry, the pipeline's schedule and the cost
     model without reading or holding any weights (what a scheduler process needs)."""
     import diffusers
-    from sakura.dit.adapters.registry import adapter_class, read_checkpoint
 
     spec, _, config, sched = read_checkpoint(name, path)
     cls = getattr(diffusers, spec.model_class)

@@ -90,10 +90,10 @@ def tiny_transformer(kind: str, size: str = "test", seed: int = 0) -> torch.nn.M
 
 
 def tiny_adapter(kind: str, size: str = "test", seed: int = 0) -> ModelAdapter:
-    from sakura.dit.adapters.flux2 import Flux2Adapter
-    from sakura.dit.adapters.qwenimage import QwenImageAdapter
-    from sakura.dit.adapters.qwenimage21 import QwenImage21Adapter
-    from sakura.dit.adapters.sd3 import SD3Adapter
+    from sakura.dit.adapters.flux2 import Flux2Adapter  # lazy: diffusers
+    from sakura.dit.adapters.qwenimage import QwenImageAdapter  # lazy: diffusers
+    from sakura.dit.adapters.qwenimage21 import QwenImage21Adapter  # lazy: diffusers
+    from sakura.dit.adapters.sd3 import SD3Adapter  # lazy: diffusers
 
     cls = {"flux2": Flux2Adapter, "sd3.5": SD3Adapter, "qwenimage": QwenImageAdapter,
            "qwenimage-2.1": QwenImage21Adapter}[kind]
