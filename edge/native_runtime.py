@@ -326,7 +326,14 @@ class NativeEngine:
                       blocks_per_shard: int, shards: list[np.ndarray],
                       origin: float | None = None) -> tuple[torch.Tensor, list[dict]]:
         """The edit with every shard's ``[2 * blocks, U, C]`` K/V in memory (the compute
-        floor, ``exact``): (image, per-shard records with exec times)."""
+        floor, ``exact``): (image, per-shard records with exec times, as dicts)."""
+        image, records = self._resident(template, geo, req, blocks_per_shard, shards, origin)
+        return image, [r.to_dict() for r in records]
+
+    def _resident(self, template: Template, geo: Geometry, req: EditRequest,
+                  blocks_per_shard: int, shards: list[np.ndarray],
+                  origin: float | None = None) -> tuple[torch.Tensor, list[Any]]:
+        """:meth:`resident_edit` with the records as ``sakura_native.ShardRecord``."""
         geometry = self.geometry(template, geo, req)
         groups = step_groups(self.model.cfg.num_blocks, blocks_per_shard)
         gs, graphs = self._graph_set(geometry, groups)
@@ -349,11 +356,11 @@ class NativeEngine:
         u, c = len(geo.unmasked), self.model.cfg.hidden_size
         zeros = [np.zeros((2 * len(g), u, c), np.float32) for _ in range(template.steps)
                  for g in groups]
-        _img, records = self.resident_edit(template, geo, req, blocks_per_shard, zeros)
+        _img, records = self._resident(template, geo, req, blocks_per_shard, zeros)
         per_group: list[list[float]] = [[] for _ in groups]
         for i, r in enumerate(records):
             if i >= len(groups) or template.steps == 1:
-                per_group[i % len(groups)].append(r["exec_end"] - r["exec_start"])
+                per_group[i % len(groups)].append(r.exec_end - r.exec_start)
         out = [0.0] * self.model.cfg.num_blocks
         for g, times in zip(groups, per_group):
             for b in g:
@@ -377,9 +384,10 @@ class NativeEngine:
     def streamed_edit(self, template: Template, geo: Geometry, req: EditRequest,
                       stream: dict[str, Any], allocator: Any, monitor: Any, progress: Any,
                       blocks_per_shard: int, local: dict[str, Any] | None = None
-                      ) -> tuple[torch.Tensor, list[dict], list[dict]]:
-        """The streamed edit (``sakura_native.run_stream``): (image, records, requests);
-        ``local`` (:meth:`local_steps`): the local fallback."""
+                      ) -> tuple[torch.Tensor, list[Any], list[dict]]:
+        """The streamed edit (``sakura_native.run_stream``): (image, records as
+        ``sakura_native.ShardRecord``, requests); ``local`` (:meth:`local_steps`): the local
+        fallback."""
         geometry = self.geometry(template, geo, req)
         groups = step_groups(self.model.cfg.num_blocks, blocks_per_shard)
         gs, graphs = self._graph_set(geometry, groups)

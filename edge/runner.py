@@ -396,10 +396,14 @@ class NativeRunner:
         for r in requests:
             headers = dict(h.split(": ", 1) for h in r["headers"] if ": " in h)
             job.log.append(RequestRecord(r["method"], r["url"], headers, r["time"]))
+        # the typed records (sakura_native.ShardRecord) as the timeline's dicts, with the
+        # configuration's description the Python runtime's records carry (params)
+        timeline = []
         for r in records:
-            r["params"] = job.describe(r["shard"], r["config"]) if r["config"] is not None \
-                else {}
-        return image, records
+            d = r.to_dict()
+            d["params"] = job.describe(r.shard, r.config) if r.config is not None else {}
+            timeline.append(d)
+        return image, timeline
 
 
 # the registry of shard loops, by the runtime name the CLI and EdgeRuntime take

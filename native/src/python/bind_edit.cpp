@@ -1,7 +1,8 @@
 // Bindings of the native edit runtime (sakura/edit.hpp): Python prepares the request and
 // the graphs, calls one of run_full / run_resident / run_stream, and collects the latent and
-// the per-shard records. The shard loop runs on a C++ thread without the GIL; the calling
-// thread waits with the GIL released, checking for Ctrl-C every 50 ms.
+// the per-shard records (sakura_native.ShardRecord). The shard loop runs on a C++ thread
+// without the GIL; the calling thread waits with the GIL released, checking for Ctrl-C
+// every 50 ms.
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -33,37 +34,85 @@ py::object none_if_nan(double v) {
   return py::float_(v);
 }
 
-py::dict record_dict(const sakura::ShardRecord& r) {
+py::object none_if_negative(int v) {
+  if (v < 0) return py::none();
+  return py::int_(v);
+}
+
+// The per-shard record crosses the binding as the class sakura_native.ShardRecord (read-only
+// properties, to_dict()). One row per field: its name, the Python type of its value (that of
+// the field of edge.pipeline.ShardRecord, tests/edge/test_record_parity.py) and its value;
+// the properties, to_dict() and ShardRecord.field_types are all made from this table.
+using Record = sakura::ShardRecord;
+struct RecordField {
+  const char* name;
+  const char* type;
+  py::object (*get)(const Record&);
+};
+
+const RecordField kRecordFields[] = {
+    {"shard", "int", [](const Record& r) -> py::object { return py::int_(r.shard); }},
+    {"step", "int", [](const Record& r) -> py::object { return py::int_(r.step); }},
+    {"blocks", "list[int]", [](const Record& r) -> py::object { return py::cast(r.blocks); }},
+    {"config", "int | None", [](const Record& r) { return none_if_negative(r.config); }},
+    {"bytes", "int", [](const Record& r) -> py::object { return py::int_(r.bytes); }},
+    {"window_s", "float | None", [](const Record& r) { return none_if_nan(r.window_s); }},
+    {"lead_s", "float", [](const Record& r) -> py::object { return py::float_(r.lead_s); }},
+    {"carry_s", "float | None", [](const Record& r) { return none_if_nan(r.carry_s); }},
+    {"rate_bps", "float | None", [](const Record& r) { return none_if_nan(r.rate_bps); }},
+    {"deadline", "float | None", [](const Record& r) { return none_if_nan(r.deadline); }},
+    {"recv_start", "float | None", [](const Record& r) { return none_if_nan(r.recv_start); }},
+    {"recv_first_byte", "float | None",
+     [](const Record& r) { return none_if_nan(r.recv_first_byte); }},
+    {"recv_end", "float | None", [](const Record& r) { return none_if_nan(r.recv_end); }},
+    {"recon_start", "float | None", [](const Record& r) { return none_if_nan(r.recon_start); }},
+    {"recon_end", "float | None", [](const Record& r) { return none_if_nan(r.recon_end); }},
+    {"exec_start", "float | None", [](const Record& r) { return none_if_nan(r.exec_start); }},
+    {"exec_end", "float | None", [](const Record& r) { return none_if_nan(r.exec_end); }},
+    {"stall_s", "float", [](const Record& r) -> py::object { return py::float_(r.stall_s); }},
+    {"attempts", "int", [](const Record& r) -> py::object { return py::int_(r.attempts); }},
+    {"resumes", "int", [](const Record& r) -> py::object { return py::int_(r.resumes); }},
+    {"refetches", "int", [](const Record& r) -> py::object { return py::int_(r.refetches); }},
+    {"requested", "int | None", [](const Record& r) { return none_if_negative(r.requested); }},
+    {"hedges", "int", [](const Record& r) -> py::object { return py::int_(r.hedges); }},
+    {"truncated", "bool", [](const Record& r) -> py::object { return py::bool_(r.truncated); }},
+    {"damage", "str | None",
+     [](const Record& r) -> py::object {
+       if (r.damage.empty()) return py::none();
+       return py::str(r.damage);
+     }},
+    {"local", "bool", [](const Record& r) -> py::object { return py::bool_(r.local); }},
+    {"outage", "bool", [](const Record& r) -> py::object { return py::bool_(r.outage); }},
+    {"refinements", "int",
+     [](const Record& r) -> py::object { return py::int_(r.refinements); }},
+};
+
+// The record as a dict of every field, in the table's order (the JSON timeline's keys).
+py::dict record_dict(const Record& r) {
   py::dict d;
-  d["shard"] = r.shard;
-  d["step"] = r.step;
-  d["blocks"] = r.blocks;
-  d["config"] = r.config < 0 ? py::object(py::none()) : py::object(py::int_(r.config));
-  d["bytes"] = r.bytes;
-  d["window_s"] = none_if_nan(r.window_s);
-  d["lead_s"] = r.lead_s;
-  d["carry_s"] = none_if_nan(r.carry_s);
-  d["rate_bps"] = none_if_nan(r.rate_bps);
-  d["deadline"] = none_if_nan(r.deadline);
-  d["recv_start"] = none_if_nan(r.recv_start);
-  d["recv_first_byte"] = none_if_nan(r.recv_first_byte);
-  d["recv_end"] = none_if_nan(r.recv_end);
-  d["recon_start"] = none_if_nan(r.recon_start);
-  d["recon_end"] = none_if_nan(r.recon_end);
-  d["exec_start"] = none_if_nan(r.exec_start);
-  d["exec_end"] = none_if_nan(r.exec_end);
-  d["stall_s"] = r.stall_s;
-  d["attempts"] = r.attempts;
-  d["resumes"] = r.resumes;
-  d["refetches"] = r.refetches;
-  d["requested"] = r.requested < 0 ? py::object(py::none()) : py::object(py::int_(r.requested));
-  d["hedges"] = r.hedges;
-  d["truncated"] = r.truncated;
-  d["damage"] = r.damage.empty() ? py::object(py::none()) : py::object(py::str(r.damage));
-  d["local"] = r.local;
-  d["outage"] = r.outage;
-  d["refinements"] = r.refinements;
+  for (const auto& f : kRecordFields) d[f.name] = f.get(r);
   return d;
+}
+
+void bind_record(py::module_& m) {
+  py::class_<Record> cls(m, "ShardRecord",
+                         "One shard's way through the native pipeline (sakura/edit.hpp "
+                         "ShardRecord); times in seconds since the edit started, None where "
+                         "there is no value. The fields of edge.pipeline.ShardRecord but "
+                         "params (a description of the configuration the Python side adds).");
+  py::dict types;
+  for (const auto& f : kRecordFields) {
+    cls.def_property_readonly(f.name, py::cpp_function([get = f.get](const Record& r) {
+                                return get(r);
+                              }),
+                              f.type);
+    types[f.name] = f.type;
+  }
+  cls.attr("field_types") = types;
+  cls.def("to_dict", &record_dict, "Every field by name (the timeline's record).");
+  cls.def("__repr__", [](const Record& r) {
+    return "ShardRecord(" + py::repr(record_dict(r)).cast<std::string>() + ")";
+  });
 }
 
 std::vector<sakura::ShardRecord> shard_records(const py::list& shards) {
@@ -188,7 +237,7 @@ py::array_t<float> to_array(const std::vector<float>& v) {
 
 py::list records_list(const std::vector<sakura::ShardRecord>& records) {
   py::list out;
-  for (const auto& r : records) out.append(record_dict(r));
+  for (const auto& r : records) out.append(py::cast(r));
   return out;
 }
 
@@ -415,6 +464,8 @@ void bind_edit(py::module_& m) {
     }
   });
 
+  bind_record(m);
+
   py::class_<PyEditGraphs, std::shared_ptr<PyEditGraphs>>(m, "EditGraphs")
       .def(py::init<const std::string&, const std::vector<std::string>&, const std::string&,
                     const std::vector<int>&, bool>(),
@@ -433,11 +484,11 @@ void bind_edit(py::module_& m) {
         "A full (no-cache) edit; returns the final latent (flat float32).");
   m.def("run_resident", &run_resident, py::arg("graphs"), py::arg("inputs"), py::arg("shards"),
         py::arg("cache"), py::arg("origin"),
-        "An edit with every shard's K/V in memory; returns (latent, records).");
+        "An edit with every shard's K/V in memory; returns (latent, [ShardRecord]).");
   m.def("run_stream", &run_stream, py::arg("graphs"), py::arg("inputs"), py::arg("stream"),
         py::arg("allocator"), py::arg("monitor"), py::arg("progress"),
         py::arg("local") = py::none(),
-        "A streamed edit (receive -> reconstruct -> execute); returns (latent, records, "
+        "A streamed edit (receive -> reconstruct -> execute); returns (latent, [ShardRecord], "
         "requests). local: the local fallback's full graphs, inputs, masked rows and "
         "step_s (sakura/edit.hpp, LocalSteps).");
   m.def("set_graph_threads", &sakura::set_graph_threads, py::arg("threads"),
