@@ -53,6 +53,8 @@ from typing import Any, Protocol
 
 from sakura.cloud import layout
 from sakura.cloud.errors import CloudError
+from sakura.cloud.origins import NginxOrigin
+from sakura.cloud.storage import LocalStorage
 from sakura.cloud.synthetic import SyntheticSpec, build_catalog
 
 TEMPLATE = "bench-template"
@@ -97,8 +99,6 @@ def _percentile(values: list[float], q: float) -> float:
 def _child_server(kind: str, target: Path) -> Iterator[str]:
     """Start a server child process on a loopback port; yield its base URL."""
     if kind == "nginx":
-        from sakura.cloud.origins import NginxOrigin
-
         with NginxOrigin(target) as url:
             yield url
         return
@@ -526,9 +526,8 @@ def run_ride_through(
 
 
 def _serve_sakura(catalog_dir: str, fd: int) -> None:
-    from sakura.cloud.runner import run
-    from sakura.cloud.server import create_app
-    from sakura.cloud.storage import LocalStorage
+    from sakura.cloud.runner import run  # lazy: web stack
+    from sakura.cloud.server import create_app  # lazy: web stack
 
     run(create_app(LocalStorage(catalog_dir)), fd=fd, log_level="warning", access_log=False)
 

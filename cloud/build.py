@@ -20,10 +20,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from sakura.cloud.errors import PublishError
 from sakura.cloud.publish import (
     CatalogTransaction,
     build_workdir,
     is_up_to_date,
+    publish_catalog,
     template_content_hash,
 )
 
@@ -73,31 +75,25 @@ class BuildReport:
 
 
 def build(cfg: BuildConfig, log=print) -> BuildReport:
-    from sakura.codec import ShardLayout, get_codec
-    from sakura.codec.pack import write_pack
-    from sakura.dit.adapters.engine import load_engine
-    from sakura.dit.templates import load_catalog, template_assets, with_resolution
-    from sakura.dit.weights import DEFAULT_WEIGHTS
+    from sakura.codec import ShardLayout, get_codec  # lazy: torch
+    from sakura.codec.pack import write_pack  # lazy: torch
+    from sakura.dit.adapters.engine import load_engine  # lazy: torch
+    from sakura.dit.templates import load_catalog, template_assets, with_resolution  # lazy: torch
+    from sakura.dit.weights import DEFAULT_WEIGHTS  # lazy: torch
     from tqdm import tqdm
 
     specs = load_catalog(cfg.catalog)
     if cfg.templates:
         unknown = sorted(set(cfg.templates) - set(specs))
         if unknown:
-            from sakura.cloud.errors import PublishError
-
             raise PublishError(f"unknown template id(s) {unknown}; the catalog has {sorted(specs)}")
         specs = {k: specs[k] for k in cfg.templates}
     if cfg.resolution:
         specs = {s.id: s for s in (with_resolution(v, cfg.resolution) for v in specs.values())}
     if cfg.profile_psnr < 0:
-        from sakura.cloud.errors import PublishError
-
         raise PublishError(f"--profile-psnr must be >= 0 (profiling requests), got "
                            f"{cfg.profile_psnr}")
     if cfg.model is not None and cfg.weights:
-        from sakura.cloud.errors import PublishError
-
         raise PublishError("--weights is the default model's; a --model checkpoint is given "
                            "by --model-path")
     weights = Path(cfg.weights) if cfg.weights else DEFAULT_WEIGHTS
@@ -151,7 +147,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         model_info = engine.model_info()
         quality_fn = None
         if cfg.profile_psnr or cfg.psnr_fit:
-            from sakura.cloud.psnr_profile import OutputPSNR
+            from sakura.cloud.psnr_profile import OutputPSNR  # lazy: torch
 
             quality_fn = OutputPSNR(engine, prep, run,
                                     profiling[: cfg.profile_psnr or cfg.psnr_fit], layout)
@@ -197,15 +193,13 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         report.seconds[tid] = time.perf_counter() - t0
         log(f"built {tid}: {len(cfg.codecs)} codecs in {report.seconds[tid]:.1f}s")
     if cfg.publish:
-        from sakura.cloud.publish import publish_catalog
-
         report.published = publish_catalog(out, cfg.publish)
         log(f"published {len(report.published)} files to {cfg.publish}")
     return report
 
 
 def _fitted_version() -> int:
-    from sakura.codec.profile import FittedPSNR
+    from sakura.codec.profile import FittedPSNR  # lazy: torch
 
     return FittedPSNR.VERSION
 
@@ -226,7 +220,7 @@ def _quality_fn(cfg: BuildConfig, measure, codec, layout, cache, content: str,
         return measure
     if codec.name == "fp16":
         return None
-    from sakura.codec.profile import FittedPSNR
+    from sakura.codec.profile import FittedPSNR  # lazy: torch
 
     cache_dir = cfg.psnr_cache or str(sakura_cache_dir("psnr"))
     key = hashlib.sha256(json.dumps([content, codec.name, codec.options, cfg.psnr_fit],

@@ -20,7 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sakura.cloud.errors import ServeConfigError
+from sakura.cloud.errors import ManifestError, ServeConfigError, StorageError
+from sakura.codec.cli import check_codecs
+from sakura.dit.adapters.cli import check_model_options
+from sakura.dit.cli import check_file, check_template_images, template_ids
 
 from sakura.argtypes import (
     http_url,
@@ -32,7 +35,9 @@ from sakura.argtypes import (
     positive_float,
     positive_int,
 )
-from sakura.errors import UsageError
+from sakura.errors import SakuraError, UsageError
+from sakura.extras import require
+from sakura.output import write_json
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # cloud.build.DEFAULT_CODECS, not imported so that the CLI starts without the builder
@@ -128,12 +133,6 @@ def register(commands: Any, bench: Any) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from sakura.codec.cli import check_codecs
-    from sakura.dit.adapters.cli import check_model_options
-    from sakura.dit.cli import check_file, check_template_images, template_ids
-
-    from sakura.errors import SakuraError
-
     check_model_options(args.model, args.model_path, args.weights)
     check_file(args.weights, "--weights")
     ids = template_ids(args.catalog)
@@ -149,7 +148,7 @@ def _build(args: argparse.Namespace) -> int:
         if urlparse(args.publish).scheme not in ("s3", "file", ""):
             raise SakuraError(f"--publish {args.publish[:80]!r}: give s3://bucket/prefix "
                               "(or a folder)")
-    from sakura.cloud.build import BuildConfig, build
+    from sakura.cloud.build import BuildConfig, build  # lazy: CLI --help stays fast
 
     cfg = BuildConfig(
         catalog=args.catalog,
@@ -171,8 +170,6 @@ def _build(args: argparse.Namespace) -> int:
            "seconds": {k: round(v, 1) for k, v in report.seconds.items()},
            **({"published": len(report.published)} if args.publish else {})}
     if args.json:
-        from sakura.output import write_json
-
         write_json(args.json, doc)
     print(f"sakura build: built {', '.join(report.built) or 'nothing'}; up to date "
           f"{', '.join(report.skipped) or 'nothing'} -> {args.out}")
@@ -206,16 +203,14 @@ def listen(host: str, port: int) -> socket.socket:
 
 def _serve(args: argparse.Namespace) -> int:
     if args.s3_bucket:
-        from sakura.extras import require
-
         require("boto3", what="--s3-bucket")
     elif args.s3_endpoint:
         raise UsageError("--s3-endpoint needs --s3-bucket")
     elif not args.dir:
         raise UsageError("give the published catalog directory DIR (or --s3-bucket)")
-    from sakura.cloud.auth import load_tokens
-    from sakura.cloud.runner import run
-    from sakura.cloud.server import create_app
+    from sakura.cloud.auth import load_tokens  # lazy: CLI --help stays fast
+    from sakura.cloud.runner import run  # lazy: web stack
+    from sakura.cloud.server import create_app  # lazy: web stack
 
     storage = open_serve_storage(args.dir, args.s3_bucket, args.s3_endpoint, args.s3_prefix)
     tokens = load_tokens(args.tokens_file)
@@ -241,9 +236,8 @@ def open_serve_storage(
     directory: str | None, bucket: str | None, endpoint: str | None, prefix: str = ""
 ) -> Any:
     """The storage ``sakura serve`` reads, checked to hold a catalog.json."""
-    from sakura.cloud.errors import StorageError
-    from sakura.cloud.layout import CATALOG_KEY
-    from sakura.cloud.storage import LocalStorage, S3Storage
+    from sakura.cloud.layout import CATALOG_KEY  # lazy: CLI --help stays fast
+    from sakura.cloud.storage import LocalStorage, S3Storage  # lazy: CLI --help stays fast
 
     if bucket:
         try:
@@ -281,8 +275,7 @@ def check_catalog(storage: Any, where: str) -> None:
     answers 500/503 with the reason if it is broken later."""
     import json
 
-    from sakura.cloud.errors import ManifestError, StorageError
-    from sakura.cloud.layout import CATALOG_KEY, validate_catalog
+    from sakura.cloud.layout import CATALOG_KEY, validate_catalog  # lazy: CLI --help stays fast
 
     try:
         raw = storage.read_bytes(CATALOG_KEY)
@@ -301,9 +294,7 @@ def check_catalog(storage: Any, where: str) -> None:
 def _bench_serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from sakura.cloud.bench import BenchConfig, run_bench
-
-    from sakura.output import write_json
+    from sakura.cloud.bench import BenchConfig, run_bench  # lazy: CLI --help stays fast
 
     config = BenchConfig.quick(args.clients) if args.quick else BenchConfig(clients=args.clients)
     if args.duration is not None:
@@ -326,9 +317,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_ride_through(args: argparse.Namespace, config: Any) -> int:
-    from sakura.cloud.bench import run_ride_through
-
-    from sakura.output import write_json
+    from sakura.cloud.bench import run_ride_through  # lazy: CLI --help stays fast
 
     if config.restart_at_s >= config.duration_s:
         raise UsageError(f"--restart-at {config.restart_at_s:g} must be less than the "

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from sakura.codec.metrics import psnr
 from sakura.codec.shards import ShardLayout
+from sakura.dit.adapters.engine import DefaultEngine
+from sakura.dit.editing import cached_edit
 
 
 class _OneShardChanged:
@@ -42,8 +44,6 @@ class OutputPSNR:
 
     def __init__(self, engine: Any, prep: Any, run: Any, requests: list[Any],
                  layout: ShardLayout) -> None:
-        from sakura.dit.adapters.engine import DefaultEngine
-
         if not requests:
             raise ValueError("output-PSNR profiling needs at least one profiling request")
         self.engine, self.prep, self.requests, self.layout = engine, prep, requests, layout
@@ -54,8 +54,6 @@ class OutputPSNR:
         for req in requests:
             xs: dict[int, torch.Tensor] = {}
             if self.resumable:
-                from sakura.dit.editing import cached_edit
-
                 image = cached_edit(engine.model, prep.template, prep.geometry,
                                     self.exact_cache, req,
                                     on_latent=lambda s, x, xs=xs: xs.__setitem__(s, x.clone()))
@@ -67,8 +65,6 @@ class OutputPSNR:
     def _edit(self, i: int, provider: Any, step: int) -> torch.Tensor:
         req = self.requests[i]
         if self.resumable:
-            from sakura.dit.editing import cached_edit
-
             return cached_edit(self.engine.model, self.prep.template, self.prep.geometry,
                                provider, req, start_step=step, x_start=self.latents[i][step])
         return self.engine.edit(self.prep, provider, req)

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from sakura.cloud import layout
-from sakura.cloud.errors import ManifestError, PublishError
-from sakura.cloud.storage import TMP_PREFIX, Storage, atomic_write
+from sakura.cloud.errors import ManifestError, PublishError, StorageError
+from sakura.cloud.storage import TMP_PREFIX, Storage, atomic_write, open_storage
 
 DEFAULT_GRACE_S = 3600.0
 LOCK_NAME = ".publish.lock"
@@ -492,9 +492,6 @@ def publish_catalog(out_dir: str | os.PathLike[str], location: str) -> list[str]
     """Upload a published catalog to a storage URL (``s3://bucket/prefix``, optionally
     ``?endpoint_url=...&region=...``; credentials from the standard AWS environment), in
     publish order (:func:`mirror_to_storage`). Returns the uploaded keys."""
-    from sakura.cloud.errors import StorageError
-    from sakura.cloud.storage import open_storage
-
     try:
         storage = open_storage(location)
         return mirror_to_storage(out_dir, storage)

@@ -55,6 +55,9 @@ from sakura.cloud.render_sched import (
     TaskKey,
     class_index,
 )
+from sakura.cloud.render_worker import worker_main
+from sakura.dit.adapters.base import EDIT_SEED_OFFSET
+from sakura.dit.adapters.regional import adapter_macs, meta_adapter
 from sakura.dit.model import MMDiTConfig, unpatchify
 from sakura.dit.regional import (
     FullResult,
@@ -63,9 +66,11 @@ from sakura.dit.regional import (
     ProbeResult,
     RegionalConfig,
     RegionalState,
+    salient_token_mask,
 )
 from sakura.dit.regional_mmdit import grid_coords, mmdit_macs
 from sakura.dit.sampler import noise_like, schedule
+from sakura.dit.weights import DEFAULT_WEIGHTS, WeightsError, metadata
 
 from sakura.errors import SakuraError
 
@@ -217,8 +222,6 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def model_config(weights: str | None) -> MMDiTConfig:
     """The model's config from the weights file's metadata (no weights loaded)."""
-    from sakura.dit.weights import DEFAULT_WEIGHTS, WeightsError, metadata
-
     path = weights or str(DEFAULT_WEIGHTS)
     try:
         return MMDiTConfig.from_dict(json.loads(metadata(path)["config"]))
@@ -266,8 +269,6 @@ class _AdapterView:
     kind = "adapter"
 
     def __init__(self, cfg: EngineConfig):
-        from sakura.dit.adapters.regional import meta_adapter
-
         if not cfg.model_path:
             raise RenderError(f"model {cfg.model} needs model_path (a checkpoint folder)")
         self.adapter = meta_adapter(cfg.model, cfg.model_path)
@@ -281,9 +282,6 @@ class _AdapterView:
             raise RenderError(f"guidance {req.guidance} needs uncond")
 
     def start(self, req: RenderRequest):
-        from sakura.dit.adapters.base import EDIT_SEED_OFFSET
-        from sakura.dit.adapters.regional import adapter_macs
-
         a = self.adapter
         g = req.size // self.unit
         n = g * g
@@ -389,8 +387,6 @@ class RenderEngine:
         self._reqs.clear()
 
     def _spawn(self) -> _Worker:
-        from sakura.cloud.render_worker import worker_main
-
         wid = next(self._wid)
         inbox_r, inbox_w = self._ctx.Pipe(duplex=False)
         results_r, results_w = self._ctx.Pipe(duplex=False)
@@ -467,7 +463,6 @@ class RenderEngine:
         if req.txt is None:
             if self.encoder is None:
                 raise RenderError("no text encoder: pass embeddings (txt) with the request")
-            from sakura.dit.regional import salient_token_mask
 
             with self._encode_lock:
                 txt = self.encoder.encode([req.prompt])

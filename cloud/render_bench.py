@@ -45,7 +45,21 @@ from pathlib import Path
 import torch
 from sakura.cloud.render import EngineConfig, RenderEngine, RenderRequest
 from sakura.cloud.render_trace import bursty_arrivals, replay, request_factory
+from sakura.dit.adapters.base import Conditioning
+from sakura.dit.adapters.tiny import tiny_transformer
 from sakura.dit.regional import RegionalConfig
+from sakura.dit.regional_bench import (
+    ImageAccumulator,
+    edit_bench,
+    eps_sweep,
+    eval_prompts,
+    paper_study,
+    quality_bench,
+    references,
+)
+from sakura.dit.templates import load_catalog
+from sakura.dit.text import TextEncoder
+from sakura.dit.weights import load_model, metadata
 
 
 def _config(steps: int, **kw) -> RegionalConfig:
@@ -124,8 +138,6 @@ def _served_quality(full: list, regional: list) -> dict:
     """PSNR / SSIM of each served regional image against the served full image of the
     same arrival (the replays share one trace, so results pair up in trace order): the
     quality the replay's throughput was bought with."""
-    from sakura.dit.regional_bench import ImageAccumulator
-
     acc = ImageAccumulator()
     for f, g in zip(full, regional):
         for a, b in zip(f.results, g.results):
@@ -170,9 +182,6 @@ def adapter_bench(kinds=("flux2", "sd3.5"), *, steps: int = 10, grid: int = 16,
     checkpoint folders) through the render engine; PSNR of the latents vs full."""
     import math
     import tempfile
-
-    from sakura.dit.adapters.base import Conditioning
-    from sakura.dit.adapters.tiny import tiny_transformer
 
     names = {"flux2": "flux2", "sd3.5": "sd3"}
     cfg = cfg or replace(_config(steps), patches=4)
@@ -227,18 +236,6 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
               requests: int | None = None, serve: bool = True, serve_size: int = 128) -> dict:
-    from sakura.dit.regional_bench import (
-        edit_bench,
-        eps_sweep,
-        eval_prompts,
-        paper_study,
-        quality_bench,
-        references,
-    )
-    from sakura.dit.templates import load_catalog
-    from sakura.dit.text import TextEncoder
-    from sakura.dit.weights import load_model, metadata
-
     torch.manual_seed(0)
     model = load_model(weights)
     enc = TextEncoder()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sakura.cloud.cli import listen
+
 from sakura.argtypes import (
     SEED_LIMIT,
     json_out,
@@ -22,12 +24,13 @@ from sakura.argtypes import (
     seed_below,
 )
 from sakura.errors import SakuraError
+from sakura.output import write_json
 
 
 def _engine(args: argparse.Namespace):
-    from sakura.cloud.render import EngineConfig, RenderEngine
-    from sakura.dit.regional import RegionalConfig
-    from sakura.dit.text import TextEncoder
+    from sakura.cloud.render import EngineConfig, RenderEngine  # lazy: torch
+    from sakura.dit.regional import RegionalConfig  # lazy: torch
+    from sakura.dit.text import TextEncoder  # lazy: torch
 
     cfg = EngineConfig(workers=args.workers, weights=args.weights, priority=args.priority,
                        device=args.device, preempt=args.preempt,
@@ -41,13 +44,11 @@ def _engine(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from sakura.cloud.cli import listen
-
     _check_weights(args)
     sock = listen(args.host, args.port)  # before the workers start: a port in use costs nothing
     fd = sock.detach()
-    from sakura.cloud.render_http import create_render_app
-    from sakura.cloud.runner import run
+    from sakura.cloud.render_http import create_render_app  # lazy: torch
+    from sakura.cloud.runner import run  # lazy: web stack
 
     with _engine(args) as engine:
         run(create_render_app(engine), args.host, args.port, fd=fd, log_level=args.log_level)
@@ -62,8 +63,8 @@ def _check_weights(args: argparse.Namespace) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from sakura.cloud.render import RenderRequest
-    from sakura.cloud.render_trace import (
+    from sakura.cloud.render import RenderRequest  # lazy: torch
+    from sakura.cloud.render_trace import (  # lazy: torch
         bursty_arrivals,
         load_trace,
         poisson_arrivals,
@@ -85,8 +86,6 @@ def _replay(args: argparse.Namespace) -> int:
         summary = result.summary()
         summary["engine"] = {k: v for k, v in engine.metrics().items() if k != "workers"}
     if args.json:
-        from sakura.output import write_json
-
         write_json(args.json, summary)
     print(f"render replay: {summary['requests']} requests in {summary['makespan_s']:.2f} s "
           f"({summary['throughput_rps']:.2f} req/s), latency p50 "
@@ -124,13 +123,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _bench_flashdiff(args: argparse.Namespace) -> int:
     _check_weights(args)
-    from sakura.cloud.render import EngineConfig, size_problem
-    from sakura.dit.model import MMDiTConfig
+    from sakura.cloud.render import EngineConfig, size_problem  # lazy: torch
+    from sakura.dit.model import MMDiTConfig  # lazy: torch
 
     problem = size_problem(args.serve_size, MMDiTConfig.patch_size, EngineConfig.max_size)
     if problem:
         raise SakuraError(f"--serve-size: {problem}")
-    from sakura.cloud.render_bench import main
+    from sakura.cloud.render_bench import main  # lazy: torch
 
     return main(args.json, args.quick, args.weights, args.workers, args.requests,
                 serve=not args.no_serve, serve_size=args.serve_size)

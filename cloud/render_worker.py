@@ -31,6 +31,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from sakura.dit.adapters.base import Conditioning
+from sakura.dit.adapters.regional import AdapterRegional
+from sakura.dit.adapters.registry import load_adapter
+from sakura.dit.regional import KVStore
+from sakura.dit.regional_mmdit import generation_backend
+from sakura.dit.weights import load_model
 
 
 class ResyncNeeded(Exception):
@@ -74,13 +80,9 @@ class _Worker:
 
     def make_backend(self, spec: dict):
         if spec["kind"] == "mmdit":
-            from sakura.dit.regional_mmdit import generation_backend
-
             txt = _t(spec["txt"])
             unc = _t(spec["txt_uncond"]) if spec["txt_uncond"] is not None else None
             return generation_backend(self.model, txt, unc, spec["size"], spec["guidance"])
-        from sakura.dit.adapters.base import Conditioning
-        from sakura.dit.adapters.regional import AdapterRegional
 
         a = self.model
 
@@ -120,8 +122,6 @@ class _Worker:
         return rep
 
     def run(self, p: dict) -> dict:
-        from sakura.dit.regional import KVStore
-
         rid, step = p["rid"], p["step"]
         be = self.backend(rid, p.get("spec"))
         x = _t(p["x"])
@@ -177,12 +177,8 @@ def worker_main(wid: int, inbox, conn, weights: str | None, device: str, threads
     torch.set_num_threads(max(1, threads))
     dev = pick_device(wid, device)
     if model_name:
-        from sakura.dit.adapters.registry import load_adapter
-
         model = load_adapter(model_name, model_path, device=dev)
     else:
-        from sakura.dit.weights import load_model
-
         model = load_model(weights).to(dev)
     worker = _Worker(model)
     conn.send(("ready", wid, os.getpid(), dev))

@@ -17,9 +17,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sakura.traces.catalog import TRACE_SETS, default_trace_dir, find_trace_files, trace_set
+from sakura.traces.catalog import (
+    TRACE_SETS,
+    default_trace_dir,
+    find_trace_files,
+    mixed_trace,
+    trace_set,
+)
 from sakura.traces.errors import TraceError
-from sakura.traces.formats import load_trace
+from sakura.traces.formats import load_trace, write_mahimahi
 
 from sakura.argtypes import json_out, positive_float, seed
 from sakura.output import write_json
@@ -150,9 +156,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_mahimahi(args: argparse.Namespace) -> int:
-    from sakura.traces.catalog import mixed_trace, trace_set
-    from sakura.traces.formats import write_mahimahi
-
     if (args.path is None) == (args.mixed is None):
         raise TraceError("give a trace file or --mixed SEED (one of them)")
     if args.mixed is not None:
@@ -174,7 +177,7 @@ def _cmd_mahimahi(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_link(args: argparse.Namespace) -> int:
-    from sakura.traces.bench import run_link_bench
+    from sakura.traces.bench import run_link_bench  # lazy: CLI --help stays fast
 
     report = run_link_bench(
         args.paths,
