@@ -293,7 +293,7 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
                 req: EditRequest, *, cache_refs: bool = True, reuse_text_kv: bool = False,
                 hook_factory=None, on_step=None, start_step: int = 0,
                 x_start: torch.Tensor | None = None, on_latent=None,
-                stale_max_age: int = STALE_MAX_AGE) -> torch.Tensor:
+                stale_max_age: int | None = None) -> torch.Tensor:
     """The device path: only text + masked (+ reference) tokens are computed; the template
     cache of the unmasked tokens comes from ``provider``, step by step, block by block.
 
@@ -303,7 +303,8 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     sees the masked latent entering step ``s``; ``start_step`` with that ``x_start`` resumes
     an edit there (output-PSNR profiling re-runs only the steps after a changed shard).
     A step whose cache is late (``StepLate``) runs on each block's last K/V if it is at most
-    ``stale_max_age`` steps old (``dit.stale``; 0: never), else with every token.
+    ``stale_max_age`` steps old (``dit.stale``; 0: never; None: the provider's
+    ``stale_max_age``, else :data:`~dit.stale.STALE_MAX_AGE`), else with every token.
     """
     from sakura.dit.refcache import ReferenceKV, reference_tokens, text_kv_segments
 
@@ -319,6 +320,8 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     text_kv = None
     trajectory = None  # the unmasked tokens' (for a step computed locally), made once
     # a late step reuses each block's last K/V when it is recent enough (dit/stale.py)
+    if stale_max_age is None:
+        stale_max_age = int(getattr(provider, "stale_max_age", STALE_MAX_AGE))
     kept = (StaleReuse(provider, model.cfg.num_blocks, stale_max_age)
             if stale_max_age > 0 and hook_factory is None else None)
 

@@ -53,6 +53,7 @@ from sakura.dit.editing import (
     template_noise,
 )
 from sakura.dit.model import MMDiT, patchify
+from sakura.dit.stale import STALE_MAX_AGE
 from sakura.edge import RUNTIMES
 from sakura.edge.backends.base import ArtifactCache, ArtifactKey, default_cache_dir
 from sakura.edge.backends.shard import ShardBounds, ShardGeometry, ShardModule, example_inputs
@@ -368,18 +369,20 @@ class NativeEngine:
         return out
 
     def local_steps(self, template: Template, geo: Geometry, req: EditRequest,
-                    exec_s: list[float], measured_step_s: float | None = None
-                    ) -> dict[str, Any]:
+                    exec_s: list[float], measured_step_s: float | None = None,
+                    stale_max_age: int = STALE_MAX_AGE) -> dict[str, Any]:
         """The local fallback's part of ``run_stream``: the full graphs (compiled the first
         time, as ``local``'s), their inputs, the masked tokens' rows and ``step_s``, the
-        wait bound of one local step (:func:`~edge.pipeline.local_wait_s`)."""
+        wait bound of one local step (:func:`~edge.pipeline.local_wait_s`), and the oldest
+        K/V a late step may reuse before one is computed locally (``dit.stale``)."""
         full_geo = self.geometry(template, geo, req, full=True)
         graphs = self.graphs(full_geo, step_groups(self.model.cfg.num_blocks,
                                                    self.model.cfg.num_blocks))
         step_s = local_wait_s(measured_step_s, exec_s, template.steps,
                               len(geo.masked) + len(geo.unmasked), len(geo.masked))
         return {"graphs": graphs, "inputs": self.inputs(template, geo, req, full_geo),
-                "masked": [int(i) for i in geo.masked], "step_s": float(step_s)}
+                "masked": [int(i) for i in geo.masked], "step_s": float(step_s),
+                "stale_max_age": int(stale_max_age)}
 
     def streamed_edit(self, template: Template, geo: Geometry, req: EditRequest,
                       stream: dict[str, Any], allocator: Any, monitor: Any, progress: Any,

@@ -71,6 +71,7 @@ from typing import Any, TypeVar
 
 import torch
 from sakura.dit.cache import StepLate
+from sakura.dit.stale import STALE_MAX_AGE
 from sakura.edge.client import Fetched, Transfer
 from sakura.edge.errors import EdgeError
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress, Window
@@ -169,6 +170,7 @@ class ShardRecord:
     local: bool = False
     outage: bool = False
     refinements: int = 0          # extensions of its received configuration (refinement)
+    stale_from: int | None = None  # its step ran on this earlier step's K/V (stale reuse)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -212,6 +214,7 @@ class PipelineStats:
     hedges: int = 0
     damaged: list[str] = field(default_factory=list)
     local_steps: int = 0  # steps computed on the device (the local fallback)
+    stale_steps: int = 0  # late steps run on each block's last K/V (stale reuse)
     outage_fallbacks: int = 0  # of them, begun early on outage evidence (no byte for the wait)
     refinements: int = 0  # received configurations extended before their shard ran
 
@@ -275,6 +278,7 @@ def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
         hedges=sum(int(r.get("hedges") or 0) for r in records),
         damaged=[r["damage"] for r in records if r.get("damage")],
         local_steps=len({r["step"] for r in records if r.get("local")}),
+        stale_steps=len({r["step"] for r in records if r.get("stale_from") is not None}),
         outage_fallbacks=len({r["step"] for r in records if r.get("outage")}),
         refinements=sum(int(r.get("refinements") or 0) for r in records))
 
@@ -307,6 +311,7 @@ class Pipeline:
                  max_ahead_cap: int | None = None,
                  fallbacks: Fallbacks | None = None,
                  local_step_s: float | None = None,
+                 stale_max_age: int = STALE_MAX_AGE,
                  extensions: Fallbacks | None = None, fetch_more: FetchMore | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_ahead < 1 or max_ready < 1:
@@ -343,7 +348,9 @@ class Pipeline:
         # the local fallback: one full-token step's time (None: off), whether the last step
         # ran locally (its next step's first shard is then not waited for)
         self.local_step_s = local_step_s
+        self.stale_max_age = int(stale_max_age)
         self._local_mode = False
+        self._stale_wait_s: float | None = None  # the wait after a stale step (ran_stale)
         # the link's last body byte and when transfers were last out again (outage
         # evidence; the client's clock, time.monotonic)
         self._last_byte = self._busy_since = 0.0
@@ -774,7 +781,28 @@ class Pipeline:
         if self.local_step_s is None:
             return None
         first = j == 0 or self.shard_blocks[j - 1][0] != self.shard_blocks[j][0]
-        return 0.0 if first and self._local_mode else self.local_step_s
+        if first and self._local_mode:
+            return 0.0
+        if first and self._stale_wait_s is not None:
+            return self._stale_wait_s
+        return self.local_step_s
+
+    def ran_stale(self, step: int, sources: dict[int, int], compute_s: float) -> None:
+        """(From the executing thread, after the step.) Step ``step``, which :meth:`get`
+        gave up on (``StepLate``), ran on each block's last K/V (``sources``: block -> the
+        step it came from; ``dit.stale``) in ``compute_s``: its shards that had not run say
+        ``stale_from`` instead of local, and the next step's first shard is waited for what
+        the stale step saved against a local one (the native ``run_edit``'s rule)."""
+        with self._cond:
+            for i, (s, blocks) in enumerate(self.shard_blocks):
+                if s != step:
+                    continue
+                src = min(sources.get(b, step) for b in blocks)
+                self.records[i].local = False
+                if src < step:  # (== step: that group ran on its own K/V before the wait)
+                    self.records[i].stale_from = src
+            self._local_mode = False
+            self._stale_wait_s = max(0.0, float(self.local_step_s or 0.0) - compute_s)
 
     def _link_silent(self, bound: float) -> bool:
         """Outage evidence: transfers are out, none in a retry backoff, and the link has
@@ -865,6 +893,7 @@ class Pipeline:
             first = j == 0 or self.shard_blocks[j - 1][0] != self.shard_blocks[j][0]
             if first:
                 self._local_mode = False
+                self._stale_wait_s = None
             tensors = self._ready[j]
             # the start is stamped before the other stages can see the slot it frees
             start = self.clock()
@@ -883,6 +912,11 @@ class ShardProvider:
 
     def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
+        # the oldest K/V a late step may reuse (dit.cached_edit reads it; 0: never)
+        self.stale_max_age = pipeline.stale_max_age
 
     def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._pipeline.get(step, block)
+
+    def ran_stale(self, step: int, sources: dict[int, int], compute_s: float) -> None:
+        self._pipeline.ran_stale(step, sources, compute_s)

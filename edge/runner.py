@@ -212,7 +212,7 @@ class PythonRunner:
                         describe=job.describe, config_bytes=config_bytes,
                         max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
                         max_ahead_cap=opts.max_ahead_cap, fallbacks=fallbacks,
-                        local_step_s=local_s,
+                        local_step_s=local_s, stale_max_age=opts.stale_max_age,
                         extensions=extensions if opts.refine else None,
                         fetch_more=fetch_more)
         pipe.start(job.net)
@@ -387,7 +387,8 @@ class NativeRunner:
             pipeline_cpus=opts.pipeline_cpus, refine=opts.refine)
         prep = job.prep
         local = (native.local_steps(prep.template, prep.geometry, job.req, job.exec_s,
-                                    measured_step_s=job.local_step_s)
+                                    measured_step_s=job.local_step_s,
+                                    stale_max_age=opts.stale_max_age)
                  if opts.local_fallback else None)
         image, records, requests = native.streamed_edit(
             prep.template, prep.geometry, job.req, stream,

@@ -69,6 +69,7 @@ from sakura.codec.shards import ShardLayout
 from sakura.dit.adapters.engine import DefaultEngine, EditEngine, Prepared
 from sakura.dit.editing import EditRequest, Template
 from sakura.dit.model import MMDiT
+from sakura.dit.stale import STALE_MAX_AGE
 from sakura.edge.allocator import PolicyContext, get_policy, options_from_manifest
 from sakura.edge.backends.base import BackendConfig
 from sakura.edge.backends.executor import DeviceBackend
@@ -182,6 +183,8 @@ class EditResult:
     # of the local fallbacks, those begun at once because the link had carried no byte for
     # one local step while requests were out (outage evidence), not after waiting one out
     outage_fallbacks: int = 0
+    # late steps run on each block's last K/V instead (stale reuse, dit/stale.py)
+    stale_steps: int = 0
     # received configurations extended by one more range of the pack before their shard
     # ran (prefix refinement: the link was faster than the choice assumed)
     refinements: int = 0
@@ -242,6 +245,7 @@ class EditResult:
             "truncations": self.truncations, "hedges": self.hedges,
             "local_fallbacks": self.local_fallbacks,
             "outage_fallbacks": self.outage_fallbacks,
+            "stale_steps": self.stale_steps,
             "refinements": self.refinements,
             "startup_allowance_s": self.startup_allowance_s,
             "exec_s": self.exec_s, "requests": self.requests,
@@ -304,6 +308,10 @@ class EditOptions:
     # in within one local step's predicted time is computed on the device with every token,
     # as `local` does, and so is each next step until a shard is in when its step begins
     local_fallback: bool = True
+    # stale reuse (both runtimes; dit/stale.py): a late step runs on each block group's last
+    # K/V if it is at most this many steps old, instead of computing the step with every
+    # token (docs/bench/stale-reuse.json chose 3; 0: never)
+    stale_max_age: int = STALE_MAX_AGE
     # prefix refinement (both runtimes; issue 28 item 5): while the link is idle and no
     # shard may be requested yet, a received shard whose execution is at least twice the
     # extension's expected time away is extended to a larger configuration of its policy by
@@ -706,7 +714,8 @@ class EdgeRuntime:
         result.full_quality_byte_fraction = got_q["full_quality_byte_fraction"]
         result.psnr_estimate_db = got_q["psnr_estimate_db"]
         result.shards_below_largest = got_q["shards_below_largest"]
-        result.phases = setup_phases(origin, got, loop_start[:1], first_byte_s, allowance)
+        result.phases = setup_phases(origin, got, loop_start[:1], first_byte_s, allowance,
+                                     latency_s=latency)
         return result
 
     @staticmethod
@@ -727,7 +736,7 @@ class EdgeRuntime:
             manifest_bytes=raw_len, stalls=stats.stalls, stall_s=stats.stall_s,
             truncations=stats.truncations, hedges=stats.hedges,
             local_fallbacks=stats.local_steps, outage_fallbacks=stats.outage_fallbacks,
-            refinements=stats.refinements,
+            stale_steps=stats.stale_steps, refinements=stats.refinements,
             startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
             params=[r["params"] for r in timeline], timeline=timeline,
             predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),

@@ -21,6 +21,7 @@ from sakura.cloud.server import create_app
 from sakura.cloud.storage import LocalStorage
 from sakura.codec.pack import Manifest, decode_config
 from sakura.dit.editing import Geometry, cached_edit
+from sakura.dit.stale import STALE_MAX_AGE
 from sakura.edge.client import PackClient, RetryPolicy
 from sakura.edge.errors import EdgeError, IntegrityError, ServerUnreachable
 from sakura.edge.netem import shaped
@@ -428,13 +429,14 @@ def test_an_outage_mid_edit_runs_the_rest_locally_after_the_shards_that_arrived(
     with Server(OutageAfter(create_app(LocalStorage(world.catalog_dir)), 3)) as server:
         res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                       options=EditOptions(initial_rate_bps=50e6, max_inflight=1,
-                                          max_ahead=1))
+                                          max_ahead=1, stale_max_age=0))
     local = [r["local"] for r in res.timeline]
     assert not local[0] and any(local)
     first_local = local.index(True)
     assert all(local[first_local:])  # once local, no shard can rejoin during the outage
     assert all(r["bytes"] > 0 for r in res.timeline[:first_local])
     assert res.local_fallbacks == len({r["step"] for r in res.timeline if r["local"]})
+    assert res.stale_steps == 0
     # a step is local as a whole: a group that had run before its step's next group was
     # late says local too, and keeps the times it ran at (never an end before its start)
     steps = {r["step"]: [q["local"] for q in res.timeline if q["step"] == r["step"]]
@@ -442,6 +444,28 @@ def test_an_outage_mid_edit_runs_the_rest_locally_after_the_shards_that_arrived(
     assert all(all(v) or not any(v) for v in steps.values()), steps
     assert all(r["exec_start"] <= r["exec_end"] for r in res.timeline), res.timeline
 
+
+@BOTH
+def test_an_outage_mid_edit_reuses_each_groups_last_kv_for_three_steps(
+        world, runtime, native_runtime, which):
+    """Stale reuse (dit/stale.py, the native run_edit): shards 0-2 arrive (step 0 and the
+    first group of step 1), then nothing. Step 1 runs its first group on its own K/V and its
+    second on step 0's; steps 2 and 3 run on steps 1 and 0's (ages up to 3, the cap), so no
+    step is computed with every token. Both runtimes name the same sources."""
+    req = runtime.request(PROMPT, SEED)
+    rt = native_runtime if which == "native" else runtime
+    with Server(OutageAfter(create_app(LocalStorage(world.catalog_dir)), 3)) as server:
+        res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                      options=EditOptions(initial_rate_bps=50e6, max_inflight=1,
+                                          max_ahead=1))
+    assert world.template.steps == 4 and STALE_MAX_AGE == 3
+    got = [(r["shard"], r["bytes"] > 0, r["local"], r.get("stale_from"))
+           for r in res.timeline]
+    assert got == [(0, True, False, None), (1, True, False, None), (2, True, False, None),
+                   (3, False, False, 0), (4, False, False, 1), (5, False, False, 0),
+                   (6, False, False, 1), (7, False, False, 0)], got
+    assert res.stale_steps == 3 and res.local_fallbacks == 0
+    assert all(r["exec_start"] <= r["exec_end"] for r in res.timeline), res.timeline
 
 class Trickle:
     """ASGI wrapper: pack GETs send their real bytes one per ``gap_s`` (a link that still
@@ -483,11 +507,12 @@ def test_a_silent_link_ends_the_wait_before_a_local_step_a_slow_one_does_not(
     link had been quiet before the third shard's wait began. A link that still delivers
     bytes is never taken for an outage: its first local step comes after the whole bound,
     unflagged, and the edit equals ``local``'s image. (The bound is set to 1 s here so that
-    it, not 3 request latencies of a loaded machine, decides.)"""
+    it, not 3 request latencies of a loaded machine, decides. Stale reuse is off: the rule
+    is the same for a stale step, which the test below covers.)"""
     req = runtime.request(PROMPT, SEED)
     rt = native_runtime if which == "native" else runtime
     local = rt.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
-    opts = EditOptions(initial_rate_bps=50e6)
+    opts = EditOptions(initial_rate_bps=50e6, stale_max_age=0)
     with serve(world) as server:  # the layout's profile, with its measured local step
         rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
     saved = {k: p.local_step_s for k, p in rt.profiles.items()}

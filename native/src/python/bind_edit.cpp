@@ -85,6 +85,7 @@ const RecordField kRecordFields[] = {
     {"outage", "bool", [](const Record& r) -> py::object { return py::bool_(r.outage); }},
     {"refinements", "int",
      [](const Record& r) -> py::object { return py::int_(r.refinements); }},
+    {"stale_from", "int | None", [](const Record& r) { return none_if_negative(r.stale_from); }},
 };
 
 // The record as a dict of every field, in the table's order (the JSON timeline's keys).
@@ -354,7 +355,8 @@ py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dic
                      const py::object& local) {
   sakura::EditInputs in = edit_inputs(inputs);
   // the local fallback: {"graphs": full EditGraphs, "inputs": full inputs, "masked": rows,
-  // "step_s": one local step's predicted time}
+  // "step_s": one local step's predicted time, "stale_max_age": the oldest K/V a late step
+  // may reuse (optional; kStaleMaxAge)}
   std::shared_ptr<PyEditGraphs> full_graphs;
   sakura::EditInputs full_in;
   sakura::LocalSteps steps;
@@ -367,6 +369,7 @@ py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dic
     steps.inputs = &full_in;
     steps.masked = d["masked"].cast<std::vector<std::int64_t>>();
     steps.step_s = d["step_s"].cast<double>();
+    if (d.contains("stale_max_age")) steps.stale_max_age = d["stale_max_age"].cast<int>();
   }
   sakura::StreamSpec spec;
   const auto table = stream["shards"].cast<std::shared_ptr<StreamTable>>();

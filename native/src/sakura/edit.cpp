@@ -641,7 +641,7 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
   return ready_.count(j) > 0;
 }
 
-void StreamFeed::skip(int j) {
+void StreamFeed::skip(int j, int stale_from) {
   const double now = now_s();
   end_current(j, now);
   bool ran = false, ended = false;  // j had run as a cached group (stamped only now)
@@ -658,7 +658,8 @@ void StreamFeed::skip(int j) {
       rec.local = true;
       ready_.erase(j);
     } else {
-      rec.local = true;
+      rec.local = stale_from < 0;
+      rec.stale_from = stale_from;
       rec.exec_start = now - spec_.origin;
       executing_ = j;
       pending_.erase(j);
@@ -827,11 +828,18 @@ class StepRunner {
   std::int64_t tokens() const { return M_; }
   std::int64_t patch() const { return P_; }
 
+  // The step whose K/V group g last ran on (-1: none yet), kept for stale reuse.
+  int kept_step(std::size_t g) const { return kept_step_.empty() ? -1 : kept_step_[g]; }
+
   // Step s on x ([1, M, P], updated): the pinned tokens set to the template trajectory
   // first (full graphs); cached graphs take shard s * groups + g's K/V from the feed. With
   // wait_s >= 0 (the local fallback), a group whose shard is not ready within wait_s (the
-  // first group) or local_s (the others) ends the step early: false, x unchanged.
-  bool step(int s, std::vector<float>& x, double wait_s = -1, double local_s = 0) {
+  // first group) or local_s (the others) ends the step early: false, x unchanged. With
+  // stale, every group runs on the K/V it last ran on (kept_step) and the feed is not asked.
+  bool step(int s, std::vector<float>& x, double wait_s = -1, double local_s = 0,
+            bool stale = false) {
+    const auto begin = std::chrono::steady_clock::now();
+    double waited = 0;  // in the feed (its waits are not the step's compute)
     if (!in_.pinned.empty()) {
       const float t = in_.t[s];
       for (auto tok : in_.pinned) {
@@ -850,9 +858,27 @@ class StepRunner {
                                       {in_.cos.data(), rope_sizes_}, {in_.sin.data(), rope_sizes_}};
       if (g_.takes_cache) {
         const int shard = static_cast<int>(s * groups_ + g);
-        if (wait_s >= 0 && !feed_->ready_within(shard, g == 0 ? wait_s : local_s)) return false;
-        const float* kv = feed_->acquire(shard);
         const std::int64_t n = kv_sizes_[0] * kv_sizes_[1];
+        const float* kv;
+        if (stale) {
+          if (kept_step(g) < 0) throw std::logic_error("stale reuse before any K/V arrived");
+          kv = kept_[g].data();
+        } else {
+          const auto w0 = std::chrono::steady_clock::now();
+          if (wait_s >= 0 && !feed_->ready_within(shard, g == 0 ? wait_s : local_s)) {
+            return false;
+          }
+          kv = feed_->acquire(shard);
+          waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+          if (keep_) {  // acquire's matrices live until the next acquire: keep a copy
+            if (kept_.empty()) {
+              kept_.resize(groups_);
+              kept_step_.assign(groups_, -1);
+            }
+            kept_[g].assign(kv, kv + 2 * g_.group_blocks[g] * n);
+            kept_step_[g] = s;
+          }
+        }
         for (int m = 0; m < 2 * g_.group_blocks[g]; ++m) args.push_back({kv + m * n, kv_sizes_});
       }
       g_.groups[g]->run(args, {txt_next_.data(), img_next_.data()});
@@ -866,8 +892,13 @@ class StepRunner {
                       {&dt, one}, {&guidance, one}},
                      {x_next_.data()});
     x.swap(x_next_);
+    compute_s_ =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() - waited;
     return true;
   }
+
+  // The compute time of the last step that ran (its waits for the feed left out).
+  double compute_s() const { return compute_s_; }
 
  private:
   EditGraphs& g_;
@@ -878,6 +909,14 @@ class StepRunner {
   std::int64_t P_ = 0, M_ = 0, txt_n_ = 0, vec_n_ = 0;
   std::vector<std::int64_t> x_sizes_, img_sizes_, txt_sizes_, vec_sizes_, rope_sizes_, kv_sizes_;
   std::vector<float> x_next_, img_, img_next_, txt_, txt_next_;
+
+ public:
+  bool keep_ = false;  // keep each group's last K/V (stale reuse)
+
+ private:
+  double compute_s_ = 0;
+  std::vector<std::vector<float>> kept_;
+  std::vector<int> kept_step_;
 };
 
 }  // namespace
@@ -905,14 +944,41 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed*
   }
   std::vector<float> x = in.x;
   const std::int64_t P = cached.patch();
-  bool local_mode = false;
+  cached.keep_ = full != nullptr && local->stale_max_age > 0;
+  if (local) local->stale_steps = 0;
+  enum class Mode { OnTime, Stale, Local } mode = Mode::OnTime;
+  double cached_step_s = 0;  // the last cached step's time (a stale step costs as much)
   try {
     if (feed) feed->start();
     for (int s = 0; s < cached.steps(); ++s) {
       if (cancel.load()) throw Cancelled();
       const int first = static_cast<int>(s * cached.groups());
-      // one local step's wait at most when the stream was on time; none while local
-      if (full && !cached.step(s, x, local_mode ? 0.0 : local->step_s, local->step_s)) {
+      // the wait for a step's first shard: one local step when the stream was on time; after
+      // a stale step what it saved against a local one (so a run of them is never slower
+      // than local steps); none after a local step
+      const double wait = !full ? -1.0
+                          : mode == Mode::OnTime ? local->step_s
+                          : mode == Mode::Stale  ? std::max(0.0, local->step_s - cached_step_s)
+                                                 : 0.0;
+      const bool on_time = !full || cached.step(s, x, wait, local->step_s);
+      if (!on_time) {
+        // stale reuse: every group's kept K/V at most stale_max_age steps old
+        int oldest = s;
+        for (std::size_t g = 0; g < cached.groups(); ++g) {
+          const int k = cached.kept_step(g);
+          oldest = k < 0 ? -1 : std::min(oldest, k);
+        }
+        if (oldest >= 0 && s - oldest <= local->stale_max_age) {
+          for (std::size_t g = 0; g < cached.groups(); ++g) {
+            const int k = cached.kept_step(g);
+            if (k != s) feed->skip(first + static_cast<int>(g), k);  // (k == s: it ran now)
+          }
+          cached.step(s, x, -1, 0, /*stale=*/true);
+          cached_step_s = cached.compute_s();
+          local->stale_steps += 1;
+          mode = Mode::Stale;
+          continue;
+        }
         for (std::size_t g = 0; g < cached.groups(); ++g) feed->skip(first + static_cast<int>(g));
         for (std::size_t i = 0; i < local->masked.size(); ++i) {
           std::copy_n(x.begin() + static_cast<std::ptrdiff_t>(i) * P, P,
@@ -924,11 +990,12 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed*
                       x.begin() + static_cast<std::ptrdiff_t>(i) * P);
         }
         local->steps += 1;
-        local_mode = true;
+        mode = Mode::Local;
         continue;
       }
-      local_mode = false;
       if (!full) cached.step(s, x);
+      cached_step_s = cached.compute_s();
+      mode = Mode::OnTime;
     }
   } catch (...) {
     if (feed) feed->cancel();
