@@ -29,16 +29,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sakura.codec.pack import Manifest, decode_config
+from sakura.cloud.build import BuildConfig, build
+from sakura.codec.pack import Manifest, PackReader, decode_config
 from sakura.dit.editing import EditRequest, Template
+from sakura.dit.templates import load_catalog
+from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
 from sakura.edge.allocator import ABLATION_PACK, ABLATIONS, POLICIES
 from sakura.edge.client import PackClient
 from sakura.edge.errors import EdgeError
 from sakura.edge.netem import matched_rtt_ms, shaped
+from sakura.edge.quality import psnr, ssim
 from sakura.edge.runtime import EdgeRuntime, EditOptions, EditResult
+from sakura.edge.timeline import plot_timeline
+from sakura.traces import load_trace, trace_set
 from sakura.traces.impair import DEFAULT_RTT_MS
+from sakura.traces.linkproc import pin, split_cpus
 
 from sakura.atomic import write_atomic
+from sakura.errors import SakuraError
 
 DEFAULT_POLICIES = ("local", "fp16", "intq", "cachegen", "svd", "sakura",
                     "sakura-fixed-config", "sakura-fixed-bits")
@@ -72,8 +80,6 @@ class ServerProcess:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         sock.close()
         if self.cpus:
-            from sakura.traces.linkproc import pin
-
             pin(self.proc.pid, self.cpus)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -123,8 +129,6 @@ def build_packs(out_dir: Path, template_id: str, weights: Path, catalog: str | N
                 force: bool = False, log: Any = print) -> Path:
     """Build and publish the template's packs with the provider's builder (``sakura
     build``: every codec, importance profiling, template assets in the catalog entry)."""
-    from sakura.cloud.build import BuildConfig, build
-
     build(BuildConfig(catalog=catalog, out_dir=str(out_dir), templates=(template_id,),
                       weights=str(weights), force=force), log=log)
     return out_dir
@@ -132,10 +136,6 @@ def build_packs(out_dir: Path, template_id: str, weights: Path, catalog: str | N
 
 def catalog_usable(catalog_dir: Path, template_id: str) -> bool:
     """Every pack of ``template_id`` opens and its first shard decodes with this codec."""
-    from sakura.codec.pack import PackReader
-
-    from sakura.errors import SakuraError
-
     try:
         doc = json.loads((catalog_dir / "catalog.json").read_text())
         codecs = doc["templates"][template_id]["codecs"]
@@ -310,15 +310,10 @@ class BenchSpec:
 
 
 def default_trace() -> Path:
-    from sakura.traces import trace_set
-
     return trace_set("5g")[0]
 
 
 def run_bench(spec: BenchSpec) -> dict[str, Any]:
-    from sakura.dit.templates import load_catalog
-    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-
     for p in spec.policies:
         if p not in POLICIES:
             raise EdgeError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
@@ -366,8 +361,6 @@ def run_bench(spec: BenchSpec) -> dict[str, Any]:
 def _pin_device() -> tuple[set[int], set[int]] | None:
     """Pin this process (the device runtime) to all CPUs but one and return ``(device,
     network)`` CPU sets, the network one for the server and the link; None with one CPU."""
-    from sakura.traces.linkproc import pin, split_cpus
-
     cpus = split_cpus()
     if cpus is not None:
         pin(0, cpus[0])
@@ -399,9 +392,6 @@ def bench_edit(spec: BenchSpec, runtime: EdgeRuntime, tid: str, template: Templa
                req: EditRequest, prompt: str, server: str, t_begin: float | None = None,
                cpus: tuple[set[int], set[int]] | None = None) -> dict[str, Any]:
     """Every policy of ``spec`` on one edit against ``server`` (which serves ``tid``)."""
-    from sakura.edge.timeline import plot_timeline
-    from sakura.traces import load_trace
-
     t_begin = time.monotonic() if t_begin is None else t_begin
     log = spec.log
     if runtime.runtime == "python":
@@ -601,8 +591,6 @@ def _finite_or_inf(x: float | None) -> float | str | None:
 
 def _vs_full(results: dict[str, list[EditResult]]) -> dict[str, Any] | None:
     """PSNR/SSIM of every system against ``full`` (the ``local`` edit: no cache reuse)."""
-    from sakura.edge.quality import psnr, ssim
-
     if not results.get("local"):
         return None
     full = results["local"][0].image

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sakura.argtypes import json_out, positive_int
+from sakura.errors import UsageError
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -39,11 +40,14 @@ def register(commands: Any, bench: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from sakura.errors import UsageError
-
     if not (args.json or args.export):
         raise UsageError("give --json PATH (or --export DIR)")
-    from sakura.edge.native_bench import NativeBenchConfig, export_shards, run, write_json
+    from sakura.edge.native_bench import (  # lazy: torch
+        NativeBenchConfig,
+        export_shards,
+        run,
+        write_json,
+    )
 
     cfg = NativeBenchConfig(pack_dir=Path(args.pack) if args.pack else None,
                             template=args.template, shards=args.shards,

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sakura.edge.errors import EdgeError
+from sakura.edge.replay.profile import DeviceProfile
 from sakura.traces import Trace, load_trace
 from sakura.traces.impair import DEFAULT_RTT_MS, Impairment
 from sakura.traces.linkproc import PacedLinkProcess
@@ -56,8 +57,7 @@ def matched_rtt_ms(rtt_ms: float, masked_exec_s: float, token_mask_ratio: float,
     ``edge.replay.config.ProfileSpec``, default the paper's phone), so that a 30 ms 5G
     round trip weighs against this host's ~10 ms shards what it weighs against the
     phone's ~100 ms ones. Unscaled, every shard request would cost three shard times."""
-    from sakura.edge.replay.config import ProfileSpec
-    from sakura.edge.replay.profile import DeviceProfile
+    from sakura.edge.replay.config import ProfileSpec  # lazy: pydantic
 
     spec = profile if profile is not None else ProfileSpec()
     phone = DeviceProfile(**dict(vars(spec))).masked_total_s(float(token_mask_ratio))

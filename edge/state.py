@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from sakura.edge.monitor import BandwidthMonitor
+
 # the 25th percentile of rate(t + age) / rate(t) over the 91 Lumos5G 5G traces
 # (trace_memory_stats at 1 s resolution): 0.88 at 1 s, 0.81 at 5 s, 0.73 at 10 s, 0.47 at
 # 30 s, 0.37 at 60 s, 0.31 at 120 s, 0.20 at 300 s; the median stays 0.97-1.04 up to 120 s.
@@ -119,8 +121,6 @@ class RateMemory:
         """A manifest request (``client.ManifestFetch``): a body is a rate sample (timed
         as the monitor times a lone transfer); a 304 moves no body and gives the request
         latency only, which keeps the estimate's age (it measured no rate)."""
-        from sakura.edge.monitor import BandwidthMonitor
-
         latency = max(0.0, float(got.first_byte) - float(got.start))
         if got.cached or not got.size:
             self.remember(server, None, latency)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from sakura.dit.editing import Template
+from sakura.dit.images import ImageError
+from sakura.dit.templates import device_template
 from sakura.edge.errors import EdgeError
 
 from sakura.argtypes import SEED_LIMIT
@@ -31,9 +33,6 @@ def template_from_entry(template_id: str, entry: dict[str, Any], encoder: Any = 
     recomputes the template trajectory: the entry's when it has one, else ``seed``, else
     -1 (unknown; the local policy refuses it).
     """
-    from sakura.dit.images import ImageError
-    from sakura.dit.templates import device_template
-
     if not has_assets(entry):
         raise EdgeError(f"the server's catalog entry of {template_id!r} has no template "
                         "assets (image, mask): rebuild it with `sakura build`, or pass "

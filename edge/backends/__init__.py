@@ -24,7 +24,7 @@ _LAZY = {"BackendConfig", "ExecutionBackend"}  # torch-backed: loaded on first u
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from sakura.edge.backends import base
+        from sakura.edge.backends import base  # lazy: torch
 
         return getattr(base, name)
     raise AttributeError(f"module 'sakura.edge.backends' has no attribute {name!r}")

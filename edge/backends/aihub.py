@@ -26,6 +26,8 @@ from typing import Any
 
 from sakura.edge.backends.errors import AIHubError
 
+from sakura.extras import install_hint
+
 TOKEN_ENV = "QAI_HUB_API_TOKEN"
 CONFIG_ENV = "QAIHUB_CLIENT_INI"
 DEFAULT_DEVICE = "Snapdragon 8 Elite QRD"
@@ -85,8 +87,6 @@ def load_hub(hub: ModuleType | None = None) -> ModuleType:
     try:
         import qai_hub
     except ImportError as exc:
-        from sakura.extras import install_hint
-
         raise AIHubError(f"AI Hub jobs need the qai-hub package ({QAI_HUB_PIN}): "
                          f"{install_hint('qai_hub')}") from exc
     return qai_hub

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sakura.edge.backends.errors import AIHubError
+
 
 def register(commands: Any, bench: Any) -> None:
     backends = commands.add_parser(
@@ -77,7 +79,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, kind: str):
-    from sakura.edge.backends.aihub import AIHubConfig
+    from sakura.edge.backends.aihub import AIHubConfig  # lazy: CLI --help stays fast
 
     base = AIHubConfig(device=args.device)
     if args.options is None:
@@ -98,8 +100,7 @@ def _write(args: argparse.Namespace, doc: dict[str, Any]) -> None:
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from sakura.edge.backends import aihub
-    from sakura.edge.backends.errors import AIHubError
+    from sakura.edge.backends import aihub  # lazy: CLI --help stays fast
 
     aihub.require_token()   # before any export or upload
     hub = aihub.load_hub()
@@ -120,7 +121,7 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace, onnx: Path, config: Any, hub: Any) -> int:
-    from sakura.edge.backends import aihub
+    from sakura.edge.backends import aihub  # lazy: CLI --help stays fast
 
     if args.profile:
         jobs = aihub.submit_shard_jobs(onnx, config, hub)
@@ -133,14 +134,13 @@ def _submit(args: argparse.Namespace, onnx: Path, config: Any, hub: Any) -> int:
 def export_template_shard(args: argparse.Namespace, out: Path) -> Path:
     """The ONNX graph of block group ``args.group`` of a catalog template's edit geometry
     (the same export the qnn backend compiles), written under ``out``."""
-    from sakura.dit.editing import Geometry
-    from sakura.dit.templates import load_catalog
-    from sakura.dit.text import TextEncoder
-    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-    from sakura.edge.backends.errors import AIHubError
-    from sakura.edge.backends.executor import edit_geometry, step_groups
-    from sakura.edge.backends.qnn_backend import ONNX_NAME, QnnBackend
-    from sakura.edge.backends.shard import ShardModule, example_inputs
+    from sakura.dit.editing import Geometry  # lazy: torch
+    from sakura.dit.templates import load_catalog  # lazy: torch
+    from sakura.dit.text import TextEncoder  # lazy: torch
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model  # lazy: torch
+    from sakura.edge.backends.executor import edit_geometry, step_groups  # lazy: torch
+    from sakura.edge.backends.qnn_backend import ONNX_NAME, QnnBackend  # lazy: torch
+    from sakura.edge.backends.shard import ShardModule, example_inputs  # lazy: torch
 
     catalog = load_catalog()
     if args.template not in catalog:
@@ -170,7 +170,7 @@ def export_template_shard(args: argparse.Namespace, out: Path) -> Path:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from sakura.edge.backends import aihub
+    from sakura.edge.backends import aihub  # lazy: CLI --help stays fast
 
     aihub.require_token()
     hub = aihub.load_hub()

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from sakura.dit.model import MMDiT
 from sakura.edge.backends.errors import BackendError, GeometryMismatch
-from sakura.edge.backends.shard import SHARD_FORMAT, ShardGeometry, ShardModule
+from sakura.edge.backends.shard import SHARD_FORMAT, ShardGeometry, ShardModule, example_inputs
 
 from sakura.atomic import publish_folder
 from sakura.cachedir import cache_dir as sakura_cache_dir
@@ -178,8 +178,6 @@ class ExecutionBackend(ABC):
                 weights: str | None = None) -> CompiledShard:
         """The compiled shard: loaded from the cache, else compiled, cached and loaded."""
         import time
-
-        from sakura.edge.backends.shard import example_inputs
 
         self.check_available()
         module = ShardModule(model, tuple(blocks), geometry, self.explicit_rms,

@@ -34,8 +34,9 @@ from sakura.dit.bench_kv import median_time
 from sakura.dit.cache import KVProvider
 from sakura.dit.editing import EditRequest, Geometry, Template, cached_edit, template_run
 from sakura.dit.model import MMDiT
-from sakura.edge.backends import BACKENDS, create_backend
+from sakura.edge.backends import BACKENDS, create_backend, phone_bench
 from sakura.edge.backends.base import BackendConfig, CompiledShard, weights_sha256
+from sakura.edge.backends.errors import BackendError
 from sakura.edge.backends.executor import ShardExecutor, edit_geometry, step_groups
 from sakura.edge.backends.shard import ShardGeometry
 from sakura.edge.quality import psnr
@@ -176,9 +177,6 @@ def _phone_side(model: MMDiT, template: Template, run: Any, cache: Any, req: Edi
                 doc: dict[str, Any]) -> dict[str, Any]:
     """The ``arm64``, ``opencl`` and ``qnn_quantized`` keys (``edge.backends.phone_bench``);
     a part that cannot run here reports ``{"error": why}``."""
-    from sakura.edge.backends import phone_bench
-    from sakura.edge.backends.errors import BackendError
-
     out: dict[str, Any] = {}
     if spec.phone:
         with tempfile.TemporaryDirectory(prefix="sakura-bench-pack-") as tmp:

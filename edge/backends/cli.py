@@ -8,10 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sakura.dit.cli import check_file, check_template
 from sakura.edge.backends import BACKENDS as NAMES
 from sakura.edge.backends.errors import BackendError
+from sakura.edge.cli import BACKEND_MODULES
 
 from sakura.argtypes import json_out, positive_int
+from sakura.extras import require
+from sakura.output import write_json
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -60,22 +64,15 @@ def register(commands: Any, bench: Any) -> None:
 
 
 def _bench_dynamic(args: argparse.Namespace) -> int:
-    from sakura.dit.cli import check_file, check_template
-    from sakura.edge.cli import BACKEND_MODULES
-
-    from sakura.extras import require
-
     check_template(args.template)
     check_file(args.weights, "--weights")
     require(*BACKEND_MODULES["executorch"], what="the executorch backend")
-    from sakura.dit.editing import Geometry
-    from sakura.dit.templates import load_catalog
-    from sakura.dit.text import TextEncoder
-    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-    from sakura.edge.backends.dynamic_bench import bench_dynamic
-    from sakura.edge.backends.executor import edit_geometry
-
-    from sakura.output import write_json
+    from sakura.dit.editing import Geometry  # lazy: torch
+    from sakura.dit.templates import load_catalog  # lazy: torch
+    from sakura.dit.text import TextEncoder  # lazy: torch
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model  # lazy: torch
+    from sakura.edge.backends.dynamic_bench import bench_dynamic  # lazy: torch
+    from sakura.edge.backends.executor import edit_geometry  # lazy: torch
 
     model = load_model(Path(args.weights) if args.weights else DEFAULT_WEIGHTS)
     catalog = load_catalog()
@@ -113,21 +110,16 @@ def _bench_dynamic(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from sakura.dit.cli import check_file, check_template
-    from sakura.edge.cli import BACKEND_MODULES
-
-    from sakura.extras import require
-
     check_template(args.template)
     check_file(args.weights, "--weights")
     for name in args.backends:
         if name in BACKEND_MODULES:
             require(*BACKEND_MODULES[name], what=f"the {name} backend")
     import torch
-    from sakura.dit.templates import load_catalog
-    from sakura.dit.text import TextEncoder
-    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-    from sakura.edge.backends.bench import BackendBenchSpec, bench_backends, write
+    from sakura.dit.templates import load_catalog  # lazy: torch
+    from sakura.dit.text import TextEncoder  # lazy: torch
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model  # lazy: torch
+    from sakura.edge.backends.bench import BackendBenchSpec, bench_backends, write  # lazy: torch
 
     if args.threads < 1 or args.repeats < 1:
         raise BackendError("--threads and --repeats must be >= 1")

@@ -32,14 +32,13 @@ from sakura.dit.editing import EditRequest, Template, template_run
 from sakura.dit.model import MMDiT
 from sakura.edge.backends.bench import shard_inputs
 from sakura.edge.backends.executor import edit_geometry, step_groups
+from sakura.edge.backends.executorch_backend import lower
 from sakura.edge.backends.shard import ShardBounds, ShardGeometry, ShardModule, example_inputs
 from sakura.edge.backends.step import StepIn, StepOut, step_dynamic_shapes, step_examples
 
 
 def _compile(module: torch.nn.Module, example: tuple, shapes: Any, path: Path
              ) -> dict[str, Any]:
-    from sakura.edge.backends.executorch_backend import lower
-
     wall, cpu = time.perf_counter(), time.process_time()
     pte, delegation = lower(module, example, shapes)
     doc = {"compile_s": time.perf_counter() - wall, "compile_cpu_s": time.process_time() - cpu,

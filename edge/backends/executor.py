@@ -27,6 +27,7 @@ from sakura.dit.editing import (
 )
 from sakura.dit.model import MMDiT
 from sakura.dit.sampler import EulerSteps, denoise
+from sakura.edge.backends import create_backend
 from sakura.edge.backends.base import BackendConfig, CompiledShard, ExecutionBackend, weights_sha256
 from sakura.edge.backends.errors import BackendError
 from sakura.edge.backends.shard import ShardGeometry
@@ -133,8 +134,6 @@ class DeviceBackend:
     """
 
     def __init__(self, name: str = "torch", config: BackendConfig | None = None) -> None:
-        from sakura.edge.backends import create_backend
-
         self.name = name
         self._backend = None if name == "torch" else create_backend(name, config)
         self._executor: ShardExecutor | None = None

@@ -31,6 +31,8 @@ from sakura.edge.backends.delegation import XnnpackDelegation, xnnpack_delegatio
 from sakura.edge.backends.errors import BackendError, BackendUnavailable
 from sakura.edge.backends.shard import ShardModule
 
+from sakura.extras import install_hint
+
 PTE_NAME = "shard.pte"
 
 
@@ -93,8 +95,6 @@ class ExecuTorchBackend(ExecutionBackend):
                 XnnpackPartitioner,
             )
         except ImportError as exc:
-            from sakura.extras import install_hint
-
             raise BackendUnavailable(
                 f"--backend executorch needs the executorch package ({exc}); install it: "
                 f"{install_hint('executorch')}") from exc

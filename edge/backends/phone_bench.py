@@ -28,19 +28,25 @@ from typing import Any
 
 import numpy as np
 import torch
+from sakura.codec.base import get_codec
+from sakura.codec.pack import write_pack
 from sakura.dit.editing import EditRequest, Template, TemplateRun, profile_importance
 from sakura.dit.model import MMDiT
+from sakura.dit.rope import rope_option
+from sakura.edge.backends import arm64
+from sakura.edge.backends.base import BackendConfig
+from sakura.edge.backends.delegation import context_cpu_nodes
 from sakura.edge.backends.errors import BackendError
+from sakura.edge.backends.executor import ShardExecutor, edit_geometry
+from sakura.edge.backends.qnn_quantized import QnnQuantizedBackend, capture_calibration, qdq_summary
+from sakura.edge.native_bench import NativeBenchConfig, export_shards, pack_cases, rope_table
+from sakura.edge.quality import psnr
 
 
 def build_pack(model: MMDiT, template: Template, run: TemplateRun,
                profiling: Sequence[EditRequest], out: Path, template_id: str,
                blocks_per_shard: int = 4) -> Path:
     """A ``sakura`` pack (RoPE frame, importance from ``profiling``) of ``run``'s cache."""
-    from sakura.codec.base import get_codec
-    from sakura.codec.pack import write_pack
-    from sakura.dit.rope import rope_option
-
     profile_importance(model, template, run, list(profiling))
     geo, cfg = run.geometry, model.cfg
     rope = rope_option(geo.pos[geo.unmasked], cfg.rope_axes, cfg.rope_theta, cfg.num_heads)
@@ -52,9 +58,6 @@ def build_pack(model: MMDiT, template: Template, run: TemplateRun,
 
 def bench_arm64(pack_dir: Path, template_id: str, shards: int = 3, configs: int = 4,
                 log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    from sakura.edge.backends import arm64
-    from sakura.edge.native_bench import NativeBenchConfig, export_shards
-
     with tempfile.TemporaryDirectory(prefix="sakura-arm64-") as tmp:
         exported = Path(tmp) / "shards"
         info = export_shards(NativeBenchConfig(pack_dir=pack_dir, template=template_id,
@@ -71,7 +74,6 @@ def bench_arm64(pack_dir: Path, template_id: str, shards: int = 3, configs: int 
 def bench_opencl(pack_dir: Path, template_id: str, shards: int = 3, configs: int = 4,
                  repeats: int = 5) -> dict[str, Any]:
     import sakura_native as native
-    from sakura.edge.native_bench import NativeBenchConfig, pack_cases, rope_table
 
     ok, why = native.opencl_available()
     if not ok:
@@ -124,16 +126,6 @@ def bench_quantized(model: MMDiT, template: Template, run: TemplateRun, cache: A
                     reference_edit: torch.Tensor, weights: str,
                     log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Per scheme: compile, whole edit vs exact (``reference_edit``), delegation."""
-    from sakura.edge.backends.base import BackendConfig
-    from sakura.edge.backends.delegation import context_cpu_nodes
-    from sakura.edge.backends.executor import ShardExecutor, edit_geometry
-    from sakura.edge.backends.qnn_quantized import (
-        QnnQuantizedBackend,
-        capture_calibration,
-        qdq_summary,
-    )
-    from sakura.edge.quality import psnr
-
     if not calibration_requests:
         raise BackendError("qnn_quantized needs calibration requests (the template's "
                            "profiling prompts)")

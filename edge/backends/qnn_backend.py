@@ -31,6 +31,8 @@ from sakura.edge.backends.delegation import QnnAssignment, qnn_assignment
 from sakura.edge.backends.errors import BackendError, BackendUnavailable
 from sakura.edge.backends.shard import OUTPUT_NAMES, ShardModule, input_names
 
+from sakura.extras import install_hint
+
 EP_NAME = "QNNExecutionProvider"
 ONNX_NAME = "shard.onnx"
 CTX_NAME = "shard_ctx.onnx"
@@ -57,8 +59,6 @@ def _qnn_module():
         import onnxruntime as ort
         import onnxruntime_qnn
     except ImportError as exc:
-        from sakura.extras import install_hint
-
         raise BackendUnavailable(
             f"--backend qnn needs onnxruntime-qnn ({exc}); install it: "
             f"{install_hint('onnxruntime_qnn')}") from exc

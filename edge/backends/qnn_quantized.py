@@ -38,8 +38,10 @@ import torch
 from sakura.dit.cache import KVProvider
 from sakura.dit.editing import EditRequest, Geometry, Template
 from sakura.dit.model import MMDiT
+from sakura.edge.backends import create_backend
 from sakura.edge.backends.base import BackendConfig, CompiledShard
 from sakura.edge.backends.errors import BackendError
+from sakura.edge.backends.executor import ShardExecutor, edit_geometry
 from sakura.edge.backends.qnn_backend import CTX_NAME, ONNX_NAME, QnnBackend
 from sakura.edge.backends.shard import ShardModule, input_names
 
@@ -84,9 +86,6 @@ def capture_calibration(model: MMDiT, template: Template, geo: Geometry, provide
                         steps: set[int] | None = None) -> Calibration:
     """Inputs of every shard graph at ``steps`` (default: all) of edits of ``template`` with
     ``requests`` (torch backend, the trained ``model``, the template's cache)."""
-    from sakura.edge.backends import create_backend
-    from sakura.edge.backends.executor import ShardExecutor, edit_geometry
-
     out: Calibration = {tuple(g): [] for g in groups}
     for req in requests:
         ex = ShardExecutor(model, create_backend("torch"))

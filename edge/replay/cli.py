@@ -9,9 +9,11 @@ import argparse
 import sys
 from typing import Any
 
-from sakura.edge.cli import runtime_arg, startup_fraction
+from sakura.dit.cli import check_file
+from sakura.edge.cli import _set_threads, runtime_arg, startup_fraction
 
 from sakura.argtypes import json_out, positive_int
+from sakura.output import write_json
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -79,12 +81,9 @@ def _log(msg: str) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from sakura.dit.cli import check_file
-
     check_file(args.weights, "--weights")
-    from sakura.edge.cli import _set_threads
-    from sakura.edge.replay.config import load_config
-    from sakura.edge.replay.runner import run_replay
+    from sakura.edge.replay.config import load_config  # lazy: CLI --help stays fast
+    from sakura.edge.replay.runner import run_replay  # lazy: CLI --help stays fast
 
     _set_threads(args.threads)
     cfg = load_config(args.config, quick=args.quick, starts=args.starts, regime=args.regime,
@@ -99,7 +98,7 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"sakura: error: {len(failed)} run(s) failed and were not recorded; rerun the "
               "same command to retry them", file=sys.stderr)
     if args.report:
-        from sakura.edge.replay.report import write_report
+        from sakura.edge.replay.report import write_report  # lazy: scipy
 
         path = write_report(args.out, json_path=None)
         print(f"wrote {path}")
@@ -107,10 +106,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _tail(args: argparse.Namespace) -> int:
-    from sakura.edge.cli import _set_threads
-    from sakura.edge.replay.tail import run_tail
-
-    from sakura.output import write_json
+    from sakura.edge.replay.tail import run_tail  # lazy: scipy
 
     _set_threads(1)
     doc = run_tail(args.out, quick=args.quick, starts=args.starts, log=_log,
@@ -123,7 +119,7 @@ def _tail(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from sakura.edge.replay.report import write_report
+    from sakura.edge.replay.report import write_report  # lazy: scipy
 
     path = write_report(args.dir, json_path=args.json, out_dir=args.out)
     print(f"wrote {path}" + (f" and {args.json}" if args.json else ""))

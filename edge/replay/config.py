@@ -18,7 +18,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
 from sakura.edge import RUNTIMES
+from sakura.edge.allocator import POLICIES
 from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
+from sakura.edge.replay.networks import NETWORKS
 
 from sakura.errors import SakuraError
 
@@ -196,13 +198,10 @@ class ReplayConfig(_Settings):
 
     # ------------------------------------------------------------------ checks
     def validate(self, catalog: dict[str, Any] | None = None) -> ReplayConfig:
-        from sakura.edge.allocator import POLICIES
-        from sakura.edge.replay.networks import NETWORKS
-
         def bad(msg: str) -> ReplayConfigError:
             return ReplayConfigError(f"{self.source}: {msg}")
 
-        from sakura.dit.templates import WORKLOADS
+        from sakura.dit.templates import WORKLOADS  # lazy: torch
 
         if not self.workloads:
             raise bad("workloads is empty")

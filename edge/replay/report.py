@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 from sakura.edge.errors import EdgeError
 from sakura.edge.replay.results import META_FILE, ResultsFile, expand_timeline, number
+from sakura.edge.timeline import plot_timeline
 from scipy import stats
 
 from sakura.atomic import write_atomic
@@ -792,8 +793,6 @@ def _conditions_text(c: dict[str, Any]) -> str:
 def _mode_section(mode: str, runs: list[dict[str, Any]], tmpl: dict[str, dict[str, Any]],
                   meta: dict[str, Any], figs: Path, rel: str, head: dict[str, Any]
                   ) -> list[str]:
-    from sakura.edge.timeline import plot_timeline
-
     md: list[str] = []
     t_of = {t["template"]: t for t in tmpl.values()}
     main = [r for r in runs if is_main(r)]

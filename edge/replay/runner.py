@@ -35,7 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sakura.cloud.build import BuildConfig, build
+from sakura.edge.allocator import options_from_manifest
 from sakura.edge.errors import EdgeError
+from sakura.edge.netem import matched_rtt_ms
 from sakura.edge.replay.config import ReplayConfig, ReplayConfigError
 from sakura.edge.replay.networks import (
     StartPoint,
@@ -45,6 +48,7 @@ from sakura.edge.replay.networks import (
     pooled_median_bps,
     start_points,
 )
+from sakura.edge.replay.profile import DeviceProfile, simulate
 from sakura.edge.replay.results import (
     META_FILE,
     ResultsFile,
@@ -52,6 +56,16 @@ from sakura.edge.replay.results import (
     compact_timeline,
     finite,
     template_key,
+)
+from sakura.traces import Trace, require_trace_dir
+from sakura.traces.errors import LinkError
+from sakura.traces.impair import Impairment
+from sakura.traces.linkproc import PacedLinkProcess, pin, split_cpus
+from sakura.traces.netns import (
+    KernelShapedLink,
+    kernel_shaping_unavailable_reason,
+    scaled_rto_min_ms,
+    socket_in_namespace,
 )
 
 from sakura.atomic import write_atomic
@@ -142,7 +156,6 @@ class BuildJob:
 
 def _run_build(job: BuildJob) -> str:
     import torch
-    from sakura.cloud.build import BuildConfig, build
 
     torch.set_num_threads(1)
     kw: dict[str, Any] = {}
@@ -177,8 +190,6 @@ def build_jobs(cfg: ReplayConfig, packs: Path, weights: Path, runs: list[Planned
 def build_all(jobs: list[BuildJob], workers: int, log: Log) -> None:
     """Build (or find up to date) every packs folder; ``workers`` > 1: in parallel
     processes (builds are not timed, so parallelism cannot distort results)."""
-    from sakura.errors import SakuraError
-
     log(f"packs: {len(jobs)} build job(s) (up-to-date templates are skipped) ...")
     t0 = time.monotonic()
     if workers > 1 and len(jobs) > 1:
@@ -208,8 +219,6 @@ def in_netns(name: str) -> Iterator[None]:
     such as the runtime's network loop, are created there too); then switch back."""
     import ctypes
 
-    from sakura.traces.errors import LinkError
-
     libc = ctypes.CDLL(None, use_errno=True)
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
@@ -237,8 +246,6 @@ def _healthy_in(ns: str, host: str, port: int) -> bool:
     """GET /healthz from inside namespace ``ns``."""
     import socket
 
-    from sakura.traces.netns import socket_in_namespace
-
     try:
         sock = socket_in_namespace(ns, socket.AF_INET, socket.SOCK_STREAM)
     except Exception:  # noqa: BLE001 - not up yet
@@ -264,9 +271,6 @@ class Links:
     and every server and link process on the last (:func:`traces.linkproc.split_cpus`)."""
 
     def __init__(self, cfg: ReplayConfig, packs: Path, variants: list[str], log: Log) -> None:
-        from sakura.traces.impair import Impairment
-        from sakura.traces.linkproc import split_cpus
-
         self.cfg, self.packs, self.variants, self.log = cfg, packs, variants, log
         self.kind = cfg.link
         self.impairment = Impairment(rtt_ms=cfg.rtt_ms, loss=cfg.loss, seed=cfg.seed)
@@ -280,9 +284,7 @@ class Links:
         self.note = ""
 
     def __enter__(self) -> Links:
-        from sakura.edge.bench import ServerProcess
-        from sakura.traces.linkproc import pin
-        from sakura.traces.netns import kernel_shaping_unavailable_reason
+        from sakura.edge.bench import ServerProcess  # lazy: torch
 
         if self.kind == "kernel":
             reason = kernel_shaping_unavailable_reason()
@@ -320,8 +322,6 @@ class Links:
         minimum RTO is scaled by the same factor (``traces.netns.scaled_rto_min_ms``)."""
         from dataclasses import replace
 
-        from sakura.traces.netns import scaled_rto_min_ms
-
         if self._rtt_applied == rtt_ms:
             return
         imp = replace(self.impairment, rtt_ms=float(rtt_ms))
@@ -341,9 +341,6 @@ class Links:
         return {k: c[k] for k in ("loss_mechanism", "rto_min_ms") if k in c}
 
     def _paced(self, v: str) -> None:
-        from sakura.traces import Trace
-        from sakura.traces.linkproc import PacedLinkProcess
-
         link = PacedLinkProcess(Trace.constant(1e9, 1.0),
                                 upstream=("127.0.0.1", self.servers[v].port),
                                 impairment=self.impairment, cpus=self.network_cpus)
@@ -353,10 +350,6 @@ class Links:
 
     def _kernel(self, v: str) -> None:
         import subprocess
-
-        from sakura.traces import Trace
-        from sakura.traces.linkproc import pin
-        from sakura.traces.netns import KernelShapedLink
 
         link = KernelShapedLink(Trace.constant(1e9, 1.0), impairment=self.impairment).start()
         self.links[v] = link
@@ -388,8 +381,6 @@ class Links:
         self.links.clear()
         self.servers.clear()
         if self._own_affinity is not None:
-            from sakura.traces.linkproc import pin
-
             pin(0, self._own_affinity)
             self._own_affinity = None
 
@@ -445,7 +436,7 @@ def _resident_edit(runtime: Any, tid: str, template: Any, provider: Any, req: An
     """An edit whose cache is fully in memory (``provider``), untimed."""
     if hasattr(runtime, "prepared"):
         return runtime.engine.edit(runtime.prepared(tid, template), provider, req)
-    from sakura.dit.editing import Geometry, cached_edit
+    from sakura.dit.editing import Geometry, cached_edit  # lazy: torch
 
     return cached_edit(runtime.model, template, Geometry.of(runtime.model, template),
                        provider, req)
@@ -455,14 +446,14 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
                    links: Links, model: Any, weights_sha: str, catalog: dict[str, Any],
                    results: ResultsFile, packs: Path, regime_median_bps: float, log: Log
                    ) -> TemplateState:
-    from sakura.edge.bench import (
+    from sakura.edge.bench import (  # lazy: torch
         catalog_codecs,
         exact_and_floor,
         policy_packs,
         prefetch_manifests,
         regime_factor,
     )
-    from sakura.edge.runtime import EdgeRuntime
+    from sakura.edge.runtime import EdgeRuntime  # lazy: torch
 
     runtimes = {}
     main = EdgeRuntime(model, weights_sha256=weights_sha, runtime=cfg.runtime)
@@ -531,7 +522,7 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
 
 
 def _quality(image: Any, st: TemplateState) -> dict[str, Any]:
-    from sakura.edge.quality import psnr, ssim
+    from sakura.edge.quality import psnr, ssim  # lazy: torch
 
     return {"psnr_exact": finite(psnr(image, st.exact)), "ssim_exact": ssim(image, st.exact),
             "psnr_full": finite(psnr(image, st.full)), "ssim_full": ssim(image, st.full)}
@@ -562,7 +553,6 @@ def link_rtt_ms(cfg: ReplayConfig, t: dict[str, Any]) -> float:
     (``edge.netem.matched_rtt_ms``)."""
     if cfg.regime != "matched" or cfg.rtt_scale == "none" or not t.get("masked_exec_s"):
         return float(cfg.rtt_ms)
-    from sakura.edge.netem import matched_rtt_ms
 
     return matched_rtt_ms(cfg.rtt_ms, float(t["masked_exec_s"]),
                           float(t["token_mask_ratio"]), cfg.profile)
@@ -575,8 +565,6 @@ def _deadline(r: PlannedRun, t: dict[str, Any], cfg: ReplayConfig) -> float | No
     if m is None:
         return None
     if cfg.regime == "profile":
-        from sakura.edge.replay.profile import DeviceProfile
-
         prof = DeviceProfile(**{k: v for k, v in vars(cfg.profile).items()})
         return m * prof.masked_total_s(float(t["token_mask_ratio"]))
     return m * float(t["masked_exec_s"])
@@ -584,7 +572,7 @@ def _deadline(r: PlannedRun, t: dict[str, Any], cfg: ReplayConfig) -> float | No
 
 def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links,
                 root: str | None) -> dict[str, Any]:
-    from sakura.edge.runtime import EditOptions
+    from sakura.edge.runtime import EditOptions  # lazy: torch
 
     rec = _base_record(r, st, cfg, links)
     rt = st.runtimes[r.variant]
@@ -612,7 +600,7 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
         "exec_s": res.exec_s, "requests": res.requests, "configs": res.configs,
         "truncations": res.truncations, "hedges": res.hedges,
         "local_fallbacks": res.local_fallbacks,
-        "outage_fallbacks": res.outage_fallbacks,
+        "outage_fallbacks": res.outage_fallbacks, "stale_steps": res.stale_steps,
         "refinements": res.refinements,
         # what the device told the user it got (edge/quality.py), beside the measured PSNR
         "psnr_estimate_db": res.psnr_estimate_db,
@@ -628,9 +616,6 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
 
 def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links,
                 root: str | None) -> dict[str, Any]:
-    from sakura.edge.allocator import options_from_manifest
-    from sakura.edge.replay.profile import DeviceProfile, simulate
-
     prof = DeviceProfile(**{k: v for k, v in vars(cfg.profile).items()})
     rec = _base_record(r, st, cfg, links)
     rec["profile"] = prof.name
@@ -668,9 +653,9 @@ def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
 def _configured_edit(rt: Any, server: str, tid: str, pack: str, manifest_d: dict[str, Any],
                      configs: list[int], st: TemplateState) -> Any:
     """The real edit with exactly these configurations (fetched, decoded, resident)."""
-    from sakura.codec.pack import Manifest, decode_config
-    from sakura.edge.bench import ResidentCache
-    from sakura.edge.client import PackClient
+    from sakura.codec.pack import Manifest, decode_config  # lazy: torch
+    from sakura.edge.bench import ResidentCache  # lazy: torch
+    from sakura.edge.client import PackClient  # lazy: aiohttp
 
     async def fetch() -> list[bytes]:
         async with PackClient(server) as client:
@@ -733,10 +718,9 @@ def _check_meta(out: Path, cfg: ReplayConfig, weights_sha: str) -> None:
 def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
                progress: bool = True, model: Any = None) -> dict[str, Any]:
     """Run (or resume) the replay into ``out``; returns a summary."""
-    from sakura.dit.templates import load_catalog
-    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-    from sakura.edge.bench import file_sha256
-    from sakura.traces import require_trace_dir
+    from sakura.dit.templates import load_catalog  # lazy: torch
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model  # lazy: torch
+    from sakura.edge.bench import file_sha256  # lazy: torch
 
     out = Path(out)
     root = cfg.trace_dir or str(require_trace_dir())

@@ -19,7 +19,8 @@ latency ratios are per template (the p90 over its starts, linear-interpolated), 
 median over templates, as the replay report does; PSNR is against ``exact``, pooled over
 every run of a policy at that loss; ``max_stall_s`` is the largest total stall of one edit;
 ``max_latency_over_local`` the largest ratio of sakura's latency to ``local``'s at the same
-(template, start). ``local_fallbacks`` counts steps computed on the device,
+(template, start). ``local_fallbacks`` counts steps computed on the device, ``stale_steps``
+late steps run on their blocks' last K/V (``dit.stale``),
 ``refinements`` the received configurations extended by one more range before their shard
 ran (prefix refinement). ``psnr_p10_gain_db_vs_fixed_bits_cached`` is the p10 gain over the
 starts where neither policy computed a step locally (:func:`_p10_gain_cached`).
@@ -40,8 +41,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sakura.edge.netem import matched_rtt_ms, shaped
 from sakura.edge.replay.config import CONFIG_DIR, load_config
 from sakura.edge.replay.report import pct
+from sakura.edge.replay.runner import run_replay
+from sakura.traces import load_trace, trace_set
 
 from sakura.errors import SakuraError
 
@@ -55,8 +59,9 @@ REPEAT_WINDOWS = (20.0, 110.0, 200.0)
 REPEAT_GAP_S = 30.0
 #: events the runtime counts per edit (``EditResult``)
 COUNTED_EVENTS = ("truncations", "hedges", "refinements", "local_fallbacks",
-                  "outage_fallbacks")
-EVENTS = ("truncations", "hedges", "refinements", "local_fallbacks", "outage_fallbacks")
+                  "outage_fallbacks", "stale_steps")
+EVENTS = ("truncations", "hedges", "refinements", "local_fallbacks", "outage_fallbacks",
+          "stale_steps")
 #: a start where CacheGen computed at least this share of its steps locally is an outage
 #: start for :func:`p90_bound_vs_cachegen` (docs/replay-kernel: of CacheGen's 42 runs, 28
 #: computed 0-6 of their 20 steps locally, 5 computed 11-14, and 10 computed 15-20)
@@ -253,12 +258,15 @@ def repeat_edits(packs: Path, model: Any, log: Log, windows: tuple[float, ...] =
     304 and starts from the rate memory), and a fresh device edits once given the trace's
     rate at the window as its prior. The paced link (``edge.netem.shaped``), regime-matched
     like the replay: the demo's scale rule, the 30 ms round trip time-scaled."""
-    from sakura.dit.templates import load_catalog
-    from sakura.edge.bench import ServerProcess, _catalog_entry, regime_factor, resident_floor
-    from sakura.edge.netem import matched_rtt_ms, shaped
-    from sakura.edge.runtime import EdgeRuntime, EditOptions
-    from sakura.edge.templates import template_from_entry
-    from sakura.traces import load_trace, trace_set
+    from sakura.dit.templates import load_catalog  # lazy: torch
+    from sakura.edge.bench import (  # lazy: torch
+        ServerProcess,
+        _catalog_entry,
+        regime_factor,
+        resident_floor,
+    )
+    from sakura.edge.runtime import EdgeRuntime, EditOptions  # lazy: torch
+    from sakura.edge.templates import template_from_entry  # lazy: torch
 
     spec = load_catalog(None)[REPEAT_TEMPLATE]
     with ServerProcess(packs) as server:
@@ -316,9 +324,8 @@ def run_tail(out: Path, quick: bool = False, starts: int | None = None, log: Log
              progress: bool = True, repeat: bool = True) -> dict[str, Any]:
     """Run (or resume) every loss rate's replay into ``out``, then the repeated edits;
     returns the bench document."""
-    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-    from sakura.edge.replay.runner import run_replay
-    from sakura.edge.runtime import EditOptions
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model  # lazy: torch
+    from sakura.edge.runtime import EditOptions  # lazy: torch
 
     if os.geteuid() != 0:
         raise TailBenchError("sakura bench tail runs the kernel-shaped link (network "
