@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from sakura.dit.attention import CACHE, AttentionHook, KVSegment, Layout, cache_mass
 from sakura.dit.cache import KVProvider, StepLate, TemplateCache
 from sakura.dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
+from sakura.dit.refcache import ReferenceKV, reference_tokens, text_kv_segments
 from sakura.dit.sampler import EulerSteps, Trajectory, denoise, noise_like, renoise, schedule
 from sakura.dit.stale import STALE_MAX_AGE, StaleReuse
 
@@ -306,8 +307,6 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     ``stale_max_age`` steps old (``dit.stale``; 0: never; None: the provider's
     ``stale_max_age``, else :data:`~dit.stale.STALE_MAX_AGE`), else with every token.
     """
-    from sakura.dit.refcache import ReferenceKV, reference_tokens, text_kv_segments
-
     mode, heads = model.cfg.attention_mode, model.cfg.num_heads
     if start_step and (x_start is None or reuse_text_kv):
         raise ValueError("start_step needs x_start and cannot reuse text K/V")

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from sakura.codec.cli import check_codecs
+from sakura.dit.adapters.cli import check_model_options
+from sakura.dit.cli import check_file, check_template
 from sakura.edge import RUNTIMES
 from sakura.edge.allocator import POLICIES
-from sakura.edge.backends import BACKENDS
+from sakura.edge.backends import BACKENDS, create_backend
 from sakura.edge.errors import EdgeError
 from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
 
@@ -34,6 +37,8 @@ from sakura.argtypes import (
     seed,
 )
 from sakura.cachedir import cache_dir as sakura_cache_dir
+from sakura.errors import SakuraError
+from sakura.extras import require
 
 #: EditOptions.max_inflight (edge/runtime.py imports torch; a test keeps them equal)
 MAX_INFLIGHT = 6
@@ -235,7 +240,7 @@ def resolve_runtime(args: argparse.Namespace, needs_python: list[str]) -> str:
         return "python"
     runtime = args.runtime or "native"
     if runtime == "native":
-        from sakura.edge.native_status import native_module
+        from sakura.edge.native_status import native_module  # lazy: CLI --help stays fast
 
         native_module()  # one clear error when it is not built (no torch imported)
     return runtime
@@ -276,11 +281,6 @@ def save_image(img: Any, path: Path) -> None:
 def check_edit_args(args: argparse.Namespace) -> None:
     """Everything about ``sakura edit``'s arguments that can be checked without the model or
     the network: exit 2 for a bad argument, 1 for a missing file."""
-    from sakura.dit.adapters.cli import check_model_options
-    from sakura.dit.cli import check_file, check_template
-
-    from sakura.extras import require
-
     check_model_options(args.model, args.model_path, args.weights)
     check_file(args.weights, "--weights")
     check_file(args.reference, "--reference")
@@ -289,12 +289,9 @@ def check_edit_args(args: argparse.Namespace) -> None:
         check_template(args.template, args.catalog)
     if args.backend != "torch":
         require(*BACKEND_MODULES[args.backend], what=f"--backend {args.backend}")
-        from sakura.edge.backends import create_backend
 
         create_backend(args.backend, _backend_config(args))  # raises if it cannot run here
     if args.pack:
-        from sakura.codec.cli import check_codecs
-
         check_codecs([args.pack], "--pack")
     needs = [what for what, asked in (("--model", args.model), ("--reference", args.reference),
                                       (f"--backend {args.backend}", args.backend != "torch"))
@@ -311,7 +308,7 @@ def fetch_template_entry(server: str, template_id: str, token: str | None) -> di
     costs nothing (the same request as ``EdgeRuntime.fetch_template``)."""
     import asyncio
 
-    from sakura.edge.client import PackClient, RetryPolicy
+    from sakura.edge.client import PackClient, RetryPolicy  # lazy: aiohttp
 
     async def get() -> dict[str, Any]:
         async with PackClient(server, token=token, retry=RetryPolicy(),
@@ -329,29 +326,29 @@ def say_waiting(message: str) -> None:
 def _edit(args: argparse.Namespace) -> int:
     check_edit_args(args)
     out = Path(args.out)
-    from sakura.edge.netem import trace_from_args
+    from sakura.edge.netem import trace_from_args  # lazy: CLI --help stays fast
 
     trace = trace_from_args(args.trace, args.rate, args.scale)
     entry = None if args.catalog else fetch_template_entry(args.server, args.template,
                                                            args.token)
     _set_threads(args.threads)
     if entry is None:
-        from sakura.dit.templates import load_catalog
+        from sakura.dit.templates import load_catalog  # lazy: torch
 
         template = load_catalog(args.catalog)[args.template].to_device_template()
     else:
-        from sakura.edge.templates import template_from_entry
+        from sakura.edge.templates import template_from_entry  # lazy: torch
 
         template = template_from_entry(args.template, entry)
         shipped = _shipped_seed(args.template)
         if template.seed < 0 and shipped is not None:
             template.seed = shipped
 
-    from sakura.dit.adapters.engine import load_engine
-    from sakura.dit.weights import DEFAULT_WEIGHTS
-    from sakura.edge.netem import shaped
-    from sakura.edge.runtime import EdgeRuntime, EditOptions
-    from sakura.edge.timeline import plot_timeline, write_json
+    from sakura.dit.adapters.engine import load_engine  # lazy: torch
+    from sakura.dit.weights import DEFAULT_WEIGHTS  # lazy: torch
+    from sakura.edge.netem import shaped  # lazy: CLI --help stays fast
+    from sakura.edge.runtime import EdgeRuntime, EditOptions  # lazy: torch
+    from sakura.edge.timeline import plot_timeline, write_json  # lazy: CLI --help stays fast
 
     weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
     engine = load_engine(args.model, args.model_path, weights=weights)
@@ -428,7 +425,7 @@ def startup_fraction_arg(value: float) -> float:
 
 
 def _backend_config(args: argparse.Namespace) -> Any:
-    from sakura.edge.backends.base import BackendConfig
+    from sakura.edge.backends.base import BackendConfig  # lazy: torch
 
     return BackendConfig(cache_dir=Path(args.compiled_dir)) if args.compiled_dir else None
 
@@ -447,9 +444,7 @@ def _set_threads(n: int) -> None:
 
 def _shipped_seed(template_id: str) -> int | None:
     """The template seed from the shipped catalog (the local policy needs it)."""
-    from sakura.dit.templates import load_catalog
-
-    from sakura.errors import SakuraError
+    from sakura.dit.templates import load_catalog  # lazy: torch
 
     try:
         spec = load_catalog().get(template_id)
@@ -496,14 +491,12 @@ def _short(params: dict[str, Any]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from sakura.dit.cli import check_file, check_template
-
     check_template(args.template)
     check_file(args.trace, "--trace")
     check_file(args.weights, "--weights")
     if args.catalog_dir and not Path(args.catalog_dir).is_dir():
         raise EdgeError(f"--catalog-dir: no such folder: {args.catalog_dir}")
-    from sakura.edge.bench import DEFAULT_POLICIES, BenchSpec, run_bench, write
+    from sakura.edge.bench import DEFAULT_POLICIES, BenchSpec, run_bench, write  # lazy: torch
 
     runtime = resolve_runtime(args, [])
     _set_threads(args.threads)

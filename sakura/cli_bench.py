@@ -21,6 +21,9 @@ import time
 from typing import Any
 
 from sakura.argtypes import json_path, positive_int
+from sakura.cli import build_parser
+from sakura.errors import UsageError
+from sakura.output import write_json
 
 TARGET_WALL_S = 1.5
 
@@ -41,8 +44,6 @@ def register(commands: Any, bench: Any) -> None:
 
 def command_paths() -> list[str]:
     """``""`` (sakura itself) and every command and subcommand, e.g. ``"bench kv"``."""
-    from sakura.cli import build_parser
-
     paths: list[str] = []
 
     def walk(parser: argparse.ArgumentParser, prefix: tuple[str, ...]) -> None:
@@ -72,9 +73,6 @@ def time_help(path: str, repeats: int) -> dict[str, float]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from sakura.errors import UsageError
-    from sakura.output import write_json
-
     every = command_paths()
     paths = every
     if args.commands is not None:

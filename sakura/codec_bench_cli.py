@@ -27,7 +27,7 @@ def _bench(args: argparse.Namespace) -> int:
             check_template(template)
     if args.codec:
         check_codecs(args.codec, "--codec")
-    from sakura.codec_bench import main  # torch and the model code off the --help path
+    from sakura.codec_bench import main  # lazy: torch (and the model code)
 
     return main(
         args.json,

@@ -25,13 +25,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sakura.argtypes import nonnegative_float, prompt_text, seed
+from sakura.dit.cli import check_file, check_template
+from sakura.edge.cli import (
+    prompt_tokens,
+    resolve_runtime,
+    runtime_arg,
+    startup_fraction,
+    startup_fraction_arg,
+)
+from sakura.errors import SakuraError
+from sakura.traces import Trace, default_trace_dir, load_trace, trace_set
+
 DEFAULT_TEMPLATE = "face-technologist"
 
 
 def register(commands: Any, bench: Any) -> None:
-    from sakura.argtypes import nonnegative_float, prompt_text, seed
-    from sakura.edge.cli import runtime_arg, startup_fraction
-
     p = commands.add_parser("demo", help="the main job: build, serve, replay a real trace, edit",
                             description=__doc__.split("\n\n")[0])
     p.add_argument("--template", default=DEFAULT_TEMPLATE, metavar="ID",
@@ -89,8 +98,6 @@ def side_by_side(panels: list[tuple[Any, str, str]], path: Path, scale: int = 4)
 
 
 def _pick_trace(path: str | None):
-    from sakura.traces import Trace, default_trace_dir, load_trace
-
     if path:
         return load_trace(path), Path(path).name, None
     root = default_trace_dir()
@@ -98,7 +105,6 @@ def _pick_trace(path: str | None):
         note = ("../shared/traces not found: using a fixed 100 Mbit/s link instead of a real "
                 "trace (set SAKURA_TRACES to a trace folder)")
         return Trace.constant(100e6, 1.0), "constant-100mbps", note
-    from sakura.traces import trace_set
 
     files = trace_set("5g-walking")
     return load_trace(files[0]), files[0].name, None
@@ -111,29 +117,25 @@ def _psnr(db: float | None) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from sakura.dit.cli import check_file, check_template
-
     check_template(args.template)  # before anything loads
     check_file(args.trace, "--trace")
     import torch
 
-    from sakura.cloud.build import BuildConfig, build
-    from sakura.dit.templates import device_template, load_catalog
-    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-    from sakura.edge.bench import (
+    from sakura.cloud.build import BuildConfig, build  # lazy: CLI --help stays fast
+    from sakura.dit.templates import device_template, load_catalog  # lazy: torch
+    from sakura.dit.weights import DEFAULT_WEIGHTS, load_model  # lazy: torch
+    from sakura.edge.bench import (  # lazy: torch
         ServerProcess,
         _pin_device,
         catalog_usable,
         file_sha256,
         resident_floor,
     )
-    from sakura.edge.cli import prompt_tokens, resolve_runtime, startup_fraction_arg
-    from sakura.edge.client import PackClient
-    from sakura.edge.netem import matched_rtt_ms, shaped
-    from sakura.edge.runtime import EdgeRuntime, EditOptions
-    from sakura.edge.timeline import plot_timeline
-    from sakura.errors import SakuraError
-    from sakura.traces.impair import DEFAULT_RTT_MS
+    from sakura.edge.client import PackClient  # lazy: aiohttp
+    from sakura.edge.netem import matched_rtt_ms, shaped  # lazy: CLI --help stays fast
+    from sakura.edge.runtime import EdgeRuntime, EditOptions  # lazy: torch
+    from sakura.edge.timeline import plot_timeline  # lazy: CLI --help stays fast
+    from sakura.traces.impair import DEFAULT_RTT_MS  # lazy: CLI --help stays fast
 
     runtime_name = resolve_runtime(args, [])
     # the device runtime's process settings (edge/README.md): one torch thread, and a short

@@ -122,7 +122,7 @@ def check(condition: bool, message: str) -> None:
 
 
 def _catalog(root: Path, shards: int = 4, configs: int = 3, unit_bytes: int = 4096) -> Any:
-    from sakura.cloud.synthetic import SyntheticSpec, build_catalog  # pydantic
+    from sakura.cloud.synthetic import SyntheticSpec, build_catalog  # lazy: pydantic
 
     return build_catalog(root, [TEMPLATE], spec=SyntheticSpec(shards, configs, unit_bytes))[
         TEMPLATE]
@@ -134,9 +134,9 @@ def _manifest(root: Path, pub: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _server(root: Path, header_timeout_s: float | None = None) -> Iterator[tuple[str, Any]]:
-    from sakura.cloud.runner import HEADER_TIMEOUT_S, serve_in_thread  # the web stack
-    from sakura.cloud.server import create_app
-    from sakura.cloud.storage import LocalStorage
+    from sakura.cloud.runner import HEADER_TIMEOUT_S, serve_in_thread  # lazy: web stack
+    from sakura.cloud.server import create_app  # lazy: web stack
+    from sakura.cloud.storage import LocalStorage  # lazy: CLI --help stays fast
 
     app = create_app(LocalStorage(root))
     with serve_in_thread(app, header_timeout_s=header_timeout_s or HEADER_TIMEOUT_S) as url:
@@ -166,7 +166,7 @@ def _alive(url: str, tally: Tally) -> None:
 
 def _fetch(url: str, manifest: dict[str, Any] | None, shard: int, config: int,
            retry: Any = None) -> bytes:
-    from sakura.edge.client import PackClient, RetryPolicy  # aiohttp
+    from sakura.edge.client import PackClient, RetryPolicy  # lazy: aiohttp
 
     policy = retry or RetryPolicy(window_s=2.0, backoff_s=0.05, backoff_max_s=0.2)
 
@@ -344,7 +344,7 @@ def _serve_process(root: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
 def case_restart_mid_edit(work: Path, tally: Tally) -> str:
     import threading
 
-    from sakura.edge.client import PackClient, RetryPolicy  # aiohttp
+    from sakura.edge.client import PackClient, RetryPolicy  # lazy: aiohttp
 
     root = work / "catalog"
     pub = _catalog(root, shards=2, configs=2, unit_bytes=1 << 20)  # a 6 MB configuration
@@ -415,7 +415,7 @@ def case_truncated_pack_message(work: Path, tally: Tally) -> str:
 
 
 def case_killed_build_cleanup(work: Path, tally: Tally) -> str:
-    from sakura.cloud.publish import build_workdir, sweep_stale_builds  # pydantic
+    from sakura.cloud.publish import build_workdir, sweep_stale_builds  # lazy: pydantic
 
     root = work / "catalog"
     root.mkdir(parents=True)
@@ -620,9 +620,9 @@ def case_serve_refuses_bad_catalog(work: Path, tally: Tally) -> str:
 
 
 def case_reproducible_build(work: Path, tally: Tally) -> str:
-    from sakura.codec import get_codec  # torch
-    from sakura.codec.pack import write_pack
-    from sakura.dit.synthetic import synthetic_cache
+    from sakura.codec import get_codec  # lazy: torch
+    from sakura.codec.pack import write_pack  # lazy: torch
+    from sakura.dit.synthetic import synthetic_cache  # lazy: torch
 
     cache = synthetic_cache(steps=1, blocks=2, grid=8, channels=32, heads=2, seed=5)
     names = ("sakura", "svd", "sakura-all", "fp16", "intq", "cachegen")
@@ -732,7 +732,7 @@ def case_damaged_pack_reported_not_unreachable(work: Path, tally: Tally) -> str:
     """A flipped byte in a pack on `sakura serve`: the client (its default 30 s retry
     window) reports the server's own reason (code pack_damaged) at once, not 'cannot
     reach the server' after the window."""
-    from sakura.edge.client import RetryPolicy  # aiohttp
+    from sakura.edge.client import RetryPolicy  # lazy: aiohttp
 
     root = work / "catalog"
     pub = _catalog(root)
@@ -762,7 +762,7 @@ def case_unreachable_origin_progress(work: Path, tally: Tally) -> str:
     (not silence until the retry window ends), then gives up naming the cause."""
     import socket
 
-    from sakura.edge.client import PackClient, RetryPolicy  # aiohttp
+    from sakura.edge.client import PackClient, RetryPolicy  # lazy: aiohttp
 
     with socket.socket() as sock:  # a port with nothing behind it
         sock.bind(("127.0.0.1", 0))
@@ -827,9 +827,9 @@ class RealWorld:
 def _real_world(work: Path) -> RealWorld:
     if "world" in _SHARED:
         return _SHARED["world"]
-    from sakura.cloud.build import BuildConfig, build  # torch and the model
-    from sakura.dit.adapters.engine import load_engine
-    from sakura.edge.runtime import EdgeRuntime
+    from sakura.cloud.build import BuildConfig, build  # lazy: CLI --help stays fast
+    from sakura.dit.adapters.engine import load_engine  # lazy: torch
+    from sakura.edge.runtime import EdgeRuntime  # lazy: torch
 
     root = _SHARED.get("dir", work) / "real-catalog"
     build(BuildConfig(out_dir=str(root), templates=(REAL_TEMPLATE,), codecs=("sakura",)),

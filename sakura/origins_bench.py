@@ -31,14 +31,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from sakura.argtypes import json_out
+from sakura.cloud.origins import MotoS3, NginxOrigin, free_port
+from sakura.errors import SakuraError
+from sakura.output import write_json
+from sakura.traces.catalog import default_trace_dir
+
 DEFAULT_TEMPLATE = "face-technologist"
 DEFAULT_TRACE = "mahimahi/TMobile-LTE-driving.down"
 BUCKET = "sakura-bench"
 
 
 def register(commands: Any, bench: Any) -> None:
-    from sakura.argtypes import json_out
-
     b = bench.add_parser(
         "origins", help="one edit streamed from sakura serve, nginx and S3 (moto) alike",
         description="The same edit (one template, one trace window) against three real "
@@ -60,8 +64,6 @@ def register(commands: Any, bench: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from sakura.output import write_json
-
     result = run(args.template, args.packs, args.trace, args.rate, args.start)
     write_json(args.json, result)
     bad = [n for n, o in result["origins"].items() if not o["ok"] or o["errors"]]
@@ -73,12 +75,9 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _trace(trace_path: str | None, rate: float | None) -> tuple[Any, str]:
-    from sakura.edge.netem import trace_from_args
-    from sakura.errors import SakuraError
+    from sakura.edge.netem import trace_from_args  # lazy: CLI --help stays fast
 
     if trace_path is None and rate is None:
-        from sakura.traces.catalog import default_trace_dir
-
         root = default_trace_dir()
         if root is None or not (root / DEFAULT_TRACE).exists():
             raise SakuraError(f"no --trace given and no {DEFAULT_TRACE} in the trace folder "
@@ -91,8 +90,6 @@ def _trace(trace_path: str | None, rate: float | None) -> tuple[Any, str]:
 
 @contextlib.contextmanager
 def _sakura_serve(catalog: Path) -> Iterator[str]:
-    from sakura.cloud.origins import free_port
-
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sakura.cli", "serve", str(catalog),
                              "--port", str(port), "--no-access-log", "--log-level", "warning"],
@@ -137,13 +134,12 @@ def _ranges(header: str | None) -> int:
 
 def run(template_id: str, packs: str | None, trace_path: str | None, rate: float | None,
         start_s: float) -> dict[str, Any]:
-    from sakura.cloud.build import BuildConfig, build
-    from sakura.cloud.origins import MotoS3, NginxOrigin
-    from sakura.cloud.publish import mirror_to_storage
-    from sakura.cloud.storage import S3Storage
-    from sakura.dit.adapters.engine import load_engine
-    from sakura.edge.netem import shaped
-    from sakura.edge.runtime import EdgeRuntime, EditOptions
+    from sakura.cloud.build import BuildConfig, build  # lazy: CLI --help stays fast
+    from sakura.cloud.publish import mirror_to_storage  # lazy: CLI --help stays fast
+    from sakura.cloud.storage import S3Storage  # lazy: CLI --help stays fast
+    from sakura.dit.adapters.engine import load_engine  # lazy: torch
+    from sakura.edge.netem import shaped  # lazy: CLI --help stays fast
+    from sakura.edge.runtime import EdgeRuntime, EditOptions  # lazy: torch
 
     trace, trace_name = _trace(trace_path, rate)
     t0 = time.perf_counter()

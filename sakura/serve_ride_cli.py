@@ -11,7 +11,7 @@ from typing import Any
 
 
 def _edge_client(base_url: str, template: str, codec: str) -> Any:
-    from sakura.serve_ride import make_client
+    from sakura.serve_ride import make_client  # lazy: aiohttp
 
     return make_client(base_url, template, codec)
 
