@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from sakura.codec.lowrank import LowRankCodec, rope_angles, rope_phasors
 from sakura.dit.editing import (
     EditRequest,
     Geometry,
@@ -188,7 +189,7 @@ class NativeEngine:
 
     def _key(self, geometry: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
              ) -> ArtifactKey:
-        from sakura.edge.backends.executorch_backend import ExecuTorchBackend
+        from sakura.edge.backends.executorch_backend import ExecuTorchBackend  # lazy: executorch
 
         arch = hashlib.sha256(json.dumps(self.model.cfg.to_dict(), sort_keys=True).encode())
         version = (f"{ExecuTorchBackend().version()}-graphs{GRAPHS_FORMAT}-groups"
@@ -198,7 +199,7 @@ class NativeEngine:
 
     def _compiled(self, shape: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
                   ) -> GraphSet:
-        from sakura.edge.backends.executorch_backend import (
+        from sakura.edge.backends.executorch_backend import (  # lazy: executorch
             PTE_NAME,
             ExecuTorchBackend,
             export_dynamic,
@@ -474,8 +475,6 @@ def decode_kind(codec: Any) -> str:
     """How the native reconstruct stage decodes this codec's configurations: ``lowrank``
     (sakura, svd: the native kernels), ``fp16`` (native), else ``callback`` (the codec's
     Python decoder, called from the reconstruct thread)."""
-    from sakura.codec.lowrank import LowRankCodec
-
     if isinstance(codec, LowRankCodec):
         return "lowrank"
     return "fp16" if getattr(codec, "name", "") == "fp16" else "callback"
@@ -483,8 +482,6 @@ def decode_kind(codec: Any) -> str:
 
 def rope_table(codec: Any, tokens: int, channels: int) -> np.ndarray | None:
     """The keys' RoPE table ``[N, C/2, 2]`` (cos, sin) of a low-rank codec, or None."""
-    from sakura.codec.lowrank import rope_angles, rope_phasors
-
     rope = getattr(getattr(codec, "opts", None), "rope", None)
     if rope is None:
         return None

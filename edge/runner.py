@@ -27,6 +27,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 from sakura.codec.pack import Manifest, decode_config
+from sakura.edge.allocator import to_native
+from sakura.edge.backends.base import weights_sha256
 from sakura.edge.client import (
     PackClient,
     RequestRecord,
@@ -36,6 +38,14 @@ from sakura.edge.client import (
 )
 from sakura.edge.errors import EdgeError, NativeUnavailable
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress
+from sakura.edge.native_runtime import (
+    NativeEngine,
+    decode_kind,
+    rope_table,
+    stream_shards,
+    stream_spec,
+)
+from sakura.edge.native_status import native_module
 from sakura.edge.pipeline import NetLoop, Pipeline, local_wait_s
 
 if TYPE_CHECKING:  # (the runtime imports this module)
@@ -240,9 +250,6 @@ class NativeRunner:
     def engine(self, device: EdgeRuntime) -> NativeEngine:
         """The native engine (compiled graphs of the shipped MMDiT), created on first use."""
         if self._engine is None:
-            from sakura.edge.backends.base import weights_sha256
-            from sakura.edge.native_runtime import NativeEngine
-
             if not device.default_model:
                 raise NativeUnavailable(f"{device.engine.name} runs on the Python runtime "
                                         "(--runtime python); the native runtime runs the "
@@ -256,14 +263,10 @@ class NativeRunner:
         return None
 
     def monitor(self, k: int, prior: float | None) -> Any:
-        from sakura.edge.native_status import native_module
-
         return native_module().BandwidthMonitor(k, prior)
 
     def progress(self, exec_s: list[float], origin: float, allowance_s: float,
                  now: float) -> Any:
-        from sakura.edge.native_status import native_module
-
         return native_module().ExecutionProgress.with_allowance(exec_s, origin, allowance_s,
                                                                 now=now)
 
@@ -273,7 +276,7 @@ class NativeRunner:
         layout, before the edit's clock starts. The layout (blocks per shard) comes from
         the cached manifest, or from a manifest fetched outside the device's cache (so
         that the timed edit fetches it exactly as the Python runtime does)."""
-        from sakura.edge.runtime import ExecProfile
+        from sakura.edge.runtime import ExecProfile  # lazy: cycle with sakura.edge.runtime
 
         native = self.engine(device)
         cached = device.manifests.get((template_id, codec))
@@ -322,8 +325,6 @@ class NativeRunner:
         """The native stream's shard table for the pack at ``url`` and the keys' RoPE
         table, from ``derived`` (the runtime's memo per manifest ETag) or made and kept
         there."""
-        from sakura.edge.native_runtime import rope_table, stream_shards
-
         if ("shards", url) not in derived:
             derived[("shards", url)] = self.engine(device).native.StreamTable(
                 stream_shards(manifest_dict, url))
@@ -342,9 +343,6 @@ class NativeRunner:
 
     def stream(self, device: EdgeRuntime, job: StreamJob
                ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-        from sakura.edge.allocator import to_native
-        from sakura.edge.native_runtime import decode_kind, stream_spec
-
         native = self.engine(device)
         manifest, opts, client = job.manifest, job.opts, job.client
         codec_impl = manifest.make_codec()

@@ -66,7 +66,7 @@ import torch
 from sakura.codec.base import load_builtin
 from sakura.codec.pack import Manifest
 from sakura.codec.shards import ShardLayout
-from sakura.dit.adapters.engine import DefaultEngine, EditEngine, Prepared
+from sakura.dit.adapters.engine import DefaultEngine, EditEngine, Prepared, load_engine
 from sakura.dit.editing import EditRequest, Template
 from sakura.dit.model import MMDiT
 from sakura.dit.stale import STALE_MAX_AGE
@@ -81,11 +81,14 @@ from sakura.edge.monitor import (
     startup_allowance_s,
 )
 from sakura.edge.native_runtime import NativeEngine, check_runtime
+from sakura.edge.netem import shaped
 from sakura.edge.pipeline import NetLoop, stats_of
 from sakura.edge.quality import psnr, received_quality, ssim
 from sakura.edge.runner import NativeRunner, Runner, StreamJob, make_runner
 from sakura.edge.state import RateMemory
+from sakura.edge.templates import template_from_entry
 from sakura.edge.timeline import setup_phases
+from sakura.traces import Trace
 
 from sakura.atomic import write_atomic
 from sakura.errors import SakuraError
@@ -511,8 +514,6 @@ class EdgeRuntime:
     def fetch_template(self, server: str, template_id: str, token: str | None = None,
                        retry: RetryPolicy | None = None) -> Template:
         """The template as the server's catalog entry describes it (see edge.templates)."""
-        from sakura.edge.templates import template_from_entry
-
         async def get() -> dict[str, Any]:
             async with PackClient(server, token=token, retry=retry or RetryPolicy()) as c:
                 return await c.template_entry(template_id)
@@ -837,17 +838,11 @@ def run_edit(server: str, template_id: str, prompt: str, policy: str = "sakura",
     ``traces.Trace`` from ``start_s``, or a constant ``rate_mbps``) in front of the
     server. ``reference``: a private reference image ``[3, h, w]`` in [-1, 1].
     ``compare_exact`` also computes ``exact`` (FP16 cache, direct) and fills PSNR/SSIM."""
-    from sakura.edge.netem import shaped
-
     if runtime is None:
-        from sakura.dit.adapters.engine import load_engine
-
         runtime = EdgeRuntime(load_engine(model, model_path, weights=weights))
     template = runtime.fetch_template(server, template_id, token)
     req = runtime.request(prompt, seed, reference)
     if rate_mbps is not None:
-        from sakura.traces import Trace
-
         trace = Trace.constant(rate_mbps * 1e6)
     if trace is not None:
         with shaped(server, trace, start_s) as (url, _link):

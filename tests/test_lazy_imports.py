@@ -23,15 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 REASON = re.compile(r"#\s*lazy:\s*\S")
 
-# Files whose in-function imports have not been given their reasons yet: others were
-# changing them when the rule came in (issue 30 item 4); each is to be fixed and removed
-# from here, and the test fails once a listed file complies, so the list can only shrink.
-UNEXPLAINED_ALLOWED = {
-    "edge/native_runtime.py",
-    "edge/runner.py",
-    "edge/runtime.py",
-    "traces/netns.py",
-}
+# Files whose in-function imports have not been given their reasons yet (none left; the
+# test fails once a listed file complies, so the list can only shrink).
+UNEXPLAINED_ALLOWED: set[str] = set()
 
 
 def _files() -> list[tuple[Path, str, bool]]:

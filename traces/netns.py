@@ -78,6 +78,7 @@ from typing import Any
 
 from sakura.traces.errors import LinkError, NetnsUnavailableError
 from sakura.traces.impair import MODELLED_LOSS, NO_LOSS, Impairment
+from sakura.traces.linkproc import PacedLinkProcess
 from sakura.traces.model import Trace
 from sakura.traces.schedule import LinkEmulator, LinkSchedule, Segment
 
@@ -392,8 +393,6 @@ class KernelShapedLink(LinkEmulator):
         ``server_addr:listen_port`` and forwards to ``127.0.0.1:upstream_port`` there (run
         the server on that port). Returns the :class:`traces.linkproc.PacedLinkProcess`;
         it stops with the link. With real loss the relay's own loss model is off."""
-        from sakura.traces.linkproc import PacedLinkProcess
-
         if self._thread is None:
             raise LinkError("start the kernel link before its delay stage")
         relay = PacedLinkProcess(None, ("127.0.0.1", int(upstream_port)),
