@@ -569,6 +569,12 @@ class Pipeline:
         finally:
             if self._inflight.get(j) is entry:
                 del self._inflight[j]
+        # the link is idle now: a refinement goes out before this shard is handed on, so
+        # its slack is read while execution still cannot start on it (a CI run under load
+        # let the reconstructor and the executing thread start shard 0 first, and the
+        # refinement then found too little slack)
+        if not self._inflight:
+            self._try_refine()
         self._complete(entry, got)
         if self._slot_event is not None:  # the link may be idle now: a refinement may go
             self._slot_event.set()
