@@ -183,8 +183,9 @@ class EditResult:
     truncations: int = 0   # shards executed from the prefix received by their deadline
     hedges: int = 0        # transfers re-requested on a fresh connection
     local_fallbacks: int = 0  # steps computed on the device while no shard could arrive
-    # of the local fallbacks, those begun at once because the link had carried no byte for
-    # one local step while requests were out (outage evidence), not after waiting one out
+    # of the late steps (local fallbacks and stale steps), those begun at once because the
+    # link had carried no byte for one local step while requests were out (outage
+    # evidence), not after waiting one out
     outage_fallbacks: int = 0
     # late steps run on each block's last K/V instead (stale reuse, dit/stale.py)
     stale_steps: int = 0
