@@ -89,6 +89,20 @@ REFINE_MARGIN = 2.0    # an extension's expected time, taken this often, must en
                        # its shard's predicted start (prefix refinement; kRefineMargin)
 
 
+async def _wait_event(event: asyncio.Event, timeout: float | None) -> None:
+    """Until ``event`` is set or ``timeout`` seconds (None: no limit) have passed.
+
+    ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for`` can swallow
+    a cancellation that arrives as the event is set (bpo-42130), and a loop around it
+    then never ends; ``NetLoop.close`` waited 10 s for the watchdog and a CI run failed
+    (``test_a_decode_failure_reaches_the_executing_thread``)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        pass
+
+
 class NetLoop:
     """An asyncio event loop in a daemon thread (the network side of the runtime)."""
 
@@ -439,10 +453,7 @@ class Pipeline:
                 break
             if self._try_refine():  # the link is idle and no shard may go yet
                 wait = min(wait, 1e-3) if wait is not None else 1e-3
-            try:
-                await asyncio.wait_for(self._slot_event.wait(), wait)
-            except TimeoutError:
-                pass
+            await _wait_event(self._slot_event, wait)
 
     def _outstanding(self) -> int:
         return sum(max(0, f.nbytes - f.received) for f in self._inflight.values())
@@ -648,10 +659,7 @@ class Pipeline:
                 self.fail(exc)
                 return
             self._watch_event.clear()
-            try:
-                await asyncio.wait_for(self._watch_event.wait(), wait)
-            except TimeoutError:
-                pass
+            await _wait_event(self._watch_event, wait)
 
     def _watch(self) -> float:
         """One look at the transfers; returns the seconds until the next one is due."""

@@ -254,3 +254,26 @@ def test_requests_run_ahead_of_max_ahead_when_shards_are_shorter_than_a_round_tr
     assert most_ahead > 2
     for j in range(10, len(tl)):                        # never beyond the cap
         assert tl[j]["recv_start"] >= tl[j - 10]["exec_start"] - 1e-9
+
+
+def test_a_wait_loop_ends_on_a_cancel_that_arrives_as_its_event_is_set():
+    # the watchdog's and the receive loop's wait (edge.pipeline._wait_event): Python 3.11's
+    # asyncio.wait_for dropped this cancellation (bpo-42130), the loop went on, and
+    # NetLoop.close waited 10 s for it in a CI run
+    from sakura.edge.pipeline import _wait_event
+
+    async def loop_on(event):
+        while True:
+            event.clear()
+            await _wait_event(event, 5.0)
+
+    async def main():
+        event = asyncio.Event()
+        task = asyncio.create_task(loop_on(event))
+        await asyncio.sleep(0.01)
+        event.set()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        return task in done and task.cancelled()
+
+    assert asyncio.run(main())
