@@ -540,8 +540,7 @@ class KernelShapedLink(LinkEmulator):
             params = self._tbf_params(self._control_rate(now), self._control_run(now))
             # One atomic swap: a tbf under the other handle replaces the root (the old one
             # and its queue are destroyed in the same netlink request). A delete then an add
-            # left the veth unshaped between the two tc calls, and a CI run under load let
-            # a constant 1 Mbit/s link deliver 8.9% over its trace.
+            # left the veth unshaped between the two tc calls.
             handle = "2:" if self._handle == "1:" else "1:"
             res = _run(self._tc_tbf("replace", *params, handle=handle))
             if res.returncode != 0:
