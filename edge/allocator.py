@@ -191,6 +191,12 @@ class Allocator(Protocol):
         waits for its choice (``sakura-fixed-config``)."""
         ...
 
+    def ceiling(self, shard: int) -> int:
+        """The configuration of ``shard`` the policy chooses when the link allows anything:
+        a shard that ran below the pack's largest but on this one was limited by the policy
+        (fixed bits or configuration), not by the link (``edge.quality.received_quality``)."""
+        ...
+
 
 @dataclass
 class AdaptiveAllocator:
@@ -223,6 +229,9 @@ class AdaptiveAllocator:
     def fallbacks(self, shard: int) -> list[int]:
         return [o.id for o in self.tables[shard].options]
 
+    def ceiling(self, shard: int) -> int:
+        return self.tables[shard].best.id
+
 
 @dataclass
 class FixedAllocator:
@@ -236,6 +245,9 @@ class FixedAllocator:
 
     def fallbacks(self, shard: int) -> list[int]:
         return []
+
+    def ceiling(self, shard: int) -> int:
+        return self.configs[shard]
 
 
 def fixed_config(tables: list[ShardOptions], exec_s: list[float], budget_rate_bps: float,

@@ -8,7 +8,7 @@ full-quality bytes, and the PSNR the pack's profile predicts for it) without an 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,8 +35,8 @@ def ssim(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(_ssim(x, y, data_range=1.0, win_size=win, size_average=True))
 
 
-def received_quality(manifest: Mapping[str, Any],
-                     timeline: list[dict[str, Any]]) -> dict[str, Any]:
+def received_quality(manifest: Mapping[str, Any], timeline: list[dict[str, Any]],
+                     ceiling: Callable[[int], int] | None = None) -> dict[str, Any]:
     """What an edit received against what the pack offers, without recomputing anything.
 
     * ``full_quality_byte_fraction``: the sum over shards of the bytes of the configuration
@@ -58,15 +58,17 @@ def received_quality(manifest: Mapping[str, Any],
       11.9 dB worst on the profiling prompts, low at small rates (the shards' errors partly
       cancel), high near full quality (an error floor the per-shard profile misses);
     * ``shards_below_largest``: shards that ran on fewer bytes than that largest
-      configuration: the link limited them (the allocator sized them to its rate estimate,
-      or ``truncated_below_largest`` of them were cut at their deadline), or the policy
-      does (fixed bits or configuration); ``shards``: all of them.
+      configuration, of which ``limited_by_policy`` ran on the most the policy ever chooses
+      for the shard (``ceiling(shard)``, the allocator's: fixed bits or configuration), and
+      the others were limited by the link (the allocator sized them to its rate estimate,
+      or ``truncated_below_largest`` of them were cut at their deadline); without a
+      ``ceiling`` every one counts as the link's; ``shards``: all of them.
     """
     by_index = {int(s["index"]): s for s in manifest.get("shards", [])}
     got = full = 0
     mse = 0.0
     profiled = bool(timeline)
-    below = truncated = local = 0
+    below = truncated = local = by_policy = 0
     for r in timeline:
         shard = by_index.get(int(r["shard"]))
         if shard is None or not shard.get("configs"):
@@ -83,6 +85,9 @@ def received_quality(manifest: Mapping[str, Any],
         if int(cfg["bytes"]) < largest:
             below += 1
             truncated += bool(r.get("truncated"))
+            cap = ceiling(int(r["shard"])) if ceiling is not None else None
+            by_policy += (cap is not None and not r.get("truncated")
+                          and int(cfg["bytes"]) >= int(configs[int(cap)]["bytes"]))
         db = (cfg.get("quality") or {}).get("psnr_db")
         if db is None:
             profiled = False
@@ -96,5 +101,6 @@ def received_quality(manifest: Mapping[str, Any],
         estimate = math.inf if mse == 0 else -10.0 * math.log10(mse)
     return {"full_quality_byte_fraction": got / full if full else None,
             "psnr_estimate_db": estimate, "shards_below_largest": below,
-            "truncated_below_largest": truncated, "local_shards": local,
+            "truncated_below_largest": truncated, "limited_by_policy": by_policy,
+            "local_shards": local,
             "shards": len(timeline)}

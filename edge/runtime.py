@@ -211,6 +211,7 @@ class EditResult:
     full_quality_byte_fraction: float | None = None
     psnr_estimate_db: float | None = None
     shards_below_largest: int = 0
+    limited_by_policy: int = 0  # of those, at the most the policy chooses (not the link)
 
     def quality_line(self) -> str | None:
         """One line on what quality the edit got (None for ``local``, which streams
@@ -230,10 +231,16 @@ class EditResult:
                      + (f", over the streamed steps: {local} computed on the device are not "
                         "in it)" if local else ")"))
         if self.shards_below_largest:
+            by_link = self.shards_below_largest - self.limited_by_policy
+            why = []
+            if by_link:
+                why.append(f"{by_link} by the link: sized to its rate estimate, "
+                           f"{self.truncations} of them truncated at their deadline")
+            if self.limited_by_policy:
+                why.append(f"{self.limited_by_policy} by the policy {self.policy}, at the "
+                           "most it chooses")
             text += (f"; limited: {self.shards_below_largest} of {len(self.configs)} "
-                     "shards below their largest configuration (chosen at the link's rate "
-                     f"estimate or by the policy; {self.truncations} truncated at their "
-                     "deadline)")
+                     f"shards below their largest configuration ({'; '.join(why)})")
         return text
 
     def compare(self, exact: torch.Tensor) -> EditResult:
@@ -259,6 +266,7 @@ class EditResult:
             "full_quality_byte_fraction": self.full_quality_byte_fraction,
             "psnr_estimate_db": _finite(self.psnr_estimate_db),
             "shards_below_largest": self.shards_below_largest,
+            "limited_by_policy": self.limited_by_policy,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -712,10 +720,11 @@ class EdgeRuntime:
             net.run(client.close(), timeout=10)
         result = self._result(image, policy, codec, latency, raw_len, allowance,
                               timeline, exec_s, log, warning)
-        got_q = received_quality(manifest_dict, timeline)
+        got_q = received_quality(manifest_dict, timeline, allocator.ceiling)
         result.full_quality_byte_fraction = got_q["full_quality_byte_fraction"]
         result.psnr_estimate_db = got_q["psnr_estimate_db"]
         result.shards_below_largest = got_q["shards_below_largest"]
+        result.limited_by_policy = got_q["limited_by_policy"]
         result.phases = setup_phases(origin, got, loop_start[:1], first_byte_s, allowance,
                                      latency_s=latency)
         return result

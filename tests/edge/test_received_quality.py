@@ -87,6 +87,10 @@ def test_everything_received_is_fraction_one_and_a_forced_small_one_is_lower(pro
     assert "limited" not in full.quality_line()
     assert f"limited: {len(small.configs)} of {len(small.configs)} shards" in \
         small.quality_line()
+    # a policy that fixes the configuration is named as the limit, not the link
+    assert small.limited_by_policy == len(small.configs)
+    assert "by the policy sakura-fixed-config" in small.quality_line()
+    assert "by the link" not in small.quality_line()
     doc = json.loads(json.dumps(small.to_json()))
     assert doc["full_quality_byte_fraction"] == small.full_quality_byte_fraction
     assert doc["psnr_estimate_db"] == small.psnr_estimate_db
@@ -108,6 +112,8 @@ def test_a_slow_link_lowers_the_fraction_and_a_pack_without_profile_has_no_estim
                                                local_fallback=False))
     assert fast.full_quality_byte_fraction == 1.0 and fast.psnr_estimate_db is None
     assert slow.full_quality_byte_fraction < 1.0 and slow.shards_below_largest > 0
+    # sakura's own policy may choose every configuration: the link limited them
+    assert slow.limited_by_policy == 0 and "by the link" in slow.quality_line()
     assert slow.psnr_estimate_db is None
     assert "no PSNR profile in the pack" in slow.quality_line()
     assert fast.to_json()["psnr_estimate_db"] is None
