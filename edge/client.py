@@ -671,11 +671,16 @@ class PackClient:
         """The current manifest of a template's pack for ``codec``, checked for identity."""
         return (await self.manifest_fetch(template, codec)).data
 
-    async def manifest_fetch(self, template: str, codec: str) -> ManifestFetch:
+    async def manifest_fetch(self, template: str, codec: str,
+                             revalidate: bool = True) -> ManifestFetch:
         """:meth:`manifest` with transfer details. With a :attr:`manifests` cache, a cached
-        manifest is revalidated (``If-None-Match``; a 304 moves no body)."""
+        manifest is revalidated (``If-None-Match``; a 304 moves no body) unless
+        ``revalidate`` is False: then the body is asked for (the caller needs its transfer
+        as a rate sample) and the cache is refreshed with it."""
         key = (template, codec)
         cached = self.manifests.get(key) if self.manifests is not None else None
+        if not revalidate:
+            cached = None
         got = await self._get_json(manifest_key(template, codec),
                                    etag=cached.etag if cached else None,
                                    what=f"{template}/{codec}")

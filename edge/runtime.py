@@ -660,7 +660,16 @@ class EdgeRuntime:
                             manifests=self.manifests if opts.cache_manifests else None)
         net.run(client.open())
         try:
-            got = net.run(client.manifest_fetch(template_id, codec))
+            # an origin with no remembered rate and no caller's prior: the manifest's body
+            # is asked for even when a copy is cached (from another origin, or a state whose
+            # memory of this one was lost), since its transfer is the only rate sample before
+            # the first shards are sized; a 304 moves no body, and the first shards then went
+            # at the smallest configuration (the CLI's first edit against a new port of a
+            # loopback server: shards 0-2 at r1b2 / r5b4 / r4b4, ~35 dB estimated, the next
+            # edit all r64b8, ~63 dB)
+            known = (opts.initial_rate_bps is not None
+                     or self.rates.prior_bps(rate_key) is not None)
+            got = net.run(client.manifest_fetch(template_id, codec, revalidate=known))
             if opts.remember_rate:
                 self.rates.observe_fetch(rate_key, got)
             manifest_dict, raw_len = got.data, got.size

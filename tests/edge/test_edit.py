@@ -372,3 +372,26 @@ def test_device_state_survives_a_restart_of_the_runtime(world, tmp_path):
         assert broken.manifests == {} and broken.rates.entries == {}
     assert cold.manifest_bytes > 10_000
     assert warm.manifest_bytes == 0  # revalidated: 304, no body
+
+
+def test_an_origin_without_a_remembered_rate_gets_the_manifest_body_as_its_rate_sample(
+        world, tmp_path):
+    """A manifest cached from one origin is not revalidated at another origin the device
+    has no rate for: the 304 would move no body, and the body's transfer is the edit's only
+    rate sample before its first shards are sized. Once the origin is measured, a 304."""
+    from sakura.edge.runtime import EdgeRuntime
+
+    from tests.edge.helpers import FakeEncoder
+
+    rt = EdgeRuntime(world.model, FakeEncoder(), state_dir=tmp_path / "state")
+    req = rt.request(PROMPT, SEED)
+    with Server(create_app(LocalStorage(world.catalog_dir))) as a, \
+            Server(create_app(LocalStorage(world.catalog_dir))) as b:
+        first = rt.edit(a.url, TEMPLATE_ID, world.template, req, "sakura")
+        assert rt.remembered_rate(b.url) is None and (TEMPLATE_ID, "sakura") in rt.manifests
+        other = rt.edit(b.url, TEMPLATE_ID, world.template, req, "sakura")
+        again = rt.edit(b.url, TEMPLATE_ID, world.template, req, "sakura")
+    assert first.manifest_bytes > 10_000
+    assert other.manifest_bytes == first.manifest_bytes  # the body, not a 304
+    assert rt.remembered_rate(b.url) is not None
+    assert again.manifest_bytes == 0  # measured now: revalidated, 304
