@@ -43,8 +43,8 @@ from typing import Any
 
 from sakura.edge.netem import matched_rtt_ms, shaped
 from sakura.edge.replay.config import CONFIG_DIR, load_config
-from sakura.edge.replay.report import pct
 from sakura.edge.replay.runner import run_replay
+from sakura.edge.replay.stats import pct
 from sakura.traces import load_trace, trace_set
 
 from sakura.errors import SakuraError

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from sakura.edge.replay.config import ReplayConfigError, default_config, load_config
-from sakura.edge.replay.report import headline, write_report
+from sakura.edge.replay.headline import headline
+from sakura.edge.replay.report import write_report
 from sakura.edge.replay.results import ResultsFile
 
 from sakura.cli import main
@@ -373,7 +374,7 @@ def test_report_json_keys_and_the_iso_sentences_follow_the_data(tmp_path):
     assert "matched-latency-quality-face-swap.png" in md
     assert "traces scaled x0.1" in md
     # contradicting data: sakura's points now all slower than cachegen at equal quality
-    from sakura.edge.replay.report import _iso_text
+    from sakura.edge.replay.sections import _iso_text
 
     view = {"iso_quality": {"ratio": 0.8, "ci95": [0.7, 0.9], "baseline_psnr_db": 38.0,
                             "baseline_n": 5, "point": "sakura-d3", "point_psnr_db": 38.5,
@@ -386,7 +387,7 @@ def test_report_json_keys_and_the_iso_sentences_follow_the_data(tmp_path):
 
 
 def test_why_sentences_follow_the_numbers_they_cite():
-    from sakura.edge.replay.report import _why
+    from sakura.edge.replay.sections import _why
 
     def world(s_stall, s_exec, s_mb, s_lat):
         runs = []

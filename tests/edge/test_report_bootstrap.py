@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from sakura.edge.replay.report import boot_ci, boot_ratio_ci
+from sakura.edge.replay.stats import boot_ci, boot_ratio_ci
 
 
 def test_interval_of_a_percentile_lies_in_the_data_and_is_seeded():
