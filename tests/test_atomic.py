@@ -18,7 +18,7 @@ OWN_RENAMES = {
     "codec/pack.py": "the pack streams from a spool, hashed as written, and is named by its hash",
     "cloud/storage.py": "streams a large source file in chunks",
     "dit/weights.py": "safetensors writes the file itself",
-    "sakura/faults_bench.py": "plants a damaged pack on purpose",
+    "sakura/faults_serving.py": "plants a damaged pack on purpose",
 }
 
 

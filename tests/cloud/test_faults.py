@@ -11,7 +11,9 @@ import logging
 
 import pytest
 
-from sakura.faults_bench import CASES, REAL_MODEL_CASES, CaseFailed, Tally, run, shared_work
+from sakura.faults_bench import CASES, run
+from sakura.faults_harness import CaseFailed, Tally
+from sakura.faults_native import REAL_MODEL_CASES, shared_work
 
 
 @pytest.fixture(scope="module")

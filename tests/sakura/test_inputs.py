@@ -20,7 +20,7 @@ from sakura.dit.images import ImageError
 
 from sakura.argtypes import SEED_LIMIT
 from sakura.cli import build_parser
-from sakura.faults_bench import write_bomb_png
+from sakura.faults_front_door import write_bomb_png
 from tests.sakura.test_cli import EDIT, ROOT, error_lines, invoke
 
 SHIPPED = ROOT / "dit" / "catalog"
