@@ -23,7 +23,7 @@ the delay; its loss is real there (packets dropped by nftables rules, :mod:`trac
 and the relay's loss model is off.
 
 A link's ``conditions()`` name its loss mechanism: :data:`MODELLED_LOSS` (this model),
-:data:`traces.netns.REAL_LOSS` (real drops) or :data:`NO_LOSS`.
+:data:`traces.nft_loss.REAL_LOSS` (real drops) or :data:`NO_LOSS`.
 """
 
 from __future__ import annotations

@@ -61,12 +61,12 @@ from sakura.traces import Trace, require_trace_dir
 from sakura.traces.errors import LinkError
 from sakura.traces.impair import Impairment
 from sakura.traces.linkproc import PacedLinkProcess, pin, split_cpus
-from sakura.traces.netns import (
-    KernelShapedLink,
+from sakura.traces.namespaces import (
     kernel_shaping_unavailable_reason,
     scaled_rto_min_ms,
     socket_in_namespace,
 )
+from sakura.traces.netns import KernelShapedLink
 
 from sakura.atomic import write_atomic
 from sakura.errors import SakuraError
@@ -319,7 +319,7 @@ class Links:
 
     def set_rtt(self, rtt_ms: float) -> None:
         """Every link carries this round trip from now on (new connections); a kernel link's
-        minimum RTO is scaled by the same factor (``traces.netns.scaled_rto_min_ms``)."""
+        minimum RTO is scaled by the same factor (``traces.namespaces.scaled_rto_min_ms``)."""
         from dataclasses import replace
 
         if self._rtt_applied == rtt_ms:

@@ -6,7 +6,7 @@ What it runs (issue 28, "What it must show"):
   ``configs/tail.yaml`` (one template per workload; the Lumos5G network at 12 start points
   and the mixed network's two starts where ``docs/replay-kernel`` saw sakura take more than
   twice its median), ``link: kernel`` and ``loss`` dropped for real by nftables in the
-  link's namespace (``traces/netns.py``), the minimum RTO scaled like the round trip. Every
+  link's namespaces (``traces/nft_loss.py``), the minimum RTO scaled like the round trip. Every
   policy of the config streams through the same receive stage; ``local`` runs once per
   (template, start), at loss 0, since it does not touch the network. Each loss rate is its
   own resumable results folder (``OUT/loss-<p>/runs.jsonl``), the packs are shared;

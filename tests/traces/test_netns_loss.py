@@ -15,15 +15,13 @@ import sys
 import pytest
 from sakura.traces import LinkError, Trace
 from sakura.traces.impair import MODELLED_LOSS, NO_LOSS, Impairment
-from sakura.traces.netns import (
+from sakura.traces.namespaces import (
     KERNEL_RTO_MIN_MS,
-    LOSS_TABLE,
-    REAL_LOSS,
-    KernelShapedLink,
     kernel_shaping_unavailable_reason,
-    real_loss_unavailable_reason,
     scaled_rto_min_ms,
 )
+from sakura.traces.netns import KernelShapedLink
+from sakura.traces.nft_loss import LOSS_TABLE, REAL_LOSS, real_loss_unavailable_reason
 
 MB = 1e6
 KERNEL = kernel_shaping_unavailable_reason()
