@@ -124,16 +124,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from sakura.cloud.build import BuildConfig, build  # lazy: CLI --help stays fast
     from sakura.dit.templates import device_template, load_catalog  # lazy: torch
     from sakura.dit.weights import DEFAULT_WEIGHTS, load_model  # lazy: torch
-    from sakura.edge.bench import (  # lazy: torch
-        ServerProcess,
-        _pin_device,
-        catalog_usable,
-        file_sha256,
-        resident_floor,
-    )
+    from sakura.edge.bench import _pin_device, file_sha256  # lazy: torch
     from sakura.edge.client import PackClient  # lazy: aiohttp
+    from sakura.edge.floor import resident_floor  # lazy: torch
     from sakura.edge.netem import matched_rtt_ms, shaped  # lazy: CLI --help stays fast
+    from sakura.edge.policy_packs import catalog_usable  # lazy: torch
     from sakura.edge.runtime import EdgeRuntime, EditOptions  # lazy: torch
+    from sakura.edge.server_process import ServerProcess  # lazy: CLI --help stays fast
     from sakura.edge.timeline import plot_timeline  # lazy: CLI --help stays fast
     from sakura.traces.impair import DEFAULT_RTT_MS  # lazy: CLI --help stays fast
 

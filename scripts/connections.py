@@ -47,9 +47,11 @@ def main() -> int:
     import torch
     from sakura.dit.adapters.engine import load_engine
     from sakura.dit.templates import load_catalog
-    from sakura.edge.bench import ServerProcess, _catalog_entry, regime_factor, resident_floor
+    from sakura.edge.floor import regime_factor, resident_floor
     from sakura.edge.netem import matched_rtt_ms, shaped
+    from sakura.edge.policy_packs import catalog_entry
     from sakura.edge.runtime import EdgeRuntime, EditOptions
+    from sakura.edge.server_process import ServerProcess
     from sakura.edge.templates import template_from_entry
     from sakura.traces import Trace, load_trace, trace_set
 
@@ -61,7 +63,7 @@ def main() -> int:
     runs: list[dict] = []
     with ServerProcess(args.packs) as server:
         probe = EdgeRuntime(model, runtime="native")
-        entry = asyncio.run(_catalog_entry(server.url, TEMPLATE))
+        entry = asyncio.run(catalog_entry(server.url, TEMPLATE))
         template = template_from_entry(TEMPLATE, entry)
         req = probe.request(spec.evaluation_prompts[0], 100)
         floor = resident_floor(probe, server.url, TEMPLATE, template, req, repeats=3)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from sakura.dit.adapters.engine import load_engine
     from sakura.dit.templates import load_catalog
     from sakura.dit.weights import DEFAULT_WEIGHTS
-    from sakura.edge.bench import ResidentCache
+    from sakura.edge.floor import ResidentCache
 
     torch.set_num_threads(args.threads)
     weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS

@@ -39,9 +39,10 @@ def main() -> int:
     import torch
     from sakura.dit.adapters.engine import load_engine
     from sakura.dit.templates import load_catalog
-    from sakura.edge.bench import ServerProcess, _catalog_entry
     from sakura.edge.netem import shaped
+    from sakura.edge.policy_packs import catalog_entry
     from sakura.edge.runtime import EdgeRuntime, EditOptions
+    from sakura.edge.server_process import ServerProcess
     from sakura.edge.templates import template_from_entry
     from sakura.traces import Trace
 
@@ -52,7 +53,7 @@ def main() -> int:
     edits = []
     with ServerProcess(args.packs) as server:
         rt = EdgeRuntime(model, runtime="native")
-        entry = asyncio.run(_catalog_entry(server.url, TEMPLATE))
+        entry = asyncio.run(catalog_entry(server.url, TEMPLATE))
         template = template_from_entry(TEMPLATE, entry)
         sets = {"profiling": spec.profiling_prompts, "evaluation": spec.evaluation_prompts}
         for which, prompts in sets.items():

@@ -30,10 +30,12 @@ import torch
 from first_shards_probe import ChoiceQuality  # scripts/, beside this file
 from sakura.dit.templates import device_template, load_catalog
 from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-from sakura.edge.bench import ServerProcess, exact_and_floor, file_sha256
+from sakura.edge.bench import file_sha256
 from sakura.edge.client import PackClient
+from sakura.edge.floor import exact_and_floor
 from sakura.edge.netem import shaped
 from sakura.edge.runtime import EdgeRuntime, EditOptions
+from sakura.edge.server_process import ServerProcess
 
 from sakura.demo import DEFAULT_TEMPLATE, _pick_trace
 

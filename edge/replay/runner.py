@@ -7,7 +7,7 @@ For each template (one setup, then its runs):
    up-to-date templates are skipped, so a rerun builds nothing;
 2. one ``sakura serve`` child process per packs folder, a paced link in front of each;
 3. setup (recorded once; a resumed replay reuses it): the masked execution time ``T``
-   with the whole FP16 cache resident (``edge.bench.exact_and_floor``, which also gives
+   with the whole FP16 cache resident (``edge.floor.exact_and_floor``, which also gives
    ``exact``), ``full`` (the whole model, no cache), the regime factor, storage per codec;
 4. runs, strictly one at a time (concurrent timed edits on this 2-core host would distort
    each other's timings): for each network, start point and policy, the link is set to
@@ -57,6 +57,7 @@ from sakura.edge.replay.results import (
     finite,
     template_key,
 )
+from sakura.edge.server_process import ServerProcess
 from sakura.traces import Trace, require_trace_dir
 from sakura.traces.errors import LinkError
 from sakura.traces.impair import Impairment
@@ -284,8 +285,6 @@ class Links:
         self.note = ""
 
     def __enter__(self) -> Links:
-        from sakura.edge.bench import ServerProcess  # lazy: torch
-
         if self.kind == "kernel":
             reason = kernel_shaping_unavailable_reason()
             if reason is not None:
@@ -446,12 +445,11 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
                    links: Links, model: Any, weights_sha: str, catalog: dict[str, Any],
                    results: ResultsFile, packs: Path, regime_median_bps: float, log: Log
                    ) -> TemplateState:
-    from sakura.edge.bench import (  # lazy: torch
+    from sakura.edge.floor import exact_and_floor, regime_factor  # lazy: torch
+    from sakura.edge.policy_packs import (  # lazy: torch
         catalog_codecs,
-        exact_and_floor,
         policy_packs,
         prefetch_manifests,
-        regime_factor,
     )
     from sakura.edge.runtime import EdgeRuntime  # lazy: torch
 
@@ -654,8 +652,8 @@ def _configured_edit(rt: Any, server: str, tid: str, pack: str, manifest_d: dict
                      configs: list[int], st: TemplateState) -> Any:
     """The real edit with exactly these configurations (fetched, decoded, resident)."""
     from sakura.codec.pack import Manifest, decode_config  # lazy: torch
-    from sakura.edge.bench import ResidentCache  # lazy: torch
     from sakura.edge.client import PackClient  # lazy: aiohttp
+    from sakura.edge.floor import ResidentCache  # lazy: torch
 
     async def fetch() -> list[bytes]:
         async with PackClient(server) as client:

@@ -45,6 +45,7 @@ from sakura.edge.netem import matched_rtt_ms, shaped
 from sakura.edge.replay.config import CONFIG_DIR, load_config
 from sakura.edge.replay.runner import run_replay
 from sakura.edge.replay.stats import pct
+from sakura.edge.server_process import ServerProcess
 from sakura.traces import load_trace, trace_set
 
 from sakura.errors import SakuraError
@@ -259,19 +260,15 @@ def repeat_edits(packs: Path, model: Any, log: Log, windows: tuple[float, ...] =
     rate at the window as its prior. The paced link (``edge.netem.shaped``), regime-matched
     like the replay: the demo's scale rule, the 30 ms round trip time-scaled."""
     from sakura.dit.templates import load_catalog  # lazy: torch
-    from sakura.edge.bench import (  # lazy: torch
-        ServerProcess,
-        _catalog_entry,
-        regime_factor,
-        resident_floor,
-    )
+    from sakura.edge.floor import regime_factor, resident_floor  # lazy: torch
+    from sakura.edge.policy_packs import catalog_entry  # lazy: torch
     from sakura.edge.runtime import EdgeRuntime, EditOptions  # lazy: torch
     from sakura.edge.templates import template_from_entry  # lazy: torch
 
     spec = load_catalog(None)[REPEAT_TEMPLATE]
     with ServerProcess(packs) as server:
         probe = EdgeRuntime(model, runtime="native")
-        entry = asyncio.run(_catalog_entry(server.url, REPEAT_TEMPLATE))
+        entry = asyncio.run(catalog_entry(server.url, REPEAT_TEMPLATE))
         template = template_from_entry(REPEAT_TEMPLATE, entry)
         req = probe.request(spec.evaluation_prompts[0], 100)
         floor = resident_floor(probe, server.url, REPEAT_TEMPLATE, template, req, repeats=3)

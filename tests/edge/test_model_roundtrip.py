@@ -15,8 +15,8 @@ import torch
 from sakura.cloud.build import BuildConfig, build
 from sakura.dit.adapters.engine import checkpoint_fingerprint, load_engine
 from sakura.dit.adapters.tiny import save_tiny_pipeline
-from sakura.edge.bench import ServerProcess
 from sakura.edge.runtime import EdgeRuntime, run_edit
+from sakura.edge.server_process import ServerProcess
 
 from sakura.cli import main
 
