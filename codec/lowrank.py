@@ -272,23 +272,8 @@ class LowRankCodec(Codec):
         err_of = dict(zip(cands, errs))
         size_of = dict(zip(cands, data_sizes))
 
-        # 4. streams: the main one in rate-distortion order, fixed-precision ones for the
-        # ablation tables; each configuration is a prefix of one stream (FORMAT.md)
-        streams: list[list[tuple[int, ...]]] = []
-        offers: list[tuple[int, int, bool]] = []  # (stream, prefix units, uniform config)
-        if self.opts.mixed:
-            streams.append(rd_path(cands, errs, data_sizes, g.ladder))
-            offers += [(0, k + 1, False) for k in range(len(streams[0]))]
-        if self.opts.keep == "all" or not self.opts.mixed:
-            for b in self.opts.uniform_bits:
-                if b not in g.bits:
-                    continue
-                top = g.bits.index(b)
-                path = uniform_path(g.ladder, top, g.levels, g.level_max[top])
-                if path:
-                    streams.append(path)
-                    offers += [(len(streams) - 1, k + 1, True) for k in range(len(path))
-                               if (k + 1) % (top + 1) == 0 and path[k][0] in g.reference]
+        # 4. streams (each configuration is a prefix of one stream) and the chosen offers
+        streams, offers = self._streams(g, cands, errs, data_sizes)
         heads = [StreamHeader(g.levels, m_count, n, c, g.group, g.level_bits, g.ladder,
                               unit_levels(p)).size for p in streams]
         chosen = self._choose(streams, offers, err_of, size_of, heads, set(g.reference))
@@ -319,6 +304,29 @@ class LowRankCodec(Codec):
                 "streams": sum(1 for s in range(len(streams)) if any(t == s for t, _ in chosen)),
                 "bytes_vs_pareto": self._prefix_cost(g, streams, cands, errs, data_sizes)}
         return EncodedShard(units=units, configs=configs, meta=meta)
+
+    def _streams(self, g: _Geometry, cands: list[tuple[int, ...]], errs: list[float],
+                 data_sizes: list[int]
+                 ) -> tuple[list[list[tuple[int, ...]]], list[tuple[int, int, bool]]]:
+        """The shard's streams: the main one in rate-distortion order, fixed-precision ones
+        for the ablation tables; each configuration is a prefix of one stream (FORMAT.md).
+        Returns the streams and the offers (stream, prefix units, uniform config)."""
+        streams: list[list[tuple[int, ...]]] = []
+        offers: list[tuple[int, int, bool]] = []
+        if self.opts.mixed:
+            streams.append(rd_path(cands, errs, data_sizes, g.ladder))
+            offers += [(0, k + 1, False) for k in range(len(streams[0]))]
+        if self.opts.keep == "all" or not self.opts.mixed:
+            for b in self.opts.uniform_bits:
+                if b not in g.bits:
+                    continue
+                top = g.bits.index(b)
+                path = uniform_path(g.ladder, top, g.levels, g.level_max[top])
+                if path:
+                    streams.append(path)
+                    offers += [(len(streams) - 1, k + 1, True) for k in range(len(path))
+                               if (k + 1) % (top + 1) == 0 and path[k][0] in g.reference]
+        return streams, offers
 
     def _choose(self, streams: list[list[tuple[int, ...]]], offers: list[tuple[int, int, bool]],
                 err_of: dict[tuple[int, ...], float], size_of: dict[tuple[int, ...], int],
