@@ -63,6 +63,10 @@ def register(commands: Any, bench: Any) -> None:
                    help="3 start points per template on 5G and one mixed (every key kept)")
     t.add_argument("--starts", type=positive_int, metavar="N", help="5G start points")
     t.add_argument("--no-repeat", action="store_true", help="skip the repeated edits")
+    t.add_argument("--rto-min", choices=("scaled", "kernel"), default="scaled",
+                   help="the link's minimum TCP retransmission timeout: scaled like the "
+                        "round trip (default; the targets are read so) or the kernel's "
+                        "200 ms, for the comparison")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_tail)
 
@@ -110,7 +114,8 @@ def _tail(args: argparse.Namespace) -> int:
 
     _set_threads(1)
     doc = run_tail(args.out, quick=args.quick, starts=args.starts, log=_log,
-                   progress=not args.no_progress, repeat=not args.no_repeat)
+                   progress=not args.no_progress, repeat=not args.no_repeat,
+                   rto_min=args.rto_min)
     write_json(args.json, doc)
     missed = [k for k, ok in doc["targets"].items() if ok is False]
     print(f"tail: {sum(doc['runs'].values())} runs; targets missed: "

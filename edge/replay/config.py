@@ -32,6 +32,7 @@ QUICK_STARTS = 10
 QUICK_OTHER_STARTS = 3
 LINKS = ("paced", "kernel")
 RTT_SCALES = ("matched", "none")
+RTO_MINS = ("scaled", "kernel")
 
 
 class ReplayConfigError(SakuraError):
@@ -127,6 +128,10 @@ class ReplayConfig(_Settings):
     rtt_scale: str = Field("matched", description="matched: the link carries rtt_ms x T / "
                                                   "the phone's masked execution time; none: "
                                                   "rtt_ms unscaled")
+    rto_min: str = Field("scaled", description="kernel link: scaled: the routes' minimum "
+                                               "TCP retransmission timeout scaled like the "
+                                               "round trip (rtt_scale); kernel: the "
+                                               "kernel's 200 ms")
     loss: Float = Field(0.0, description="packet loss rate (modelled as retransmission "
                                          "cost, traces/impair.py)")
     pin_cpus: Bool = Field(True, description="2+ cores: the device on all but the last, "
@@ -251,6 +256,8 @@ class ReplayConfig(_Settings):
         if self.rtt_scale not in RTT_SCALES:
             raise bad(f"rtt_scale must be one of {', '.join(RTT_SCALES)}, got "
                       f"{self.rtt_scale!r}")
+        if self.rto_min not in RTO_MINS:
+            raise bad(f"rto_min must be one of {', '.join(RTO_MINS)}, got {self.rto_min!r}")
         if not (0 <= self.loss < 0.5):
             raise bad(f"loss must be a rate in [0, 0.5), got {self.loss}")
         if not self.regime_x > 0 or not self.span_s > 0:

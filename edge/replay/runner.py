@@ -318,7 +318,8 @@ class Links:
 
     def set_rtt(self, rtt_ms: float) -> None:
         """Every link carries this round trip from now on (new connections); a kernel link's
-        minimum RTO is scaled by the same factor (``traces.namespaces.scaled_rto_min_ms``)."""
+        minimum RTO is scaled by the same factor (``traces.namespaces.scaled_rto_min_ms``),
+        unless the configuration keeps the kernel's (``rto_min: kernel``)."""
         from dataclasses import replace
 
         if self._rtt_applied == rtt_ms:
@@ -330,6 +331,7 @@ class Links:
                 link.set_impairment(imp)
             if hasattr(link, "set_rto_min_ms"):
                 link.set_rto_min_ms(None if scale == 1.0 or rtt_ms <= 0
+                                    or self.cfg.rto_min == "kernel"
                                     else scaled_rto_min_ms(scale))
         self._rtt_applied = rtt_ms
 
@@ -702,7 +704,7 @@ def _check_meta(out: Path, cfg: ReplayConfig, weights_sha: str) -> None:
         # ... and on the Python runtime, before the native one existed
         old_cfg = {"startup_fraction": 0.0, "runtime": "python", **old_cfg} if old_cfg else old_cfg
         for k in ("regime_x", "regime_network", "edit_seed", "prompt", "seed", "span_s",
-                  "startup_fraction", "runtime", "rtt_ms", "rtt_scale", "loss"):
+                  "startup_fraction", "runtime", "rtt_ms", "rtt_scale", "rto_min", "loss"):
             if k in old_cfg and old_cfg[k] != meta["config"][k]:
                 raise ReplayConfigError(
                     f"{out} holds results made with {k} = {old_cfg[k]!r}, this config has "

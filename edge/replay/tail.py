@@ -80,12 +80,14 @@ def loss_key(loss: float) -> str:
 
 
 def tail_configs(quick: bool = False, starts: int | None = None,
-                 packs_dir: str | None = None) -> dict[str, Any]:
-    """The replay configuration of each loss rate (string key)."""
+                 packs_dir: str | None = None, rto_min: str = "scaled") -> dict[str, Any]:
+    """The replay configuration of each loss rate (string key); ``rto_min``: ``scaled``
+    (the targets are read so) or ``kernel`` (the kernel's 200 ms, for the comparison)."""
     out = {}
     for loss in LOSSES:
         n = starts if starts is not None else (QUICK_STARTS if quick else None)
         cfg = load_config(TAIL_CONFIG, loss=loss, starts=n, packs_dir=packs_dir)
+        cfg = cfg.replace(rto_min=rto_min)
         if quick:
             cfg = cfg.replace(quick=True, network_starts={"mixed": 1})
         if loss > 0:
@@ -318,7 +320,8 @@ def repeat_edits(packs: Path, model: Any, log: Log, windows: tuple[float, ...] =
 
 
 def run_tail(out: Path, quick: bool = False, starts: int | None = None, log: Log = print,
-             progress: bool = True, repeat: bool = True) -> dict[str, Any]:
+             progress: bool = True, repeat: bool = True, rto_min: str = "scaled"
+             ) -> dict[str, Any]:
     """Run (or resume) every loss rate's replay into ``out``, then the repeated edits;
     returns the bench document."""
     from sakura.dit.weights import DEFAULT_WEIGHTS, load_model  # lazy: torch
@@ -329,7 +332,7 @@ def run_tail(out: Path, quick: bool = False, starts: int | None = None, log: Log
                              "namespaces, tc, nftables): run it as root")
     out = Path(out)
     packs = out / "packs"
-    cfgs = tail_configs(quick, starts, str(packs))
+    cfgs = tail_configs(quick, starts, str(packs), rto_min)
     model = load_model(DEFAULT_WEIGHTS)
     failed: list[str] = []
     t0 = time.monotonic()
@@ -352,6 +355,7 @@ def run_tail(out: Path, quick: bool = False, starts: int | None = None, log: Log
         "link": any_cfg.link, "rtt_ms": any_cfg.rtt_ms, "rtt_scale": any_cfg.rtt_scale,
         "link_rtt_ms": {t: round(float(r.get("link_rtt_ms") or 0.0), 3)
                         for t, r in templates.items()},
+        "rto_min": any_cfg.rto_min,
         "rto_min_ms": sample.get("rto_min_ms"),
         "loss_mechanism": {lk: next((r.get("loss_mechanism") for r in runs
                                      if r["policy"] != "local"), None)

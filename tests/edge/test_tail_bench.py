@@ -91,3 +91,35 @@ def test_the_cached_p10_gain_leaves_out_starts_with_local_steps():
     assert doc["psnr_p10_gain_db_vs_fixed_bits"]["0"] == pytest.approx(0.0)
     # over starts 3-9: sakura 33-39 dB (p10 33.6), fixed-bits 28 dB
     assert doc["psnr_p10_gain_db_vs_fixed_bits_cached"]["0"] == pytest.approx(5.6)
+
+
+def test_the_minimum_rto_is_scaled_with_the_round_trip_unless_kept_at_the_kernels():
+    """Issue 28 item 8's comparison: ``rto_min: kernel`` leaves the routes at the kernel's
+    200 ms while the round trip is scaled; the default scales both."""
+    from pathlib import Path
+
+    from sakura.edge.replay.runner import Links
+    from sakura.traces.namespaces import scaled_rto_min_ms
+
+    class Recording:
+        def __init__(self):
+            self.rto = "unset"
+
+        def set_impairment(self, imp):
+            self.imp = imp
+
+        def set_rto_min_ms(self, ms):
+            self.rto = ms
+
+    got = {}
+    for mode in ("scaled", "kernel"):
+        cfg = tail_configs(quick=True, rto_min=mode)["0"]
+        assert cfg.rto_min == mode
+        links = Links(cfg.replace(pin_cpus=False), Path("."), [], print)
+        links.links["sakura"] = link = Recording()
+        links.set_rtt(cfg.rtt_ms / 10)
+        assert link.imp.rtt_ms == pytest.approx(cfg.rtt_ms / 10)
+        got[mode] = link.rto
+    assert got == {"scaled": pytest.approx(scaled_rto_min_ms(0.1)), "kernel": None}
+    with pytest.raises(Exception, match="rto_min must be one of scaled, kernel"):
+        tail_configs(rto_min="fast")
