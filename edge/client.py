@@ -125,9 +125,10 @@ HEDGE_JSON_ATTEMPTS = 3
 """Requests of one catalog or manifest fetch in all, the next one :data:`HEDGE_JSON_S` after
 the last while none has answered. One hedge was not enough: in the full ``sakura bench
 tail`` of 2026-12-05 (3% real loss both ways, so a handshake fails about 6% of the time)
-one edit's revalidation waited 1.09 s before its shards were asked for (both handshakes
-lost: 1.44x ``local``, the only edit over 1.15x of 924); a third handshake makes that about
-0.02% of fetches instead of 0.35%."""
+one edit started its shards 1.09 s late with its manifest revalidated (1.44x ``local``, the
+only edit over 1.15x of 924); 1.09 s is the 1 s SYN timeout plus a round trip, most likely
+both handshakes lost (inferred, not captured: the record has no set-up phases). A third
+handshake makes a lost fetch of that kind about 0.02% instead of 0.35%."""
 
 
 @dataclass(frozen=True)

@@ -602,6 +602,9 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
         "local_fallbacks": res.local_fallbacks,
         "outage_fallbacks": res.outage_fallbacks, "stale_steps": res.stale_steps,
         "refinements": res.refinements,
+        # the set-up before the shard loop (open, manifest, plan: edge/timeline.py), so a
+        # late start can be told apart from a slow stream
+        "phases": res.phases,
         # what the device told the user it got (edge/quality.py), beside the measured PSNR
         "psnr_estimate_db": res.psnr_estimate_db,
         "full_quality_byte_fraction": res.full_quality_byte_fraction,
