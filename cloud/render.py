@@ -1,20 +1,22 @@
 """The cloud render engine: FlashDiff regional execution served across worker processes.
 
-``RenderEngine`` owns a pool of spawned worker processes (``cloud.render_worker``; one per
-GPU when there are GPUs, CPU otherwise), a scheduler (``cloud.render_sched``: priority
-classes, step-boundary preemption by benefit vs switch cost, least-maximum-load placement
-with affinity), the online policy (``cloud.render_policy``: the patch count R searched from
-observed service time and reuse error, the quality mode under low load) and, per request,
-a ``dit.regional.RegionalState``: the same state machine the single-process sampler
-drives. The engine turns the state's next step into monotasks (a warm-up step, a gate
-probe, or one task per active patch), ships them to workers, and applies their outputs
-at the step boundary.
+``RenderEngine`` owns a pool of spawned worker processes (``cloud.render_pool``, each
+running ``cloud.render_worker``; one per GPU when there are GPUs, CPU otherwise), a
+scheduler (``cloud.render_sched``: priority classes, step-boundary preemption by benefit vs
+switch cost, least-maximum-load placement with affinity), the online policy
+(``cloud.render_policy``: the patch count R searched from observed service time and reuse
+error, the quality mode under low load) and, per request, a
+``dit.regional.RegionalState``: the same state machine the single-process sampler drives.
+The engine turns the state's next step into monotasks (a warm-up step, a gate probe, or one
+task per active patch), ships them to workers with what brings their K/V replicas up to
+date (``cloud.render_replicas``), and applies their outputs at the step boundary. This
+module is that loop: requests in, monotasks out, outputs applied.
 
 The model is the shipped default MMDiT (``weights``) or a diffusers checkpoint
 (``model`` + ``model_path``, any ``dit.adapters`` model): the engine process then holds
-a weightless (``meta``) copy of the transformer for geometry, schedule and costs; the
-workers load the weights. Adapter requests carry their encoded conditioning and return
-latents (the VAE is not part of the engine).
+a weightless (``meta``) copy of the transformer for geometry, schedule and costs
+(``cloud.render_model``); the workers load the weights. Adapter requests carry their
+encoded conditioning and return latents (the VAE is not part of the engine).
 
 Recovery: outputs are keyed by (request, step, patch) and applied exactly once. The
 engine holds the authoritative per-request state (latents, last velocities, K/V store), so
@@ -22,27 +24,36 @@ when a worker dies (its pipe closes or its process sentinel fires) its unfinishe
 back to the queue, a replacement worker is spawned, and the tasks re-run elsewhere from
 the engine's copy (a snapshot of the store), giving the same outputs.
 
-Requests arrive through :meth:`RenderEngine.submit` (returns a ``concurrent.futures``
-future), the HTTP front (``cloud.render_http``) or an arrival-trace replay
-(``cloud.render_trace``). See ``cloud/RENDER.md``.
+Requests (``cloud.render_api``: ``RenderRequest``, ``RenderResult``, ``EngineConfig``)
+arrive through :meth:`RenderEngine.submit` (returns a ``concurrent.futures`` future), the
+HTTP front (``cloud.render_http``) or an arrival-trace replay (``cloud.render_trace``).
+See ``cloud/RENDER.md``.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import json
 import queue
-import socket
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from multiprocessing.connection import wait
 
 import numpy as np
 import torch
+from sakura.cloud.render_api import (
+    MODES,
+    EngineConfig,
+    RenderError,
+    RenderRequest,
+    RenderResult,
+    size_problem,
+)
+from sakura.cloud.render_model import as_numpy, model_view
 from sakura.cloud.render_policy import PatchCountSearch, quality_mode
+from sakura.cloud.render_pool import WorkerPool, WorkerProc
+from sakura.cloud.render_replicas import ReplicaVersions
 from sakura.cloud.render_sched import (
     CLASSES,
     FULL,
@@ -55,147 +66,20 @@ from sakura.cloud.render_sched import (
     TaskKey,
     class_index,
 )
-from sakura.cloud.render_worker import worker_main
-from sakura.dit.adapters.base import EDIT_SEED_OFFSET
-from sakura.dit.adapters.regional import adapter_macs, meta_adapter
-from sakura.dit.model import MMDiTConfig, unpatchify
 from sakura.dit.regional import (
     FullResult,
     KVStore,
     PatchResult,
     ProbeResult,
-    RegionalConfig,
     RegionalState,
     salient_token_mask,
 )
-from sakura.dit.regional_mmdit import grid_coords, mmdit_macs
-from sakura.dit.sampler import noise_like, schedule
-from sakura.dit.weights import DEFAULT_WEIGHTS, WeightsError, metadata
-
-from sakura.errors import SakuraError
-
-MODES = ("regional", "separate", "full", "naive")
-
-
-class RenderError(SakuraError):
-    """A render request is invalid or failed."""
-
-
-def size_problem(size: int, unit: int, max_size: int) -> str | None:
-    """What is wrong with an image size for a model of ``unit`` pixels per token and an
-    engine of ``max_size``, or None."""
-    if size % unit or not unit * 2 <= size <= max_size:
-        return f"must be a multiple of {unit} in {2 * unit}..{max_size}"
-    return None
-
-
-@dataclass
-class RenderRequest:
-    """One text-to-image request. ``mode``: ``regional`` (FlashDiff, active patches of a
-    step run jointly), ``separate`` (FlashDiff, every patch its own monotask), ``full``
-    (every token every step) or ``naive`` (independent patches, no context).
-    ``priority``: ``high``, ``normal`` or ``low`` (``cloud.render_sched``). ``patches``
-    fixes R (else the engine's online search picks it)."""
-
-    prompt: str = ""
-    seed: int = 0
-    steps: int = 20
-    size: int = 64
-    guidance: float = 3.0
-    mode: str = "regional"
-    priority: str = "normal"
-    patches: int | None = None
-    txt: torch.Tensor | None = None         # [1, T, D] text embeddings (else from prompt)
-    txt_uncond: torch.Tensor | None = None
-    salient: torch.Tensor | None = None     # [T] bool (else from the prompt's tokens)
-    cond: object | None = None              # adapter models: dit.adapters Conditioning
-    uncond: object | None = None
-
-
-@dataclass
-class RenderResult:
-    rid: int
-    image: torch.Tensor | None     # [3, size, size] in [-1, 1] (default model)
-    arrival: float
-    finish: float
-    stats: dict
-    mode: str
-    latents: torch.Tensor | None = None   # [N, C] (adapter models)
-    priority: str = "normal"
-
-    @property
-    def latency_s(self) -> float:
-        return self.finish - self.arrival
-
-
-@dataclass
-class EngineConfig:
-    """Engine knobs. Costs are in token rows (one token through the model, both guidance
-    branches): ``capacity_rows`` = backlog per worker, ``group_overhead_rows`` = fixed
-    cost of one forward call, ``transfer_weight`` = cost of shipping one token's K/V
-    state relative to computing one row."""
-
-    workers: int = 2
-    weights: str | None = None
-    model: str | None = None          # a dit.adapters model name (with model_path)
-    model_path: str | None = None     # its local diffusers checkpoint folder
-    regional: RegionalConfig = field(default_factory=RegionalConfig)
-    capacity_rows: float = 600.0
-    group_overhead_rows: float = 64.0
-    transfer_weight: float = 0.1
-    threads: int = 1
-    device: str = "auto"
-    respawn: bool = True
-    priority: str = "warmup_first"   # or "fifo" (cloud.render_sched)
-    preempt: str = "benefit"         # or "strict" (cloud.render_sched)
-    reserve: float = 0.5             # lower-class backlog share while a higher class is open
-    patch_search: bool = True        # online R search (cloud.render_policy)
-    patch_candidates: tuple[int, ...] = (2, 4, 6, 8)
-    quality_eps: float | None = 0.0  # the gate's eps under low load (None: no quality mode)
-    low_load: float = 0.5            # active requests per worker at or below = low load
-    start_timeout_s: float = 300.0
-    max_size: int = 128
-    max_steps: int = 100
-
-
-@dataclass
-class _Worker:
-    """A worker process, the pipe it answers on, and the thread that feeds its inbox pipe
-    (sends never block the engine loop, so two large messages crossing cannot deadlock)."""
-
-    wid: int
-    proc: object
-    conn: object                 # worker -> engine
-    outbox: queue.Queue = field(default_factory=queue.Queue)
-    sender: threading.Thread | None = None
-    ready: bool = False
-    pid: int = 0
-    device: str = ""
-    alive: bool = True
-    done_groups: int = 0
-
-    def send(self, msg) -> None:
-        if self.alive:
-            self.outbox.put(msg)
-
-
-def _feed(w: _Worker, conn) -> None:
-    while True:
-        msg = w.outbox.get()
-        if msg is None:
-            break
-        try:
-            conn.send(msg)
-        except OSError:  # the worker is gone: its sentinel tells the engine loop
-            break
-    try:
-        conn.close()
-    except OSError:
-        pass
 
 
 @dataclass
 class _Req:
+    """A request in flight: its state machine and the engine's bookkeeping of it."""
+
     rid: int
     seq: int
     req: RenderRequest
@@ -216,102 +100,12 @@ class _Req:
     quality_steps: int = 0       # patch steps run in the quality mode
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().contiguous().numpy()
-
-
-def model_config(weights: str | None) -> MMDiTConfig:
-    """The model's config from the weights file's metadata (no weights loaded)."""
-    path = weights or str(DEFAULT_WEIGHTS)
-    try:
-        return MMDiTConfig.from_dict(json.loads(metadata(path)["config"]))
-    except FileNotFoundError as exc:
-        raise WeightsError(f"model weights not found at {path}") from exc
-    except (KeyError, ValueError, OSError) as exc:
-        raise WeightsError(f"{path} is not a SAKURA MMDiT checkpoint: {exc}") from exc
-
-
-class _MMDiTView:
-    """What the engine needs of the default model: geometry, schedule, costs, output."""
-
-    kind = "mmdit"
-
-    def __init__(self, cfg: EngineConfig):
-        self.cfg = model_config(cfg.weights)
-        self.unit = self.cfg.patch_size
-
-    def check(self, req: RenderRequest) -> None:
-        mc = self.cfg
-        if req.txt is None:
-            return
-        if req.txt.ndim != 3 or req.txt.shape[0] != 1 or req.txt.shape[-1] != mc.text_dim:
-            raise RenderError(f"txt must be [1, T, {mc.text_dim}]")
-
-    def start(self, req: RenderRequest):
-        mc = self.cfg
-        grid = req.size // mc.patch_size
-        branches = 2 if req.txt_uncond is not None and req.guidance != 1.0 else 1
-        x = noise_like((1, grid * grid, mc.patch_dim), req.seed)[0]
-        spec = {"kind": "mmdit", "txt": _np(req.txt),
-                "txt_uncond": None if branches == 1 else _np(req.txt_uncond),
-                "size": req.size, "guidance": req.guidance}
-        return (grid_coords(grid), schedule(req.steps), x, int(req.txt.shape[1]),
-                lambda q, k: branches * mmdit_macs(mc, q, k), spec)
-
-    def output(self, x: torch.Tensor, req: RenderRequest):
-        mc = self.cfg
-        return unpatchify(x[None], mc.patch_size, mc.in_channels, req.size)[0].clamp(-1, 1), None
-
-
-class _AdapterView:
-    """The same for a diffusers checkpoint, over a weightless copy of its transformer."""
-
-    kind = "adapter"
-
-    def __init__(self, cfg: EngineConfig):
-        if not cfg.model_path:
-            raise RenderError(f"model {cfg.model} needs model_path (a checkpoint folder)")
-        self.adapter = meta_adapter(cfg.model, cfg.model_path)
-        self.unit = self.adapter.pixels_per_token
-
-    def check(self, req: RenderRequest) -> None:
-        if req.cond is None:
-            raise RenderError(f"{self.adapter.name} requests carry their encoded conditioning "
-                              "(cond, and uncond for guidance)")
-        if req.guidance != 1.0 and req.uncond is None:
-            raise RenderError(f"guidance {req.guidance} needs uncond")
-
-    def start(self, req: RenderRequest):
-        a = self.adapter
-        g = req.size // self.unit
-        n = g * g
-        rows = torch.arange(n)
-        branches = 2 if req.guidance != 1.0 else 1
-        x = noise_like((1, n, a.latent_channels), req.seed + EDIT_SEED_OFFSET)[0]
-        ts = a.make_scheduler(req.steps, n).sigmas.float()
-        params = float(sum(p.numel() for m in a.layers() for p in m.parameters()))
-
-        def cond(c):
-            return None if c is None else (_np(c.embeds),
-                                           None if c.pooled is None else _np(c.pooled))
-
-        spec = {"kind": "adapter", "cond": cond(req.cond),
-                "uncond": cond(req.uncond) if branches == 2 else None,
-                "guidance": req.guidance, "grid": (g, g)}
-        coords = torch.stack([rows // g, rows % g], dim=-1)
-        return (coords, ts, x, int(req.cond.embeds.shape[1]),
-                lambda q, k: adapter_macs(a, q, k, branches, params), spec)
-
-    def output(self, x: torch.Tensor, req: RenderRequest):
-        return None, x.clone()
-
-
 class RenderEngine:
     """Serving loop over worker processes. Use as a context manager or start()/stop()."""
 
     def __init__(self, cfg: EngineConfig | None = None, encoder=None):
         self.cfg = cfg or EngineConfig()
-        self.view = _AdapterView(self.cfg) if self.cfg.model else _MMDiTView(self.cfg)
+        self.view = model_view(self.cfg)
         self.model_cfg = self.view.cfg if self.view.kind == "mmdit" else None
         self.encoder = encoder
         self._encode_lock = threading.Lock()
@@ -320,16 +114,13 @@ class RenderEngine:
                                self.cfg.group_overhead_rows, self.cfg.priority,
                                self.cfg.preempt, self.cfg.reserve)
         self.search = PatchCountSearch(tuple(self.cfg.patch_candidates))
-        self._workers: dict[int, _Worker] = {}
-        self._wid = itertools.count()
+        self.pool = WorkerPool(self.cfg)
         self._rid = itertools.count()
         self._reqs: dict[int, _Req] = {}
         self._inbox: queue.Queue = queue.Queue()
-        self._replica: dict[int, dict[int, int]] = {}  # worker -> rid -> store version
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._replicas = ReplicaVersions()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ctx = None
         self.deaths = 0
         self.respawned = 0
         self.syncs: collections.Counter[str] = collections.Counter()  # K/V sync kinds sent
@@ -347,18 +138,15 @@ class RenderEngine:
         self.stop()
 
     def start(self) -> None:
-        import multiprocessing as mp
-
-        self._ctx = mp.get_context("spawn")
         for _ in range(self.cfg.workers):
             self._spawn()
         deadline = time.monotonic() + self.cfg.start_timeout_s
-        while not all(w.ready for w in self._workers.values()):
+        while not all(w.ready for w in self.pool.workers.values()):
             if time.monotonic() > deadline:
                 self.stop()
                 raise RenderError("render workers did not start in time")
             self._poll(0.2)
-            if not any(w.alive for w in self._workers.values()):
+            if not any(w.alive for w in self.pool.workers.values()):
                 self.stop()
                 raise RenderError("every render worker died while loading the model")
         self._thread = threading.Thread(target=self._loop, name="render-engine", daemon=True)
@@ -366,48 +154,23 @@ class RenderEngine:
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake()
+        self.pool.wake()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for w in self._workers.values():
-            w.send(("stop",))
-            w.outbox.put(None)
-        for w in self._workers.values():
-            w.proc.join(timeout=10)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(timeout=5)
-            if w.sender is not None:
-                w.sender.join(timeout=5)
-        for sock in (self._wake_r, self._wake_w):
-            sock.close()
+        self.pool.close()
         for r in list(self._reqs.values()):
             if not r.future.done():
                 r.future.set_exception(RenderError("the render engine stopped"))
         self._reqs.clear()
 
-    def _spawn(self) -> _Worker:
-        wid = next(self._wid)
-        inbox_r, inbox_w = self._ctx.Pipe(duplex=False)
-        results_r, results_w = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(target=worker_main, name=f"render-worker-{wid}", daemon=True,
-                                 args=(wid, inbox_r, results_w, self.cfg.weights,
-                                       self.cfg.device, self.cfg.threads, self.cfg.model,
-                                       self.cfg.model_path))
-        proc.start()
-        inbox_r.close()
-        results_w.close()
-        w = _Worker(wid, proc, results_r)
-        w.sender = threading.Thread(target=_feed, args=(w, inbox_w), daemon=True,
-                                    name=f"render-feed-{wid}")
-        w.sender.start()
-        self._workers[wid] = w
-        self._replica[wid] = {}
+    def _spawn(self) -> WorkerProc:
+        w = self.pool.spawn()
+        self._replicas.reset(w.wid)
         return w
 
     def worker_pids(self) -> dict[int, int]:
         """Live workers: id -> process id (to watch them, or to kill one in a test)."""
-        return {w.wid: w.pid for w in self._workers.values() if w.alive and w.ready}
+        return {w.wid: w.pid for w in self.pool.workers.values() if w.alive and w.ready}
 
     def busy_workers(self) -> set[int]:
         """Workers with dispatched, unfinished tasks (a racy snapshot, for tests/monitoring)."""
@@ -421,7 +184,7 @@ class RenderEngine:
     def metrics(self) -> dict:
         s = self.sched.stats
         return {"workers": {w.wid: {"pid": w.pid, "device": w.device, "alive": w.alive,
-                                    "groups": w.done_groups} for w in self._workers.values()},
+                                    "groups": w.done_groups} for w in self.pool.workers.values()},
                 "dispatched": s.dispatched, "completed": s.completed,
                 "duplicates": s.duplicates, "requeued": s.requeued,
                 "affinity_hits": s.affinity_hits, "preemptions": s.preemptions,
@@ -440,7 +203,7 @@ class RenderEngine:
         fut: Future = Future()
         rid = next(self._rid)
         self._inbox.put((rid, req, fut, time.monotonic()))
-        self._wake()
+        self.pool.wake()
         return fut
 
     def prepare(self, req: RenderRequest) -> RenderRequest:
@@ -523,7 +286,7 @@ class RenderEngine:
         self._set_threshold(r, s)
         probes = st.probe_inputs(s)
         if probes:  # the gate decides on a probe of this step's latents
-            cost = float(len(probes) * (n + t) / max(1, self._blocks()))
+            cost = float(len(probes) * (n + t) / max(1, self.view.num_blocks))
             self.sched.add(Task(TaskKey(r.rid, s, -2), PROBE, r.seq, cost, 0, cls=r.cls))
             return
         d = st.decide(s)
@@ -536,11 +299,6 @@ class RenderEngine:
             cost = float(m + (0 if st.joint else t))
             self.sched.add(Task(TaskKey(r.rid, s, p), PATCH, r.seq, cost, m, gang=st.joint,
                                 cls=r.cls))
-
-    def _blocks(self) -> int:
-        if self.view.kind == "mmdit":
-            return self.view.cfg.num_blocks
-        return self.view.adapter.num_blocks
 
     def _finish(self, r: _Req) -> None:
         img, latents = self.view.output(r.state.x, r.req)
@@ -562,8 +320,8 @@ class RenderEngine:
         self.sched.drop_request(r.rid)
         self.sched.forget(r.rid)
         for wid in r.seen:
-            self._replica.get(wid, {}).pop(r.rid, None)
-            w = self._workers.get(wid)
+            self._replicas.forget(wid, r.rid)
+            w = self.pool.workers.get(wid)
             if w is not None:
                 w.send(("close", r.rid))
 
@@ -574,26 +332,6 @@ class RenderEngine:
 
     # -- placement and messages ------------------------------------------------------
 
-    def _sync_kind(self, r: _Req, step: int, wid: int) -> str:
-        """How worker ``wid``'s replica is brought to the start of ``step``: ``none`` (it
-        is there), ``delta`` (its version is the last K/V-writing step, whose writes from
-        other workers it is sent, or later: then only its version moves on, since steps
-        where every patch was skipped change nothing) or ``snapshot``."""
-        version = self._replica.get(wid, {}).get(r.rid)
-        if version is None or version > step:
-            return "snapshot"
-        if version == step:
-            return "none"
-        if version >= r.kv_since or (r.last is not None and r.last[0] == version):
-            return "delta"
-        return "snapshot"
-
-    def _delta_writes(self, r: _Req, wid: int) -> list:
-        version = self._replica[wid][r.rid]
-        if r.last is None or r.last[0] != version:
-            return []
-        return [(o[0], o[1], o[2]) for o in r.last[1].values() if o[3] != wid]
-
     def _transfer(self, task: Task, wid: int) -> float:
         r = self._reqs.get(task.key.rid)
         if r is None:
@@ -601,16 +339,16 @@ class RenderEngine:
         w = self.cfg.transfer_weight
         if task.kind != PATCH or r.state.cfg.context != "stale":
             return 0.0 if wid in r.seen else w * 16
-        kind = self._sync_kind(r, task.key.step, wid)
+        kind = self._replicas.sync_kind(r, task.key.step, wid)
         if kind == "none":
             return 0.0
         if kind == "delta":
-            return w * sum(len(o[0]) for o in self._delta_writes(r, wid))
+            return w * sum(len(o[0]) for o in self._replicas.delta_writes(r, wid))
         return w * r.state.n
 
     def _send(self, g: Group) -> None:
         r = self._reqs.get(g.rid)
-        w = self._workers[g.worker]
+        w = self.pool.workers[g.worker]
         keys = [t.key for t in g.tasks]
         if r is None:
             for k in keys:
@@ -618,36 +356,33 @@ class RenderEngine:
             return
         st = r.state
         s = g.step
-        payload = {"rid": r.rid, "step": s, "t": st.t(s), "x": _np(st.x),
+        payload = {"rid": r.rid, "step": s, "t": st.t(s), "x": as_numpy(st.x),
                    "keys": [(k.rid, k.step, k.patch) for k in keys],
                    "spec": None if g.worker in r.seen else r.spec}
         if st.phase(s) == "full":
             payload.update(kind="full", probe=st.wants_probe(s), want_kv=st.wants_kv(s))
         elif keys[0].patch == -2:
             payload.update(kind="probe",
-                           patches=[_np(p) for p in st.partition.patches],
-                           probes=[(label, t, _np(x), depth)
+                           patches=[as_numpy(p) for p in st.partition.patches],
+                           probes=[(label, t, as_numpy(x), depth)
                                    for label, t, x, depth in st.probe_inputs(s)])
         else:
             ctx = st.cfg.context == "stale"
             payload.update(kind="patches", context=ctx, joint=st.joint, measure=st.measures,
-                           patches=[(k.patch, _np(st.partition.patches[k.patch])) for k in keys])
+                           patches=[(k.patch, as_numpy(st.partition.patches[k.patch]))
+                                    for k in keys])
             if ctx:
-                kind = self._sync_kind(r, s, g.worker)
+                kind, sync = self._replicas.sync(r, s, g.worker, st.store)
                 self.syncs[kind] += 1
-                if kind == "snapshot":
-                    payload["sync"] = ("snapshot", s, _np(st.store.k), _np(st.store.v))
-                elif kind == "delta":
-                    payload["sync"] = ("delta", self._replica[g.worker][r.rid], s,
-                                       self._delta_writes(r, g.worker))
-                self._replica[g.worker][r.rid] = s
+                if sync is not None:
+                    payload["sync"] = sync
         w.send(("run", payload))
         r.seen.add(g.worker)
         r.tasks += len(keys)
 
     # -- results ---------------------------------------------------------------------
 
-    def _on_message(self, w: _Worker, msg: tuple) -> None:
+    def _on_message(self, w: WorkerProc, msg: tuple) -> None:
         kind = msg[0]
         if kind == "ready":
             _, _, pid, device = msg
@@ -665,7 +400,7 @@ class RenderEngine:
             return
         if kind == "resync":
             _, _, rid, step, keys = msg
-            self._replica[w.wid].pop(rid, None)
+            self._replicas.forget(w.wid, rid)
             r = self._reqs.get(rid)
             if r is not None:
                 r.seen.discard(w.wid)
@@ -679,11 +414,11 @@ class RenderEngine:
             if r is not None:
                 self._fail(r, f"worker {w.wid} failed on step {step}:\n{tb}")
 
-    def _retry(self, w: _Worker, keys) -> None:
+    def _retry(self, w: WorkerProc, keys) -> None:
         for k in keys:
             self.sched.retry(TaskKey(*k))
 
-    def _on_done(self, w: _Worker, out: dict) -> None:
+    def _on_done(self, w: WorkerProc, out: dict) -> None:
         r = self._reqs.get(out["rid"])
         keys = [TaskKey(*k) for k in out["keys"]]
         fresh = [k for k in keys if self.sched.complete(k, w.wid)]
@@ -703,7 +438,7 @@ class RenderEngine:
             kv = None
             if f["k"] is not None:
                 kv = KVStore(torch.from_numpy(f["k"]), torch.from_numpy(f["v"]))
-                self._replica[w.wid][r.rid] = s + 1
+                self._replicas.move(w.wid, r.rid, s + 1)
             res = FullResult(torch.from_numpy(f["velocity"]), kv,
                              None if f["text_attn"] is None else torch.from_numpy(f["text_attn"]),
                              f["img_keys"], f["probe_macs"])
@@ -725,7 +460,7 @@ class RenderEngine:
         if set(r.pending) == active:
             results = {p: pr for p, (pr, _) in r.pending.items()}
             parts = st.partition.patches
-            r.last = (s, {p: (_np(parts[p]), _np(pr.k), _np(pr.v), wid)
+            r.last = (s, {p: (as_numpy(parts[p]), as_numpy(pr.k), as_numpy(pr.v), wid)
                           for p, (pr, wid) in r.pending.items()})
             r.kv_since = s + 1
             r.pending = {}
@@ -734,23 +469,12 @@ class RenderEngine:
 
     # -- the loop --------------------------------------------------------------------
 
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-
-    def _lost(self, w: _Worker) -> None:
+    def _lost(self, w: WorkerProc) -> None:
         if not w.alive:
             return
-        w.alive = False
-        w.outbox.put(None)
-        try:
-            w.conn.close()
-        except OSError:
-            pass
+        w.mark_lost()
         self.deaths += 1
-        self._replica[w.wid] = {}
+        self._replicas.reset(w.wid)
         for r in self._reqs.values():
             r.seen.discard(w.wid)
         if w.ready:
@@ -761,24 +485,7 @@ class RenderEngine:
             self.respawned += 1
 
     def _poll(self, timeout: float) -> None:
-        live = [w for w in self._workers.values() if w.alive]
-        objs = [w.conn for w in live] + [w.proc.sentinel for w in live] + [self._wake_r]
-        ready = set(wait(objs, timeout))
-        if self._wake_r in ready:
-            try:
-                self._wake_r.recv(4096)
-            except OSError:
-                pass
-        for w in live:
-            if w.conn in ready or w.proc.sentinel in ready:
-                try:
-                    while w.conn.poll():
-                        self._on_message(w, w.conn.recv())
-                except (EOFError, OSError):
-                    self._lost(w)
-                    continue
-            if w.proc.sentinel in ready and w.alive:
-                self._lost(w)
+        self.pool.poll(timeout, self._on_message, self._lost)
 
     def _loop(self) -> None:
         try:
@@ -802,5 +509,4 @@ class RenderEngine:
             raise
 
 
-__all__ = ["EngineConfig", "MODES", "RenderEngine", "RenderError", "RenderRequest",
-           "RenderResult", "model_config"]
+__all__ = ["RenderEngine"]

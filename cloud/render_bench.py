@@ -43,7 +43,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from sakura.cloud.render import EngineConfig, RenderEngine, RenderRequest
+from sakura.cloud.render import RenderEngine
+from sakura.cloud.render_api import EngineConfig, RenderRequest
 from sakura.cloud.render_trace import bursty_arrivals, replay, request_factory
 from sakura.dit.adapters.base import Conditioning
 from sakura.dit.adapters.tiny import tiny_transformer

@@ -28,7 +28,8 @@ from sakura.output import write_json
 
 
 def _engine(args: argparse.Namespace):
-    from sakura.cloud.render import EngineConfig, RenderEngine  # lazy: torch
+    from sakura.cloud.render import RenderEngine  # lazy: torch
+    from sakura.cloud.render_api import EngineConfig  # lazy: torch
     from sakura.dit.regional import RegionalConfig  # lazy: torch
     from sakura.dit.text import TextEncoder  # lazy: torch
 
@@ -63,7 +64,7 @@ def _check_weights(args: argparse.Namespace) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from sakura.cloud.render import RenderRequest  # lazy: torch
+    from sakura.cloud.render_api import RenderRequest  # lazy: torch
     from sakura.cloud.render_trace import (  # lazy: torch
         bursty_arrivals,
         load_trace,
@@ -123,7 +124,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _bench_flashdiff(args: argparse.Namespace) -> int:
     _check_weights(args)
-    from sakura.cloud.render import EngineConfig, size_problem  # lazy: torch
+    from sakura.cloud.render_api import EngineConfig, size_problem  # lazy: torch
     from sakura.dit.model import MMDiTConfig  # lazy: torch
 
     problem = size_problem(args.serve_size, MMDiTConfig.patch_size, EngineConfig.max_size)

@@ -26,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
-from sakura.cloud.render import RenderEngine, RenderError, RenderRequest, RenderResult
+from sakura.cloud.render import RenderEngine
+from sakura.cloud.render_api import RenderError, RenderRequest, RenderResult
 
 
 class RenderBody(BaseModel):

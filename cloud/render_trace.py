@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sakura.cloud.render import RenderEngine, RenderError, RenderRequest, RenderResult
+from sakura.cloud.render import RenderEngine
+from sakura.cloud.render_api import RenderError, RenderRequest, RenderResult
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from collections import Counter
 import httpx
 import pytest
 import torch
-from sakura.cloud.render import EngineConfig, RenderEngine, RenderError, RenderRequest
+from sakura.cloud.render import RenderEngine
+from sakura.cloud.render_api import EngineConfig, RenderError, RenderRequest
 from sakura.cloud.render_sched import FULL, PATCH, WARMUP, Scheduler, Task, TaskKey
 from sakura.cloud.render_trace import (
     bursty_arrivals,
@@ -160,6 +161,7 @@ def test_kv_sync_moves_a_replica_across_steps_that_wrote_nothing():
     from types import SimpleNamespace
 
     import numpy as np
+    from sakura.cloud.render_replicas import ReplicaVersions
     from sakura.cloud.render_worker import Replica, ResyncNeeded, _Worker
 
     idx = np.array([0, 1])
@@ -167,15 +169,16 @@ def test_kv_sync_moves_a_replica_across_steps_that_wrote_nothing():
     others = (idx, one, one, 1)
     # request 7: patches ran at step 3 (worker 0 and worker 1 wrote), steps 4-5 skipped all
     r = SimpleNamespace(rid=7, kv_since=4, last=(3, {0: others}))
-    eng = SimpleNamespace(_replica={0: {7: 3}, 1: {7: 4}, 2: {7: 2}, 3: {}})
-    kind = lambda wid, step=6: RenderEngine._sync_kind(eng, r, step, wid)  # noqa: E731
+    replicas = ReplicaVersions()
+    replicas.versions = {0: {7: 3}, 1: {7: 4}, 2: {7: 2}, 3: {}}
+    kind = lambda wid, step=6: replicas.sync_kind(r, step, wid)  # noqa: E731
     assert kind(0) == "delta"      # at the last writing step: its stash + worker 1's writes
     assert kind(1) == "delta"      # already past it: only the version moves
     assert kind(2) == "snapshot"   # misses step 3's writes
     assert kind(3) == "snapshot"   # holds nothing
     assert kind(0, step=3) == "none"
-    assert [w[0].tolist() for w in RenderEngine._delta_writes(eng, r, 0)] == [[0, 1]]
-    assert RenderEngine._delta_writes(eng, r, 1) == []
+    assert [w[0].tolist() for w in replicas.delta_writes(r, 0)] == [[0, 1]]
+    assert replicas.delta_writes(r, 1) == []
 
     w = _Worker(model=None)
     k = torch.zeros(1, 1, 1, 4, 1)

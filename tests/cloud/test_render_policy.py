@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sakura.cloud.render import EngineConfig, RenderEngine, RenderError, RenderRequest
+from sakura.cloud.render import RenderEngine
+from sakura.cloud.render_api import EngineConfig, RenderError, RenderRequest
 from sakura.cloud.render_policy import PatchCountSearch, quality_mode
 from sakura.cloud.render_sched import PATCH, PROBE, WARMUP, Scheduler, Task, TaskKey
 from sakura.dit.regional import RegionalConfig
