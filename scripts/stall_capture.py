@@ -27,9 +27,12 @@ from sakura.dit.templates import load_catalog
 from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
 from sakura.edge.bench import file_sha256
 from sakura.edge.replay.config import load_config
+from sakura.edge.replay.links import Links
 from sakura.edge.replay.networks import pooled_median_bps
+from sakura.edge.replay.plan import plan
 from sakura.edge.replay.results import ResultsFile
-from sakura.edge.replay.runner import Links, plan, run_matched, setup_template
+from sakura.edge.replay.runs import run_matched
+from sakura.edge.replay.template_setup import setup_template
 from sakura.traces import require_trace_dir
 
 

@@ -38,7 +38,7 @@ def test_default_and_quick_config():
 
 
 def test_plan_has_start_points_per_network_and_sakura_operating_points():
-    from sakura.edge.replay.runner import deadline_multiple, plan
+    from sakura.edge.replay.plan import deadline_multiple, plan
     from sakura.traces import default_trace_dir
 
     if default_trace_dir() is None:
@@ -151,21 +151,22 @@ def test_startup_fraction_from_the_config_and_the_command_line(tmp_path, capsys)
 
 
 def test_a_resume_with_another_startup_fraction_is_refused(tmp_path):
-    from sakura.edge.replay.runner import META_FILE, _check_meta
+    from sakura.edge.replay.results import META_FILE
+    from sakura.edge.replay.resume import check_meta
 
     out = tmp_path / "o"
-    _check_meta(out, load_config(), "sha")
-    _check_meta(out, load_config(), "sha")                   # same config: resumes
+    check_meta(out, load_config(), "sha")
+    check_meta(out, load_config(), "sha")                   # same config: resumes
     default = default_config().startup_fraction
     with pytest.raises(ReplayConfigError, match=f"startup_fraction = {default}"):
-        _check_meta(out, load_config(startup_fraction=0.0), "sha")
+        check_meta(out, load_config(startup_fraction=0.0), "sha")
     # results from before the allowance existed were made without one
     meta = json.loads((out / META_FILE).read_text())
     del meta["config"]["startup_fraction"]
     (out / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(ReplayConfigError, match="startup_fraction = 0.0"):
-        _check_meta(out, load_config(), "sha")
-    _check_meta(out, load_config(startup_fraction=0.0), "sha")
+        check_meta(out, load_config(), "sha")
+    check_meta(out, load_config(startup_fraction=0.0), "sha")
 
 
 def test_bad_config_on_the_command_line_is_one_error_line(tmp_path, capsys):
@@ -578,7 +579,7 @@ def test_kernel_link_replay_or_clear_fallback(tiny_catalog, tmp_path):
 @pytest.mark.slow
 def test_parallel_pack_builds(tiny_catalog, tmp_path):
     """``build_workers: 2``: the main and q packs built in two processes (untimed)."""
-    from sakura.edge.replay.runner import BuildJob, build_all
+    from sakura.edge.replay.packs import BuildJob, build_all
 
     root, tid = tiny_catalog
     jobs = [BuildJob(str(tmp_path / "main"), (tid,), str(root / "model.safetensors"),
@@ -595,7 +596,7 @@ def test_parallel_pack_builds(tiny_catalog, tmp_path):
 
 
 def test_allocation_quality_of_a_manifest():
-    from sakura.edge.replay.runner import allocation_quality_of
+    from sakura.edge.replay.template_setup import allocation_quality_of
 
     def m(*psnrs):
         return {"shards": [{"configs": [{"quality": {"psnr_db": p, "kv_db": 20.0}}

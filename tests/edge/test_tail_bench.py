@@ -98,7 +98,7 @@ def test_the_minimum_rto_is_scaled_with_the_round_trip_unless_kept_at_the_kernel
     200 ms while the round trip is scaled; the default scales both."""
     from pathlib import Path
 
-    from sakura.edge.replay.runner import Links
+    from sakura.edge.replay.links import Links
     from sakura.traces.namespaces import scaled_rto_min_ms
 
     class Recording:

@@ -225,7 +225,7 @@ def test_replay_plumbing_loss_and_scaled_rto_min(tmp_path) -> None:
     """``sakura replay --loss P`` reaches the config; the replay's links take the loss from
     it, and a kernel link's rto_min is scaled like the round trip (no root: not started)."""
     from sakura.edge.replay.config import load_config
-    from sakura.edge.replay.runner import Links
+    from sakura.edge.replay.links import Links
 
     from sakura.cli import build_parser
 

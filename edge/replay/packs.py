@@ -1,0 +1,87 @@
+"""The replay's packs: which folders to build (``<packs>/main`` with every codec and the
+second-resolution variants, ``<packs>/q<q>`` with sakura packs at other q) and building
+them with the provider's builder (``cloud.build``); up-to-date templates are skipped, so a
+rerun builds nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sakura.cloud.build import BuildConfig, build
+from sakura.edge.errors import EdgeError
+from sakura.edge.replay.config import ReplayConfig
+from sakura.edge.replay.plan import PlannedRun
+
+from sakura.errors import SakuraError
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    out_dir: str
+    templates: tuple[str, ...]
+    weights: str
+    catalog: str | None = None
+    resolution: int | None = None
+    codecs: tuple[str, ...] | None = None
+    q: float | None = None
+
+
+def _run_build(job: BuildJob) -> str:
+    import torch
+
+    torch.set_num_threads(1)
+    kw: dict[str, Any] = {}
+    if job.codecs is not None:
+        kw["codecs"] = job.codecs
+    if job.q is not None:
+        kw["codec_options"] = {"sakura": {"q": job.q}}
+    build(BuildConfig(catalog=job.catalog, out_dir=job.out_dir, templates=job.templates,
+                      weights=job.weights,
+                      resolution=job.resolution, **kw), log=lambda m: None)
+    return job.out_dir
+
+
+def build_jobs(cfg: ReplayConfig, packs: Path, weights: Path, runs: list[PlannedRun]
+               ) -> list[BuildJob]:
+    need: dict[tuple[str, int | None], set[str]] = {}
+    for r in runs:
+        res = None if r.template == r.base else int(r.template.rsplit("-", 1)[1])
+        need.setdefault((r.variant, res), set()).add(r.base)
+    jobs = []
+    for (variant, res), bases in sorted(need.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        tids = tuple(sorted(bases))
+        if variant == "main":
+            jobs.append(BuildJob(str(packs / "main"), tids, str(weights), cfg.catalog, res))
+        else:
+            q = float(variant[1:])
+            jobs.append(BuildJob(str(packs / variant), tids, str(weights), cfg.catalog, res,
+                                 codecs=("sakura",), q=q))
+    return jobs
+
+
+def build_all(jobs: list[BuildJob], workers: int, log: Callable[[str], None]) -> None:
+    """Build (or find up to date) every packs folder; ``workers`` > 1: in parallel
+    processes (builds are not timed, so parallelism cannot distort results)."""
+    log(f"packs: {len(jobs)} build job(s) (up-to-date templates are skipped) ...")
+    t0 = time.monotonic()
+    if workers > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(workers, len(jobs)),
+                                 mp_context=mp.get_context("spawn")) as pool:
+            list(pool.map(_run_build, jobs))
+    else:
+        for job in jobs:
+            try:
+                _run_build(job)
+            except SakuraError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a build failure is the user's to see
+                raise EdgeError(f"building packs into {job.out_dir} failed: {exc}") from exc
+    log(f"packs ready in {time.monotonic() - t0:.1f} s")

@@ -1,0 +1,128 @@
+"""The replay's template setup, recorded once per template (a resumed replay reuses it):
+the device state (runtimes calibrated, manifests cached), the masked execution time ``T``
+with the whole FP16 cache resident (``edge.floor.exact_and_floor``, which also gives
+``exact``), ``full`` (the whole model, no cache), the regime factor and the storage per
+codec.
+
+Regime ``matched``: one factor per template scales every network's traces so that the
+FP16 cache at the pooled median of ``regime_network`` (Lumos5G) takes ``regime_x`` x T;
+the other networks keep their rates relative to it (LTE stays ~14x slower than 5G).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sakura.edge.replay.config import ReplayConfig
+from sakura.edge.replay.links import Links, link_rtt_ms
+from sakura.edge.replay.results import ResultsFile, template_key
+
+
+@dataclass
+class TemplateState:
+    """What one template's runs share (images live only in memory)."""
+
+    tid: str
+    record: dict[str, Any]
+    template: Any
+    req: Any
+    exact: Any
+    full: Any
+    runtimes: dict[str, Any]
+    packs: dict[str, str]
+
+
+def allocation_quality_of(manifest: dict[str, Any]) -> str:
+    """``psnr_profile`` when every configuration of the pack carries a measured output
+    PSNR (the allocator ranks by it), else ``kv_error`` (the KV-error proxy)."""
+    configs = [c for s in manifest.get("shards", []) for c in s.get("configs", [])]
+    ok = configs and all((c.get("quality") or {}).get("psnr_db") is not None for c in configs)
+    return "psnr_profile" if ok else "kv_error"
+
+
+def _storage(packs: Path, variant: str, tid: str) -> dict[str, int]:
+    doc = json.loads((packs / variant / "catalog.json").read_text())
+    entry = doc["templates"][tid]
+    return {c: int(e.get("stored_bytes") or e["pack_bytes"]) for c, e in entry["codecs"].items()}
+
+
+def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
+                   links: Links, model: Any, weights_sha: str, catalog: dict[str, Any],
+                   results: ResultsFile, packs: Path, regime_median_bps: float, log: Callable[[str], None]
+                   ) -> TemplateState:
+    from sakura.edge.floor import exact_and_floor, regime_factor  # lazy: torch
+    from sakura.edge.policy_packs import (  # lazy: torch
+        catalog_codecs,
+        policy_packs,
+        prefetch_manifests,
+    )
+    from sakura.edge.runtime import EdgeRuntime  # lazy: torch
+
+    runtimes = {}
+    main = EdgeRuntime(model, weights_sha256=weights_sha, runtime=cfg.runtime)
+    for v in variants:
+        rt = main if v == "main" else EdgeRuntime(model, encoder=main.encoder,
+                                                  weights_sha256=weights_sha,
+                                                  runtime=cfg.runtime)
+        rt.profiles = main.profiles  # one calibration per template (same model)
+        runtimes[v] = rt
+    direct = links.direct("main")
+    template = main.fetch_template(direct, tid)
+    spec = catalog[base]
+    prompt = spec.evaluation_prompts[cfg.prompt]
+    req = main.request(prompt, seed=cfg.edit_seed)
+    packs_of = policy_packs(asyncio.run(catalog_codecs(direct, tid)), cfg.policies, tid)
+    # device state: manifests cached, calibrated (a direct, untimed edit calibrates too)
+    for v, rt in runtimes.items():
+        codecs = sorted({c for c in packs_of.values() if c}) if v == "main" else ["sakura"]
+        asyncio.run(prefetch_manifests(links.direct(v), tid, codecs, rt))
+    calib = main.edit(direct, tid, template, req, "sakura")
+    exact, floor_s, fp16_manifest = exact_and_floor(main, direct, tid, template, req,
+                                                    repeats=3)
+    full_res = main.edit(direct, tid, template, req, "local")
+    key = template_key(cfg.regime, tid)
+    stored = results.templates().get(key)
+    if stored is None:
+        fp16_bytes = int(fp16_manifest["fp16_bytes"])
+        storage = _storage(packs, "main", tid)
+        for v in variants:
+            if v != "main":
+                storage[f"sakura-{v}"] = _storage(packs, v, tid)["sakura"]
+        entry = json.loads((packs / "main" / "catalog.json").read_text())["templates"][tid]
+        factor = (regime_factor(fp16_bytes, floor_s, regime_median_bps, cfg.regime_x)
+                  if cfg.regime == "matched" else 1.0)
+        stored = {
+            "kind": "template", "key": key, "mode": cfg.regime, "template": tid,
+            "base_template": base, "workload": spec.workload,
+            "resolution": int(entry.get("resolution", spec.resolution)),
+            "token_mask_ratio": float(entry.get("token_mask_ratio", 0.0)),
+            "mask_ratio": entry.get("mask_ratio"), "prompt": prompt, "seed": cfg.edit_seed,
+            "steps": template.steps, "masked_exec_s": floor_s, "local_s": full_res.latency_s,
+            "fp16_bytes": fp16_bytes, "factor": factor, "regime_x": cfg.regime_x,
+            "regime_network": cfg.regime_network,
+            "regime_median_mbps": regime_median_bps / 1e6,
+            "scaled_median_mbps": regime_median_bps * factor / 1e6,
+            "storage_bytes": storage, "shard_exec_s": list(calib.predicted_exec_s),
+            "rtt_ms": cfg.rtt_ms, "rtt_scale": cfg.rtt_scale,
+            "packs": packs_of, "allocation_quality": {
+                c: allocation_quality_of(main.manifests[(tid, c)].data)
+                for c in sorted({c for c in packs_of.values() if c})
+                if (tid, c) in main.manifests},
+            "load1": os.getloadavg()[0], "time": time.time(),
+        }
+        stored["link_rtt_ms"] = link_rtt_ms(cfg, stored)
+        results.append(stored)
+        if cfg.regime == "matched":
+            log(f"{tid}: T = {floor_s:.3f} s masked, local {full_res.latency_s:.3f} s, FP16 "
+                f"{fp16_bytes / 1e6:.2f} MB; {cfg.regime_network} pooled median "
+                f"{regime_median_bps / 1e6:.1f} Mbit/s x {factor:.4g} (FP16 at the median = "
+                f"{cfg.regime_x:g} x T); link RTT {stored['link_rtt_ms']:.1f} ms "
+                f"({cfg.rtt_ms:g} ms, rtt_scale {cfg.rtt_scale})")
+    return TemplateState(tid, stored, template, req, exact, full_res.image, runtimes, packs_of)
