@@ -46,7 +46,7 @@ import torch
 from sakura.cloud.render import RenderEngine
 from sakura.cloud.render_api import EngineConfig, RenderRequest
 from sakura.cloud.render_trace import bursty_arrivals, replay, request_factory
-from sakura.dit.adapters.base import Conditioning
+from sakura.dit.adapters.inputs import Conditioning
 from sakura.dit.adapters.tiny import tiny_transformer
 from sakura.dit.regional import RegionalConfig
 from sakura.dit.regional_bench import (

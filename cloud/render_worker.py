@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from sakura.dit.adapters.base import Conditioning
+from sakura.dit.adapters.inputs import Conditioning
 from sakura.dit.adapters.regional import AdapterRegional
 from sakura.dit.adapters.registry import load_adapter
 from sakura.dit.regional import KVStore

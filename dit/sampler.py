@@ -30,7 +30,7 @@ hook                      callers
 ========================  ====================================================================
 
 Everything else rides in the model step's attention hook (``dit.editing``: ``CaptureHook``,
-``CachedHook``, ``ImportanceHook``, ``PinHook``; ``dit.adapters.base``: ``AdapterHook`` and
+``CachedHook``, ``ImportanceHook``, ``PinHook``; ``dit.adapters``: ``AdapterHook`` and
 ``Pins``; regional execution: ``cached_edit(hook_factory=...)``). Regional execution's own
 step-skipping loop (``dit.regional.run_regional``) decides per patch which tokens run and
 keeps its own update; it is not a plain denoising loop.

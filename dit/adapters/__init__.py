@@ -11,14 +11,14 @@ Public API::
 """
 
 _LAZY = {  # loaded on first use so that `sakura --help` does not import torch/diffusers
-    "AdapterGeometry": "sakura.dit.adapters.base",
-    "AdapterHook": "sakura.dit.adapters.base",
-    "AdapterRun": "sakura.dit.adapters.base",
-    "Branch": "sakura.dit.adapters.base",
-    "Conditioning": "sakura.dit.adapters.base",
-    "LatentImage": "sakura.dit.adapters.base",
-    "LatentRequest": "sakura.dit.adapters.base",
-    "LatentTemplate": "sakura.dit.adapters.base",
+    "AdapterGeometry": "sakura.dit.adapters.inputs",
+    "AdapterHook": "sakura.dit.adapters.hook",
+    "AdapterRun": "sakura.dit.adapters.inputs",
+    "Branch": "sakura.dit.adapters.processors",
+    "Conditioning": "sakura.dit.adapters.inputs",
+    "LatentImage": "sakura.dit.adapters.inputs",
+    "LatentRequest": "sakura.dit.adapters.inputs",
+    "LatentTemplate": "sakura.dit.adapters.inputs",
     "ModelAdapter": "sakura.dit.adapters.base",
     "AdapterError": "sakura.dit.adapters.errors",
     "CheckpointMismatchError": "sakura.dit.adapters.errors",

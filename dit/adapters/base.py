@@ -26,6 +26,10 @@ C = the transformer's input channels); VAEs and text encoders stay outside (see
 ``dit.adapters.pipeline``). The K/V of one attention call are one cache "block"; SD3.5's
 dual-attention layers therefore contribute two blocks (``layer.i.attn``, ``layer.i.attn2``).
 An adapter runs one forward at a time (it is not thread-safe).
+
+The types are in ``dit.adapters.inputs`` (what the algorithms take and give),
+``dit.adapters.processors`` (what the processors see of a running forward) and
+``dit.adapters.hook`` (:class:`AdapterHook`).
 """
 
 from __future__ import annotations
@@ -33,258 +37,28 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from sakura.dit.adapters.errors import AdapterError, InputError, UnsupportedError
-from sakura.dit.attention import CACHE, AttentionHook, KVSegment, Layout, cache_mass
+from sakura.dit.adapters.hook import AdapterHook
+from sakura.dit.adapters.inputs import (
+    AdapterGeometry,
+    AdapterRun,
+    Conditioning,
+    LatentImage,
+    LatentRequest,
+    LatentTemplate,
+    token_mask,
+)
+from sakura.dit.adapters.processors import Branch, Channel, Pins, RunContext
+from sakura.dit.attention import AttentionHook
 from sakura.dit.cache import KVProvider, StepMemo, TemplateCache
-from sakura.dit.editing import channels_to_heads, heads_to_channels
 from sakura.dit.sampler import SchedulerSteps, Trajectory, denoise, noise_like
 from torch import nn
 
 EDIT_SEED_OFFSET = 1_000_003  # same convention as dit.editing.edit_noise
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-@dataclass
-class LatentImage:
-    """An image in the model's latent token space: ``tokens [h*w, C]`` row-major, ``grid (h, w)``."""
-
-    tokens: torch.Tensor
-    grid: tuple[int, int]
-
-
-@dataclass
-class Conditioning:
-    """An encoded prompt (text encoders run outside the adapter).
-
-    ``embeds [1, T, D]`` token embeddings; ``pooled [1, P]`` the pooled vector (SD3.5 only);
-    for QwenImage 2.1 ``image_slots [T]`` marks the vision-language encoder's image slots
-    (each stands for 2x2 latent tokens of the condition image in ``images``, in order).
-    """
-
-    embeds: torch.Tensor
-    pooled: torch.Tensor | None = None
-    image_slots: torch.Tensor | None = None
-    images: list[LatentImage] = field(default_factory=list)
-
-
-@dataclass
-class LatentTemplate:
-    """An edit template in latent space: template latents ``[N, C]`` on ``grid``, the token
-    mask ``[N]`` (True = editable), the template prompt, seed, steps, true-CFG scale
-    (``guidance``; 1 = off) and the embedded guidance of guidance-distilled models."""
-
-    latents: torch.Tensor
-    grid: tuple[int, int]
-    mask: torch.Tensor
-    cond: Conditioning
-    seed: int
-    steps: int = 20
-    guidance: float = 1.0
-    embedded_guidance: float | None = None
-
-    @property
-    def tokens(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-
-@dataclass
-class LatentRequest:
-    """A private edit: prompt (and negative prompt for CFG), seed and, for FLUX.2, reference
-    images (Flux2-klein KV semantics). Never leaves the device."""
-
-    cond: Conditioning
-    uncond: Conditioning | None
-    seed: int
-    references: list[LatentImage] = field(default_factory=list)
-
-
-@dataclass
-class AdapterGeometry:
-    """Token and cache geometry of a template on a model."""
-
-    grid: tuple[int, int]
-    masked: torch.Tensor
-    unmasked: torch.Tensor
-    heads: int
-    head_dim: int
-    blocks: list[str]
-
-    @property
-    def tokens(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-    @property
-    def channels(self) -> int:
-        return self.heads * self.head_dim
-
-    def fp16_bytes(self, steps: int) -> int:
-        """Bytes of the FP16 template cache (K and V of the unmasked tokens, every step/block)."""
-        return 2 * steps * len(self.blocks) * len(self.unmasked) * self.channels * 2
-
-
-@dataclass
-class AdapterRun:
-    """The template run's outputs: the cache, plus block-input hidden states of the image
-    tokens (``hidden[step][layer] -> [N, D]``) for the slow pinned reference."""
-
-    cache: TemplateCache
-    geometry: AdapterGeometry
-    hidden: list[dict[int, torch.Tensor]] = field(default_factory=list)
-
-
-@dataclass
-class Branch:
-    """Per-prompt state of one guidance branch during an edit.
-
-    ``extra``: K/V computed once and appended at every step (reference images, or the
-    block-causal prefix). ``refs``: reference tokens recomputed every step instead
-    (``cache_refs=False``). ``key_shift`` maps template-cache keys into this branch's RoPE
-    frame (QwenImage 2.1, whose image position depends on the prompt length).
-    """
-
-    cond: Conditioning
-    extra: dict[int, list[KVSegment]] = field(default_factory=dict)
-    refs: list[LatentImage] = field(default_factory=list)
-    key_shift: Callable[[torch.Tensor], torch.Tensor] | None = None
-    embedded_guidance: float | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Pins:
-    """Slow reference: pin the image hidden states at ``rows`` to the template run's at the
-    input of every block; ``cond`` is the template's prompt (SD3.5: the pinned tokens keep the
-    template's pooled-text modulation, as their cached K/V do)."""
-
-    hidden: dict[int, torch.Tensor]
-    rows: torch.Tensor
-    cond: Conditioning
-
-
-@dataclass
-class RunContext:
-    """What the SAKURA processors need during one forward (set by the adapter)."""
-
-    hook: AttentionHook
-    rows: torch.Tensor                 # grid rows of the computed target image tokens
-    txt: int = 0                       # text tokens computed in this call
-    ref: int = 0                       # reference tokens computed in this call (inline)
-    pins: Pins | None = None
-    keep: dict[int, torch.Tensor] | None = None
-    scratch: dict[Any, Any] = field(default_factory=dict)
-
-
-class Channel:
-    """The adapter-owned slot through which processors see the running forward (or None)."""
-
-    def __init__(self) -> None:
-        self.active: RunContext | None = None
-
-
-# ----------------------------------------------------------------------------- hooks
-
-
-class AdapterHook(AttentionHook):
-    """The one hook the adapter algorithms use (joint visibility rules of ``dit.attention``).
-
-    Appends ``extra`` segments (references / prefix) and the template cache of ``step`` from
-    ``provider`` (keys mapped by ``key_shift``); records K/V of the image tokens at
-    ``capture`` rows (template run) or of all computed image tokens (``record``, reference
-    extraction); accumulates attention mass of image queries on cached tokens into
-    ``importance [blocks, U]``. Extra K/V are cast to the computed tokens' dtype and device.
-    """
-
-    def __init__(self, *, heads: int, extra: dict[int, list[KVSegment]] | None = None,
-                 provider: KVProvider | None = None, step: int = 0,
-                 key_shift: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 capture: torch.Tensor | None = None, record: bool = False,
-                 importance: torch.Tensor | None = None):
-        super().__init__("joint")
-        self.heads, self.extra, self.provider, self.step = heads, extra or {}, provider, step
-        self.key_shift, self.capture, self.record = key_shift, capture, record
-        self.importance = importance
-        self.needs_probs = importance is not None
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self._like: torch.Tensor | None = None
-
-    def attend(self, block: int, q, k, v, layout: Layout) -> torch.Tensor:
-        self._like = q
-        return super().attend(block, q, k, v, layout)
-
-    def on_kv(self, block: int, k, v, layout: Layout) -> None:
-        if self.capture is not None:
-            idx = layout.txt + self.capture.to(k.device)
-            self.keys[block] = heads_to_channels(k[0, :, idx]).float().cpu()
-            self.values[block] = heads_to_channels(v[0, :, idx]).float().cpu()
-        elif self.record:
-            lo, hi = layout.txt, layout.txt + layout.img
-            self.keys[block] = k[:, :, lo:hi].clone()
-            self.values[block] = v[:, :, lo:hi].clone()
-
-    def extra_kv(self, block: int) -> list[KVSegment]:
-        segs = list(self.extra.get(block, []))
-        if self.provider is not None:
-            k, v = self.provider.get(self.step, block)
-            if self.key_shift is not None:
-                k = self.key_shift(k)
-            segs.append(KVSegment(CACHE, channels_to_heads(k, self.heads),
-                                  channels_to_heads(v, self.heads)))
-        like = self._like
-        if like is None:
-            return segs
-        return [KVSegment(s.role, s.k.to(like.device, like.dtype), s.v.to(like.device, like.dtype))
-                for s in segs]
-
-    def on_probs(self, block: int, probs, q_segs, k_segs) -> None:
-        mass = cache_mass(probs, q_segs, k_segs)
-        if mass is not None and self.importance is not None:
-            self.importance[block] += mass.cpu()
-
-
-def hook_attend(hook: AttentionHook, block: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, txt: int, ref: int = 0, img_first: bool = False) -> torch.Tensor:
-    """Run ``hook.attend`` on diffusers-layout ``[B, L, H, D]`` tensors.
-
-    The native token order is ``[text, reference, image]`` (FLUX.2, Qwen) or ``[image,
-    text]`` (``img_first``, SD3); SAKURA's is ``[text, image, reference]``. Returns the output
-    in the native order, ``[B, L, H, D]``.
-    """
-    n = q.shape[1]
-    img = n - txt - ref
-
-    def to_hook(x: torch.Tensor) -> torch.Tensor:
-        x = x.transpose(1, 2)
-        if img_first:
-            return torch.cat([x[:, :, img:], x[:, :, :img]], dim=2) if txt else x
-        if ref:
-            return torch.cat([x[:, :, :txt], x[:, :, txt + ref:], x[:, :, txt:txt + ref]], dim=2)
-        return x
-
-    layout = Layout(txt=txt, img=img, ref=ref, ref_sizes=(ref,) if ref else ())
-    out = hook.attend(block, to_hook(q), to_hook(k), to_hook(v), layout)
-    if img_first and txt:
-        out = torch.cat([out[:, :, txt:], out[:, :, :txt]], dim=2)
-    elif ref:
-        out = torch.cat([out[:, :, :txt], out[:, :, txt + img:], out[:, :, txt:txt + img]], dim=2)
-    return out.transpose(1, 2)
-
-
-def token_mask(mask: torch.Tensor, pixels_per_token: int) -> torch.Tensor:
-    """Pixel mask ``[H, W]`` -> token mask ``[N]``: a token is editable if any pixel is."""
-    m = F.max_pool2d(mask.float()[None, None], pixels_per_token)[0, 0] > 0
-    return m.flatten()
-
-
-# ----------------------------------------------------------------------------- adapter
 
 
 class ModelAdapter(ABC):
@@ -641,8 +415,5 @@ class ModelAdapter(ABC):
         return imp
 
 
-__all__ = [
-    "AdapterGeometry", "AdapterHook", "AdapterRun", "Branch", "Channel", "Conditioning",
-    "LatentImage", "LatentRequest", "LatentTemplate", "ModelAdapter", "Pins", "RunContext",
-    "channels_to_heads", "heads_to_channels", "hook_attend", "token_mask",
-]
+
+__all__ = ["EDIT_SEED_OFFSET", "ModelAdapter"]

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sakura.dit.adapters.base import AdapterHook, Branch, LatentImage, LatentTemplate
 from sakura.dit.adapters.errors import UnknownModelError
 from sakura.dit.adapters.geometry import paper_comparison, released
+from sakura.dit.adapters.hook import AdapterHook
+from sakura.dit.adapters.inputs import LatentImage, LatentTemplate
+from sakura.dit.adapters.processors import Branch
 from sakura.dit.adapters.tiny import (
     KINDS,
     box_mask,

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sakura.dit.adapters.base import LatentRequest, LatentTemplate, ModelAdapter
+from sakura.dit.adapters.base import ModelAdapter
 from sakura.dit.adapters.errors import InputError, ModelPathError
+from sakura.dit.adapters.inputs import LatentRequest, LatentTemplate
 from sakura.dit.adapters.latents import (
     ImageLatents,
     encode_prompt,

@@ -24,19 +24,11 @@ from diffusers.models.transformers.transformer_flux2 import (
     Flux2KVParallelSelfAttnProcessor,
     _get_qkv_projections,
 )
-from sakura.dit.adapters.base import (
-    AdapterGeometry,
-    AdapterHook,
-    Branch,
-    Conditioning,
-    LatentImage,
-    LatentTemplate,
-    ModelAdapter,
-    Pins,
-    RunContext,
-    hook_attend,
-)
+from sakura.dit.adapters.base import ModelAdapter
 from sakura.dit.adapters.errors import InputError
+from sakura.dit.adapters.hook import AdapterHook
+from sakura.dit.adapters.inputs import AdapterGeometry, Conditioning, LatentImage, LatentTemplate
+from sakura.dit.adapters.processors import Branch, Pins, RunContext, hook_attend
 from sakura.dit.attention import AttentionHook, KVSegment
 from sakura.dit.rope import rope_option
 

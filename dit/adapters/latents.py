@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sakura.dit.adapters.base import Conditioning, LatentImage
 from sakura.dit.adapters.errors import InputError, ModelPathError
+from sakura.dit.adapters.inputs import Conditioning, LatentImage
 
 FAMILIES = {
     "Flux2Transformer2DModel": "flux2",

@@ -22,15 +22,10 @@ from diffusers.models.transformers.transformer_qwenimage import (
     QwenDoubleStreamAttnProcessor2_0,
     apply_rotary_emb_qwen,
 )
-from sakura.dit.adapters.base import (
-    AdapterGeometry,
-    Branch,
-    ModelAdapter,
-    Pins,
-    RunContext,
-    hook_attend,
-)
+from sakura.dit.adapters.base import ModelAdapter
 from sakura.dit.adapters.errors import InputError
+from sakura.dit.adapters.inputs import AdapterGeometry
+from sakura.dit.adapters.processors import Branch, Pins, RunContext, hook_attend
 from sakura.dit.attention import AttentionHook
 from sakura.dit.rope import rope_option
 

@@ -34,17 +34,10 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
     _qwenimage21_prefix_segments,
     _qwenimage21_prepare_qkv,
 )
-from sakura.dit.adapters.base import (
-    AdapterGeometry,
-    Branch,
-    Conditioning,
-    LatentTemplate,
-    ModelAdapter,
-    Pins,
-    RunContext,
-    hook_attend,
-)
+from sakura.dit.adapters.base import ModelAdapter
 from sakura.dit.adapters.errors import InputError, UnsupportedError
+from sakura.dit.adapters.inputs import AdapterGeometry, Conditioning, LatentTemplate
+from sakura.dit.adapters.processors import Branch, Pins, RunContext, hook_attend
 from sakura.dit.adapters.qwenimage import centred
 from sakura.dit.attention import TXT, AttentionHook, KVSegment
 from sakura.dit.rope import rope_option

@@ -27,14 +27,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from sakura.dit.adapters.base import (
-    AdapterGeometry,
-    AdapterHook,
-    Branch,
-    LatentRequest,
-    LatentTemplate,
-    ModelAdapter,
-)
+from sakura.dit.adapters.base import ModelAdapter
+from sakura.dit.adapters.hook import AdapterHook
+from sakura.dit.adapters.inputs import AdapterGeometry, LatentRequest, LatentTemplate
+from sakura.dit.adapters.processors import Branch
 from sakura.dit.adapters.registry import adapter_class, read_checkpoint
 from sakura.dit.attention import CACHE, IMG, TXT, KVSegment, Layout
 from sakura.dit.cache import KVProvider

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 from diffusers.models.attention_processor import JointAttnProcessor2_0
-from sakura.dit.adapters.base import Branch, ModelAdapter, Pins, RunContext, hook_attend
+from sakura.dit.adapters.base import ModelAdapter
 from sakura.dit.adapters.errors import InputError
+from sakura.dit.adapters.processors import Branch, Pins, RunContext, hook_attend
 from sakura.dit.attention import AttentionHook
 
 

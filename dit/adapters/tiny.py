@@ -13,13 +13,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from sakura.dit.adapters.base import (
-    Conditioning,
-    LatentImage,
-    LatentRequest,
-    LatentTemplate,
-    ModelAdapter,
-)
+from sakura.dit.adapters.base import ModelAdapter
+from sakura.dit.adapters.inputs import Conditioning, LatentImage, LatentRequest, LatentTemplate
 
 KINDS = ("flux2", "sd3.5", "qwenimage", "qwenimage-2.1")
 

@@ -170,7 +170,7 @@ def test_adapter_checkpoint_served_regionally_equals_single_process(tmp_path, ki
     """A tiny seeded FLUX.2 / SD3.5 pipeline saved as a real checkpoint folder: the engine
     holds a weightless copy, its workers load the weights; the result equals
     ``dit.adapters.regional.regional_generate`` with the same gate decisions."""
-    from sakura.dit.adapters.base import Conditioning, LatentRequest, LatentTemplate
+    from sakura.dit.adapters.inputs import Conditioning, LatentRequest, LatentTemplate
     from sakura.dit.adapters.regional import regional_generate
     from sakura.dit.adapters.registry import load_adapter
     from sakura.dit.adapters.tiny import save_tiny_pipeline

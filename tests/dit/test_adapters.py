@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sakura.dit.adapters.base import AdapterHook, Branch, LatentTemplate
+from sakura.dit.adapters.hook import AdapterHook
+from sakura.dit.adapters.inputs import LatentTemplate
+from sakura.dit.adapters.processors import Branch
 from sakura.dit.adapters.tiny import KINDS, tiny_adapter, tiny_request, tiny_spec, tiny_template
 from sakura.dit.attention import CACHE, KVSegment
 

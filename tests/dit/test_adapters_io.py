@@ -9,12 +9,13 @@ import json
 
 import pytest
 import torch
-from sakura.dit.adapters.base import AdapterHook, Branch
 from sakura.dit.adapters.errors import (
     CheckpointMismatchError,
     ModelPathError,
     UnknownModelError,
 )
+from sakura.dit.adapters.hook import AdapterHook
+from sakura.dit.adapters.processors import Branch
 from sakura.dit.adapters.registry import MODELS, load_adapter
 from sakura.dit.adapters.tiny import (
     tiny_adapter,
@@ -254,7 +255,7 @@ class _HashEncoder:
                           for t in texts])
 
     def conditioning(self, text: str):
-        from sakura.dit.adapters.base import Conditioning
+        from sakura.dit.adapters.inputs import Conditioning
 
         g = self._gen(text)
         emb = torch.randn(1, self.tokens + len(text) % 3, self.dim, generator=g)

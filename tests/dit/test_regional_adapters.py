@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sakura.dit.adapters.base import AdapterHook
+from sakura.dit.adapters.hook import AdapterHook
 from sakura.dit.adapters.regional import AdapterRegional, regional_generate
 from sakura.dit.adapters.tiny import tiny_adapter, tiny_request, tiny_spec, tiny_template
 from sakura.dit.attention import IMG, TXT
