@@ -20,11 +20,15 @@ order, so that every configuration ``ranks = [r0, r1, r2, r3]`` (components with
 2, 4, 6, 8 bits) is a prefix of the stream: ONE byte range of the pack. The ablation table
 (``keep="all"``) adds fixed-precision streams whose prefixes are the uniform
 configurations. Layout: ``FORMAT.md``.
+
+The ladders and a shard's derived sizes are in ``codec.lowrank_geometry``; which
+configurations a shard's table keeps (streams, Pareto front, the format-1 comparison) in
+``codec.lowrank_table``. This module factorizes, quantizes, estimates the errors, encodes
+and decodes.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,28 +36,13 @@ import numpy as np
 import torch
 from sakura.codec import native as codec_native
 from sakura.codec.base import Codec, EncodedConfig, EncodedShard, register
-from sakura.codec.embedded import StreamHeader, rd_path, uniform_path, unit_levels
+from sakura.codec.embedded import StreamHeader, unit_levels
 from sakura.codec.errors import CodecError, PackError
+from sakura.codec.lowrank_geometry import BASE_LADDER, UNIT_LADDER, ShardGeometry
+from sakura.codec.lowrank_table import choose, prefix_cost, staircases, streams_of
 from sakura.codec.metrics import DEFAULT_FLOOR, normalized_importance
-from sakura.codec.quant import (
-    ProgressiveQuantizer,
-    SegmentPlan,
-    pack_codes,
-    packed_row_bytes,
-    unpack_codes,
-)
+from sakura.codec.quant import ProgressiveQuantizer, pack_codes, unpack_codes
 from sakura.codec.shards import ShardData, ShardSpec
-
-BASE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-"""Configuration ladder of pack format 1 and of the uniform (ablation) configurations; the
-reference front ``bytes_vs_pareto`` is measured against."""
-UNIT_LADDER = (*range(1, 11), 12, 14, 16, 18, 20, 22, 24, 28, 32, 36, 40, 44, 48, 56, 64, 72,
-               80, 88, 96, 112, 128, 144, 160, 176, 192, 224, 256, 288, 320, 352, 384, 448, 512)
-"""Segment boundaries of the embedded streams' coding units (steps of at most 1/8 above
-rank 16). Measured on the catalog's caches (face-technologist, 2 blocks per shard): the
-format-1 ladder as units needs a median 1.026x the bytes of the free layout's Pareto
-configurations (mean 1.045x), this one 1.011x (mean 1.011x); encoding takes about 1.3x."""
-THIN = 1.15  # configs on the Pareto front are kept at least 15% apart in bytes
 
 
 @dataclass(frozen=True)
@@ -115,40 +104,6 @@ class LowRankOptions:
             raise CodecError(f"keep must be 'pareto' or 'all', got {self.keep!r}")
 
 
-@dataclass(frozen=True)
-class _Geometry:
-    """Derived sizes for one shard geometry."""
-
-    matrices: int
-    tokens: int
-    channels: int
-    group: int
-    bits: tuple[int, ...]
-    ladder: tuple[int, ...]  # segment boundaries of the coding units
-    level_max: tuple[int, ...]  # mean rank stored per level
-    reference: tuple[int, ...] = ()  # the configuration ladder of format 1 (uniform configs)
-
-    @property
-    def levels(self) -> int:
-        return len(self.bits)
-
-    @property
-    def level_bits(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip((0,) + self.bits[:-1], self.bits))
-
-    @property
-    def plan(self) -> SegmentPlan:
-        return SegmentPlan(parts=(self.tokens, self.channels), group=self.group)
-
-    def quantizer(self) -> ProgressiveQuantizer:
-        return ProgressiveQuantizer(self.plan, self.level_bits)
-
-    def chunk_bytes(self, level: int) -> int:
-        """Bytes of one component at ``level``: level 0 adds the matrix index and steps."""
-        codes = packed_row_bytes(self.tokens + self.channels, self.level_bits[level])
-        return codes + (1 + 2 * self.plan.groups if level == 0 else 0)
-
-
 class LowRankCodec(Codec):
     """``sakura`` (q = 0.5 by default) and ``svd`` (q = 0)."""
 
@@ -177,7 +132,7 @@ class LowRankCodec(Codec):
         return out
 
     # ------------------------------------------------------------------ geometry
-    def geometry(self, matrices: int, tokens: int, channels: int) -> _Geometry:
+    def geometry(self, matrices: int, tokens: int, channels: int) -> ShardGeometry:
         o = self.opts
         full = min(tokens, channels)
         r_max = o.r_max if o.r_max is not None else max(1, min(128, full // 3))
@@ -190,7 +145,7 @@ class LowRankCodec(Codec):
         for f in o.level_fraction:
             cap = f * r_max
             level_max.append(max([0] + [r for r in ladder if r <= cap + 1e-9]))
-        return _Geometry(
+        return ShardGeometry(
             matrices=matrices,
             tokens=tokens,
             channels=channels,
@@ -265,7 +220,7 @@ class LowRankCodec(Codec):
 
         # 3. candidate configurations (every staircase of the rank ladder) and their
         # weighted errors (closed form)
-        cands = self._candidates(g)
+        cands = staircases(g.ladder, g.level_max)
         errs = self._config_errors(shard, g, slot_m, recon_levels, cands)
         per_rank = np.array([m_count * g.chunk_bytes(lv) for lv in range(g.levels)])
         data_sizes = (np.array(cands, dtype=np.int64) @ per_rank).tolist()
@@ -273,10 +228,14 @@ class LowRankCodec(Codec):
         size_of = dict(zip(cands, data_sizes))
 
         # 4. streams (each configuration is a prefix of one stream) and the chosen offers
-        streams, offers = self._streams(g, cands, errs, data_sizes)
+        streams, offers = streams_of(g, cands, errs, data_sizes, mixed=self.opts.mixed,
+                                     keep_all=self.opts.keep == "all",
+                                     uniform_bits=self.opts.uniform_bits)
         heads = [StreamHeader(g.levels, m_count, n, c, g.group, g.level_bits, g.ladder,
                               unit_levels(p)).size for p in streams]
-        chosen = self._choose(streams, offers, err_of, size_of, heads, set(g.reference))
+        chosen = choose(streams, offers, err_of, size_of, heads, set(g.reference),
+                        mixed=self.opts.mixed, keep_all=self.opts.keep == "all",
+                        bits=self.opts.bits, uniform_bits=self.opts.uniform_bits)
 
         # 5. units: per stream its header then its units, up to the last one a
         # configuration uses (nothing else is stored)
@@ -302,115 +261,13 @@ class LowRankCodec(Codec):
         configs.sort(key=lambda cf: (sum(len(units[u]) for u in cf.units), cf.weighted_err))
         meta = {"components": slots, "ladder": list(g.ladder), "level_max": list(g.level_max),
                 "streams": sum(1 for s in range(len(streams)) if any(t == s for t, _ in chosen)),
-                "bytes_vs_pareto": self._prefix_cost(g, streams, cands, errs, data_sizes)}
+                "bytes_vs_pareto": prefix_cost(g, streams, cands, errs, data_sizes)}
         return EncodedShard(units=units, configs=configs, meta=meta)
-
-    def _streams(self, g: _Geometry, cands: list[tuple[int, ...]], errs: list[float],
-                 data_sizes: list[int]
-                 ) -> tuple[list[list[tuple[int, ...]]], list[tuple[int, int, bool]]]:
-        """The shard's streams: the main one in rate-distortion order, fixed-precision ones
-        for the ablation tables; each configuration is a prefix of one stream (FORMAT.md).
-        Returns the streams and the offers (stream, prefix units, uniform config)."""
-        streams: list[list[tuple[int, ...]]] = []
-        offers: list[tuple[int, int, bool]] = []
-        if self.opts.mixed:
-            streams.append(rd_path(cands, errs, data_sizes, g.ladder))
-            offers += [(0, k + 1, False) for k in range(len(streams[0]))]
-        if self.opts.keep == "all" or not self.opts.mixed:
-            for b in self.opts.uniform_bits:
-                if b not in g.bits:
-                    continue
-                top = g.bits.index(b)
-                path = uniform_path(g.ladder, top, g.levels, g.level_max[top])
-                if path:
-                    streams.append(path)
-                    offers += [(len(streams) - 1, k + 1, True) for k in range(len(path))
-                               if (k + 1) % (top + 1) == 0 and path[k][0] in g.reference]
-        return streams, offers
-
-    def _choose(self, streams: list[list[tuple[int, ...]]], offers: list[tuple[int, int, bool]],
-                err_of: dict[tuple[int, ...], float], size_of: dict[tuple[int, ...], int],
-                heads: list[int], reference: set[int]) -> list[tuple[int, int]]:
-        """The configurations of the table, as (stream, prefix units): the thinned Pareto
-        front of the offered prefixes, the main stream's uniform prefixes at the reference
-        ranks, and with ``keep="all"`` every uniform stream's configuration."""
-        def key(o: tuple[int, int, bool]) -> tuple[int, float]:
-            ranks = streams[o[0]][o[1] - 1]
-            return heads[o[0]] + size_of[ranks], err_of[ranks]
-
-        pool = [o for o in offers if not o[2]] if self.opts.mixed else offers
-        front, best = [], float("inf")
-        for o in sorted(pool, key=key):
-            if key(o)[1] < best - 1e-15:
-                front.append(o)
-                best = key(o)[1]
-        keep, last = [], 0.0
-        for j, o in enumerate(front):
-            if j in (0, len(front) - 1) or key(o)[0] >= last * THIN:
-                keep.append(o)
-                last = key(o)[0]
-        # the uniform prefixes of the main stream too (few): what a fixed-bitwidth policy
-        # can choose from when no ablation streams are stored
-        for o in pool:
-            ranks = streams[o[0]][o[1] - 1]
-            nz = [r for r in ranks if r]
-            if (len(set(nz)) == 1 and nz[0] in reference
-                    and self.opts.bits[len(nz) - 1] in self.opts.uniform_bits):
-                keep.append(o)
-        if self.opts.keep == "all":
-            keep += [o for o in offers if o[2]]
-        out, seen = [], set()
-        for o in keep:  # one configuration per ranks (the main stream's when it has them)
-            ranks = streams[o[0]][o[1] - 1]
-            if ranks not in seen:
-                seen.add(ranks)
-                out.append((o[0], o[1]))
-        return out
-
-    def _prefix_cost(self, g: _Geometry, streams: list[list[tuple[int, ...]]],
-                     cands: list[tuple[int, ...]], errs: list[float], data_sizes: list[int],
-                     ) -> list[float | None]:
-        """For every configuration the free (multi-range) layout of format 1 would publish
-        (the thinned Pareto front over every staircase of its ladder), the bytes the first
-        stream's shortest prefix needs to reach its weighted error, over that
-        configuration's bytes (``None`` when no prefix reaches it). ``sakura bench codec``
-        reports these as ``layout``."""
-        if not streams:
-            return []
-        path = streams[0]
-        v1_header = 18 + 5 * g.levels  # the format-1 shard header
-        head = StreamHeader(g.levels, g.matrices, g.tokens, g.channels, g.group, g.level_bits,
-                            g.ladder, unit_levels(path)).size
-        err_of = dict(zip(cands, errs))
-        size_of = dict(zip(cands, data_sizes))
-        prefix = [(head + size_of[s], err_of[s]) for s in path]
-        sizes = [v1_header + s for s in data_sizes]
-        ref = set(g.reference) | {0}
-        order = sorted((i for i, cf in enumerate(cands) if ref.issuperset(cf)),
-                       key=lambda i: (sizes[i], errs[i]))
-        front, best = [], float("inf")
-        for i in order:
-            if errs[i] < best - 1e-15:
-                front.append(i)
-                best = errs[i]
-        out: list[float | None] = []
-        last = 0.0
-        for j, i in enumerate(front):
-            if not (j in (0, len(front) - 1) or sizes[i] >= last * THIN):
-                continue
-            last = sizes[i]
-            reach = [b for b, e in prefix if e <= errs[i] * (1 + 1e-9) + 1e-15]
-            out.append(round(min(reach) / sizes[i], 5) if reach else None)
-        return out
-
-    def _candidates(self, g: _Geometry) -> list[tuple[int, ...]]:
-        """All (r0 >= r1 >= ...) on the ladder within the per-level caps."""
-        return _staircases(g.ladder, g.level_max)
 
     def _config_errors(
         self,
         shard: ShardData,
-        g: _Geometry,
+        g: ShardGeometry,
         slot_m: torch.Tensor,
         recon_levels: list[torch.Tensor],
         cands: list[tuple[int, ...]],
@@ -485,7 +342,7 @@ class LowRankCodec(Codec):
             table = None if phasors is None else torch.view_as_real(phasors)
             return codec_native.decode_lowrank(data, ranks, table, self.native_threads, mod=native)
         bits = tuple(int(x) for x in np.cumsum(head.level_bits))
-        g = _Geometry(m_count, n, c, head.group, bits, (), ())
+        g = ShardGeometry(m_count, n, c, head.group, bits, (), ())
         quant = self._quantizer(g)
         groups = g.plan.groups
         owners = torch.zeros(0, dtype=torch.long)
@@ -526,7 +383,7 @@ class LowRankCodec(Codec):
             cache[key] = rope_phasors(angles, int(self.opts.rope["heads"]), dtype)
         return cache[key]
 
-    def _quantizer(self, g: _Geometry) -> ProgressiveQuantizer:
+    def _quantizer(self, g: ShardGeometry) -> ProgressiveQuantizer:
         """Decoder quantizers (and their constant tables), built once per geometry."""
         key = (g.tokens, g.channels, g.group, g.level_bits)
         cache = self.__dict__.setdefault("_quantizers", {})
@@ -536,31 +393,6 @@ class LowRankCodec(Codec):
 
     def rank_key(self, params: dict[str, Any]) -> float:
         return float(sum(r * b for r, b in zip(params.get("ranks", []), self.opts.bits)))
-
-
-@functools.lru_cache(maxsize=16)
-def _staircases(ladder: tuple[int, ...], level_max: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Every staircase (r0 >= r1 >= ..., zeros only after the first level) on the ladder
-    within the per-level caps; the same for every shard of a geometry, so built once (tens
-    of thousands with the unit ladder). Callers must not modify the list."""
-    out: list[tuple[int, ...]] = []
-    levels = len(level_max)
-
-    def rec(prefix: tuple[int, ...], lv: int) -> None:
-        if lv == levels:
-            out.append(prefix)
-            return
-        bound = prefix[-1] if prefix else level_max[0]
-        opts = [r for r in ladder if r <= min(bound, level_max[lv])]
-        if lv > 0:
-            opts = [0] + opts
-        for r in opts:
-            if lv > 0 and prefix[-1] == 0 and r > 0:
-                continue
-            rec(prefix + (r,), lv + 1)
-
-    rec((), 0)
-    return out
 
 
 @register("sakura")
