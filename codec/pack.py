@@ -17,11 +17,11 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import zstandard
-from sakura.codec.base import Codec, get_codec
+from sakura.codec.base import Codec, EncodedShard, get_codec
 from sakura.codec.errors import (
     PackCorruptError,
     PackError,
@@ -40,7 +40,14 @@ from sakura.codec.manifest import (  # noqa: F401 - MAGIC, PREAMBLE re-exported
     parse_manifest,
 )
 from sakura.codec.profile import decode_ms, mark_pareto, profile_config
-from sakura.codec.shards import ShardLayout, ShardSpec, check_layout, shard_data, shard_spec
+from sakura.codec.shards import (
+    ShardData,
+    ShardLayout,
+    ShardSpec,
+    check_layout,
+    shard_data,
+    shard_spec,
+)
 
 from sakura.atomic import fsync_dir, write_atomic
 
@@ -283,40 +290,10 @@ def write_pack(
     out_dir = Path(path_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    units: list[list[Any]] = []  # offsets relative to the data section for now
-    decode_times: dict[str, float] = {}
-    shards: list[ShardEntry] = []
-    data_pos = 0
     spool = tempfile.TemporaryFile(dir=out_dir)
     try:
-        for i in range(layout.num_shards):
-            sd = shard_data(cache, layout, i)
-            enc = codec.encode_shard(sd)
-            if shard_meta is not None:
-                shard_meta.append(enc.meta)
-            base = len(units)
-            for blob in enc.units:
-                spool.write(blob)
-                units.append([data_pos, len(blob), sha256_hex(blob)])
-                data_pos += len(blob)
-            configs = []
-            for j, cfg in enumerate(enc.configs):
-                quality = profile_config(codec, sd, enc, j, quality_fn, floor=profile_floor)
-                configs.append(ConfigEntry(
-                    id=j, params=cfg.params, units=[base + u for u in cfg.units], ranges=[],
-                    bytes=enc.config_bytes(j), quality=quality))
-            mark_pareto(configs)
-            for j, c in enumerate(configs):
-                if c.pareto:
-                    # decode cost depends on the parameters and the (shared) geometry, not on
-                    # the values: time each distinct configuration once per pack
-                    key = json.dumps(c.params, sort_keys=True)
-                    if key not in decode_times:
-                        decode_times[key] = decode_ms(codec, sd, enc, j)
-                    c.decode_ms = decode_times[key]
-            shards.append(ShardEntry(
-                index=i, step=sd.spec.step, blocks=list(sd.spec.blocks),
-                compute_cost=float(compute_cost[i]) if compute_cost else 1.0, configs=configs))
+        units, shards, data_pos = _encode_shards(cache, layout, codec, spool, compute_cost,
+                                                 quality_fn, profile_floor, shard_meta)
         manifest = Manifest(
             template_id=template_id,
             codec=codec.name,
@@ -330,29 +307,8 @@ def write_pack(
             units=units,
             shards=shards,
         )
-        header, data_offset = _layout_header(manifest)
-        pack_bytes = data_offset + data_pos
-        preamble = PREAMBLE.pack(MAGIC, VERSION, FLAG_ZSTD_HEADER, pack_bytes, len(header),
-                                 hashlib.sha256(header).digest())
-        digest = hashlib.sha256()
-        fd, tmp_name = tempfile.mkstemp(dir=out_dir, prefix=f".{template_id}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for chunk in (preamble, header, b"\0" * (data_offset - PREAMBLE.size - len(header))):
-                    f.write(chunk)
-                    digest.update(chunk)
-                spool.seek(0)
-                while chunk := spool.read(1 << 20):
-                    f.write(chunk)
-                    digest.update(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            sha = digest.hexdigest()
-            pack_name = f"{codec.name}-{sha[:16]}.pack"
-            os.replace(tmp_name, out_dir / pack_name)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        pack_name, pack_bytes, sha = _publish_pack_file(out_dir, template_id, codec.name,
+                                                        manifest, spool, data_pos)
     finally:
         spool.close()
     manifest.pack_file = pack_name
@@ -362,6 +318,87 @@ def write_pack(
     write_atomic(manifest_path(out_dir, template_id), manifest.to_json().encode())
     fsync_dir(out_dir)
     return manifest
+
+
+def _encode_shards(cache: Any, layout: ShardLayout, codec: Codec, spool: IO[bytes],
+                   compute_cost: list[float] | None, quality_fn: QualityFn | None,
+                   profile_floor: float | None, shard_meta: list[dict[str, Any]] | None
+                   ) -> tuple[list[list[Any]], list[ShardEntry], int]:
+    """Encode every shard, its units appended to ``spool``; returns the unit table
+    (``[offset, length, sha256]``, offsets relative to the data section for now), the shard
+    entries and the data section's length."""
+    units: list[list[Any]] = []
+    decode_times: dict[str, float] = {}
+    shards: list[ShardEntry] = []
+    data_pos = 0
+    for i in range(layout.num_shards):
+        sd = shard_data(cache, layout, i)
+        enc = codec.encode_shard(sd)
+        if shard_meta is not None:
+            shard_meta.append(enc.meta)
+        base = len(units)
+        for blob in enc.units:
+            spool.write(blob)
+            units.append([data_pos, len(blob), sha256_hex(blob)])
+            data_pos += len(blob)
+        configs = _shard_configs(codec, sd, enc, base, quality_fn, profile_floor, decode_times)
+        shards.append(ShardEntry(
+            index=i, step=sd.spec.step, blocks=list(sd.spec.blocks),
+            compute_cost=float(compute_cost[i]) if compute_cost else 1.0, configs=configs))
+    return units, shards, data_pos
+
+
+def _shard_configs(codec: Codec, sd: ShardData, enc: EncodedShard, base: int,
+                   quality_fn: QualityFn | None, profile_floor: float | None,
+                   decode_times: dict[str, float]) -> list[ConfigEntry]:
+    """One shard's configuration table: its units (from ``base`` in the pack's unit table),
+    bytes and profiled quality, the Pareto marks, and the decode time of the Pareto ones."""
+    configs = []
+    for j, cfg in enumerate(enc.configs):
+        quality = profile_config(codec, sd, enc, j, quality_fn, floor=profile_floor)
+        configs.append(ConfigEntry(
+            id=j, params=cfg.params, units=[base + u for u in cfg.units], ranges=[],
+            bytes=enc.config_bytes(j), quality=quality))
+    mark_pareto(configs)
+    for j, c in enumerate(configs):
+        if c.pareto:
+            # decode cost depends on the parameters and the (shared) geometry, not on
+            # the values: time each distinct configuration once per pack
+            key = json.dumps(c.params, sort_keys=True)
+            if key not in decode_times:
+                decode_times[key] = decode_ms(codec, sd, enc, j)
+            c.decode_ms = decode_times[key]
+    return configs
+
+
+def _publish_pack_file(out_dir: Path, template_id: str, codec_name: str, manifest: Manifest,
+                       spool: IO[bytes], data_pos: int) -> tuple[str, int, str]:
+    """Write preamble, header and the spooled data to a temporary file, fsync it and rename
+    it to its content-addressed name; returns (file name, bytes, sha256)."""
+    header, data_offset = _layout_header(manifest)
+    pack_bytes = data_offset + data_pos
+    preamble = PREAMBLE.pack(MAGIC, VERSION, FLAG_ZSTD_HEADER, pack_bytes, len(header),
+                             hashlib.sha256(header).digest())
+    digest = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(dir=out_dir, prefix=f".{template_id}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in (preamble, header, b"\0" * (data_offset - PREAMBLE.size - len(header))):
+                f.write(chunk)
+                digest.update(chunk)
+            spool.seek(0)
+            while chunk := spool.read(1 << 20):
+                f.write(chunk)
+                digest.update(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        sha = digest.hexdigest()
+        pack_name = f"{codec_name}-{sha[:16]}.pack"
+        os.replace(tmp_name, out_dir / pack_name)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return pack_name, pack_bytes, sha
 
 
 def _layout_header(manifest: Manifest) -> tuple[bytes, int]:
