@@ -74,6 +74,12 @@ def origin_url(text: str) -> str:
 
 
 def register(commands: Any, bench: Any) -> None:
+    """``sakura edit`` and ``sakura bench edit``."""
+    _edit_parser(commands)
+    _bench_edit_parser(bench)
+
+
+def _edit_parser(commands: Any) -> None:
     p = commands.add_parser(
         "edit", help="run one private edit on this device, streaming the template cache",
         description="Run one edit: the template's KV cache streams from the server shard "
@@ -164,6 +170,8 @@ def register(commands: Any, bench: Any) -> None:
     reconstruct_arg(p)
     p.set_defaults(func=_edit)
 
+
+def _bench_edit_parser(bench: Any) -> None:
     b = bench.add_parser(
         "edit", help="all policies on one template and one trace window (regime-matched)",
         description="Run every policy on the same edit over the same paced trace window; "
