@@ -121,6 +121,58 @@ def make_batch(ds: EmojiDataset, text: TextTable, idx: list[int], size: int, rng
     return patchify(x0, patch), torch.stack(txt).float(), ref, ref_pos
 
 
+def _restore(cfg: TrainConfig, ckpt_path: Path, model: MMDiT, ema: MMDiT,
+             opt: torch.optim.Optimizer, rng: random.Random, log) -> int:
+    """Resume from ``ckpt_path`` (model, EMA, optimizer, both RNGs), else warm-start from the
+    exported weights (optimizer state afresh), else nothing; returns the step to go on from."""
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        # checkpoints from before the EMA warm-up held an EMA still ~10% random: restart it
+        ema.load_state_dict(state["ema"] if state.get("ema_warmup") else state["model"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        rng.setstate(state["py_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        log(f"resumed from {ckpt_path} at step {step}")
+        return step
+    if Path(cfg.weights_out).exists():
+        # Warm start from the committed EMA weights (optimizer state starts afresh).
+        shipped = load_model(cfg.weights_out)
+        model.load_state_dict(shipped.state_dict())
+        ema.load_state_dict(shipped.state_dict())
+        step = int(metadata(cfg.weights_out).get("train_step", 0))
+        rng.seed(cfg.seed + step)
+        log(f"warm start from {cfg.weights_out} at step {step}")
+        return step
+    return 0
+
+
+def _lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then a cosine decay to 10% of ``cfg.lr`` at ``cfg.steps``."""
+    lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+    return lr * (0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps))) * 0.9 + 0.1)
+
+
+def _ema_update(ema: MMDiT, model: MMDiT, ema_decay: float, step: int) -> None:
+    """EMA with warm-up (as in common diffusion training): a plain 0.999 decay keeps
+    0.999**step of the random initialisation, still 9% at step 2400."""
+    decay = min(ema_decay, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for pe, pm in zip(ema.parameters(), model.parameters()):
+            pe.lerp_(pm, 1 - decay)
+
+
+def _checkpoint(ckpt_path: Path, model: MMDiT, ema: MMDiT, opt: torch.optim.Optimizer,
+                step: int, rng: random.Random) -> None:
+    """Everything a resume needs, replaced whole (temporary file, then rename)."""
+    tmp = ckpt_path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "ema": ema.state_dict(),
+                "opt": opt.state_dict(), "step": step, "py_rng": rng.getstate(),
+                "ema_warmup": True, "torch_rng": torch.get_rng_state()}, tmp)
+    tmp.replace(ckpt_path)
+
+
 def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
           dataset: EmojiDataset | None = None) -> Path:
     """Train (or resume) until ``cfg.steps``; return the exported EMA weights.
@@ -146,26 +198,8 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
     ema = MMDiT(model_cfg).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
-    step = 0
     rng = random.Random(cfg.seed)
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
-        model.load_state_dict(state["model"])
-        # checkpoints from before the EMA warm-up held an EMA still ~10% random: restart it
-        ema.load_state_dict(state["ema"] if state.get("ema_warmup") else state["model"])
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        rng.setstate(state["py_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        log(f"resumed from {ckpt_path} at step {step}")
-    elif Path(cfg.weights_out).exists():
-        # Warm start from the committed EMA weights (optimizer state starts afresh).
-        shipped = load_model(cfg.weights_out)
-        model.load_state_dict(shipped.state_dict())
-        ema.load_state_dict(shipped.state_dict())
-        step = int(metadata(cfg.weights_out).get("train_step", 0))
-        rng.seed(cfg.seed + step)
-        log(f"warm start from {cfg.weights_out} at step {step}")
+    step = _restore(cfg, ckpt_path, model, ema, opt, rng, log)
     (out / "train_config.json").write_text(json.dumps(
         {"train": asdict(cfg), "model": model_cfg.to_dict(), "train_items": len(train_idx)},
         indent=2))
@@ -197,8 +231,7 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
         xt = renoise(x0, e, t[:, None, None])
         batch = TokenBatch(img=xt, img_pos=grid_positions(size // p, span), txt=txt, t=t,
                            ref=ref, ref_pos=ref_pos)
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-        lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps))) * 0.9 + 0.1
+        lr = _lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
@@ -208,23 +241,14 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        # EMA with warm-up (as in common diffusion training): a plain 0.999 decay keeps
-        # 0.999**step of the random initialisation, still 9% at step 2400
-        decay = min(cfg.ema_decay, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1 - decay)
+        _ema_update(ema, model, cfg.ema_decay, step)
         step += 1
         loss_log.write(f"{step},{size},{int(use_ref)},{loss.item():.5f},{lr:.6g}\n")
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", res=size)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             loss_log.flush()
-            tmp = ckpt_path.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "ema": ema.state_dict(),
-                        "opt": opt.state_dict(), "step": step, "py_rng": rng.getstate(), "ema_warmup": True,
-                        "torch_rng": torch.get_rng_state()}, tmp)
-            tmp.replace(ckpt_path)
+            _checkpoint(ckpt_path, model, ema, opt, step, rng)
         if step % cfg.export_every == 0 or step == cfg.steps:
             save_model(ema, cfg.weights_out, {"train_step": str(step)})
             log(f"step {step}: exported EMA weights to {cfg.weights_out} "
