@@ -237,41 +237,24 @@ def run_codec_bench(
                             unreachable[name].add(str(r))
                             crec["ratios"][str(r)] = None
                             continue
-                        shards, secs = _decode_all(manifest, reader, choice, codec)
-                        nbytes = sum(s.config(c).bytes for s, c in zip(manifest.shards, choice))
+                        entry, secs, kv_db = _ratio_entry(bt, manifest, layout, reader,
+                                                          choice, codec, exact)
                         if name == "sakura":
                             dec_bytes += manifest.fp16_bytes
                             dec_secs += secs
-                        kv_db = err_to_db(_kv_error(cache, layout, shards))
-                        entry = {"bytes": nbytes, "ratio": manifest.fp16_bytes / nbytes,
-                                 "kv_db": round(kv_db, 3), "decode_s": round(secs, 4)}
                         a = acc[name][str(r)]
-                        if exact is not None:
-                            imgs = bt.edit(DecodedProvider(layout, shards))
-                            psnr = [region_psnr(x, y, bt.region) for x, y in zip(imgs, exact)]
-                            ssim = [_ssim(x, y) for x, y in zip(imgs, exact)]
-                            entry["psnr_db"] = round(sum(psnr) / len(psnr), 3)
-                            entry["ssim"] = round(sum(ssim) / len(ssim), 5)
+                        if "psnr_db" in entry:
                             a["psnr"].append(entry["psnr_db"])
                             a["ssim"].append(entry["ssim"])
                         a["kv_db"].append(kv_db)
-                        a["bytes"].append(nbytes)
+                        a["bytes"].append(entry["bytes"])
                         a["ratio"].append(entry["ratio"])
                         crec["ratios"][str(r)] = entry
                 rec["codecs"][name] = crec
-                log(f"{bt.template_id} {name}: stored {manifest.stored_bytes} B, "
-                    f"encode {enc_s:.1f}s, " + ", ".join(
-                        f"{r}x: " + ("n/a" if e is None else
-                                     f"{e['ratio']:.1f}x kv {e['kv_db']:.1f} dB"
-                                     + (f" psnr {e['psnr_db']:.1f}" if "psnr_db" in e else ""))
-                        for r, e in crec["ratios"].items()))
+                log(_progress_line(bt.template_id, name, manifest.stored_bytes, enc_s, crec))
             per_template[bt.template_id] = rec
 
     with_edit = all(bt.edit is not None for bt in templates)
-
-    def mean(xs: list[float]) -> float | None:
-        return None if not xs else round(sum(xs) / len(xs), 4)
-
     result: dict[str, Any] = {
         "bench": "codec",
         "psnr_source": "edit_masked_region" if with_edit else "kv_weighted",
@@ -285,21 +268,7 @@ def run_codec_bench(
         "storage_ratio_vs_fp16": {}, "pack_ratio_vs_fp16": {}, "stored_bytes": {},
     }
     for n in codecs:
-        for key in ("psnr_db", "ssim", "kv_db", "bytes", "achieved_ratio"):
-            result[key][n] = {}
-        for r in ratios:
-            a = acc[n][str(r)]
-            reach = str(r) not in unreachable[n]
-            psnr = a["psnr"] if with_edit else a["kv_db"]
-            result["psnr_db"][n][str(r)] = mean(psnr) if reach else None
-            result["ssim"][n][str(r)] = mean(a["ssim"]) if reach and with_edit else None
-            result["kv_db"][n][str(r)] = mean(a["kv_db"]) if reach else None
-            result["bytes"][n][str(r)] = int(sum(a["bytes"])) if reach else None
-            result["achieved_ratio"][n][str(r)] = mean(a["ratio"]) if reach else None
-        t = totals[n]
-        result["storage_ratio_vs_fp16"][n] = round(t["fp16"] / t["stored"], 4)
-        result["pack_ratio_vs_fp16"][n] = round(t["fp16"] / t["pack"], 4)
-        result["stored_bytes"][n] = int(t["stored"])
+        _summarize_codec(result, n, ratios, acc[n], unreachable[n], totals[n], with_edit)
     result["reconstruct_gbps"] = round(dec_bytes / dec_secs / 1e9, 4) if dec_secs > 0 else None
     result["layout"] = layout_summary(layout_acc)
     result["per_template"] = per_template
@@ -309,6 +278,60 @@ def run_codec_bench(
     result["threads"] = torch.get_num_threads()
     result["targets"] = check_targets(result)
     return result
+
+
+def _ratio_entry(bt: BenchTemplate, manifest: Any, layout: Any, reader: Any,
+                 choice: list[int], codec: Any, exact: Any
+                 ) -> tuple[dict[str, Any], float, float]:
+    """One (template, codec, ratio) measurement: the chosen configurations decoded, their
+    bytes, KV error, decode time and, with an ``exact`` edit, the edit's PSNR / SSIM over the
+    region; returns the entry, the decode seconds and the unrounded KV error (dB)."""
+    shards, secs = _decode_all(manifest, reader, choice, codec)
+    nbytes = sum(s.config(c).bytes for s, c in zip(manifest.shards, choice))
+    kv_db = err_to_db(_kv_error(bt.cache, layout, shards))
+    entry = {"bytes": nbytes, "ratio": manifest.fp16_bytes / nbytes,
+             "kv_db": round(kv_db, 3), "decode_s": round(secs, 4)}
+    if exact is not None:
+        imgs = bt.edit(DecodedProvider(layout, shards))
+        psnr = [region_psnr(x, y, bt.region) for x, y in zip(imgs, exact)]
+        ssim = [_ssim(x, y) for x, y in zip(imgs, exact)]
+        entry["psnr_db"] = round(sum(psnr) / len(psnr), 3)
+        entry["ssim"] = round(sum(ssim) / len(ssim), 5)
+    return entry, secs, kv_db
+
+
+def _mean(xs: list[float]) -> float | None:
+    return None if not xs else round(sum(xs) / len(xs), 4)
+
+
+def _summarize_codec(result: dict[str, Any], n: str, ratios: tuple[int, ...],
+                     acc: dict[str, dict[str, list[float]]], unreachable: set[str],
+                     totals: dict[str, float], with_edit: bool) -> None:
+    """One codec's means per ratio (None where no configuration reaches the ratio) and its
+    storage totals, into ``result``."""
+    for key in ("psnr_db", "ssim", "kv_db", "bytes", "achieved_ratio"):
+        result[key][n] = {}
+    for r in ratios:
+        a = acc[str(r)]
+        reach = str(r) not in unreachable
+        psnr = a["psnr"] if with_edit else a["kv_db"]
+        result["psnr_db"][n][str(r)] = _mean(psnr) if reach else None
+        result["ssim"][n][str(r)] = _mean(a["ssim"]) if reach and with_edit else None
+        result["kv_db"][n][str(r)] = _mean(a["kv_db"]) if reach else None
+        result["bytes"][n][str(r)] = int(sum(a["bytes"])) if reach else None
+        result["achieved_ratio"][n][str(r)] = _mean(a["ratio"]) if reach else None
+    result["storage_ratio_vs_fp16"][n] = round(totals["fp16"] / totals["stored"], 4)
+    result["pack_ratio_vs_fp16"][n] = round(totals["fp16"] / totals["pack"], 4)
+    result["stored_bytes"][n] = int(totals["stored"])
+
+
+def _progress_line(template_id: str, name: str, stored: int, enc_s: float,
+                   crec: dict[str, Any]) -> str:
+    return (f"{template_id} {name}: stored {stored} B, encode {enc_s:.1f}s, " + ", ".join(
+        f"{r}x: " + ("n/a" if e is None else
+                     f"{e['ratio']:.1f}x kv {e['kv_db']:.1f} dB"
+                     + (f" psnr {e['psnr_db']:.1f}" if "psnr_db" in e else ""))
+        for r, e in crec["ratios"].items()))
 
 
 def layout_summary(acc: dict[str, dict[str, Any]]) -> dict[str, Any]:
