@@ -10,22 +10,29 @@ in the same commit order (packs and versioned manifests, then manifests, catalog
 
 The catalog entry also carries what the device needs to run an edit of the template and
 that is the provider's, not the user's: the template image and mask (PNG, base64), steps,
-guidance, strength and resolution (``template`` key). The device needs nothing else from
-the cloud.
+guidance, strength and resolution (``template`` key), and, when an exporter is given
+(``BuildConfig.bundle_exporter``; ``sakura build`` and ``sakura demo`` give the edge's
+unless ``--no-bundle``), the template's device bundle (``bundle`` key, ``cloud.bundle``):
+the graphs, text encoder program, vocabulary and tables the device executes, exported here
+instead of on the device. The device needs nothing else from the cloud.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+from sakura.cloud.bundle import publish_bundle
 from sakura.cloud.errors import PublishError
 from sakura.cloud.publish import (
     CatalogTransaction,
     build_workdir,
     is_up_to_date,
     publish_catalog,
+    read_catalog,
     template_content_hash,
 )
 
@@ -64,6 +71,18 @@ class BuildConfig:
     # after building, upload the published catalog here (s3://bucket/prefix), packs first
     # and catalog.json last (cloud.publish.publish_catalog)
     publish: str | None = None
+    # the device bundle (cloud.bundle): what the device executes, exported per template
+    # geometry and published beside the packs. The exporter is the edge's
+    # (sakura.edge.bundle), handed in by the app layer (sakura.bundle_cli; this package may
+    # not import the edge): `sakura build` and `sakura demo` pass it unless --no-bundle;
+    # None: no bundle (a library build of packs only). A template whose packs are up to
+    # date but whose bundle is missing gets only its bundle.
+    bundle_exporter: BundleExporter | None = None
+
+
+# (engine, the device's template, blocks per shard, a work folder) -> the bundle's files
+# ((name, role, path)) and its description, or None when the engine has no device bundle
+BundleExporter = Callable[[Any, Any, int, Path], "tuple[list[tuple[str, str, Path]], dict] | None"]
 
 
 @dataclass
@@ -72,6 +91,7 @@ class BuildReport:
     skipped: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     published: list[str] = field(default_factory=list)  # keys uploaded by --publish
+    bundles: dict[str, str] = field(default_factory=dict)  # template -> published bundle id
 
 
 def build(cfg: BuildConfig, log=print) -> BuildReport:
@@ -121,13 +141,23 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
             [spec.image_path, spec.mask_path, *model_files],
             salt=BUILDER_VERSION,
         )
-        if not cfg.force and is_up_to_date(out, tid, content, codecs=cfg.codecs):
+        packs_ok = not cfg.force and is_up_to_date(out, tid, content, codecs=cfg.codecs)
+        if packs_ok and (cfg.bundle_exporter is None or has_bundle(out, tid)):
             report.skipped.append(tid)
             continue
         t0 = time.perf_counter()
         # the device's view of the template (pixels, mask, seed, steps, guidance, prompt):
         # what the engine prepares from and what the catalog entry publishes
         device = spec.to_device_template()
+        if packs_ok:  # only the bundle is missing
+            with build_workdir(out) as tmp, CatalogTransaction(out) as txn:
+                bundle = _bundle(cfg, engine, device, Path(tmp), out, log, tid)
+                txn.set_metadata(tid, bundle=bundle)
+            if bundle:
+                report.bundles[tid] = bundle["id"]
+            report.built.append(tid)
+            report.seconds[tid] = time.perf_counter() - t0
+            continue
         if cfg.model is not None and device.strength != 1.0:
             # the diffusers adapters edit from pure noise only (dit.adapters.engine)
             log(f"{tid}: strength {device.strength} is the sakura MMDiT's; {cfg.model} "
@@ -188,7 +218,13 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                 fp16_bytes=run.cache.fp16_bytes(),
                 template=template_assets(spec, device),
                 **({"psnr_profile": psnr_stats} if psnr_stats else {}),
+                # None: packs rebuilt without one drop a bundle made for the old ones
+                bundle=(_bundle(cfg, engine, device, Path(tmp), out, log, tid)
+                        if cfg.bundle_exporter else None),
             )
+            bundle_id = (txn.entries[tid].get("bundle") or {}).get("id")
+        if bundle_id:
+            report.bundles[tid] = bundle_id
         report.built.append(tid)
         report.seconds[tid] = time.perf_counter() - t0
         log(f"built {tid}: {len(cfg.codecs)} codecs in {report.seconds[tid]:.1f}s")
@@ -196,6 +232,42 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         report.published = publish_catalog(out, cfg.publish)
         log(f"published {len(report.published)} files to {cfg.publish}")
     return report
+
+
+def has_bundle(out: Path, template_id: str) -> bool:
+    """Whether the published catalog lists a device bundle for the template whose files
+    are all there with their sizes."""
+    try:
+        entry = read_catalog(out)["templates"].get(template_id) or {}
+    except Exception:  # noqa: BLE001 - an unreadable catalog: build
+        return False
+    bundle = entry.get("bundle")
+    if not isinstance(bundle, dict) or not bundle.get("files"):
+        return False
+    for f in bundle["files"]:
+        path = out / f["key"]
+        if not path.is_file() or path.stat().st_size != f["bytes"]:
+            return False
+    return True
+
+
+def _bundle(cfg: BuildConfig, engine: Any, device: Any, tmp: Path, out: Path, log,
+            template_id: str) -> dict[str, Any] | None:
+    """Export and publish the template's device bundle (files first; the catalog
+    transaction makes the returned entry live)."""
+    assert cfg.bundle_exporter is not None
+    t0 = time.perf_counter()
+    made = cfg.bundle_exporter(engine, device, cfg.blocks_per_shard, tmp / "bundle")
+    if made is None:
+        log(f"{template_id}: no device bundle for {getattr(engine, 'name', 'this model')} "
+            "(the native runtime runs the shipped MMDiT)")
+        return None
+    files, doc = made
+    entry = publish_bundle(out, files, doc)
+    log(f"{template_id}: device bundle {entry['id']}: {len(files)} files, "
+        f"{sum(f['bytes'] for f in entry['files']) / 1e6:.1f} MB in "
+        f"{time.perf_counter() - t0:.1f}s")
+    return entry
 
 
 def _fitted_version() -> int:

@@ -83,6 +83,9 @@ def register(commands: Any, bench: Any) -> None:
                        help="the default, cheap output-PSNR profile: a few sampled shards "
                             "measured on N profiling requests, the rest fitted per step "
                             "(codec.profile.FittedPSNR; 0: KV error only; default 1)")
+    build.add_argument("--bundle", action=argparse.BooleanOptionalAction, default=True,
+                       help="also export and publish each template geometry's device bundle "
+                            "(graphs, text encoder, vocabulary, tables; default: on)")
     build.add_argument("--json", type=json_path, metavar="PATH",
                        help="write the build report (built, skipped, seconds) here "
                             "(- for stdout)")
@@ -150,6 +153,12 @@ def _build(args: argparse.Namespace) -> int:
                               "(or a folder)")
     from sakura.cloud.build import BuildConfig, build  # lazy: CLI --help stays fast
 
+    # the edge's exporter, set as this parser's default by the app layer (sakura.bundle_cli):
+    # the cloud package may not import the edge
+    exporter = getattr(args, "bundle_exporter", None) if args.bundle else None
+    if args.bundle and exporter is None:
+        raise SakuraError("the device bundle exporter is not installed (sakura.bundle_cli); "
+                          "give --no-bundle to build packs only")
     cfg = BuildConfig(
         catalog=args.catalog,
         out_dir=args.out,
@@ -164,9 +173,10 @@ def _build(args: argparse.Namespace) -> int:
         profile_psnr=args.profile_psnr,
         psnr_fit=args.psnr_fit,
         publish=args.publish,
+        bundle_exporter=exporter,
     )
     report = build(cfg)
-    doc = {"built": report.built, "skipped": report.skipped,
+    doc = {"built": report.built, "skipped": report.skipped, "bundles": report.bundles,
            "seconds": {k: round(v, 1) for k, v in report.seconds.items()},
            **({"published": len(report.published)} if args.publish else {})}
     if args.json:

@@ -2,7 +2,9 @@
 
 ``/healthz`` answers 503 while the catalog cannot be read, and lists damaged packs: those
 the unit verifier caught (a failed checksum) and those whose size on storage is not their
-manifest's ``pack_bytes`` (:func:`pack_sizes`). ``/metrics`` is the Prometheus text of the
+manifest's ``pack_bytes`` (:func:`pack_sizes`); and the device bundle files
+that failed their sha256 on serving, or whose size is not the catalog's
+(``cloud.bundle``). ``/metrics`` is the Prometheus text of the
 app's registry (:mod:`cloud.metrics`).
 """
 
@@ -15,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from sakura.cloud import layout
 from sakura.cloud.api_errors import ApiError
+from sakura.cloud.bundle import bundle_sizes
 from sakura.cloud.errors import ErrorCode, ObjectNotFound, StorageError
 from sakura.cloud.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sakura.cloud.resolve import pack_missing, read_catalog, resolve, size_mismatch
@@ -35,8 +38,9 @@ def healthz(request: Request) -> JSONResponse:
     except ApiError as exc:
         return JSONResponse({"status": "error", "error": exc.message, "code": exc.code},
                             status_code=503)
-    damaged = {d["pack"]: d for d in state.verifier.damaged()}
+    damaged = {d["pack"]: d for d in [*state.verifier.damaged(), *state.bundles.damaged()]}
     damaged.update((d["pack"], d) for d in pack_sizes(state, catalog))  # the newer news
+    damaged.update((d["pack"], d) for d in bundle_sizes(state.storage, catalog))
     listed = [damaged[k] for k in sorted(damaged)]
     return JSONResponse({"status": "degraded" if listed else "ok", "damaged": listed})
 

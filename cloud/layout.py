@@ -6,6 +6,7 @@ A published catalog directory (or bucket prefix) holds::
     templates/<template_id>/<codec>/manifest.json    the current manifest
     templates/<template_id>/<codec>/<pack_file>      immutable pack, named by content hash
     templates/<template_id>/<codec>/<stem>.manifest.json  the manifest of that pack version
+    bundles/<sha16>/<name>                           immutable device bundle file (cloud.bundle)
 
 Template ids match ``^[a-z0-9][a-z0-9_-]{0,63}$``, codec names ``^[a-z0-9][a-z0-9_-]{0,31}$``,
 pack files ``<codec>-<sha256 prefix>.pack``. The manifest schema, its format and version
@@ -31,6 +32,7 @@ from sakura.codec.manifest import (
     PACK_FILE_PATTERN,
     SHA256_PATTERN,
     TEMPLATE_ID_PATTERN,
+    parse_bundle,
     parse_manifest,
 )
 from sakura.codec.manifest import FORMAT as MANIFEST_FORMAT  # noqa: F401 - re-exported
@@ -192,6 +194,11 @@ def validate_catalog(catalog: Any) -> dict[str, Any]:
         check_ids(tid)
         if not isinstance(entry, dict):
             raise ManifestError(f"catalog entry of {tid!r} must be an object")
+        if entry.get("bundle") is not None:
+            try:
+                parse_bundle(entry["bundle"])
+            except PackError as exc:
+                raise ManifestError(f"catalog entry of {tid!r}: {exc}") from None
         codecs = entry.get("codecs", {})
         if not isinstance(codecs, dict):
             raise ManifestError(f"catalog entry of {tid!r}: 'codecs' must be an object")

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from sakura.cloud import layout
+from sakura.cloud.bundle import bundle_keys
 from sakura.cloud.errors import ManifestError, PublishError, StorageError
 from sakura.cloud.storage import TMP_PREFIX, Storage, atomic_write, open_storage
 
@@ -405,7 +406,8 @@ def is_up_to_date(
 
 
 def referenced_keys(catalog: Mapping[str, Any]) -> set[str]:
-    """Storage keys the catalog needs: catalog.json, manifests, packs, versioned manifests."""
+    """Storage keys the catalog needs: catalog.json, manifests, packs, versioned manifests,
+    device bundle files."""
     keys = {layout.CATALOG_KEY}
     for template_id, entry in catalog.get("templates", {}).items():
         for codec, centry in entry.get("codecs", {}).items():
@@ -414,7 +416,7 @@ def referenced_keys(catalog: Mapping[str, Any]) -> set[str]:
             if pack_file:
                 keys.add(layout.pack_key(template_id, codec, pack_file))
                 keys.add(layout.versioned_manifest_key(template_id, codec, pack_file))
-    return keys
+    return keys | bundle_keys(catalog)  # device bundle files (cloud.bundle)
 
 
 def collect_garbage(
@@ -475,7 +477,7 @@ def mirror_to_storage(out_dir: str | os.PathLike[str], storage: Storage) -> list
         path = root / key
         if not path.is_file():
             raise PublishError(f"{key} is referenced by the catalog but missing from {root}")
-        if key in immutable and key.endswith(".pack"):
+        if key in immutable and (key.endswith(".pack") or key.startswith("bundles/")):
             try:
                 if storage.size(key) == path.stat().st_size:
                     continue

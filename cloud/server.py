@@ -25,7 +25,13 @@ Errors are ``{"error": message, "code": code}``; the codes are
 from __future__ import annotations
 
 from fastapi import FastAPI
-from sakura.cloud import catalog_routes, health_routes, layout_routes, pack_routes
+from sakura.cloud import (
+    bundle_routes,
+    catalog_routes,
+    health_routes,
+    layout_routes,
+    pack_routes,
+)
 from sakura.cloud.api_errors import ApiError, error_response, install_error_handlers
 from sakura.cloud.auth import TokenSet
 from sakura.cloud.metrics import MetricsMiddleware
@@ -80,6 +86,6 @@ def create_app(
     app.add_middleware(MetricsMiddleware, metrics=app.state.sakura.metrics)
     install_error_handlers(app)
     # in this order: the OpenAPI document lists the paths as registered
-    for routes in (health_routes, catalog_routes, pack_routes, layout_routes):
+    for routes in (health_routes, catalog_routes, pack_routes, layout_routes, bundle_routes):
         app.include_router(routes.router)
     return app

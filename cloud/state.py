@@ -17,6 +17,7 @@ from sakura.cloud.auth import TokenSet
 from sakura.cloud.errors import ManifestError
 from sakura.cloud.metrics import Metrics
 from sakura.cloud.storage import LocalStorage, Storage
+from sakura.cloud.bundle import BundleVerifier
 from sakura.cloud.verify import UnitVerifier
 
 
@@ -127,6 +128,8 @@ class ServerState:
     json_cache: JsonCache | None = None
     hashes: HashCache | None = None
     verifier: UnitVerifier = field(default_factory=UnitVerifier)
+    # device bundle files: whole-file sha256 against the catalog (cloud.bundle)
+    bundles: BundleVerifier = field(default_factory=BundleVerifier)
     # gzipped manifests by ETag (a manifest version never changes), so each is compressed
     # once rather than on every request
     gzipped: collections.OrderedDict = field(default_factory=collections.OrderedDict)

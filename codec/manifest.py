@@ -304,6 +304,121 @@ def parse_manifest(doc: Any, *, embedded: bool = False) -> ManifestHeader:
         raise PackCorruptError("manifest is nested too deeply") from None
 
 
+# ------------------------------------------------------------------------ device bundle
+# What the device executes, exported in the cloud per template geometry (issue 31 items 1
+# and 5): the catalog entry's ``bundle`` key, validated here like a manifest (one schema,
+# torch-free, strict). Every file is published under a content-addressed key
+# ``bundles/<first 16 hex of its sha256>/<name>``, so a file is immutable and a file that
+# several templates share (the graphs of one geometry) is stored and downloaded once.
+BUNDLE_FORMAT = "sakura-bundle"
+BUNDLE_VERSION = 1
+BUNDLE_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}\.(?:pte|txt|bin)$"
+BUNDLE_KEY_PATTERN = r"^bundles/[0-9a-f]{16}/[a-z0-9][a-z0-9_-]{0,63}\.(?:pte|txt|bin)$"
+BUNDLE_ROLES = ("graph", "text_encoder", "vocab", "tables")
+BundleName = Annotated[StrictStr, Field(pattern=BUNDLE_NAME_PATTERN)]
+
+
+def bundle_key(name: str, sha256: str) -> str:
+    """The content-addressed storage key of a bundle file."""
+    return f"bundles/{sha256[:16]}/{name}"
+
+
+class BundleFile(_Table):
+    """One file of a bundle: where it is, its length and its sha256 (checked by the server
+    before it is served and by the device before it is used)."""
+
+    name: BundleName
+    role: Literal["graph", "text_encoder", "vocab", "tables"]
+    key: Annotated[StrictStr, Field(pattern=BUNDLE_KEY_PATTERN)]
+    bytes: Size
+    sha256: Sha256
+
+
+class GraphSetSpec(_Table):
+    """One chain of compiled graphs (``StepIn``, the block groups' shards, ``StepOut``) and
+    what they were exported for: ``digest`` is the device's cache key of that chain
+    (``sakura.edge.native_runtime.NativeEngine`` computes the same one for what it needs)."""
+
+    name: Annotated[StrictStr, Field(pattern=r"^[a-z0-9_-]{1,32}$")]
+    digest: Sha256
+    shape: dict[str, Any]
+    groups: list[list[Index]] = Field(min_length=1)
+    dynamic: StrictBool
+    takes_cache: StrictBool
+    step_in: BundleName
+    group_files: list[BundleName] = Field(min_length=1)
+    step_out: BundleName
+
+
+class DeviceBundle(BaseModel):
+    """A device bundle: graphs of one template geometry, the text encoder program, its
+    vocabulary and the RoPE / schedule tables, with what they were made for."""
+
+    model_config = ConfigDict(extra="allow", title="SAKURA device bundle")
+    format: Literal[BUNDLE_FORMAT]  # type: ignore[valid-type]
+    version: Literal[BUNDLE_VERSION]  # type: ignore[valid-type]
+    id: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{16}$")]
+    weights_sha256: StrictStr
+    architecture: Sha256
+    graphs_format: Index
+    executorch: StrictStr
+    graph_sets: list[GraphSetSpec] = Field(min_length=1)
+    tables: dict[str, Any] = Field(default_factory=dict)
+    text_encoder: dict[str, Any] | None = None
+    files: list[BundleFile] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _names(self) -> DeviceBundle:
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names):
+            raise _bad("bundle file names repeat")
+        for f in self.files:
+            if f.key != bundle_key(f.name, f.sha256):
+                raise _bad(f"bundle file {f.name}: key {f.key} is not its content address")
+        for gs in self.graph_sets:
+            for n in (gs.step_in, *gs.group_files, gs.step_out):
+                if n not in names:
+                    raise _bad(f"graph set {gs.name} names {n}, which is not a bundle file")
+            if len(gs.group_files) != len(gs.groups):
+                raise _bad(f"graph set {gs.name}: {len(gs.group_files)} group files for "
+                           f"{len(gs.groups)} groups")
+        return self
+
+    def file(self, name: str) -> BundleFile:
+        for f in self.files:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+
+def parse_bundle(doc: Any) -> DeviceBundle:
+    """Validate a catalog entry's ``bundle`` (parsed JSON); raises
+    :class:`PackVersionError` for another bundle format version and
+    :class:`PackCorruptError` naming the field for anything else."""
+    if not isinstance(doc, Mapping):
+        raise PackCorruptError("bundle must be a JSON object")
+    if doc.get("format") != BUNDLE_FORMAT:
+        raise PackCorruptError(f"not a SAKURA device bundle: format {doc.get('format')!r:.40}"
+                               f" (expected {BUNDLE_FORMAT!r})")
+    version = doc.get("version")
+    if version != BUNDLE_VERSION or type(version) is not int:
+        raise PackVersionError(
+            f"unsupported device bundle version {_repr.repr(version)} (this reader supports "
+            f"{BUNDLE_VERSION}; rebuild with this version of `sakura build`)")
+    try:
+        return DeviceBundle.model_validate(dict(doc))
+    except ValidationError as exc:
+        e = exc.errors(include_url=False)[0]
+        where = _path(e["loc"])
+        text = e["msg"] if e["type"] == "manifest_table" else (
+            f"{where + ': ' if where else ''}{e['msg']} (got {_repr.repr(e['input'])})")
+        raise PackCorruptError(f"invalid device bundle: {text}") from None
+
+
 # ------------------------------------------------------------------------ JSON Schema
 def json_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of the published manifest, as committed in

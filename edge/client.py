@@ -712,6 +712,25 @@ class PackClient:
         return ManifestFetch(data, got.size, got.start, got.first_byte, got.end, False,
                              got.etag)
 
+    async def fetch_file(self, key: str, what: str) -> bytes:
+        """A whole immutable file of the layout (a device bundle's file, ``edge.bundle``),
+        with the retries of every request; ``what`` names it in errors. The caller checks
+        its sha256 against the catalog."""
+        failures = 0
+        last_progress = time.monotonic()
+        while True:
+            url = self.origin.url(key)
+            try:
+                async with self.session.get(url, headers=self.origin.headers()) as resp:
+                    if resp.status != 200:
+                        await self._raise_for(resp, key, what)
+                    return await resp.read()
+            except (TimeoutError, _Retry, aiohttp.ClientError, OSError) as exc:
+                failures += 1
+                if self.retry.exhausted(failures, time.monotonic() - last_progress):
+                    raise self._give_up(key, failures, exc) from None
+                await self._back_off(failures, exc, last_progress)
+
     async def fetch_config(self, template: str, codec: str, shard: int, config: int, *,
                            manifest: Mapping[str, Any] | None = None,
                            progress: Callable[[int], None] | None = None,

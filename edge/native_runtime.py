@@ -138,6 +138,9 @@ class NativeEngine:
     _vecs: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict,
                                                               init=False, repr=False)
     compiles: int = field(default=0, init=False)
+    # graph chains of device bundles made in the cloud (``edge.bundle``), by cache-key
+    # digest: used instead of exporting on the device (``compiles`` stays 0)
+    _bundled: dict[str, GraphSet] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.native = native_module()
@@ -189,13 +192,40 @@ class NativeEngine:
 
     def _key(self, geometry: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
              ) -> ArtifactKey:
-        from sakura.edge.backends.executorch_backend import ExecuTorchBackend  # lazy: executorch
-
-        arch = hashlib.sha256(json.dumps(self.model.cfg.to_dict(), sort_keys=True).encode())
-        version = (f"{ExecuTorchBackend().version()}-graphs{GRAPHS_FORMAT}-groups"
+        version = (f"{exporter_version()}-graphs{GRAPHS_FORMAT}-groups"
                    + "_".join(f"{g[0]}-{g[-1]}" for g in groups))
-        return ArtifactKey(self.weights_sha256, arch.hexdigest(), geometry,  # type: ignore[arg-type]
+        return ArtifactKey(self.weights_sha256, self.architecture(), geometry,  # type: ignore[arg-type]
                            tuple(b for g in groups for b in g), "native", version)
+
+    def architecture(self) -> str:
+        """sha256 of the model's config (part of every graph's cache key)."""
+        return hashlib.sha256(json.dumps(self.model.cfg.to_dict(), sort_keys=True).encode()
+                              ).hexdigest()
+
+    def graph_plan(self, template: Template, geo: Geometry, req: EditRequest,
+                   blocks_per_shard: int, full: bool = True
+                   ) -> list[tuple[str, ShardGeometry | ShardBounds, list[tuple[int, ...]]]]:
+        """What an edit of this template runs: ``("cached", shape, groups)`` (the streamed
+        edit's chain) and, with ``full``, ``("full", ...)`` (``local`` and the local
+        fallback), as :meth:`prepare` and :meth:`prepare_full` would compile them."""
+        blocks = self.model.cfg.num_blocks
+        plan = [("cached", self.shape_of(self.geometry(template, geo, req)),
+                 step_groups(blocks, blocks_per_shard))]
+        if full:
+            plan.append(("full", self.geometry(template, geo, req, full=True),
+                         step_groups(blocks, blocks)))
+        return plan
+
+    def export(self, shape: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
+               ) -> tuple[GraphSet, str]:
+        """The graph chain of ``shape`` (exported into the artifact cache unless there) and
+        its cache-key digest: what the cloud puts in a device bundle (``edge.bundle``)."""
+        return self._compiled(shape, groups), self._key(shape, groups).digest()
+
+    def add_graphs(self, digest: str, graphs: GraphSet) -> None:
+        """Use ``graphs`` (a device bundle's chain, checked by ``edge.bundle``) for the
+        shape and groups whose cache-key digest is ``digest``, instead of exporting."""
+        self._bundled[digest] = graphs
 
     def _compiled(self, shape: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
                   ) -> GraphSet:
@@ -207,6 +237,9 @@ class NativeEngine:
 
         dynamic = isinstance(shape, ShardBounds)
         key = self._key(shape, groups)
+        bundled = self._bundled.get(key.digest())
+        if bundled is not None:
+            return bundled
         folder = self.cache.lookup(key)
         if folder is None:
             backend = ExecuTorchBackend()
@@ -413,6 +446,14 @@ class NativeEngine:
         except (RuntimeError, ValueError) as exc:  # graphs that do not load or run (stale
             # artifacts, ...), options the machine cannot honour (pipeline_cpus)
             raise EdgeError(f"native runtime: {exc}") from None
+
+
+def exporter_version() -> str:
+    """What exported graphs depend on besides the model and geometry (ExecuTorch, torch and
+    the lowering's options): a device bundle made with another one is refused."""
+    from sakura.edge.backends.executorch_backend import ExecuTorchBackend  # lazy: executorch
+
+    return ExecuTorchBackend().version()
 
 
 def fetch_error(text: str) -> EdgeError:

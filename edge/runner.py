@@ -23,12 +23,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
 from sakura.codec.pack import Manifest, decode_config
 from sakura.edge.allocator import to_native
 from sakura.edge.backends.base import weights_sha256
+from sakura.edge.bundle import DeviceBundles
 from sakura.edge.client import (
     PackClient,
     RequestRecord,
@@ -246,6 +248,10 @@ class NativeRunner:
     def __init__(self, compiled_dir: Any = None) -> None:
         self._compiled_dir = compiled_dir
         self._engine: NativeEngine | None = None
+        # the templates' device bundles (edge.bundle): graphs exported in the cloud,
+        # downloaded once and cached beside the compiled graphs
+        self.bundles = (DeviceBundles(Path(compiled_dir) / "bundles") if compiled_dir
+                        else DeviceBundles())
 
     def engine(self, device: EdgeRuntime) -> NativeEngine:
         """The native engine (compiled graphs of the shipped MMDiT), created on first use."""
@@ -295,6 +301,10 @@ class NativeRunner:
             with NetLoop() as net:
                 doc = net.run(get())
             bps = int(device.check_manifest(doc, prep).geometry["blocks_per_shard"])
+        # the template's device bundle when its catalog entry has one (else the graphs are
+        # exported here, and it says so once)
+        self.bundles.ensure(native, server, template_id, token, opts.retry,
+                            entry=device.entries.get((server, template_id)))
         uncond = getattr(req, "txt_uncond", None) is not None
         key = (f"{template_id}|runtime=native|bps={bps}|steps={prep.template.steps}"
                f"|cfg={uncond}|weights={native.weights_sha256[:12]}")

@@ -438,6 +438,8 @@ class EdgeRuntime:
         # 1000-configuration manifest costs ~50 ms, paid before the first shard request
         self._derived: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
         self._prepared: dict[str, tuple[Template, Prepared]] = {}
+        # catalog entries fetched by fetch_template, per (origin, template)
+        self.entries: dict[tuple[str, str], dict[str, Any]] = {}
         self._load_state()
 
     @property
@@ -529,6 +531,8 @@ class EdgeRuntime:
 
         with NetLoop() as net:
             entry = net.run(get())
+        # the native runner reads the entry's device bundle from here (no second request)
+        self.entries[(server, template_id)] = entry
         return template_from_entry(template_id, entry)
 
     # ------------------------------------------------------------------ calibration

@@ -32,7 +32,7 @@ from sakura.output import json_to_stdout
 # the order is the order of `sakura --help` and `sakura bench --help`
 COMMAND_MODULES = (
     "sakura.dit.cli", "sakura.dit.adapters.cli", "sakura.codec_bench_cli", "sakura.codec.cli",
-    "sakura.traces.cli", "sakura.cloud.cli", "sakura.cloud.render_cli", "sakura.edge.cli",
+    "sakura.traces.cli", "sakura.cloud.cli", "sakura.bundle_cli", "sakura.cloud.render_cli", "sakura.edge.cli",
     "sakura.edge.replay.cli", "sakura.edge.backends.cli", "sakura.edge.backends.aihub_cli",
     "sakura.edge.native_cli", "sakura.demo", "sakura.cli_bench", "sakura.origins_bench",
     "sakura.faults_bench", "sakura.serve_ride_cli",

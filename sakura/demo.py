@@ -2,7 +2,8 @@
 
 1. build the default template's packs (``sakura`` and ``fp16``) with the provider's builder
    if they are missing or stale (``cloud.build``: template run, importance profiling,
-   encoding, atomic publish);
+   encoding, atomic publish), with the template's device bundle (``sakura.bundle_cli``:
+   the graphs, text encoder and tables the device executes, published beside the packs);
 2. start ``sakura serve`` on them (a separate process on 127.0.0.1);
 3. the device fetches the template from the server's catalog (image, mask, steps: the
    provider's data), encodes its private prompt, and runs the edit with ``sakura`` over a
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sakura.argtypes import nonnegative_float, prompt_text, seed
+from sakura.bundle_cli import export_for_build
 from sakura.dit.cli import check_file, check_template
 from sakura.edge.cli import (
     prompt_tokens,
@@ -157,8 +159,11 @@ def run_demo(args: argparse.Namespace) -> int:
     stale = (packs / "catalog.json").exists() and not catalog_usable(packs, args.template)
     print(f"[1/4] sakura build {args.template} -> {packs}/ (skipped when up to date)")
     report = build(BuildConfig(out_dir=str(packs), templates=(args.template,),
-                               codecs=("sakura", "fp16"), force=stale), log=print)
-    print(f"      built {report.built or 'nothing'}, up to date {report.skipped or 'nothing'}")
+                               codecs=("sakura", "fp16"), force=stale,
+                               bundle_exporter=export_for_build), log=print)
+    print(f"      built {report.built or 'nothing'}, up to date {report.skipped or 'nothing'}"
+          + (f"; device bundle {report.bundles[args.template]}"
+             if args.template in report.bundles else ""))
 
     # 2) serve
     model = load_model()

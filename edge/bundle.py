@@ -1,0 +1,282 @@
+"""The device bundle: what the device executes, exported in the cloud (issue 31, items 1 and 5).
+
+Before bundles, the native runtime exported its ExecuTorch graphs on the device, on a
+template geometry's first edit (minutes on this host; far more on a phone). A bundle moves
+that export to ``sakura build``:
+
+* **export** (:func:`export_bundle`, called by the builder through the app layer,
+  ``sakura.bundle_cli``: the cloud package may not import the edge): the graph chains an
+  edit of the template runs, exactly as :class:`~edge.native_runtime.NativeEngine` would
+  export them (``StepIn``, the block groups' shards, ``StepOut``; the streamed edit's
+  ``cached`` chain and the ``full`` chain of ``local`` and the local fallback), each named
+  by the device's own cache-key digest; the MiniLM text encoder as an ExecuTorch program
+  and its ``vocab.txt`` (``edge/backends/text_encoder.py``; for the shipped model); and one
+  ``tables.bin`` of float32 tables (the RoPE angles' cos / sin of the text positions and of
+  every image position, the edit schedule and its modulation vectors) that a device without
+  the model in Python needs. Exports go through the builder's compiled-artifact cache, so
+  templates of one geometry share the same graph files and nothing is exported twice.
+* **publish** (``cloud.bundle``): every file under its content address
+  ``bundles/<sha16>/<name>``, listed with its length and sha256 in the template's catalog
+  entry (``bundle``, schema ``sakura.codec.manifest.DeviceBundle``).
+* **use** (:class:`DeviceBundles`, driven by ``edge.runner.NativeRunner``): before the
+  first edit of a template the device reads its catalog entry, refuses a bundle made for
+  other weights, another model architecture, another graphs format or another exporter,
+  downloads each file it does not hold (the request names only the file's content address),
+  checks its sha256, keeps it in the cache (``sakura.cachedir``: ``compiled/bundles/<sha256>/
+  <name>``, published by rename) and hands the graph chains to the engine, which then
+  exports nothing. A catalog entry without a bundle (packs built before bundles) makes the
+  device export as before, and it says so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from sakura.codec.errors import PackError
+from sakura.codec.manifest import BUNDLE_FORMAT, BUNDLE_VERSION, DeviceBundle, parse_bundle
+from sakura.dit.editing import EditRequest, Geometry, Template, edit_schedule
+from sakura.edge.client import PackClient, RetryPolicy
+from sakura.edge.errors import EdgeError, IntegrityError
+from sakura.edge.native_runtime import (
+    GRAPHS_FORMAT,
+    GraphSet,
+    NativeEngine,
+    exporter_version,
+)
+from sakura.edge.pipeline import NetLoop
+
+from sakura.atomic import publish_folder
+from sakura.cachedir import cache_dir
+
+TABLES_NAME = "tables.bin"
+
+
+# ------------------------------------------------------------------------------ export
+@dataclass
+class BundleExport:
+    """An exported bundle before publishing: its files on disk and its description (the
+    catalog's ``bundle`` entry without ``id`` and ``files``, which publishing adds)."""
+
+    files: list[tuple[str, str, Path]]  # (name, role, path)
+    doc: dict[str, Any]
+    export_s: float = 0.0  # wall time of this export (short when the parts were cached)
+
+
+def export_bundle(model: Any, weights_sha256: str, template: Template, req: EditRequest,
+                  blocks_per_shard: int, *, cache_dir_: Path | None = None,
+                  text_encoder: bool = True, text_cache: Path | None = None,
+                  work: Path) -> BundleExport:
+    """Export what an edit of ``template`` executes on the device (see the module
+    docstring) for requests shaped like ``req`` (its text tokens and whether it carries
+    the unconditional prompt). Graphs are exported into ``cache_dir_`` and the text encoder
+    into ``text_cache`` (default: the compiled-artifact cache) unless they are there;
+    ``work`` receives the tables."""
+    t0 = time.perf_counter()
+    kw = {"cache_dir": cache_dir_} if cache_dir_ is not None else {}
+    native = NativeEngine(model, weights_sha256, **kw)
+    geo = Geometry.of(model, template)
+    files: list[tuple[str, str, Path]] = []
+    sets = []
+    for name, shape, groups in native.graph_plan(template, geo, req, blocks_per_shard):
+        graphs, digest = native.export(shape, groups)
+        group_files = [f"{name}-group{i}.pte" for i in range(len(groups))]
+        files += [(f"{name}-step_in.pte", "graph", graphs.step_in),
+                  *[(n, "graph", p) for n, p in zip(group_files, graphs.groups)],
+                  (f"{name}-step_out.pte", "graph", graphs.step_out)]
+        sets.append({"name": name, "digest": digest, "shape": shape.to_dict(),
+                     "groups": [list(g) for g in groups], "dynamic": graphs.dynamic,
+                     "takes_cache": graphs.takes_cache, "step_in": f"{name}-step_in.pte",
+                     "group_files": group_files, "step_out": f"{name}-step_out.pte"})
+    doc: dict[str, Any] = {
+        "format": BUNDLE_FORMAT, "version": BUNDLE_VERSION,
+        "weights_sha256": weights_sha256, "architecture": native.architecture(),
+        "graphs_format": GRAPHS_FORMAT, "executorch": exporter_version(),
+        "graph_sets": sets,
+    }
+    if text_encoder:
+        from sakura.edge.backends.text_encoder import (  # lazy: transformers
+            compiled_text_encoder,
+        )
+
+        program = compiled_text_encoder(int(req.txt.shape[1]), text_cache)
+        files += [("text_encoder.pte", "text_encoder", program.pte),
+                  ("vocab.txt", "vocab", program.vocab)]
+        doc["text_encoder"] = {"program": "text_encoder.pte", "vocab": "vocab.txt",
+                               "max_tokens": program.max_tokens, "lower_case": True}
+    work.mkdir(parents=True, exist_ok=True)
+    doc["tables"] = write_tables(model, template, geo, int(req.txt.shape[1]),
+                                 work / TABLES_NAME)
+    files.append((TABLES_NAME, "tables", work / TABLES_NAME))
+    return BundleExport(files, doc, time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def write_tables(model: Any, template: Template, geo: Geometry, txt_tokens: int,
+                 path: Path) -> dict[str, Any]:
+    """``tables.bin``: float32 little-endian arrays, one after another, and their index
+    (name -> byte offset and shape): the RoPE cos / sin of the text positions and of every
+    image position (the device takes the masked rows), the edit schedule's ``steps + 1``
+    timesteps and the per-step modulation vectors of the image and text streams
+    (``NativeEngine.inputs`` computes the same from the model)."""
+    ts = edit_schedule(template)
+    vt, vi = [], []
+    for s in range(template.steps):
+        t = ts[s].reshape(1)
+        vec = model.vec(t)[0, 0]
+        vi.append(vec)
+        vt.append(model.vec(torch.zeros_like(t))[0, 0]
+                  if model.cfg.attention_mode == "block_causal" else vec)
+    txt = model.angles(model.text_positions(txt_tokens))
+    img = model.angles(geo.pos)
+    arrays = {"rope_txt_cos": txt.cos(), "rope_txt_sin": txt.sin(),
+              "rope_img_cos": img.cos(), "rope_img_sin": img.sin(),
+              "schedule": ts[: template.steps + 1], "vec_img": torch.stack(vi),
+              "vec_txt": torch.stack(vt)}
+    index: dict[str, Any] = {}
+    offset = 0
+    with open(path, "wb") as f:
+        for name, t in arrays.items():
+            a = np.ascontiguousarray(t.detach().to(torch.float32).cpu().numpy(), "<f4")
+            f.write(a.tobytes())
+            index[name] = {"offset": offset, "shape": list(a.shape)}
+            offset += a.nbytes
+    return {"file": TABLES_NAME, "dtype": "float32", "steps": template.steps,
+            "strength": float(template.strength), "grid": int(geo.grid), "arrays": index}
+
+
+# ------------------------------------------------------------------------------ device
+def _say(line: str) -> None:
+    print(f"sakura: {line}", file=sys.stderr, flush=True)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class DeviceBundles:
+    """The device's side of bundles (see the module docstring): one check, download and
+    hand-over per (origin, template); ``say`` gets the one-line notes."""
+
+    root: Path = field(default_factory=lambda: cache_dir("compiled", "bundles"))
+    say: Callable[[str], None] = _say
+    _done: dict[tuple[str, str], DeviceBundle | None] = field(default_factory=dict,
+                                                             init=False, repr=False)
+    downloaded: int = field(default=0, init=False)  # files fetched (not found in the cache)
+
+    def ensure(self, native: NativeEngine, server: str, template_id: str,
+               token: str | None = None, retry: RetryPolicy | None = None,
+               entry: dict[str, Any] | None = None) -> DeviceBundle | None:
+        """Make ``native`` use the template's bundle (downloaded once, checked, cached);
+        None when the catalog has none (the device exports, and says so once)."""
+        key = (server, template_id)
+        if key in self._done:
+            return self._done[key]
+        retry = retry or RetryPolicy()
+        if entry is None:
+            async def get() -> dict[str, Any]:
+                async with PackClient(server, token=token, retry=retry) as c:
+                    return await c.template_entry(template_id)
+
+            with NetLoop() as net:
+                entry = net.run(get())
+        doc = entry.get("bundle")
+        if doc is None:
+            self.say(f"note: {server} publishes no device bundle for {template_id} (packs "
+                     "built before bundles, or with --no-bundle): this device exports the "
+                     "graphs itself, once per geometry")
+            self._done[key] = None
+            return None
+        bundle = self.check(doc, native, template_id)
+        paths = self.fetch(bundle, server, template_id, token, retry)
+        self.use(bundle, paths, native)
+        self._done[key] = bundle
+        return bundle
+
+    @staticmethod
+    def check(doc: Any, native: NativeEngine, template_id: str) -> DeviceBundle:
+        """The parsed bundle, or an :class:`EdgeError` saying why it is refused."""
+        try:
+            bundle = parse_bundle(doc)
+        except PackError as exc:
+            raise EdgeError(f"the device bundle of {template_id} is refused: {exc}") from None
+        why = None
+        if bundle.graphs_format != GRAPHS_FORMAT:
+            why = (f"its graphs format is {bundle.graphs_format}, this runtime reads "
+                   f"{GRAPHS_FORMAT}")
+        elif bundle.weights_sha256 != native.weights_sha256:
+            why = (f"it was made for model weights {bundle.weights_sha256[:12]}, this device "
+                   f"runs {native.weights_sha256[:12]}")
+        elif bundle.architecture != native.architecture():
+            why = "it was made for another model architecture"
+        elif bundle.executorch != exporter_version():
+            why = (f"it was exported with {bundle.executorch}, this device runs "
+                   f"{exporter_version()}")
+        if why:
+            raise EdgeError(f"the device bundle of {template_id} is refused: {why} (rebuild "
+                            "it with this version of `sakura build`)")
+        return bundle
+
+    def fetch(self, bundle: DeviceBundle, server: str, template_id: str,
+              token: str | None, retry: RetryPolicy) -> dict[str, Path]:
+        """Every file of ``bundle`` in the cache (downloaded and checked where missing)."""
+        paths: dict[str, Path] = {}
+        missing = []
+        for f in bundle.files:
+            path = self.root / f.sha256 / f.name
+            paths[f.name] = path
+            try:
+                if path.stat().st_size == f.bytes:
+                    continue
+            except OSError:
+                pass
+            missing.append(f)
+        if not missing:
+            return paths
+
+        async def get_all() -> list[bytes]:
+            async with PackClient(server, token=token, retry=retry) as c:
+                return [await c.fetch_file(f.key, f"the device bundle file {f.name} of "
+                                                  f"{template_id}") for f in missing]
+
+        with NetLoop() as net:
+            bodies = net.run(get_all())
+        for f, data in zip(missing, bodies):
+            got = hashlib.sha256(data).hexdigest()
+            if got != f.sha256 or len(data) != f.bytes:
+                raise IntegrityError(
+                    f"the device bundle file {f.name} of {template_id} ({f.key}) fails its "
+                    f"checksum: {len(data)} bytes with sha256 {got[:16]}..., the catalog "
+                    f"says {f.bytes} bytes with {f.sha256[:16]}...; it is not used")
+
+            def fill(tmp: Path, data: bytes = data, name: str = f.name) -> None:
+                with open(tmp / name, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+
+            publish_folder(self.root / f.sha256, fill)
+            self.downloaded += 1
+        return paths
+
+    @staticmethod
+    def use(bundle: DeviceBundle, paths: dict[str, Path], native: NativeEngine) -> None:
+        """Hand the bundle's graph chains to ``native`` (by their cache-key digests)."""
+        for gs in bundle.graph_sets:
+            native.add_graphs(gs.digest, GraphSet(
+                paths[gs.step_in], tuple(paths[n] for n in gs.group_files),
+                paths[gs.step_out], tuple(len(g) for g in gs.groups), gs.takes_cache,
+                gs.dynamic))
