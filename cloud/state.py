@@ -14,10 +14,10 @@ from typing import Any
 
 from fastapi import Request
 from sakura.cloud.auth import TokenSet
+from sakura.cloud.bundle import BundleVerifier
 from sakura.cloud.errors import ManifestError
 from sakura.cloud.metrics import Metrics
 from sakura.cloud.storage import LocalStorage, Storage
-from sakura.cloud.bundle import BundleVerifier
 from sakura.cloud.verify import UnitVerifier
 
 
