@@ -47,7 +47,8 @@ any moment. A watchdog on the network loop (waking at least every ``WATCH_CAP_S`
 
 **The local fallback** (``local_step_s``, the native ``run_edit``'s rule): execution waits
 for a step's first shard at most one local step (none while the previous step was computed
-locally), and for its other shards at most one local step each, or less on outage evidence
+locally), and for its other shards what is left of one local step after the step's earlier
+shards' waits (a step's shards share one local step of waiting), or less on outage evidence
 (requests are out and no byte has arrived for that bound and 3 request latencies). Past
 that, :meth:`Pipeline.get` raises :class:`~dit.cache.StepLate`: the DiT loop computes that
 step with every token, as ``local`` does, the step's shards say ``local`` and are never
@@ -799,7 +800,14 @@ class Pipeline:
             return 0.0
         if first and self._stale_wait_s is not None:
             return self._stale_wait_s
-        return self.local_step_s
+        if first:
+            return self.local_step_s
+        # a step's shards share one local step of waiting (issue 28: a two-group step once
+        # waited two, 0.28 s stalled on the tail bench's slowest start)
+        step = self.shard_blocks[j][0]
+        waited = sum(self.records[i].stall_s for i in range(j)
+                     if self.shard_blocks[i][0] == step)
+        return max(0.0, self.local_step_s - waited)
 
     def ran_stale(self, step: int, sources: dict[int, int], compute_s: float) -> None:
         """(From the executing thread, after the step.) Step ``step``, which :meth:`get`

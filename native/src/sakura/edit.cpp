@@ -772,8 +772,9 @@ namespace {
 // One graph set's steps: the shapes of its inputs checked once, its buffers kept.
 class StepRunner {
  public:
-  StepRunner(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed)
-      : g_(graphs), in_(in), feed_(feed) {
+  // keep: keep each group's last K/V (stale reuse; kept_step)
+  StepRunner(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed, bool keep = false)
+      : g_(graphs), in_(in), feed_(feed), keep_(keep) {
     graphs.check();
     if (graphs.takes_cache && feed == nullptr) {
       throw std::invalid_argument("cached graphs need a shard feed");
@@ -834,7 +835,8 @@ class StepRunner {
   // Step s on x ([1, M, P], updated): the pinned tokens set to the template trajectory
   // first (full graphs); cached graphs take shard s * groups + g's K/V from the feed. With
   // wait_s >= 0 (the local fallback), a group whose shard is not ready within wait_s (the
-  // first group) or local_s (the others) ends the step early: false, x unchanged. With
+  // first group) or what is left of local_s after the step's earlier waits (the others)
+  // ends the step early: false, x unchanged. With
   // stale, every group runs on the K/V it last ran on (kept_step) and the feed is not asked.
   bool step(int s, std::vector<float>& x, double wait_s = -1, double local_s = 0,
             bool stale = false) {
@@ -865,7 +867,10 @@ class StepRunner {
           kv = kept_[g].data();
         } else {
           const auto w0 = std::chrono::steady_clock::now();
-          if (wait_s >= 0 && !feed_->ready_within(shard, g == 0 ? wait_s : local_s)) {
+          // the first group waits wait_s; the others what is left of one local step after
+          // the step's earlier waits (a step's shards share one local step of waiting)
+          const double bound = g == 0 ? wait_s : std::max(0.0, local_s - waited);
+          if (wait_s >= 0 && !feed_->ready_within(shard, bound)) {
             return false;
           }
           kv = feed_->acquire(shard);
@@ -904,16 +909,12 @@ class StepRunner {
   EditGraphs& g_;
   const EditInputs& in_;
   ShardFeed* feed_;
+  bool keep_;  // keep each group's last K/V (stale reuse)
   int steps_ = 0;
   std::size_t groups_ = 0;
   std::int64_t P_ = 0, M_ = 0, txt_n_ = 0, vec_n_ = 0;
   std::vector<std::int64_t> x_sizes_, img_sizes_, txt_sizes_, vec_sizes_, rope_sizes_, kv_sizes_;
   std::vector<float> x_next_, img_, img_next_, txt_, txt_next_;
-
- public:
-  bool keep_ = false;  // keep each group's last K/V (stale reuse)
-
- private:
   double compute_s_ = 0;
   std::vector<std::vector<float>> kept_;
   std::vector<int> kept_step_;
@@ -923,7 +924,8 @@ class StepRunner {
 
 std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed,
                             const std::atomic<bool>& cancel, LocalSteps* local) {
-  StepRunner cached(graphs, in, feed);
+  StepRunner cached(graphs, in, feed,
+                    /*keep=*/local != nullptr && local->stale_max_age > 0);
   std::unique_ptr<StepRunner> full;
   std::vector<float> xf;
   if (local != nullptr) {
@@ -944,8 +946,6 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed*
   }
   std::vector<float> x = in.x;
   const std::int64_t P = cached.patch();
-  cached.keep_ = full != nullptr && local->stale_max_age > 0;
-  if (local) local->stale_steps = 0;
   enum class Mode { OnTime, Stale, Local } mode = Mode::OnTime;
   double cached_step_s = 0;  // the last cached step's time (a stale step costs as much)
   try {
@@ -975,7 +975,6 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed*
           }
           cached.step(s, x, -1, 0, /*stale=*/true);
           cached_step_s = cached.compute_s();
-          local->stale_steps += 1;
           mode = Mode::Stale;
           continue;
         }

@@ -260,7 +260,6 @@ struct LocalSteps {
   std::vector<std::int64_t> masked;    // the masked tokens' rows in the full latent
   double step_s = 0;                   // predicted time of one local step (the wait bound)
   int steps = 0;                       // (out) steps computed locally
-  int stale_steps = 0;                 // (out) steps run on an earlier step's K/V
   int stale_max_age = kStaleMaxAge;    // oldest K/V a late step may reuse (steps; 0: never)
 };
 
