@@ -206,6 +206,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
                     compute_cost=cost,
                     quality_fn=_quality_fn(cfg, quality_fn, codec, layout, run.cache, content,
                                            psnr_stats),
+                    local_psnr_db=quality_fn.local_psnr_db if quality_fn else None,
                 )
                 txn.publish(tid, name, manifest.to_dict(), work / manifest.pack_file)
             txn.set_metadata(

@@ -23,7 +23,7 @@ import torch
 from sakura.codec.metrics import psnr
 from sakura.codec.shards import ShardLayout
 from sakura.dit.adapters.engine import DefaultEngine
-from sakura.dit.editing import cached_edit
+from sakura.dit.editing import cached_edit, full_edit
 
 
 class _OneShardChanged:
@@ -61,6 +61,13 @@ class OutputPSNR:
                 image = engine.edit(prep, self.exact_cache, req)
             self.exact.append(image)
             self.latents.append(xs)
+        # a local edit (every token, no cache) on the same requests: the quality the device
+        # gets by computing the edit itself, its floor for streamed configurations
+        self.local_psnr_db: float | None = None
+        if self.resumable:
+            local = [psnr((full_edit(engine.model, prep.template, req) + 1) / 2, (ref + 1) / 2)
+                     for req, ref in zip(requests, self.exact, strict=True)]
+            self.local_psnr_db = float(sum(local) / len(local))
 
     def _edit(self, i: int, provider: Any, step: int) -> torch.Tensor:
         req = self.requests[i]

@@ -154,6 +154,11 @@ class ManifestHeader(BaseModel):
     stored_bytes: Size
     units: list[Unit] = Field(description="[offset, length, sha256], ascending, disjoint")
     shards: list[Shard] = Field(min_length=1)
+    local_psnr_db: float | None = Field(
+        None, allow_inf_nan=False, description="output PSNR against the exact edit of a local edit (every token "
+        "computed, no cache) on the profiling requests of the configurations' psnr_db; "
+        "the device never streams a configuration below its share of that error "
+        "(edge/allocator.py, quality floor)")
 
     @model_validator(mode="after")
     def _table(self) -> ManifestHeader:

@@ -112,6 +112,7 @@ class Manifest:
     pack_sha256: str = ""
     format: str = FORMAT
     version: int = VERSION
+    local_psnr_db: float | None = None  # a local edit's PSNR vs exact (quality floor)
     extra: dict[str, Any] = field(default_factory=dict)
 
     # -- conversions
@@ -135,6 +136,8 @@ class Manifest:
                                  for c in s.configs]}
                     for s in self.shards],
         )
+        if self.local_psnr_db is not None:  # (absent: older packs stay byte-identical)
+            out["local_psnr_db"] = self.local_psnr_db
         out.update(self.extra)
         return json.loads(json.dumps(out))  # a deep, JSON-clean copy
 
@@ -179,6 +182,8 @@ class Manifest:
             pack_file=d.get("pack_file", "") if not embedded else "",
             pack_bytes=d.get("pack_bytes", 0) if not embedded else 0,
             pack_sha256=d.get("pack_sha256", "") if not embedded else "",
+            local_psnr_db=(None if d.get("local_psnr_db") is None
+                           else float(d["local_psnr_db"])),
             extra={k: v for k, v in d.items() if k not in known},
         )
         m.check_layout()
@@ -268,6 +273,7 @@ def write_pack(
     quality_fn: QualityFn | None = None,
     profile_floor: float | None = None,
     shard_meta: list[dict[str, Any]] | None = None,
+    local_psnr_db: float | None = None,
 ) -> Manifest:
     """Encode ``cache`` with ``codec`` and publish the pack and its manifest in ``path_dir``.
 
@@ -277,6 +283,8 @@ def write_pack(
     the files are ``<codec>-<sha256[:16]>.pack`` and ``<template_id>.manifest.json``.
     ``shard_meta`` (a list), when given, receives every shard's encoder notes
     (``EncodedShard.meta``, e.g. the low-rank codecs' ``bytes_vs_pareto``).
+    ``local_psnr_db`` (optional, with ``quality_fn``): a local edit's output PSNR against
+    exact on the same profiling requests, the device's quality floor.
     """
     if not TEMPLATE_ID.match(template_id):
         raise PackError(
@@ -306,6 +314,7 @@ def write_pack(
             stored_bytes=data_pos,
             units=units,
             shards=shards,
+            local_psnr_db=None if local_psnr_db is None else float(local_psnr_db),
         )
         pack_name, pack_bytes, sha = _publish_pack_file(out_dir, template_id, codec.name,
                                                         manifest, spool, data_pos)

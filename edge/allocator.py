@@ -30,6 +30,9 @@ policy                       codec    choice per shard
 ``sakura-greedy``            sakura   ablation of the plan: greedy, as the baselines
 ``sakura-optimistic``        sakura   the plan over 1.25x the estimated fit (truncation
                                       at the deadline bounds what an overestimate costs)
+``sakura-floor``             sakura   the plan over the configurations at or above the
+                                      quality floor: a local edit's error (the pack's
+                                      ``local_psnr_db``) shared over the shards
 ``local``                    --       no cache: the whole model on the device
 ============================ ======== ============================================================
 
@@ -352,6 +355,32 @@ def _adaptive(ctx: PolicyContext) -> Allocator:
                              lookahead=_lookahead(ctx, ctx.tables, True))
 
 
+def local_share_floor_db(local_psnr_db: float, shards: int) -> float:
+    """The per-shard quality floor: a local edit's error (``local_psnr_db`` against exact)
+    shared evenly over the edit's shards, as a per-shard output PSNR (the lookahead's
+    additive error model, :mod:`edge.lookahead`)."""
+    return local_psnr_db + 10.0 * math.log10(max(1, shards))
+
+
+def floored(tables: list[ShardOptions], floor_db: float) -> list[ShardOptions]:
+    """Each shard's options at or above ``floor_db`` (an option without a PSNR is kept);
+    a shard with none keeps its best."""
+    out = []
+    for t in tables:
+        kept = [o for o in t.options if o.psnr_db is None or o.psnr_db >= floor_db]
+        out.append(ShardOptions(t.shard, kept or [t.best], t.compute_cost, t.dominated))
+    return out
+
+
+def _floored(ctx: PolicyContext) -> Allocator:
+    local_db = ctx.options.get("local_psnr_db")
+    tables = ctx.tables
+    if local_db is not None:
+        tables = floored(tables, local_share_floor_db(float(local_db), len(tables)))
+    return AdaptiveAllocator(tables, ctx.latency_s, ctx.safety, name="floored",
+                             lookahead=_lookahead(ctx, tables, True))
+
+
 def _greedy(ctx: PolicyContext) -> Allocator:
     """The baselines' allocation as published (CacheGen adapts chunk by chunk to the
     throughput it measures): the best configuration that fits each shard's own window."""
@@ -410,6 +439,8 @@ POLICIES: dict[str, Policy] = {
                "ablation: the best configuration that fits each shard's own window"),
         Policy("sakura-optimistic", "sakura", _optimistic,
                "variant: the plan over a budget 1.25x the estimated fit"),
+        Policy("sakura-floor", "sakura", _floored,
+               "variant: no configuration below its share of a local edit's error"),
     )
 }
 

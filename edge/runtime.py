@@ -401,6 +401,14 @@ class EditOptions:
         return self
 
 
+def policy_options(opts: EditOptions, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The allocator's options: the caller's, and the pack's ``local_psnr_db`` (a local
+    edit's PSNR against exact, measured when the pack was built) for the quality floor."""
+    local = manifest.get("local_psnr_db")
+    return {**({} if local is None else {"local_psnr_db": float(local)}),
+            **opts.policy_options}
+
+
 class EdgeRuntime:
     """The device: a model (the shipped MMDiT or any ``dit.adapters`` engine), a text
     encoder, and calibrated execution times."""
@@ -694,7 +702,7 @@ class EdgeRuntime:
             allocator = get_policy(policy).build(PolicyContext(
                 tables=tables, exec_s=exec_s, latency_s=0.0,
                 budget_rate_bps=opts.budget_rate_bps or monitor.estimate_bps(),
-                safety=opts.safety, options=opts.policy_options))
+                safety=opts.safety, options=policy_options(opts, manifest_dict)))
             if not self.backend.is_torch:  # (compiling may take a while: before the clock)
                 self.backend.prepare(self.model, prep.template, prep.geometry, req,
                                      layout.blocks_per_shard)

@@ -85,7 +85,7 @@ def test_profile_psnr_measures_each_configuration_against_exact(small_setup):
     from sakura.codec.metrics import psnr
     from sakura.codec.pack import PackReader, decode_config
     from sakura.dit.adapters.engine import load_engine
-    from sakura.dit.editing import cached_edit
+    from sakura.dit.editing import cached_edit, full_edit
     from sakura.dit.templates import load_catalog, with_resolution
 
     root, weights = small_setup
@@ -136,6 +136,13 @@ def test_profile_psnr_measures_each_configuration_against_exact(small_setup):
     whole = cached_edit(engine.model, prep.template, prep.geometry, Changed(), req)
     assert got == pytest.approx(psnr((whole + 1) / 2, (exact + 1) / 2), abs=1e-6)
     assert got == pytest.approx(small.quality["psnr_db"], abs=1e-2)
+    # the local edit's PSNR on the same request: in the profiler, and in every manifest
+    # the build wrote (the device's quality floor)
+    local = full_edit(engine.model, prep.template, req)
+    assert fn.local_psnr_db == pytest.approx(psnr((local + 1) / 2, (exact + 1) / 2), abs=1e-6)
+    assert manifest.local_psnr_db == pytest.approx(fn.local_psnr_db, abs=1e-2)
+    assert fp16.local_psnr_db == manifest.local_psnr_db
+    assert Manifest.from_dict(manifest.to_dict()).local_psnr_db == manifest.local_psnr_db
     with pytest.raises(PublishError, match="profile-psnr"):
         build(BuildConfig(catalog=str(root / "catalog.json"), out_dir=str(root / "neg"),
                           weights=str(weights), profile_psnr=-1), log=lambda *_: None)

@@ -18,7 +18,9 @@ from sakura.edge.allocator import (
     ShardOptions,
     budget_bytes,
     fixed_config,
+    floored,
     get_policy,
+    local_share_floor_db,
     options_from_manifest,
     to_native,
 )
@@ -160,6 +162,32 @@ def test_fixed_bits_finds_its_configurations_off_the_pareto_front():
         tables=tables, exec_s=[0.01], safety=1.0, options={"bits": 4}))
     assert alloc.choose(0, 1.0, 8e9) == 4 and alloc.choose(0, 1e-6, 8e6) == 2
     assert tables[0].by_id(4).nbytes == 20_000  # the byte size of a choice off the front
+
+
+def test_the_quality_floor_is_a_local_edits_error_shared_over_the_shards(impl):
+    """``sakura-floor``: no configuration whose output error exceeds its shard's share of a
+    local edit's (``local_psnr_db`` + 10 log10 shards, the lookahead's additive model). With
+    nothing above the floor that fits, the choice is the floor's smallest (it waits, and a
+    late step is computed locally), never a configuration below it; without the pack's
+    ``local_psnr_db`` the policy is sakura's. The native allocator gets the same tables."""
+    assert local_share_floor_db(30.0, 10) == pytest.approx(40.0)
+    assert local_share_floor_db(30.0, 0) == 30.0
+    tables = [table(0), table(1)]  # floor for local 25.9 dB over 2 shards: 28.9 dB
+    kept = floored(tables, local_share_floor_db(25.9, 2))
+    assert [o.id for o in kept[0].options] == [5, 4, 3, 2]
+    assert [o.id for o in floored(tables, 99.0)[0].options] == [5]  # none: the best
+    ctx = PolicyContext(tables=tables, exec_s=[0.01, 0.01], safety=1.0,
+                        options={"local_psnr_db": 25.9, "lookahead": False})
+    alloc = get_policy("sakura-floor").build(ctx)
+    if impl.adaptive is not AdaptiveAllocator:  # the native twin, on the same tables
+        import sakura_native as native
+
+        alloc = to_native(alloc, native)
+    assert alloc.choose(0, 1e-6, 8e6) == 2      # the smallest at or above 28.9 dB
+    assert alloc.choose(0, 1.0, 8e9) == 5
+    plain = get_policy("sakura-floor").build(PolicyContext(
+        tables=tables, exec_s=[0.01, 0.01], safety=1.0, options={"lookahead": False}))
+    assert plain.choose(0, 1e-6, 8e6) == 0      # no local_psnr_db: no floor
 
 
 def test_policies_registry():
