@@ -1,7 +1,8 @@
 """SAKURA on-device runtime: fetch a template's compressed KV cache shard by shard and edit.
 
 Modules: :mod:`edge.client` (aiohttp pack client: manifest, shard bodies, verification,
-retry and resume), :mod:`edge.monitor` (bandwidth and execution-progress bookkeeping),
+retry and resume; built from :mod:`edge.origins`, :mod:`edge.body_spec`, :mod:`edge.transfer`
+and :mod:`edge.retry`), :mod:`edge.monitor` (bandwidth and execution-progress bookkeeping),
 :mod:`edge.allocator` (per-shard configuration choice and the policy registry),
 :mod:`edge.pipeline` (receive -> reconstruct -> execute with bounded buffers and a per-shard
 timeline), :mod:`edge.runtime` (one edit end to end), :mod:`edge.bench` and
