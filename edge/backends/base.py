@@ -142,8 +142,8 @@ class ExecutionBackend(ABC):
 
     name: ClassVar[str]
     compiles: ClassVar[bool] = True  # False: nothing is written to the artifact cache
-    explicit_rms: ClassVar[bool] = False  # see edge.backends.shard._explicit_rms_norm
-    sigmoid_gelu: ClassVar[bool] = False  # see edge.backends.shard._sigmoid_gelu
+    explicit_rms: ClassVar[bool] = False  # see edge.backends.shard_ops._explicit_rms_norm
+    sigmoid_gelu: ClassVar[bool] = False  # see edge.backends.shard_ops._sigmoid_gelu
     delegable: ClassVar[bool] = False  # see edge.backends.shard (XNNPACK-lowerable ops)
 
     def __init__(self, config: BackendConfig | None = None) -> None:

@@ -1,25 +1,17 @@
 """The pure-tensor shard function: a group of consecutive transformer blocks of one step.
 
 A shard graph takes only tensors, so it can be exported (``torch.export`` -> ExecuTorch,
-``torch.onnx.export`` -> QNN) and run by any backend:
+``torch.onnx.export`` -> QNN) and run by any backend; its inputs and outputs (the fresh
+tokens' hidden states, the step's modulation vectors, the RoPE tables, the cached K/V of
+every block) and their shapes: ``edge/backends/shard_geometry.py``; the arithmetic pieces
+(RoPE, norms, GELU, split linears): ``edge/backends/shard_ops.py``. This module holds
+:class:`ShardModule`, the function itself, in its three forms.
 
-* ``txt [B, T, D]``, ``img [B, M, D]``: hidden states of the fresh tokens (text and masked
-  image tokens) entering the shard's first block;
-* ``vec_txt``, ``vec_img [B, 1, D]``: the step's modulation vectors (``MMDiT.vec(t)``); the
-  shared modulation projections are part of the graph;
-* ``cos``, ``sin [T + M, head_dim / 2]``: the RoPE angles of the fresh tokens, as cosine and
-  sine (precomputed on the host: cos/sin of angles up to ~16 rad lose too much in fp16);
-* ``k_<b>``, ``v_<b> [U, C]`` for every block ``b`` of the shard: the cached K/V of the
-  unmasked template tokens, heads folded into channels, exactly as the pack delivers them.
-
-Outputs: ``txt``, ``img`` after the shard's last block. The code mirrors
-``dit.model.DoubleStreamBlock`` / ``SingleStreamBlock`` with the ``CachedHook`` of
-``dit.editing`` (attention over ``[fresh] + [cache]``); ``tests/edge/test_backends.py``
-checks that an edit through shard graphs equals ``dit.editing.cached_edit``. References and
-the text-KV approximation are not part of a shard graph (they need the torch path).
-
-One graph serves every step: the step enters only through ``vec_*`` and the cache, so a
-graph is compiled once per (template geometry, block group).
+The code mirrors ``dit.model.DoubleStreamBlock`` / ``SingleStreamBlock`` with the
+``CachedHook`` of ``dit.editing`` (attention over ``[fresh] + [cache]``);
+``tests/edge/test_backends.py`` checks that an edit through shard graphs equals
+``dit.editing.cached_edit``. References and the text-KV approximation are not part of a
+shard graph (they need the torch path).
 
 ``delegable=True`` writes the same function with only the operators XNNPACK's partitioner
 lowers (ExecuTorch 1.4.1, ``executorch/backends/xnnpack/partition/config``), so that the
@@ -72,166 +64,36 @@ says, which the group split computes without any dynamic mask.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from sakura.dit.attention import CACHE, Layout, build_mask
 from sakura.dit.model import MMDiT, merge_heads, modulate, split_heads
+from sakura.edge.backends.shard_geometry import (
+    OUTPUT_NAMES,
+    SHARD_FORMAT,
+    ShardBounds,
+    ShardGeometry,
+    example_inputs,
+    expected_shapes,
+    input_names,
+)
+from sakura.edge.backends.shard_ops import (
+    _explicit_rms_norm,
+    _layer_norm,
+    _mean_last,
+    _rope,
+    _rope_matrices,
+    _sigmoid_gelu,
+    _split_linear,
+    free_shape,
+)
 from torch import nn
 
-# Bump when the graph's computation or its input/output contract changes: it is part of
-# the compiled-artifact cache key.
-SHARD_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class ShardGeometry:
-    """The static shapes a shard graph is compiled for."""
-
-    batch: int   # 2 with classifier-free guidance, else 1
-    txt: int     # fresh text tokens
-    img: int     # fresh (masked) image tokens
-    cached: int  # cached (unmasked) template tokens; 0: a graph with no cache inputs
-
-    def describe(self) -> str:
-        return f"b{self.batch}-t{self.txt}-m{self.img}-u{self.cached}"
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class ShardBounds:
-    """The shapes one dynamic shard graph serves (``ShardModule(..., dynamic=True)``).
-
-    Any split of the ``tokens`` image tokens into M masked and U cached ones with
-    ``1 <= M, U <= tokens - 1`` (the edit with nothing cached, M = tokens, has no cache
-    inputs and keeps its static graph). ExecuTorch plans memory for the upper bounds.
-    """
-
-    batch: int
-    txt: int
-    tokens: int  # N, the template's image tokens (M + U = N)
-
-    def __post_init__(self) -> None:
-        if self.batch < 1 or self.txt < 1 or self.tokens < 3:
-            raise ValueError(f"bounds need batch, txt >= 1 and tokens >= 3, got {self}")
-
-    def describe(self) -> str:
-        return f"b{self.batch}-t{self.txt}-n{self.tokens}-dynamic"
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    def example(self) -> ShardGeometry:
-        """The geometry traced at export: sizes inside the bounds, not 0 or 1 (which torch
-        would specialize on) and different from each other."""
-        m = max(2, self.tokens // 5)
-        u = self.tokens - m
-        if u == m:
-            m, u = m - 1, u + 1
-        return ShardGeometry(self.batch, self.txt, m, u)
-
-    def contains(self, geometry: ShardGeometry) -> bool:
-        return (geometry.batch == self.batch and geometry.txt == self.txt
-                and 1 <= geometry.img < self.tokens and 1 <= geometry.cached < self.tokens)
-
-    def dynamic_shapes(self, blocks: tuple[int, ...]) -> tuple:
-        """``torch.export``'s ``dynamic_shapes`` for the graph's inputs (same order)."""
-        from torch.export import Dim
-
-        m = Dim("masked", min=1, max=self.tokens - 1)
-        u = Dim("cached", min=1, max=self.tokens - 1)
-        return ({}, {1: m}, {}, {}, {0: m}, {0: m}, tuple({0: u} for _ in range(2 * len(blocks))))
-
-
-def input_names(blocks: tuple[int, ...]) -> list[str]:
-    names = ["txt", "img", "vec_txt", "vec_img", "cos", "sin"]
-    for b in blocks:
-        names += [f"k_{b}", f"v_{b}"]
-    return names
-
-
-OUTPUT_NAMES = ["txt_out", "img_out"]
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``dit.model.apply_rope`` with precomputed cos/sin (same arithmetic)."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return out.flatten(-2)
-
-
-def _layer_norm(x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],))
-
-
-def _sigmoid_gelu(x: torch.Tensor) -> torch.Tensor:
-    """tanh-GELU as ``x * sigmoid(2y)`` (``0.5 (1 + tanh y) = sigmoid(2y)``).
-
-    XNNPACK's tanh is approximate (measured: 4.7e-4 abs error on GELU outputs of ~12, which
-    put ExecuTorch shard outputs 2.4e-3 off torch); its sigmoid is accurate (4.8e-7).
-    """
-    y = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)
-    return x * torch.sigmoid(2.0 * y)
-
-
-def _explicit_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``RMSNorm`` written as ``x * rsqrt(mean(x * x) + eps) * w``.
-
-    The ONNX export of ``F.rms_norm`` squares with ``Pow``; on the QNN HTP (fp16, x86
-    simulator, onnxruntime-qnn 2.7.0 / QAIRT 2.51) that graph returned zeros for half of
-    the text-token rows of the shipped model (16 text tokens); ``x * x`` does not.
-    """
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + norm.eps) * norm.weight
-
-
-def free_shape(shape) -> list[int]:
-    """``shape`` with its dynamic (symbolic, while exporting) size written as -1.
-
-    XNNPACK lowers a reshape only when every size is a constant and at most one is
-    inferred; outside an export every size is an int and this is ``list(shape)``.
-    """
-    out = [d if isinstance(d, int) else -1 for d in shape]
-    if out.count(-1) > 1:
-        raise ValueError(f"a reshape with more than one dynamic size: {tuple(shape)}")
-    return out
-
-
-def _mean_last(x: torch.Tensor) -> torch.Tensor:
-    """``x.mean(-1, keepdim=True)`` as XNNPACK's mean (4-D input, dims 2 and 3, keepdim)."""
-    *lead, c = x.shape
-    return x.reshape(1, -1, 1, c).mean((2, 3), keepdim=True).reshape(free_shape((*lead, 1)))
-
-
-def _split_linear(lin: nn.Linear, sizes: list[int]) -> list[nn.Linear]:
-    """One linear per output block of ``lin`` (rows of its weight): ``lin(x).split(sizes,
-    -1)`` without slicing the ``[.., M, sum(sizes)]`` output."""
-    out, start = [], 0
-    for n in sizes:
-        part = nn.Linear(lin.in_features, n, bias=lin.bias is not None,
-                         device=lin.weight.device, dtype=lin.weight.dtype)
-        with torch.no_grad():
-            part.weight.copy_(lin.weight[start:start + n])
-            if lin.bias is not None:
-                part.bias.copy_(lin.bias[start:start + n])
-        out.append(part.requires_grad_(False))
-        start += n
-    return out
-
-
-def _rope_matrices(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``E [hd/2, hd]`` repeats each angle for its pair; ``R [hd, hd]`` maps a pair
-    ``(x1, x2)`` to ``(-x2, x1)``. Both have one non-zero (+-1) per column: exact."""
-    half = head_dim // 2
-    e = torch.zeros(half, head_dim)
-    r = torch.zeros(head_dim, head_dim)
-    for i in range(half):
-        e[i, 2 * i] = e[i, 2 * i + 1] = 1.0
-        r[2 * i + 1, 2 * i] = -1.0
-        r[2 * i, 2 * i + 1] = 1.0
-    return e, r
+__all__ = [
+    "OUTPUT_NAMES", "SHARD_FORMAT", "ShardBounds", "ShardGeometry", "ShardModule",
+    "example_inputs", "expected_shapes", "free_shape", "input_names",
+]
 
 
 class ShardModule(nn.Module):
@@ -594,28 +456,3 @@ class ShardModule(nn.Module):
                              "img": self._split(self.single_mod(vec_img), [d] * 3)}
                 txt, img = self._single(blk, txt, img, smods, cos, sin, k_cache, v_cache)
         return txt, img
-
-
-def example_inputs(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry,
-                   seed: int = 0, dynamic: bool = False) -> tuple[torch.Tensor, ...]:
-    """Seeded random inputs of the graph's shapes (for export, checks and the bench);
-    ``dynamic``: the RoPE tables of the image tokens only (``ShardModule(dynamic=True)``)."""
-    g = torch.Generator().manual_seed(seed)
-    d, hd = model.cfg.hidden_size, model.cfg.head_dim
-    b, t, m, u = geometry.batch, geometry.txt, geometry.img, geometry.cached
-    ang = torch.rand(m if dynamic else t + m, hd // 2, generator=g) * 6.0
-    args = [torch.randn(b, t, d, generator=g), torch.randn(b, m, d, generator=g),
-            torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g),
-            ang.cos(), ang.sin()]
-    for _ in blocks if u else ():  # no cache inputs when nothing is cached
-        args += [torch.randn(u, d, generator=g), torch.randn(u, d, generator=g)]
-    return tuple(args)
-
-
-def expected_shapes(model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry,
-                    dynamic: bool = False) -> list[tuple[int, ...]]:
-    d, hd = model.cfg.hidden_size, model.cfg.head_dim
-    b, t, m, u = geometry.batch, geometry.txt, geometry.img, geometry.cached
-    rope = (m if dynamic else t + m, hd // 2)
-    shapes = [(b, t, d), (b, m, d), (b, 1, d), (b, 1, d), rope, rope]
-    return shapes + [(u, d)] * (2 * len(blocks) if u else 0)
