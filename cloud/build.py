@@ -95,21 +95,11 @@ class BuildReport:
 
 
 def build(cfg: BuildConfig, log=print) -> BuildReport:
-    from sakura.codec import ShardLayout, get_codec  # lazy: torch
-    from sakura.codec.pack import write_pack  # lazy: torch
     from sakura.dit.adapters.engine import load_engine  # lazy: torch
-    from sakura.dit.templates import load_catalog, template_assets, with_resolution  # lazy: torch
     from sakura.dit.weights import DEFAULT_WEIGHTS  # lazy: torch
     from tqdm import tqdm
 
-    specs = load_catalog(cfg.catalog)
-    if cfg.templates:
-        unknown = sorted(set(cfg.templates) - set(specs))
-        if unknown:
-            raise PublishError(f"unknown template id(s) {unknown}; the catalog has {sorted(specs)}")
-        specs = {k: specs[k] for k in cfg.templates}
-    if cfg.resolution:
-        specs = {s.id: s for s in (with_resolution(v, cfg.resolution) for v in specs.values())}
+    specs = _select_templates(cfg)
     if cfg.profile_psnr < 0:
         raise PublishError(f"--profile-psnr must be >= 0 (profiling requests), got "
                            f"{cfg.profile_psnr}")
@@ -125,22 +115,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
     model_files = [weights] if cfg.model is None else []
     report = BuildReport()
     for tid, spec in tqdm(specs.items(), desc="build", unit="template"):
-        content = template_content_hash(
-            {
-                "spec": {k: v for k, v in spec.meta.items()},
-                "resolution": spec.resolution,
-                "codecs": list(cfg.codecs),
-                "codec_options": cfg.codec_options,
-                "blocks_per_shard": cfg.blocks_per_shard,
-                **({"profile_psnr": cfg.profile_psnr} if cfg.profile_psnr else {}),
-                **({"psnr_fit": cfg.psnr_fit, "psnr_fit_version": _fitted_version()}
-                   if cfg.psnr_fit and not cfg.profile_psnr else {}),
-                **({} if cfg.model is None else {"model": cfg.model,
-                                                 "weights": engine.weights_id}),
-            },
-            [spec.image_path, spec.mask_path, *model_files],
-            salt=BUILDER_VERSION,
-        )
+        content = _content_hash(cfg, spec, engine, model_files)
         packs_ok = not cfg.force and is_up_to_date(out, tid, content, codecs=cfg.codecs)
         if packs_ok and (cfg.bundle_exporter is None or has_bundle(out, tid)):
             report.skipped.append(tid)
@@ -158,72 +133,7 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
             report.built.append(tid)
             report.seconds[tid] = time.perf_counter() - t0
             continue
-        if cfg.model is not None and device.strength != 1.0:
-            # the diffusers adapters edit from pure noise only (dit.adapters.engine)
-            log(f"{tid}: strength {device.strength} is the sakura MMDiT's; {cfg.model} "
-                "edits start from pure noise (strength 1)")
-            device = replace(device, strength=1.0)
-        prep = engine.prepare(device.image, device.mask, spec.prompt, spec.seed, spec.steps,
-                              spec.guidance, device.strength)
-        run = engine.template_run(prep)
-        base = 600  # the profiling requests' seeds (dit.templates.TemplateSpec.requests)
-        profiling = [engine.request(p, base + i) for i, p in enumerate(spec.profiling_prompts)]
-        engine.profile_importance(prep, run, profiling)
-        bps = min(cfg.blocks_per_shard, run.cache.blocks)
-        layout = ShardLayout(run.cache.steps, run.cache.blocks, bps)
-        block_cost = engine.block_costs()
-        cost = [float(sum(block_cost[b] for b in layout.blocks_of(i)[1]))
-                for i in range(layout.num_shards)]
-        model_info = engine.model_info()
-        quality_fn = None
-        if cfg.profile_psnr or cfg.psnr_fit:
-            from sakura.cloud.psnr_profile import OutputPSNR  # lazy: torch
-
-            quality_fn = OutputPSNR(engine, prep, run,
-                                    profiling[: cfg.profile_psnr or cfg.psnr_fit], layout)
-        psnr_stats: dict[str, dict] = {}
-        # an engine may fill in its default steps / guidance
-        device = replace(device, steps=run.cache.steps, guidance=float(prep.template.guidance))
-        with (
-            build_workdir(out) as tmp,
-            CatalogTransaction(out) as txn,
-        ):
-            rope = engine.rope_option(prep)
-            for name in cfg.codecs:
-                options = dict(cfg.codec_options.get(name, {}))
-                if name in LOWRANK_CODECS and rope is not None:
-                    # keys are factorised in the pre-RoPE frame (codec/README.md)
-                    options.setdefault("rope", rope)
-                codec = get_codec(name, **options)
-                work = Path(tmp) / name
-                manifest = write_pack(
-                    work,
-                    tid,
-                    run.cache,
-                    codec,
-                    blocks_per_shard=bps,
-                    model=model_info,
-                    compute_cost=cost,
-                    quality_fn=_quality_fn(cfg, quality_fn, codec, layout, run.cache, content,
-                                           psnr_stats),
-                    local_psnr_db=quality_fn.local_psnr_db if quality_fn else None,
-                )
-                txn.publish(tid, name, manifest.to_dict(), work / manifest.pack_file)
-            txn.set_metadata(
-                tid,
-                workload=spec.workload,
-                resolution=spec.resolution,
-                mask_ratio=spec.meta.get("mask_ratio"),
-                token_mask_ratio=prep.token_mask_ratio,
-                content_hash=content,
-                fp16_bytes=run.cache.fp16_bytes(),
-                template=template_assets(spec, device),
-                **({"psnr_profile": psnr_stats} if psnr_stats else {}),
-                # None: packs rebuilt without one drop a bundle made for the old ones
-                bundle=(_bundle(cfg, engine, device, Path(tmp), out, log, tid)
-                        if cfg.bundle_exporter else None),
-            )
-            bundle_id = (txn.entries[tid].get("bundle") or {}).get("id")
+        bundle_id = _build_template(cfg, engine, tid, spec, device, content, out, log)
         if bundle_id:
             report.bundles[tid] = bundle_id
         report.built.append(tid)
@@ -233,6 +143,120 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
         report.published = publish_catalog(out, cfg.publish)
         log(f"published {len(report.published)} files to {cfg.publish}")
     return report
+
+
+def _select_templates(cfg: BuildConfig) -> dict[str, Any]:
+    """The catalog's templates the build asks for (all when none are named), at the
+    build's resolution when it names one."""
+    from sakura.dit.templates import load_catalog, with_resolution  # lazy: torch
+
+    specs = load_catalog(cfg.catalog)
+    if cfg.templates:
+        unknown = sorted(set(cfg.templates) - set(specs))
+        if unknown:
+            raise PublishError(f"unknown template id(s) {unknown}; the catalog has {sorted(specs)}")
+        specs = {k: specs[k] for k in cfg.templates}
+    if cfg.resolution:
+        specs = {s.id: s for s in (with_resolution(v, cfg.resolution) for v in specs.values())}
+    return specs
+
+
+def _content_hash(cfg: BuildConfig, spec: Any, engine: Any, model_files: list[Path]) -> str:
+    """What decides whether a template's packs are up to date: its spec, image, mask,
+    weights, codec options and the builder version."""
+    return template_content_hash(
+        {
+            "spec": {k: v for k, v in spec.meta.items()},
+            "resolution": spec.resolution,
+            "codecs": list(cfg.codecs),
+            "codec_options": cfg.codec_options,
+            "blocks_per_shard": cfg.blocks_per_shard,
+            **({"profile_psnr": cfg.profile_psnr} if cfg.profile_psnr else {}),
+            **({"psnr_fit": cfg.psnr_fit, "psnr_fit_version": _fitted_version()}
+               if cfg.psnr_fit and not cfg.profile_psnr else {}),
+            **({} if cfg.model is None else {"model": cfg.model,
+                                             "weights": engine.weights_id}),
+        },
+        [spec.image_path, spec.mask_path, *model_files],
+        salt=BUILDER_VERSION,
+    )
+
+
+def _build_template(cfg: BuildConfig, engine: Any, tid: str, spec: Any, device: Any,
+                    content: str, out: Path, log) -> str | None:
+    """One template built and published: the template run, importance profiling, every
+    codec's pack and the catalog entry (with its device bundle); the bundle's id."""
+    from sakura.codec import ShardLayout, get_codec  # lazy: torch
+    from sakura.codec.pack import write_pack  # lazy: torch
+    from sakura.dit.templates import template_assets  # lazy: torch
+
+    if cfg.model is not None and device.strength != 1.0:
+        # the diffusers adapters edit from pure noise only (dit.adapters.engine)
+        log(f"{tid}: strength {device.strength} is the sakura MMDiT's; {cfg.model} "
+            "edits start from pure noise (strength 1)")
+        device = replace(device, strength=1.0)
+    prep = engine.prepare(device.image, device.mask, spec.prompt, spec.seed, spec.steps,
+                          spec.guidance, device.strength)
+    run = engine.template_run(prep)
+    base = 600  # the profiling requests' seeds (dit.templates.TemplateSpec.requests)
+    profiling = [engine.request(p, base + i) for i, p in enumerate(spec.profiling_prompts)]
+    engine.profile_importance(prep, run, profiling)
+    bps = min(cfg.blocks_per_shard, run.cache.blocks)
+    layout = ShardLayout(run.cache.steps, run.cache.blocks, bps)
+    block_cost = engine.block_costs()
+    cost = [float(sum(block_cost[b] for b in layout.blocks_of(i)[1]))
+            for i in range(layout.num_shards)]
+    model_info = engine.model_info()
+    quality_fn = None
+    if cfg.profile_psnr or cfg.psnr_fit:
+        from sakura.cloud.psnr_profile import OutputPSNR  # lazy: torch
+
+        quality_fn = OutputPSNR(engine, prep, run,
+                                profiling[: cfg.profile_psnr or cfg.psnr_fit], layout)
+    psnr_stats: dict[str, dict] = {}
+    # an engine may fill in its default steps / guidance
+    device = replace(device, steps=run.cache.steps, guidance=float(prep.template.guidance))
+    with (
+        build_workdir(out) as tmp,
+        CatalogTransaction(out) as txn,
+    ):
+        rope = engine.rope_option(prep)
+        for name in cfg.codecs:
+            options = dict(cfg.codec_options.get(name, {}))
+            if name in LOWRANK_CODECS and rope is not None:
+                # keys are factorised in the pre-RoPE frame (codec/README.md)
+                options.setdefault("rope", rope)
+            codec = get_codec(name, **options)
+            work = Path(tmp) / name
+            manifest = write_pack(
+                work,
+                tid,
+                run.cache,
+                codec,
+                blocks_per_shard=bps,
+                model=model_info,
+                compute_cost=cost,
+                quality_fn=_quality_fn(cfg, quality_fn, codec, layout, run.cache, content,
+                                       psnr_stats),
+                local_psnr_db=quality_fn.local_psnr_db if quality_fn else None,
+            )
+            txn.publish(tid, name, manifest.to_dict(), work / manifest.pack_file)
+        txn.set_metadata(
+            tid,
+            workload=spec.workload,
+            resolution=spec.resolution,
+            mask_ratio=spec.meta.get("mask_ratio"),
+            token_mask_ratio=prep.token_mask_ratio,
+            content_hash=content,
+            fp16_bytes=run.cache.fp16_bytes(),
+            template=template_assets(spec, device),
+            **({"psnr_profile": psnr_stats} if psnr_stats else {}),
+            # None: packs rebuilt without one drop a bundle made for the old ones
+            bundle=(_bundle(cfg, engine, device, Path(tmp), out, log, tid)
+                    if cfg.bundle_exporter else None),
+        )
+        bundle_id = (txn.entries[tid].get("bundle") or {}).get("id")
+    return bundle_id
 
 
 def has_bundle(out: Path, template_id: str) -> bool:
