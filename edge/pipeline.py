@@ -48,7 +48,9 @@ any moment. A watchdog on the network loop (waking at least every ``WATCH_CAP_S`
 **The local fallback** (``local_step_s``, the native ``run_edit``'s rule): execution waits
 for a step's first shard at most one local step (none while the previous step was computed
 locally), and for its other shards what is left of one local step after the step's earlier
-shards' waits (a step's shards share one local step of waiting), or less on outage evidence
+shards' waits (a step's shards share one local step of waiting; the edit's first shard's wait
+is its start-up and not counted), or less on outage evidence, or not at all when the rate
+estimate says the shard's smallest verifiable prefix cannot arrive within the wait
 (requests are out and no byte has arrived for that bound and 3 request latencies). Past
 that, :meth:`Pipeline.get` raises :class:`~dit.cache.StepLate`: the DiT loop computes that
 step with every token, as ``local`` does, the step's shards say ``local`` and are never
@@ -803,9 +805,10 @@ class Pipeline:
         if first:
             return self.local_step_s
         # a step's shards share one local step of waiting (issue 28: a two-group step once
-        # waited two, 0.28 s stalled on the tail bench's slowest start)
+        # waited two, 0.28 s stalled on the tail bench's slowest start); the edit's first
+        # shard's wait is its start-up (connection, request latency, allowance), not counted
         step = self.shard_blocks[j][0]
-        waited = sum(self.records[i].stall_s for i in range(j)
+        waited = sum(self.records[i].stall_s for i in range(1, j)
                      if self.shard_blocks[i][0] == step)
         return max(0.0, self.local_step_s - waited)
 
@@ -837,6 +840,23 @@ class Pipeline:
         last = max([self._last_byte, self._busy_since]
                    + [e.transfer.last_progress for e in entries if e.transfer.received > 0])
         return time.monotonic() - last >= max(bound, 3.0 * self.monitor.latency_s())
+
+    def _cannot_arrive(self, j: int, until: float) -> bool:
+        """The rate estimate says shard ``j``'s smallest verifiable prefix (its smallest
+        fallback, else the configuration requested) cannot be in before ``until``: its
+        transfer is out, none is in a retry backoff, and the bytes it still needs take longer
+        than what is left of the wait at the estimate (the native ``StreamFeed::
+        predict_late``). A shard not yet requested is not judged (its size is not chosen)."""
+        entry = self._inflight.get(j)
+        rate = self.monitor.estimate_bps()
+        if entry is None or not rate or rate <= 0 or entry.transfer.backing_off():
+            return False
+        t = entry.transfer
+        smallest = t.fallbacks[-1][1] if t.fallbacks else t.nbytes
+        if smallest <= 0:
+            return False
+        need = max(0, smallest - len(t.buf))
+        return self.clock() + need * 8.0 / rate > until
 
     def _backing_off(self) -> bool:
         return any(e.transfer.backing_off() for e in list(self._inflight.values()))
@@ -897,6 +917,9 @@ class Pipeline:
                 left = now + bound - self.clock()
                 if bound > 0 and self._link_silent(bound):
                     late = outage = True
+                    break
+                if bound > 0 and self._cannot_arrive(j, self.clock() + left):
+                    late = True  # the rate says so: the step is computed now, not after
                     break
                 if left <= 0 and not self._backing_off():
                     late = True

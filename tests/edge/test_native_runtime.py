@@ -727,25 +727,26 @@ def test_a_hanging_extension_is_cut_at_the_deadline_and_the_shard_runs_on_what_i
     assert res.latency_s < 10.0
 
 
-class FirstLateThenOutage(Outage):
-    """Pack GETs: those of the first range asked (shard 0's, hedges included) are answered
-    ``delay_s`` after it was first asked, every other range hangs (step 0's first group
-    arrives late, its second never)."""
+class LateThenOutage(Outage):
+    """Pack GETs by range, in the order first asked: the first ``served`` ranges pass, the
+    next is answered ``delay_s`` after it was first asked (hedges included), every later
+    one hangs."""
 
-    def __init__(self, app, delay_s):
+    def __init__(self, app, served, delay_s):
         super().__init__(app)
-        self.delay_s, self.first = delay_s, None
+        self.served, self.delay_s, self.asked = served, delay_s, {}
 
     async def __call__(self, scope, receive, send):
         if (scope["type"] == "http" and scope["method"] == "GET"
                 and scope["path"].endswith(".pack")):
-            asked = dict(scope["headers"]).get(b"range", b"").split(b"-")[0]
-            if self.first is None:
-                self.first = (asked, time.monotonic() + self.delay_s)
-            if asked == self.first[0]:
+            asked = dict(scope["headers"]).get(b"range", b"")
+            self.asked.setdefault(asked, (len(self.asked), time.monotonic() + self.delay_s))
+            order, due = self.asked[asked]
+            if order <= self.served:
                 import asyncio as _asyncio
 
-                await _asyncio.sleep(max(0.0, self.first[1] - time.monotonic()))
+                if order == self.served:
+                    await _asyncio.sleep(max(0.0, due - time.monotonic()))
                 await self.app(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
@@ -753,30 +754,62 @@ class FirstLateThenOutage(Outage):
 
 @BOTH
 def test_a_steps_shards_share_one_local_step_of_waiting(world, runtime, native_runtime, which):
-    """Step 0's first shard arrives 0.6 local steps late, its second never: the second is
+    """Step 1's first shard arrives 0.6 local steps late, its second never: the second is
     waited for only what is left of the one local step (the step waits one local step in
     all, not one per block group), then the step is computed on the device. (The bound is
-    set to 1 s so that it, not a loaded machine's timing, decides.)"""
+    set to 1 s so that it, not a loaded machine's timing, decides; one request at a time and
+    no refinement, so the ranges come in shard order.)"""
     req = runtime.request(PROMPT, SEED)
     rt = native_runtime if which == "native" else runtime
-    opts = EditOptions(initial_rate_bps=50e6, stale_max_age=0, max_inflight=1, max_ahead=1)
+    opts = EditOptions(initial_rate_bps=50e6, stale_max_age=0, max_inflight=1, max_ahead=1,
+                       refine=False)
     with serve(world) as server:  # the layout's profile, with its measured local step
         rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
     saved = {k: p.local_step_s for k, p in rt.profiles.items()}
     try:
         for p in rt.profiles.values():
             p.local_step_s = 1.0
-        app = FirstLateThenOutage(create_app(LocalStorage(world.catalog_dir)), 0.6)
+        app = LateThenOutage(create_app(LocalStorage(world.catalog_dir)), 2, 0.6)
         with Server(app) as server:
             res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                           options=opts)
     finally:
         for k, v in saved.items():
             rt.profiles[k].local_step_s = v
-    step0 = [r for r in res.timeline if r["step"] == 0]
-    assert len(step0) == 2 and all(r["local"] for r in step0), res.timeline
-    assert step0[0]["bytes"] > 0 and step0[1]["bytes"] == 0
-    assert step0[0]["stall_s"] >= 0.5, res.timeline  # the first group did wait
+    step1 = [r for r in res.timeline if r["step"] == 1]
+    assert not any(r["local"] for r in res.timeline if r["step"] == 0), res.timeline
+    assert len(step1) == 2 and all(r["local"] for r in step1), res.timeline
+    assert step1[0]["bytes"] > 0 and step1[1]["bytes"] == 0
+    assert step1[0]["stall_s"] >= 0.5, res.timeline  # the first group did wait
     # one local step in all (1.6 s when each group waited one)
-    assert sum(r["stall_s"] for r in step0) <= 1.0 + 0.1, res.timeline
-    assert res.local_fallbacks == world.template.steps
+    assert sum(r["stall_s"] for r in step1) <= 1.0 + 0.1, res.timeline
+    assert res.local_fallbacks == world.template.steps - 1
+
+
+@BOTH
+def test_a_step_whose_shard_cannot_arrive_at_the_rate_goes_local_at_once(
+        world, runtime, native_runtime, which):
+    """The rate estimate says the shard's smallest verifiable prefix cannot be in within the
+    wait (a link delivering 20 bytes/s, and an estimate of that rate): the step is computed
+    on the device at once instead of after the wait's bound (1 s here; the same link with a
+    50 Mbit/s estimate waits the whole bound, the test above). The image is ``local``'s."""
+    req = runtime.request(PROMPT, SEED)
+    rt = native_runtime if which == "native" else runtime
+    local = rt.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
+    opts = EditOptions(initial_rate_bps=50e6, stale_max_age=0)
+    with serve(world) as server:  # the layout's profile, with its measured local step
+        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
+    saved = {k: p.local_step_s for k, p in rt.profiles.items()}
+    try:
+        for p in rt.profiles.values():
+            p.local_step_s = 1.0
+        with Server(Trickle(create_app(LocalStorage(world.catalog_dir)), 0.05)) as server:
+            slow = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                           options=replace(opts, initial_rate_bps=160.0))
+    finally:
+        for k, v in saved.items():
+            rt.profiles[k].local_step_s = v
+    assert slow.local_fallbacks == world.template.steps
+    assert (slow.image - local.image).abs().max().item() <= TOL
+    assert slow.timeline[0]["stall_s"] < 0.5, slow.timeline  # not the whole 1 s bound
+    assert not any(r["outage"] for r in slow.timeline)  # bytes were arriving

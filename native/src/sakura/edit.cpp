@@ -451,6 +451,26 @@ void StreamFeed::enforce_deadline(double* wait_s) {
   *wait_s = std::min(*wait_s, std::max(1e-3, grace));
 }
 
+void StreamFeed::predict_late() {
+  int w;
+  double until;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    w = waiting_;
+    until = waiting_until_;
+  }
+  if (w < 0 || !std::isfinite(until)) return;
+  const double estimate = monitor_->estimate_bps();
+  if (std::isnan(estimate) || estimate <= 0) return;
+  const std::int64_t need = http_.needed_bytes(w);  // (-1: not out, or in a backoff)
+  if (need < 0 || now_s() + static_cast<double>(need) * 8.0 / estimate <= until) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (waiting_ == w) {
+    predicted_late_ = true;
+    cv_.notify_all();
+  }
+}
+
 void StreamFeed::receive_loop() {
   const int n = static_cast<int>(records_.size());
   int next = 0;
@@ -494,6 +514,7 @@ void StreamFeed::receive_loop() {
     if (!slot_free && try_refine()) continue;  // the link is idle, no shard may go yet
     if (next == n && http_.active() == 0) return;
     enforce_deadline(&wait);
+    predict_late();
     {
       const double estimate = monitor_->estimate_bps();
       http_.restart_stalled(monitor_->latency_s(), std::isnan(estimate) ? 0.0 : estimate,
@@ -630,13 +651,20 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
       waiting_ = j;
       waiting_since_ = now_s();
       waiting_hedged_ = false;
+      waiting_until_ = timeout_s > 0 ? until : std::numeric_limits<double>::infinity();
+      predicted_late_ = false;
       http_.wakeup();
     }
+    // the rate estimate says not even the smallest prefix can arrive within the wait: the
+    // step is computed now, not after the wait (Pipeline._cannot_arrive)
+    if (predicted_late_) break;
     const double sleep = std::min(left, quiet_until - now_s());
     cv_.wait_for(lock, std::chrono::duration<double>(std::clamp(sleep, 0.001, 0.1)));
   }
   if (error_) std::rethrow_exception(error_);
   waiting_ = -1;
+  waiting_until_ = std::numeric_limits<double>::infinity();
+  predicted_late_ = false;
   records_[j].stall_s += now_s() - now;  // waited either way
   return ready_.count(j) > 0;
 }
@@ -842,6 +870,7 @@ class StepRunner {
             bool stale = false) {
     const auto begin = std::chrono::steady_clock::now();
     double waited = 0;  // in the feed (its waits are not the step's compute)
+    double shared = 0;  // of those, what the step's later groups' waits are bounded by
     if (!in_.pinned.empty()) {
       const float t = in_.t[s];
       for (auto tok : in_.pinned) {
@@ -868,13 +897,17 @@ class StepRunner {
         } else {
           const auto w0 = std::chrono::steady_clock::now();
           // the first group waits wait_s; the others what is left of one local step after
-          // the step's earlier waits (a step's shards share one local step of waiting)
-          const double bound = g == 0 ? wait_s : std::max(0.0, local_s - waited);
+          // the step's earlier waits (a step's shards share one local step of waiting; the
+          // edit's first shard's wait is its start-up, not counted)
+          const double bound = g == 0 ? wait_s : std::max(0.0, local_s - shared);
           if (wait_s >= 0 && !feed_->ready_within(shard, bound)) {
             return false;
           }
           kv = feed_->acquire(shard);
-          waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+          const double w =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+          waited += w;
+          if (s > 0 || g > 0) shared += w;
           if (keep_) {  // acquire's matrices live until the next acquire: keep a copy
             if (kept_.empty()) {
               kept_.resize(groups_);

@@ -177,6 +177,7 @@ class StreamFeed final : public ShardFeed {
   void issue(int j);
   bool try_refine();  // (receive thread) one refinement request, if one is worth it
   void enforce_deadline(double* wait_s);
+  void predict_late();  // (receive thread) the waited-for shard cannot arrive in its wait
   void complete(FetchDone&& done);
   void end_current(int next, double now);  // stamps the end of the shard executing (if any)
   std::vector<float> decode(int j, int config, const std::vector<std::uint8_t>& data);
@@ -195,6 +196,10 @@ class StreamFeed final : public ShardFeed {
   int waiting_ = -1;            // the shard execution waits for (-1: none)
   double waiting_since_ = 0;    // ... since
   bool waiting_hedged_ = false;
+  // the end of the wait's bound (infinite: none), and whether the rate estimate says the
+  // shard's smallest verifiable prefix cannot be in before it (predict_late)
+  double waiting_until_ = std::numeric_limits<double>::infinity();
+  bool predicted_late_ = false;
   std::vector<int> skipped_;    // shards computed locally whose transfers are to be dropped
   std::atomic<bool> origin_failing_{false};  // (receive thread) HttpReceiver::failing()
   // (receive thread) HttpReceiver::quiet_since_s(): since when the link has carried no

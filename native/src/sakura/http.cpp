@@ -787,6 +787,17 @@ std::int64_t HttpReceiver::outstanding_bytes() const {
   return n;
 }
 
+std::int64_t HttpReceiver::needed_bytes(int shard) const {
+  for (const auto& t : impl_->transfers) {
+    if (t.req.shard != shard) continue;
+    if (t.easy == nullptr) return -1;  // between attempts: not judged
+    const std::int64_t smallest =
+        t.req.fallbacks.empty() ? t.req.length : t.req.fallbacks.back().second;
+    return std::max<std::int64_t>(0, smallest - static_cast<std::int64_t>(t.buf.size()));
+  }
+  return -1;
+}
+
 std::vector<RequestLogEntry> HttpReceiver::take_log() {
   std::lock_guard<std::mutex> lock(impl_->log_mu);
   std::vector<RequestLogEntry> out;

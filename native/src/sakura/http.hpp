@@ -160,6 +160,9 @@ class HttpReceiver {
   // no progress since: the origin is unreachable, not slow.
   bool failing() const;
   std::int64_t outstanding_bytes() const; // bytes the active transfers still expect
+  // bytes the shard's transfer still needs before its smallest fallback (else the whole
+  // configuration) is in; -1 with no transfer for it or between attempts (a backoff)
+  std::int64_t needed_bytes(int shard) const;
   std::vector<RequestLogEntry> take_log();
 
  private:
