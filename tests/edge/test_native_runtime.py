@@ -8,6 +8,7 @@ dropped connection, an origin that keeps failing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -392,6 +393,23 @@ class Outage:
 BOTH = pytest.mark.parametrize("which", ["native", "python"])
 
 
+@contextlib.contextmanager
+def local_step_bound(world, rt, req, opts, seconds=1.0):
+    """The runtime's measured local step (one edit against a plain server takes it) set to
+    ``seconds`` for the block, so that the wait's bound, not a loaded machine's timing,
+    decides; restored after."""
+    with serve(world) as server:
+        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
+    saved = {k: p.local_step_s for k, p in rt.profiles.items()}
+    try:
+        for p in rt.profiles.values():
+            p.local_step_s = seconds
+        yield
+    finally:
+        for k, v in saved.items():
+            rt.profiles[k].local_step_s = v
+
+
 @BOTH
 def test_an_outage_from_the_start_computes_every_step_locally_as_local_does(
         world, runtime, native_runtime, which):
@@ -519,21 +537,13 @@ def test_a_silent_link_ends_the_wait_before_a_local_step_a_slow_one_does_not(
     rt = native_runtime if which == "native" else runtime
     local = rt.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
     opts = EditOptions(initial_rate_bps=50e6, stale_max_age=0)
-    with serve(world) as server:  # the layout's profile, with its measured local step
-        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
-    saved = {k: p.local_step_s for k, p in rt.profiles.items()}
-    try:
-        for p in rt.profiles.values():
-            p.local_step_s = 1.0
+    with local_step_bound(world, rt, req, opts):
         with Server(OutageAfter(create_app(LocalStorage(world.catalog_dir)), 2)) as server:
             silent = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                              options=opts)
         with Server(Trickle(create_app(LocalStorage(world.catalog_dir)), 0.05)) as server:
             slow = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                            options=opts)
-    finally:
-        for k, v in saved.items():
-            rt.profiles[k].local_step_s = v
     waited = [r for r in silent.timeline if r["local"]]
     assert waited and waited[0]["outage"] and silent.outage_fallbacks == 1
     # counted from the link's last byte: never before it was quiet for the whole bound,
@@ -763,19 +773,11 @@ def test_a_steps_shards_share_one_local_step_of_waiting(world, runtime, native_r
     rt = native_runtime if which == "native" else runtime
     opts = EditOptions(initial_rate_bps=50e6, stale_max_age=0, max_inflight=1, max_ahead=1,
                        refine=False)
-    with serve(world) as server:  # the layout's profile, with its measured local step
-        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
-    saved = {k: p.local_step_s for k, p in rt.profiles.items()}
-    try:
-        for p in rt.profiles.values():
-            p.local_step_s = 1.0
+    with local_step_bound(world, rt, req, opts):
         app = LateThenOutage(create_app(LocalStorage(world.catalog_dir)), 2, 0.6)
         with Server(app) as server:
             res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                           options=opts)
-    finally:
-        for k, v in saved.items():
-            rt.profiles[k].local_step_s = v
     step1 = [r for r in res.timeline if r["step"] == 1]
     assert not any(r["local"] for r in res.timeline if r["step"] == 0), res.timeline
     assert len(step1) == 2 and all(r["local"] for r in step1), res.timeline
@@ -797,18 +799,10 @@ def test_a_step_whose_shard_cannot_arrive_at_the_rate_goes_local_at_once(
     rt = native_runtime if which == "native" else runtime
     local = rt.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
     opts = EditOptions(initial_rate_bps=50e6, stale_max_age=0)
-    with serve(world) as server:  # the layout's profile, with its measured local step
-        rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura", options=opts)
-    saved = {k: p.local_step_s for k, p in rt.profiles.items()}
-    try:
-        for p in rt.profiles.values():
-            p.local_step_s = 1.0
+    with local_step_bound(world, rt, req, opts):
         with Server(Trickle(create_app(LocalStorage(world.catalog_dir)), 0.05)) as server:
             slow = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                            options=replace(opts, initial_rate_bps=160.0))
-    finally:
-        for k, v in saved.items():
-            rt.profiles[k].local_step_s = v
     assert slow.local_fallbacks == world.template.steps
     assert (slow.image - local.image).abs().max().item() <= TOL
     assert slow.timeline[0]["stall_s"] < 0.5, slow.timeline  # not the whole 1 s bound
