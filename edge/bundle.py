@@ -52,7 +52,7 @@ from sakura.edge.native_runtime import (
     NativeEngine,
     exporter_version,
 )
-from sakura.edge.pipeline import NetLoop
+from sakura.edge.netloop import NetLoop
 
 from sakura.atomic import publish_folder
 from sakura.cachedir import cache_dir

@@ -59,6 +59,7 @@ from sakura.edge import RUNTIMES
 from sakura.edge.backends.base import ArtifactCache, ArtifactKey, default_cache_dir
 from sakura.edge.backends.shard import ShardBounds, ShardGeometry, ShardModule, example_inputs
 from sakura.edge.backends.step import StepIn, StepOut, step_dynamic_shapes, step_examples
+from sakura.edge.deadlines import local_wait_s
 from sakura.edge.errors import (
     EdgeError,
     IntegrityError,
@@ -68,7 +69,6 @@ from sakura.edge.errors import (
     VersionGone,
 )
 from sakura.edge.native_status import native_module
-from sakura.edge.pipeline import local_wait_s
 
 # Bump when the graphs' computation or their input/output contract changes (cache key).
 GRAPHS_FORMAT = 1
@@ -407,7 +407,7 @@ class NativeEngine:
                     stale_max_age: int = STALE_MAX_AGE) -> dict[str, Any]:
         """The local fallback's part of ``run_stream``: the full graphs (compiled the first
         time, as ``local``'s), their inputs, the masked tokens' rows and ``step_s``, the
-        wait bound of one local step (:func:`~edge.pipeline.local_wait_s`), and the oldest
+        wait bound of one local step (:func:`~edge.deadlines.local_wait_s`), and the oldest
         K/V a late step may reuse before one is computed locally (``dit.stale``)."""
         full_geo = self.geometry(template, geo, req, full=True)
         graphs = self.graphs(full_geo, step_groups(self.model.cfg.num_blocks,

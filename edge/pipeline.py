@@ -23,43 +23,15 @@ Three stages run concurrently:
   allotted windows that assumed a later start and may stall, but each still starts no
   later than predicted, so starting early never ends the edit later than waiting would.
 
-Deadlines, not waits (the rules of the native ``StreamFeed``, ``native/src/sakura/edit.cpp``,
-with the same constants). Every configuration of a shard is a prefix of one byte stream, so
-each request carries its **fallbacks**: the allocator's ``fallbacks(j)`` whose bodies are
-the first units of the chosen one (``fallbacks(shard, config)``, e.g.
-:func:`~edge.client.prefix_fallbacks`), longest first. The client verifies units as they
-arrive into the request's :class:`~edge.client.Transfer`, so the verified prefix is known at
-any moment. A watchdog on the network loop (waking at least every ``WATCH_CAP_S``) enforces:
+The deadline rules (truncation at the deadline, hedges, the stall watchdog, damage) are
+:mod:`edge.deadlines`; the pipeline's watchdog applies them here. Two mechanisms are parts
+of :class:`Pipeline` in modules of their own: :mod:`edge.refinement` (a received shard
+extended to a larger configuration while the link is idle) and :mod:`edge.local_fallback`
+(a step computed on the device when its shards cannot arrive in time).
 
-* **the deadline**: once execution has waited for shard ``j`` (counted from the later of
-  the moment it began waiting and ``progress.start_not_before``) longer than its grace,
-  ``max(MIN_GRACE_S, GRACE_FRACTION x predicted execution time of j)``, the shard runs on
-  the longest verified fallback: the transfer is cancelled and the record says
-  ``truncated``, ``config`` the fallback, ``requested`` the choice, ``bytes`` the fallback's.
-  With none verified yet, a transfer without new bytes for ``max(grace, 3 x request
-  latency, STALL_FLOOR_S)`` is re-requested (its remaining range) on a fresh connection,
-  once per wait (``hedges``);
-* **the stall watchdog**: any attempt without new bytes for ``max(STALL_FLOOR_S, 3 x
-  request latency, 2 x its remaining bytes at the rate estimate)``, doubling per restart in
-  a row without new bytes, is restarted the same way;
-* **damage**: a unit that fails its checksum ends the body; the shard runs on the largest
-  fallback verified before it (``damage`` names the unit), else the client refetches it.
-
-**The local fallback** (``local_step_s``, the native ``run_edit``'s rule): execution waits
-for a step's first shard at most one local step (none while the previous step was computed
-locally), and for its other shards what is left of one local step after the step's earlier
-shards' waits (a step's shards share one local step of waiting; the edit's first shard's wait
-is its start-up and not counted), or less on outage evidence, or not at all when the rate
-estimate says the shard's smallest verifiable prefix cannot arrive within the wait
-(requests are out and no byte has arrived for that bound and 3 request latencies). Past
-that, :meth:`Pipeline.get` raises :class:`~dit.cache.StepLate`: the DiT loop computes that
-step with every token, as ``local`` does, the step's shards say ``local`` and are never
-requested (or their transfers dropped), and the next step's shards are waited for again. An
-origin in its retry backoff (a restart) is waited out, never computed around.
-
-Every shard gets a :class:`ShardRecord` (stage start/end times relative to the edit start,
-bytes, configuration, window, carry-over and rate estimate the allocator saw). A failure
-in any stage stops the others and is raised from the executing thread.
+Every shard gets a :class:`~edge.shard_records.ShardRecord` (stage start/end times relative
+to the edit start, bytes, configuration, window, carry-over and rate estimate the allocator
+saw). A failure in any stage stops the others and is raised from the executing thread.
 """
 
 from __future__ import annotations
@@ -68,236 +40,46 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
 
 import torch
 from sakura.dit.cache import StepLate
 from sakura.dit.stale import STALE_MAX_AGE
-from sakura.edge.client import Fetched, Transfer
+from sakura.edge.deadlines import (
+    GRACE_FRACTION,
+    MIN_GRACE_S,
+    STALL_FLOOR_S,
+    WATCH_CAP_S,
+    deadline_grace_s,
+    local_wait_s,
+    lookahead_wait,
+    stall_limit_s,
+)
 from sakura.edge.errors import EdgeError
+from sakura.edge.local_fallback import LocalFallback
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress, Window
+from sakura.edge.netloop import NetLoop, wait_event
+from sakura.edge.refinement import REFINE_MARGIN, PrefixRefinement
+from sakura.edge.shard_records import (
+    STALL_EPS_S,
+    InFlight,
+    PipelineStats,
+    ShardRecord,
+    ShardWait,
+    stats_of,
+)
+from sakura.edge.transfer import Fetched, Transfer
 
 from sakura.errors import SakuraError
 
-T = TypeVar("T")
-
-STALL_EPS_S = 1e-3  # waits shorter than this are scheduling noise, not stalls
-GRACE_FRACTION = 0.5   # a waited-for shard runs on its verified prefix after this share of
-MIN_GRACE_S = 0.001    # ... its predicted execution time (at least this long)
-STALL_FLOOR_S = 0.05   # the shortest silence that restarts a transfer (a hedge)
-WATCH_CAP_S = 0.05     # the watchdog looks at the transfers at least this often
-REFINE_MARGIN = 2.0    # an extension's expected time, taken this often, must end before
-                       # its shard's predicted start (prefix refinement; kRefineMargin)
-
-
-async def _wait_event(event: asyncio.Event, timeout: float | None) -> None:
-    """Until ``event`` is set or ``timeout`` seconds (None: no limit) have passed.
-
-    ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for`` can swallow
-    a cancellation that arrives as the event is set (bpo-42130), and a loop around it
-    then never ends; ``NetLoop.close`` waited 10 s for the watchdog and a CI run failed
-    (``test_a_decode_failure_reaches_the_executing_thread``)."""
-    try:
-        async with asyncio.timeout(timeout):
-            await event.wait()
-    except TimeoutError:
-        pass
-
-
-class NetLoop:
-    """An asyncio event loop in a daemon thread (the network side of the runtime)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="edge-net", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return self.submit(coro).result(timeout)
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-
-        async def _drain() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        try:
-            self.run(_drain(), timeout=10)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            if not self._thread.is_alive():
-                self.loop.close()
-
-    def __enter__(self) -> NetLoop:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@dataclass
-class ShardRecord:
-    """One shard's way through the pipeline; times in seconds since the edit started."""
-
-    shard: int
-    step: int
-    blocks: list[int]
-    config: int | None = None
-    params: dict[str, Any] = field(default_factory=dict)
-    bytes: int = 0
-    window_s: float | None = None
-    lead_s: float = 0.0  # time until the body could start: bytes still due, request latency
-    carry_s: float | None = None
-    rate_bps: float | None = None
-    deadline: float | None = None
-    recv_start: float | None = None
-    recv_first_byte: float | None = None
-    recv_end: float | None = None
-    recon_start: float | None = None
-    recon_end: float | None = None
-    exec_start: float | None = None
-    exec_end: float | None = None
-    stall_s: float = 0.0
-    attempts: int = 0
-    resumes: int = 0
-    refetches: int = 0
-    requested: int | None = None  # the configuration requested (config differs: a fallback)
-    hedges: int = 0               # re-requests on a fresh connection
-    truncated: bool = False       # executed from the prefix received by its deadline
-    damage: str | None = None     # a unit that failed its checksum (the prefix before it ran)
-    # its step was computed on the device with every token (the local fallback: no bytes
-    # used), and that began early on outage evidence
-    local: bool = False
-    outage: bool = False
-    refinements: int = 0          # extensions of its received configuration (refinement)
-    stale_from: int | None = None  # its step ran on this earlier step's K/V (stale reuse)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class _InFlight:
-    """A transfer on the wire: the configuration requested, its size and its body so far."""
-
-    shard: int
-    config: int
-    nbytes: int
-    transfer: Transfer
-    task: asyncio.Future[None] = field(default=None)  # type: ignore[assignment]
-    base: int | None = None  # an extension of this received configuration (refinement)
-
-    @property
-    def received(self) -> int:
-        return self.transfer.received
-
-
-@dataclass
-class _Wait:
-    """Execution waiting for a shard: since when, and whether it was hedged in this wait."""
-
-    shard: int
-    since: float
-    hedged: bool = False
-
-
-@dataclass
-class PipelineStats:
-    """Summary of a finished pipeline."""
-
-    stalls: int
-    stall_s: float
-    startup_s: float
-    bytes: int
-    configs: list[int | None]
-    truncations: int = 0
-    hedges: int = 0
-    damaged: list[str] = field(default_factory=list)
-    local_steps: int = 0  # steps computed on the device (the local fallback)
-    stale_steps: int = 0  # late steps run on each block's last K/V (stale reuse)
-    outage_fallbacks: int = 0  # of them, begun early on outage evidence (no byte for the wait)
-    refinements: int = 0  # received configurations extended before their shard ran
-
-
-def lookahead_wait(ahead: int, max_ahead: int, max_ahead_cap: int, until_start_s: float,
-                   horizon_s: float) -> float | None:
-    """When a shard ``ahead`` shards past the executing one may be requested: 0 (now) within
-    ``max_ahead``; beyond it, up to ``max_ahead_cap``, once its predicted execution start is
-    ``horizon_s`` away (``lookahead_rtts`` request latencies), so that with short shards
-    and long round trips the requests still go out a few round trips before they are
-    needed; None (when execution advances) otherwise. Both runtimes use this rule."""
-    if ahead <= max_ahead:
-        return 0.0
-    if ahead > max_ahead_cap or horizon_s <= 0:
-        return None
-    return max(0.0, until_start_s - horizon_s)
-
-
-def deadline_grace_s(predicted_exec_s: float) -> float:
-    """How long execution waits for a shard with a verified fallback before running on it."""
-    return max(MIN_GRACE_S, GRACE_FRACTION * predicted_exec_s)
-
-
-def stall_limit_s(remaining_bytes: int, rate_bps: float, latency_s: float,
-                  restarts: int) -> float:
-    """The silence after which the watchdog restarts an attempt: ``max(STALL_FLOOR_S, 3
-    request latencies, 2 x the remaining bytes at the rate estimate)``, doubled per restart in
-    a row without new bytes (so an origin slower to answer than the limit is still waited
-    for, never restarted forever)."""
-    limit = max(STALL_FLOOR_S, 3.0 * latency_s)
-    if rate_bps > 0:
-        limit = max(limit, 2.0 * max(0, remaining_bytes) * 8.0 / rate_bps)
-    return limit * 2.0 ** min(max(0, restarts), 10)
-
-
-def local_wait_s(measured_step_s: float | None, exec_s: list[float], steps: int,
-                 tokens: int, masked: int) -> float:
-    """The local fallback's wait bound, one local step: ``measured_step_s`` (a timed
-    ``local`` edit over its steps, as the runners take it once per layout) or, without one,
-    the cached step's time (``exec_s`` summed over the edit, per step) times the image tokens
-    a full step computes over the masked ones (that estimate errs long: on the demo's
-    template 0.20 s cached and 0.59 s local over 20 steps, 20% masked: 10 ms x 5 = 50 ms
-    against 30 ms measured); never below the stall floor (a shard under 50 ms late is not a
-    stall). Both runtimes use this rule."""
-    cached_step = sum(exec_s) / max(1, steps)
-    estimate = (measured_step_s if measured_step_s is not None
-                else cached_step * tokens / max(1, masked))
-    return max(STALL_FLOOR_S, estimate)
-
-
-def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
-    """Stalls, startup, bytes and choices of an edit from its shard records (the timeline
-    of either runtime: these records, or the native runtime's of the same fields)."""
-    stalls = [r["stall_s"] for r in records[1:] if r["stall_s"] > STALL_EPS_S]
-    return PipelineStats(
-        stalls=len(stalls), stall_s=float(sum(stalls)),
-        startup_s=records[0]["stall_s"] if records else 0.0,
-        bytes=sum(r["bytes"] for r in records),
-        configs=[r["config"] for r in records],
-        truncations=sum(1 for r in records if r.get("truncated")),
-        hedges=sum(int(r.get("hedges") or 0) for r in records),
-        damaged=[r["damage"] for r in records if r.get("damage")],
-        local_steps=len({r["step"] for r in records if r.get("local")}),
-        stale_steps=len({r["step"] for r in records if r.get("stale_from") is not None}),
-        outage_fallbacks=len({r["step"] for r in records if r.get("outage")}),
-        refinements=sum(int(r.get("refinements") or 0) for r in records))
+# what this module's importers read from it (the rules live in the modules above)
+__all__ = [
+    "GRACE_FRACTION", "MIN_GRACE_S", "REFINE_MARGIN", "STALL_EPS_S", "STALL_FLOOR_S",
+    "WATCH_CAP_S", "NetLoop", "Pipeline", "PipelineStats", "ShardProvider", "ShardRecord",
+    "deadline_grace_s", "local_wait_s", "lookahead_wait", "stall_limit_s", "stats_of",
+]
 
 
 Fetch = Callable[[int, int, Transfer], Awaitable[Fetched]]
@@ -307,7 +89,7 @@ Decode = Callable[[int, int, bytes], list[torch.Tensor]]
 Allocate = Callable[[int, Window, float], int]
 
 
-class Pipeline:
+class Pipeline(PrefixRefinement, LocalFallback):
     """Streams the shards of one edit; :attr:`provider` feeds ``dit.editing.cached_edit``.
 
     ``shard_blocks[j] = (step, [blocks])`` in execution order; ``fetch(shard, config,
@@ -346,7 +128,7 @@ class Pipeline:
         self.config_bytes = config_bytes
         self.fallbacks = fallbacks
         self.max_inflight = max(1, max_inflight)
-        self._inflight: dict[int, _InFlight] = {}
+        self._inflight: dict[int, InFlight] = {}
         self.records = [ShardRecord(i, s, list(b)) for i, (s, b) in enumerate(shard_blocks)]
         self._index = {(s, b): (i, k) for i, (s, bl) in enumerate(shard_blocks)
                        for k, b in enumerate(bl)}
@@ -361,7 +143,7 @@ class Pipeline:
         self._recv_future: concurrent.futures.Future[None] | None = None
         self._slot_event: asyncio.Event | None = None
         self._watch_event: asyncio.Event | None = None
-        self._waiting: _Wait | None = None  # guarded by _cond
+        self._waiting: ShardWait | None = None  # guarded by _cond
         # the local fallback: one full-token step's time (None: off), whether the last step
         # ran locally (its next step's first shard is then not waited for)
         self.local_step_s = local_step_s
@@ -456,7 +238,7 @@ class Pipeline:
                 break
             if self._try_refine():  # the link is idle and no shard may go yet
                 wait = min(wait, 1e-3) if wait is not None else 1e-3
-            await _wait_event(self._slot_event, wait)
+            await wait_event(self._slot_event, wait)
 
     def _outstanding(self) -> int:
         return sum(max(0, f.nbytes - f.received) for f in self._inflight.values())
@@ -508,7 +290,7 @@ class Pipeline:
                 rec.requested = config
                 size = self.config_bytes(j, config) if self.config_bytes else 0
                 fallbacks = self.fallbacks(j, config) if self.fallbacks else []
-                entry = _InFlight(j, config, size, Transfer(fallbacks))
+                entry = InFlight(j, config, size, Transfer(fallbacks))
                 entry.task = asyncio.ensure_future(self._transfer(entry))
                 if not self._inflight:
                     self._busy_since = time.monotonic()
@@ -522,49 +304,7 @@ class Pipeline:
             for f in list(self._inflight.values()):
                 f.task.cancel()
 
-    def _try_refine(self) -> bool:
-        """(On the network loop.) With nothing in flight, extend the lowest received shard
-        the reconstructor has not taken, to the largest configuration of its policy whose
-        extension (its bytes at the rate estimate plus one request latency, taken
-        ``REFINE_MARGIN`` times) ends before the shard's predicted start; True if a request
-        went out (the rule of the native ``StreamFeed::try_refine``)."""
-        if (self._inflight or self.extensions is None or self.fetch_more is None
-                or self._watch_event is None):
-            return False
-        rate = self.monitor.estimate_bps() or 0.0
-        if rate <= 0:
-            return False
-        latency = self.monitor.latency_s()
-        with self._cond:
-            received = [(j, c) for j, (c, _) in sorted(self._pending.items())
-                        if j > self._executing and not self.records[j].local
-                        and not self.records[j].truncated and not self.records[j].damage]
-        for j, config in received:
-            now = self.clock()
-            slack = self.progress.deadline(j, now) - now
-            have = self.config_bytes(j, config) if self.config_bytes else 0
-            longer = self.extensions(j, config)
-            fits = [(c, n) for c, n in longer
-                    if REFINE_MARGIN * ((n - have) * 8.0 / rate + latency) <= slack]
-            if not fits:
-                continue
-            best, size = fits[-1]
-            between = sorted(((c, n - have) for c, n in longer if n < size),
-                             key=lambda f: -f[1])
-            with self._cond:
-                got = self._pending.get(j)
-                if got is None or got[0] != config:  # (taken by the reconstructor meanwhile)
-                    continue
-                self._refining[j] = self._pending.pop(j)
-            entry = _InFlight(j, best, size - have, Transfer(between), base=config)
-            entry.task = asyncio.ensure_future(self._transfer(entry))
-            self._busy_since = time.monotonic()
-            self._inflight[j] = entry
-            self._watch_event.set()
-            return True
-        return False
-
-    async def _transfer(self, entry: _InFlight) -> None:
+    async def _transfer(self, entry: InFlight) -> None:
         j = entry.shard
         try:
             if entry.base is not None:
@@ -593,7 +333,7 @@ class Pipeline:
         if self._slot_event is not None:  # the link may be idle now: a refinement may go
             self._slot_event.set()
 
-    def _complete(self, entry: _InFlight, got: Fetched, truncated: bool = False) -> None:
+    def _complete(self, entry: InFlight, got: Fetched, truncated: bool = False) -> None:
         """Shard ``entry.shard``'s bytes are in (its choice, or a fallback: ``got.config``)."""
         j = entry.shard
         config = entry.config if got.config is None else int(got.config)
@@ -621,35 +361,6 @@ class Pipeline:
             self._pending[j] = (config, got.data)
             self._cond.notify_all()
 
-    def _extended(self, entry: _InFlight, got: Fetched, config: int) -> None:
-        """An extension's bytes are in (or the part of them verified by the deadline)."""
-        j = entry.shard
-        rec = self.records[j]
-        if got.data:
-            self._last_byte = max(self._last_byte, entry.transfer.last_progress)
-        self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
-        with self._cond:
-            base = self._refining.pop(j, None)
-            if base is None or rec.local:
-                return
-            if got.data:
-                base = (config, base[1] + got.data)
-                rec.config, rec.bytes = config, len(base[1])
-                rec.recv_end = self._rel(got.end)
-                rec.refinements += 1
-                if self.describe:
-                    rec.params = dict(self.describe(j, config))
-            self._pending[j] = base
-            self._cond.notify_all()
-
-    def _unrefine(self, j: int) -> None:
-        """A late extension with nothing verified: the shard runs on what it had."""
-        with self._cond:
-            base = self._refining.pop(j, None)
-            if base is not None and not self.records[j].local:
-                self._pending[j] = base
-                self._cond.notify_all()
-
     # ------------------------------------------------------------------ deadlines
     async def _watch_loop(self) -> None:
         """The deadline of the shard execution waits for and the stall watchdog (see the
@@ -662,7 +373,7 @@ class Pipeline:
                 self.fail(exc)
                 return
             self._watch_event.clear()
-            await _wait_event(self._watch_event, wait)
+            await wait_event(self._watch_event, wait)
 
     def _watch(self) -> float:
         """One look at the transfers; returns the seconds until the next one is due."""
@@ -792,113 +503,6 @@ class Pipeline:
         else:
             self.progress.exec_ended(current, now)
 
-    def _wait_bound(self, j: int) -> float | None:
-        """How long execution waits for shard ``j`` before its step is computed locally
-        (None: no local fallback, as long as it takes)."""
-        if self.local_step_s is None:
-            return None
-        first = j == 0 or self.shard_blocks[j - 1][0] != self.shard_blocks[j][0]
-        if first and self._local_mode:
-            return 0.0
-        if first and self._stale_wait_s is not None:
-            return self._stale_wait_s
-        if first:
-            return self.local_step_s
-        # a step's shards share one local step of waiting (issue 28: a two-group step once
-        # waited two, 0.28 s stalled on the tail bench's slowest start); the edit's first
-        # shard's wait is its start-up (connection, request latency, allowance), not counted
-        step = self.shard_blocks[j][0]
-        waited = sum(self.records[i].stall_s for i in range(1, j)
-                     if self.shard_blocks[i][0] == step)
-        return max(0.0, self.local_step_s - waited)
-
-    def ran_stale(self, step: int, sources: dict[int, int], compute_s: float) -> None:
-        """(From the executing thread, after the step.) Step ``step``, which :meth:`get`
-        gave up on (``StepLate``), ran on each block's last K/V (``sources``: block -> the
-        step it came from; ``dit.stale``) in ``compute_s``: its shards that had not run say
-        ``stale_from`` instead of local, and the next step's first shard is waited for what
-        the stale step saved against a local one (the native ``run_edit``'s rule)."""
-        with self._cond:
-            for i, (s, blocks) in enumerate(self.shard_blocks):
-                if s != step:
-                    continue
-                src = min(sources.get(b, step) for b in blocks)
-                self.records[i].local = False
-                if src < step:  # (== step: that group ran on its own K/V before the wait)
-                    self.records[i].stale_from = src
-            self._local_mode = False
-            self._stale_wait_s = max(0.0, float(self.local_step_s or 0.0) - compute_s)
-
-    def _link_silent(self, bound: float) -> bool:
-        """Outage evidence: transfers are out, none in a retry backoff, and the link has
-        carried no body byte (of any transfer) for ``bound`` and 3 request latencies,
-        counted from the later of its last byte and when transfers were last out again
-        (the native ``HttpReceiver::quiet_since_s``: a hedge does not reset it)."""
-        entries = list(self._inflight.values())
-        if not entries or any(e.transfer.backing_off() for e in entries):
-            return False
-        last = max([self._last_byte, self._busy_since]
-                   + [e.transfer.last_progress for e in entries if e.transfer.received > 0])
-        return time.monotonic() - last >= max(bound, 3.0 * self.monitor.latency_s())
-
-    def _cannot_arrive(self, j: int, until: float) -> bool:
-        """The rate estimate says shard ``j``'s smallest verifiable prefix (its smallest
-        fallback, else the configuration requested) cannot be in before ``until``: its
-        transfer is out, none is in a retry backoff, and the bytes it still needs take longer
-        than what is left of the wait at the estimate (the native ``StreamFeed::
-        predict_late``). A shard not yet requested is not judged (its size is not chosen)."""
-        entry = self._inflight.get(j)
-        rate = self.monitor.estimate_bps()
-        if entry is None or not rate or rate <= 0 or entry.transfer.backing_off():
-            return False
-        t = entry.transfer
-        smallest = t.fallbacks[-1][1] if t.fallbacks else t.nbytes
-        if smallest <= 0:
-            return False
-        need = max(0, smallest - len(t.buf))
-        return self.clock() + need * 8.0 / rate > until
-
-    def _backing_off(self) -> bool:
-        return any(e.transfer.backing_off() for e in list(self._inflight.values()))
-
-    def _skip_step(self, j: int, now: float, outage: bool) -> None:
-        """Shard ``j``'s step is computed on the device from now (under ``_cond``): every
-        shard of it says local, those not yet run are never requested (transfers in flight
-        dropped); a group that already ran keeps its times."""
-        step = self.shard_blocks[j][0]
-        shards = [i for i, (s, _) in enumerate(self.shard_blocks) if s == step]
-        for i in shards:
-            rec = self.records[i]
-            rec.local = True
-            self._ready.pop(i, None)
-            self._pending.pop(i, None)
-            self._refining.pop(i, None)
-            if rec.exec_start is not None:
-                if rec.exec_end is None:
-                    rec.exec_end = self._rel(now)
-                    self.progress.exec_ended(i, now)  # it ran as a cached group
-                continue
-            self._end_current(self._executing, i, now)
-            rec.exec_start = self._rel(now)
-            self.progress.exec_started(i, now)
-            self._executing = i
-        self.records[j].outage = outage
-        self._local_mode = True
-        if self._net is not None:
-            try:
-                self._net.call(self._drop, shards)
-            except RuntimeError:  # loop closed
-                pass
-        self._cond.notify_all()
-
-    def _drop(self, shards: list[int]) -> None:
-        """(On the network loop.) Cancel the transfers of shards computed locally."""
-        for i in shards:
-            entry = self._inflight.pop(i, None)
-            if entry is not None:
-                entry.task.cancel()
-        self._wake_receiver()
-
     def _enter(self, j: int, current: int) -> list[torch.Tensor]:
         now = self.clock()
         self._end_current(current, j, now)
@@ -907,7 +511,7 @@ class Pipeline:
             if current >= 0 and current != j:
                 self._ready.pop(current, None)
             if j not in self._ready and self._error is None:
-                self._waiting = _Wait(j, now)  # the deadline rule watches this wait
+                self._waiting = ShardWait(j, now)  # the deadline rule watches this wait
                 self._wake(self._watch_event)
             late = outage = False
             while j not in self._ready and self._error is None:

@@ -31,6 +31,7 @@ from sakura.codec.pack import Manifest, decode_config
 from sakura.edge.allocator import to_native
 from sakura.edge.backends.base import weights_sha256
 from sakura.edge.bundle import DeviceBundles
+from sakura.edge.calibration import ExecProfile
 from sakura.edge.client import (
     PackClient,
     RequestRecord,
@@ -38,6 +39,7 @@ from sakura.edge.client import (
     prefix_extensions,
     prefix_fallbacks,
 )
+from sakura.edge.deadlines import local_wait_s
 from sakura.edge.errors import EdgeError, NativeUnavailable
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress
 from sakura.edge.native_runtime import (
@@ -48,13 +50,15 @@ from sakura.edge.native_runtime import (
     stream_spec,
 )
 from sakura.edge.native_status import native_module
-from sakura.edge.pipeline import NetLoop, Pipeline, local_wait_s
+from sakura.edge.netloop import NetLoop
+from sakura.edge.options import EditOptions
+from sakura.edge.pipeline import Pipeline
 
 if TYPE_CHECKING:  # (the runtime imports this module)
     from sakura.dit.adapters.engine import Prepared
     from sakura.dit.editing import Template
     from sakura.edge.native_runtime import NativeEngine
-    from sakura.edge.runtime import EdgeRuntime, EditOptions, ExecProfile
+    from sakura.edge.runtime import EdgeRuntime
 
 
 @dataclass
@@ -282,7 +286,6 @@ class NativeRunner:
         layout, before the edit's clock starts. The layout (blocks per shard) comes from
         the cached manifest, or from a manifest fetched outside the device's cache (so
         that the timed edit fetches it exactly as the Python runtime does)."""
-        from sakura.edge.runtime import ExecProfile  # lazy: cycle with sakura.edge.runtime
 
         native = self.engine(device)
         cached = device.manifests.get((template_id, codec))

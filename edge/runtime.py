@@ -34,57 +34,46 @@ decayed prior; with none at all the first shards go at their smallest configurat
 execution starts as soon as shard 0 is in.
 
 Collector pauses: an edit runs with Python's cyclic garbage collector paused
-(:func:`collector_paused`), and it is resumed as it was when the edit returns or raises.
-With the shipped model, its graphs and an origin's manifests in memory the process holds
-~470k tracked objects, and a full collection of them took 350-460 ms, once every ~8 edits
-of the demo's template (15 repeated edits, ``gc.callbacks`` timing; an edit locally is
-0.6 s): one such pause inside an edit is the tail of a whole benchmark. The youngest
-generation was collected ~36 times per edit (3-4 ms). What an edit allocates is a few
-thousand objects, reclaimed at the next collection after it; nothing here relies on a
-collection during an edit.
+(:mod:`edge.collector`, which has the measurements).
 
-Execution-time calibration: the first edit of a (template, request shape) runs two steps
-of the masked computation with a zero cache (no network) and times every block of the
-second step; a shard's predicted time is the sum over its blocks. The pipeline corrects
-the prediction online with measured shard times.
+Execution-time calibration (:mod:`edge.calibration`): the first edit of a (template, request
+shape) times every block of the masked computation, and the pipeline corrects the prediction
+online with measured shard times.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import json
-import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from sakura.codec.base import load_builtin
 from sakura.codec.pack import Manifest
-from sakura.codec.shards import ShardLayout
 from sakura.dit.adapters.engine import DefaultEngine, EditEngine, Prepared, load_engine
 from sakura.dit.editing import EditRequest, Template
 from sakura.dit.model import MMDiT
-from sakura.dit.stale import STALE_MAX_AGE
 from sakura.edge.allocator import PolicyContext, get_policy, options_from_manifest
 from sakura.edge.backends.base import BackendConfig
 from sakura.edge.backends.executor import DeviceBackend
+from sakura.edge.calibration import ExecProfile, calibrate
 from sakura.edge.client import CachedManifest, PackClient, RequestRecord, RetryPolicy
+from sakura.edge.collector import collector_paused
 from sakura.edge.errors import EdgeError, NativeUnavailable, VersionGone
 from sakura.edge.monitor import (
-    DEFAULT_STARTUP_FRACTION,
-    check_startup_fraction,
     startup_allowance_s,
 )
 from sakura.edge.native_runtime import NativeEngine, check_runtime
 from sakura.edge.netem import shaped
-from sakura.edge.pipeline import NetLoop, stats_of
-from sakura.edge.quality import psnr, received_quality, ssim
+from sakura.edge.netloop import NetLoop
+from sakura.edge.options import HTTP_VERSIONS, EditOptions, policy_options
+from sakura.edge.quality import received_quality
+from sakura.edge.result import EditResult
 from sakura.edge.runner import NativeRunner, Runner, StreamJob, make_runner
+from sakura.edge.shard_records import stats_of
 from sakura.edge.state import RateMemory
 from sakura.edge.templates import template_from_entry
 from sakura.edge.timeline import setup_phases
@@ -93,320 +82,9 @@ from sakura.traces import Trace
 from sakura.atomic import write_atomic
 from sakura.errors import SakuraError
 
-
-@dataclass
-class ExecProfile:
-    """Masked execution time of each block of one (steady-state) denoising step, and
-    (native runtime, local fallback on) one full-token step's measured time."""
-
-    block_s: list[float]
-    local_step_s: float | None = None  # a timed ``local`` edit / its steps (runner.py)
-
-    @property
-    def step_s(self) -> float:
-        return float(sum(self.block_s))
-
-    def shard_times(self, layout: ShardLayout) -> list[float]:
-        out = []
-        for shard in range(layout.num_shards):
-            _step, blocks = layout.blocks_of(shard)
-            out.append(float(sum(self.block_s[b] for b in blocks)))
-        return out
-
-
-class _StopCalibration(Exception):
-    pass
-
-
-class _TimingProvider:
-    """Zero K/V of the right shape; records when each (step, block) asks."""
-
-    def __init__(self, tokens: int, channels: int, stop_step: int) -> None:
-        self.k = torch.zeros(tokens, channels)
-        self.stop_step = stop_step
-        self.times: dict[tuple[int, int], float] = {}
-
-    def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.times[(step, block)] = time.perf_counter()
-        if step >= self.stop_step:
-            raise _StopCalibration
-        return self.k, self.k
-
-
-def calibrate(engine: EditEngine, prep: Prepared, req: Any) -> ExecProfile:
-    """Time every block of the masked computation (second step, zero cache)."""
-    geo = engine.cache_geometry(prep)
-    blocks, steps = geo["blocks"], geo["steps"]
-    measure = 1 if steps >= 2 else 0
-    stop = measure + 1
-    prov = _TimingProvider(geo["tokens"], geo["channels"], stop)
-    end: dict[str, float] = {}
-
-    def on_step(s: int) -> None:
-        end[str(s)] = time.perf_counter()
-
-    try:
-        engine.edit(prep, prov, _probe(req), on_step=on_step)
-    except _StopCalibration:
-        pass
-    t = prov.times
-    out = []
-    for b in range(blocks):
-        nxt = t.get((measure, b + 1)) if b + 1 < blocks else t.get((stop, 0),
-                                                                   end.get(str(measure)))
-        out.append(max(0.0, (nxt or t[(measure, b)]) - t[(measure, b)]))
-    return ExecProfile(out)
-
-
-def _probe(req: Any) -> Any:
-    """A request of the same shape with zero content (the default model's); others as is."""
-    if not isinstance(req, EditRequest):
-        return req
-    return EditRequest(torch.zeros_like(req.txt),
-                       None if req.txt_uncond is None else torch.zeros_like(req.txt_uncond),
-                       seed=0, ref_images=None if req.ref_images is None
-                       else torch.zeros_like(req.ref_images))
-
-
-@dataclass
-class EditResult:
-    """What one edit produced and how it went (times in seconds)."""
-
-    image: torch.Tensor
-    policy: str
-    codec: str | None
-    latency_s: float
-    bytes: int = 0
-    manifest_bytes: int = 0
-    stalls: int = 0
-    stall_s: float = 0.0
-    truncations: int = 0   # shards executed from the prefix received by their deadline
-    hedges: int = 0        # transfers re-requested on a fresh connection
-    local_fallbacks: int = 0  # steps computed on the device while no shard could arrive
-    # of the late steps (local fallbacks and stale steps), those begun at once because the
-    # link had carried no byte for one local step while requests were out (outage
-    # evidence), not after waiting one out
-    outage_fallbacks: int = 0
-    # late steps run on each block's last K/V instead (stale reuse, dit/stale.py)
-    stale_steps: int = 0
-    # received configurations extended by one more range of the pack before their shard
-    # ran (prefix refinement: the link was faster than the choice assumed)
-    refinements: int = 0
-    startup_s: float = 0.0
-    startup_allowance_s: float = 0.0
-    configs: list[int | None] = field(default_factory=list)
-    params: list[dict[str, Any]] = field(default_factory=list)
-    timeline: list[dict[str, Any]] = field(default_factory=list)
-    phases: list[dict[str, Any]] = field(default_factory=list)  # set-up (timeline.setup_phases)
-    predicted_exec_s: list[float] = field(default_factory=list)
-    exec_s: float = 0.0
-    requests: int = 0
-    psnr_db: float | None = None
-    ssim: float | None = None
-    warnings: list[str] = field(default_factory=list)
-    # what the edit received (edge.quality.received_quality): its share of the pack's
-    # full-quality bytes, the PSNR vs exact the pack's profile predicts (None: no profile),
-    # and how many shards ran below their largest configuration (link rate, deadline, or
-    # a policy that fixes the configuration)
-    full_quality_byte_fraction: float | None = None
-    psnr_estimate_db: float | None = None
-    shards_below_largest: int = 0
-    limited_by_policy: int = 0  # of those, at the most the policy chooses (not the link)
-
-    def quality_line(self) -> str | None:
-        """One line on what quality the edit got (None for ``local``, which streams
-        nothing)."""
-        if self.full_quality_byte_fraction is None:
-            return None
-        text = f"{self.full_quality_byte_fraction:.3f} of full-quality bytes"
-        est = self.psnr_estimate_db
-        local = self.local_fallbacks
-        if est is None and local and local == len({r["step"] for r in self.timeline}):
-            text += "; every step computed on the device: no estimate from the pack's profile"
-        elif est is None:
-            text += "; no PSNR profile in the pack"
-        else:
-            text += (f"; PSNR vs exact ~{'inf' if math.isinf(est) else f'{est:.1f}'} dB "
-                     "(estimated from the pack's profile"
-                     + (f", over the streamed steps: {local} computed on the device are not "
-                        "in it)" if local else ")"))
-        if self.shards_below_largest:
-            by_link = self.shards_below_largest - self.limited_by_policy
-            why = []
-            if by_link:
-                why.append(f"{by_link} by the link: sized to its rate estimate, "
-                           f"{self.truncations} of them truncated at their deadline")
-            if self.limited_by_policy:
-                why.append(f"{self.limited_by_policy} by the policy {self.policy}, at the "
-                           "most it chooses")
-            text += (f"; limited: {self.shards_below_largest} of {len(self.configs)} "
-                     f"shards below their largest configuration ({'; '.join(why)})")
-        return text
-
-    def compare(self, exact: torch.Tensor) -> EditResult:
-        self.psnr_db = psnr(self.image, exact)
-        self.ssim = ssim(self.image, exact)
-        return self
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy, "codec": self.codec, "latency_s": self.latency_s,
-            "bytes": self.bytes, "manifest_bytes": self.manifest_bytes,
-            "stalls": self.stalls, "stall_s": self.stall_s, "startup_s": self.startup_s,
-            "truncations": self.truncations, "hedges": self.hedges,
-            "local_fallbacks": self.local_fallbacks,
-            "outage_fallbacks": self.outage_fallbacks,
-            "stale_steps": self.stale_steps,
-            "refinements": self.refinements,
-            "startup_allowance_s": self.startup_allowance_s,
-            "exec_s": self.exec_s, "requests": self.requests,
-            "configs": self.configs, "params": self.params,
-            "psnr_db": _finite(self.psnr_db), "ssim": self.ssim,
-            "warnings": self.warnings, "phases": self.phases,
-            "full_quality_byte_fraction": self.full_quality_byte_fraction,
-            "psnr_estimate_db": _finite(self.psnr_estimate_db),
-            "shards_below_largest": self.shards_below_largest,
-            "limited_by_policy": self.limited_by_policy,
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.summary(), "predicted_exec_s": self.predicted_exec_s,
-                "timeline": self.timeline}
-
-
-@contextlib.contextmanager
-def collector_paused() -> Any:
-    """Python's cyclic garbage collector off for the block, then back as it was (the
-    module docstring has the pauses it avoids; reference counting still frees at once)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def _finite(x: float | None) -> float | str | None:
-    if x is not None and math.isinf(x):
-        return "inf"
-    return x
-
-
-#: the HTTP versions EditOptions.http_version takes (HTTP/2: the native runtime only)
-HTTP_VERSIONS = ("1.1", "2")
-
-
-@dataclass
-class EditOptions:
-    """Knobs of a streamed edit (defaults are the design's)."""
-
-    max_ahead: int = 4          # shards fetched ahead of execution (in flight ... ready)
-    max_ready: int = 2          # reconstructed shards held ahead of execution (memory)
-    max_inflight: int = 6       # pipelined requests (1: one request at a time)
-    # open max_inflight - 1 connections at once before the first request (a HEAD of the
-    # pack each: public) and let hedges take an idle one from that pool, so no handshake
-    # crosses a downlink queue that a body has filled (native runtime; docs/RESULTS.md)
-    warm_connections: bool = True
-    # the native runtime's HTTP: "1.1", or "2" (h2c with prior knowledge, every request a
-    # stream of one connection; nginx's `listen PORT http2;`, never `sakura serve`, which
-    # speaks HTTP/1.1 only); docs/bench/http2.json measured both (edge/README.md)
-    http_version: str = "1.1"
-    # the scheme://host:port the native runtime reads pack ranges from, the same paths as
-    # the server's (None: the server's): Debian 12's nginx 1.22 speaks h2c on a listener of
-    # its own only, while manifests still come over HTTP/1.1 from the server URL
-    pack_origin: str | None = None
-    # the local fallback (both runtimes; issue 28 item 10): a step whose first shard is not
-    # in within one local step's predicted time is computed on the device with every token,
-    # as `local` does, and so is each next step until a shard is in when its step begins
-    local_fallback: bool = True
-    # stale reuse (both runtimes; dit/stale.py): a late step runs on each block group's last
-    # K/V if it is at most this many steps old, instead of computing the step with every
-    # token (docs/bench/stale-reuse.json chose 3; 0: never)
-    stale_max_age: int = STALE_MAX_AGE
-    # prefix refinement (both runtimes; issue 28 item 5): while the link is idle and no
-    # shard may be requested yet, a received shard whose execution is at least twice the
-    # extension's expected time away is extended to a larger configuration of its policy by
-    # one more single-range GET of the same pack (its bytes are a prefix of that one's)
-    refine: bool = True
-    # beyond max_ahead, up to max_ahead_cap shards, a shard is requested once its predicted
-    # execution start is lookahead_rtts request latencies away: with the native runtime a
-    # shard executes in ~10 ms, less than one 5G round trip, so 4 shards ahead left no time
-    # to transfer anything but the smallest configurations (edge/README.md, "Pipeline");
-    # a max_ahead above max_ahead_cap wins
-    lookahead_rtts: float = 3.0
-    max_ahead_cap: int = 16
-    # where the native runtime decodes sakura/svd shards: "cpu" (SIMD kernels) or "opencl"
-    # ("opencl:NAME" picks a device by name; pocl on this machine, an Adreno on a phone)
-    reconstruct: str = "cpu"
-    # CPUs of the native runtime's receive and reconstruct threads (None: the caller's).
-    # On a phone they are the modem's DMA and the GPU, never the execution unit; on a host
-    # with few cores, giving them other cores than execution's keeps receiving and decoding
-    # from slowing execution (the benches give them the server and link's core)
-    pipeline_cpus: tuple[int, ...] | None = None
-    safety: float = 0.8         # fraction of rate x window the allocator may use
-    rate_window: int = 5        # shards in the harmonic-mean rate estimate
-    budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
-    initial_rate_bps: float | None = None  # rate prior (None: the device's last estimate)
-    cache_manifests: bool = True  # keep manifests on the device, revalidate by ETag
-    # the origin the rate memory keys this edit by (None: the server URL); an emulated link
-    # in front of a server passes the server's, as the emulator's port changes every run
-    rate_origin: str | None = None
-    # feed this edit's transfers to the rate memory (False: a reference computation over
-    # another path, e.g. --compare-exact's fp16 edit straight from the server)
-    remember_rate: bool = True
-    pack: str | None = None     # stream this codec's pack instead of the policy's default
-    policy_options: dict[str, Any] = field(default_factory=dict)
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    # told, a line per retry, what the edit's client waits for (PackClient.on_wait; the
-    # native receive stage says the same words: HttpOptions::on_wait)
-    on_wait: Callable[[str], None] | None = None
-    # execution may start this fraction of the predicted execution time after the manifest
-    # is in, so the first shards fit better configurations (0: start as soon as possible)
-    startup_fraction: float = DEFAULT_STARTUP_FRACTION
-    # a deadline for the whole edit (s from its start; None: none): execution may then start
-    # as late as deadline - predicted execution, which replaces the startup allowance (how
-    # the replay gives sakura a latency target for its iso-latency/iso-quality views)
-    deadline_s: float | None = None
-
-    def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> EditOptions:
-        """Raise :class:`EdgeError` for an unusable value (also checked at each edit, as
-        the fields may be changed after construction)."""
-        try:
-            check_startup_fraction(self.startup_fraction)
-        except ValueError as exc:
-            raise EdgeError(str(exc)) from None
-        if self.deadline_s is not None and not (math.isfinite(self.deadline_s)
-                                                and self.deadline_s > 0):
-            raise EdgeError(f"deadline_s must be a time > 0 s, got {self.deadline_s!r}")
-        if not (math.isfinite(self.lookahead_rtts) and self.lookahead_rtts >= 0):
-            raise EdgeError(f"lookahead_rtts must be >= 0, got {self.lookahead_rtts!r}")
-        if min(self.max_ahead, self.max_ready, self.max_inflight) < 1:
-            raise EdgeError("max_ahead, max_ready and max_inflight must be >= 1")
-        if self.http_version not in HTTP_VERSIONS:
-            raise EdgeError(f"http_version must be one of {', '.join(HTTP_VERSIONS)}, got "
-                            f"{self.http_version!r}")
-        if self.reconstruct != "cpu" and not self.reconstruct.startswith("opencl"):
-            raise EdgeError(f"reconstruct must be cpu or opencl[:device], got "
-                            f"{self.reconstruct!r}")
-        if self.pipeline_cpus is not None:
-            cpus = tuple(self.pipeline_cpus)
-            if not cpus or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
-                                   for c in cpus):
-                raise EdgeError(f"pipeline_cpus must be CPU numbers >= 0, got "
-                                f"{self.pipeline_cpus!r}")
-        return self
-
-
-def policy_options(opts: EditOptions, manifest: dict[str, Any]) -> dict[str, Any]:
-    """The allocator's options: the caller's, and the pack's ``local_psnr_db`` (a local
-    edit's PSNR against exact, measured when the pack was built) for the quality floor."""
-    local = manifest.get("local_psnr_db")
-    return {**({} if local is None else {"local_psnr_db": float(local)}),
-            **opts.policy_options}
+# what this module's importers read from it (each defined in the module named above)
+__all__ = ["HTTP_VERSIONS", "EdgeRuntime", "EditOptions", "EditResult", "ExecProfile",
+           "calibrate", "collector_paused", "policy_options", "run_edit"]
 
 
 class EdgeRuntime:
@@ -687,7 +365,8 @@ class EdgeRuntime:
             manifest_dict, raw_len = got.data, got.size
             derived = self._derived_of(template_id, codec, got.etag)
             manifest = self._derived_manifest(derived, manifest_dict, prep)
-            warning = self.model_warning(manifest_dict)
+            warnings = [w for w in (self.model_warning(manifest_dict),
+                                    get_policy(policy).missing(manifest_dict)) if w]
             layout = manifest.layout()
             exec_s = profile.shard_times(layout)
             given = opts.initial_rate_bps is not None
@@ -740,7 +419,7 @@ class EdgeRuntime:
         finally:
             net.run(client.close(), timeout=10)
         result = self._result(image, policy, codec, latency, raw_len, allowance,
-                              timeline, exec_s, log, warning)
+                              timeline, exec_s, log, warnings)
         got_q = received_quality(manifest_dict, timeline, allocator.ceiling)
         result.full_quality_byte_fraction = got_q["full_quality_byte_fraction"]
         result.psnr_estimate_db = got_q["psnr_estimate_db"]
@@ -753,11 +432,11 @@ class EdgeRuntime:
     @staticmethod
     def _result(image: torch.Tensor, policy: str, codec: str, latency: float, raw_len: int,
                 allowance: float, timeline: list[dict[str, Any]], exec_s: list[float],
-                log: list[RequestRecord], warning: str | None) -> EditResult:
+                log: list[RequestRecord], warnings: list[str]) -> EditResult:
         """The EditResult of a streamed edit from its per-shard records (either runtime)."""
         stats = stats_of(timeline)
         exec_total = sum((r["exec_end"] or 0) - (r["exec_start"] or 0) for r in timeline)
-        warnings = [warning] if warning else []
+        warnings = list(warnings)
         for r in timeline:  # the failure contract: the edit finished, say what was damaged
             if r.get("damage"):
                 warnings.append(f"damaged data from the origin: {r['damage']}; shard "

@@ -1,8 +1,8 @@
-"""Deadlines, not waits, in the Python runtime (the rules of edge/pipeline.py, which follow
-the native StreamFeed): a waited-for shard runs on its longest verified prefix after its
-grace (truncation), a silent transfer is re-requested on a fresh connection (a hedge), the
-stall watchdog restarts any silent attempt, and a damaged unit inside a prefix runs the
-shard on what verified before it.
+"""Deadlines, not waits, in the Python runtime (the rules of edge/deadlines.py, applied by
+edge/pipeline.py, which follow the native StreamFeed): a waited-for shard runs on its
+longest verified prefix after its grace (truncation), a silent transfer is re-requested
+on a fresh connection (a hedge), the stall watchdog restarts any silent attempt, and a
+damaged unit inside a prefix runs the shard on what verified before it.
 
 First the rules with scripted transfers (no network, no model), then the same faults as
 tests/edge/test_native_runtime.py against a real local server: headers then silence, 60%

@@ -257,15 +257,15 @@ def test_requests_run_ahead_of_max_ahead_when_shards_are_shorter_than_a_round_tr
 
 
 def test_a_wait_loop_ends_on_a_cancel_that_arrives_as_its_event_is_set():
-    # the watchdog's and the receive loop's wait (edge.pipeline._wait_event): Python 3.11's
+    # the watchdog's and the receive loop's wait (edge.netloop.wait_event): Python 3.11's
     # asyncio.wait_for dropped this cancellation (bpo-42130), the loop went on, and
     # NetLoop.close waited 10 s for it in a CI run
-    from sakura.edge.pipeline import _wait_event
+    from sakura.edge.netloop import wait_event
 
     async def loop_on(event):
         while True:
             event.clear()
-            await _wait_event(event, 5.0)
+            await wait_event(event, 5.0)
 
     async def main():
         event = asyncio.Event()

@@ -2,7 +2,7 @@
 
 The native binding's record, the class ``sakura_native.ShardRecord``
 (native/src/python/bind_edit.cpp: one table makes its properties, ``to_dict()`` and
-``field_types``), has the fields of the Python :class:`~edge.pipeline.ShardRecord`, in the
+``field_types``), has the fields of the Python :class:`~edge.shard_records.ShardRecord`, in the
 same order, each declared with the same type; the one field only one side has is listed in
 :data:`PYTHON_ONLY` with the reason. A real edit in each runtime then writes timeline
 records with exactly the dataclass's fields, each value of the field's declared type, so a
