@@ -340,6 +340,19 @@ class Policy:
     # runtime's local fallback): SAKURA's policies, and CacheGen, whose paper falls back to
     # recomputation; the plain streaming baselines (fp16, intq) wait for their bytes
     local_fallback: bool = True
+    # manifest fields the policy plans with; without one it plans as its base (``sakura``),
+    # and the edit says so (:meth:`missing`)
+    needs: tuple[str, ...] = ()
+
+    def missing(self, manifest: Mapping[str, Any]) -> str | None:
+        """A warning when the pack lacks a field this policy plans with (a pack built before
+        the field existed), else None."""
+        absent = [f for f in self.needs if manifest.get(f) is None]
+        if not absent:
+            return None
+        return (f"the {manifest.get('codec')} pack has no {', '.join(absent)} (built before "
+                f"it was measured): {self.name} plans as sakura; rebuild the packs with "
+                "`sakura build` to use it")
 
 
 def _lookahead(ctx: PolicyContext, tables: list[ShardOptions], default: bool
@@ -440,7 +453,8 @@ POLICIES: dict[str, Policy] = {
         Policy("sakura-optimistic", "sakura", _optimistic,
                "variant: the plan over a budget 1.25x the estimated fit"),
         Policy("sakura-floor", "sakura", _floored,
-               "variant: no configuration below its share of a local edit's error"),
+               "variant: no configuration below its share of a local edit's error",
+               needs=("local_psnr_db",)),
     )
 }
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from sakura.edge.allocator import (
+    POLICIES,
     AdaptiveAllocator,
     ConfigOption,
     PolicyContext,
@@ -188,6 +189,16 @@ def test_the_quality_floor_is_a_local_edits_error_shared_over_the_shards(impl):
     plain = get_policy("sakura-floor").build(PolicyContext(
         tables=tables, exec_s=[0.01, 0.01], safety=1.0, options={"lookahead": False}))
     assert plain.choose(0, 1e-6, 8e6) == 0      # no local_psnr_db: no floor
+
+
+def test_a_policy_says_when_its_pack_lacks_what_it_plans_with():
+    """A pack built before ``local_psnr_db`` existed plans ``sakura-floor`` as sakura, and
+    the edit's warning line says so (instead of a floor that silently is not there)."""
+    old_pack = {"codec": "sakura"}
+    line = get_policy("sakura-floor").missing(old_pack)
+    assert line is not None and "local_psnr_db" in line and "sakura build" in line
+    assert get_policy("sakura-floor").missing({**old_pack, "local_psnr_db": 31.8}) is None
+    assert all(p.missing(old_pack) is None for n, p in POLICIES.items() if n != "sakura-floor")
 
 
 def test_policies_registry():
