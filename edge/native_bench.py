@@ -187,13 +187,13 @@ def pipeline_overhead(native: Any, codec: LowRankCodec, cases: list[Case],
         native.decode(c.data, c.params["ranks"], rope, 1)
     seq = time.perf_counter() - t0
     return {
-        "noop_native_us_per_shard": s["wall_s"] * 1e6 / max(1, s["executed"]),
-        "noop_python_callables_us_per_shard": py_wall * 1e6 / max(1, p["executed"]),
-        "native_decode_pipeline_ms_per_shard": wall * 1e3 / stats["executed"],
-        "native_decode_sequential_ms_per_shard": seq * 1e3 / stats["executed"],
-        "max_received_depth": stats["max_received_depth"],
-        "max_ready_depth": stats["max_ready_depth"],
-        "shards": stats["executed"],
+        "noop_native_us_per_shard": s.wall_s * 1e6 / max(1, s.executed),
+        "noop_python_callables_us_per_shard": py_wall * 1e6 / max(1, p.executed),
+        "native_decode_pipeline_ms_per_shard": wall * 1e3 / stats.executed,
+        "native_decode_sequential_ms_per_shard": seq * 1e3 / stats.executed,
+        "max_received_depth": stats.max_received_depth,
+        "max_ready_depth": stats.max_ready_depth,
+        "shards": stats.executed,
     }
 
 

@@ -91,24 +91,24 @@ def test_dequantized_factors_bit_equal_to_progressive_quantizer(native, tiny_pac
     h = native.header(data)
     owner, values = native.dequantize(data, cfg.params["ranks"])
     # the Python decoder's own steps and codes, straight from the bytes
-    quant = ProgressiveQuantizer(SegmentPlan((h["tokens"], h["channels"]), h["group"]),
-                                 tuple(h["level_bits"]))
-    n_len = h["tokens"] + h["channels"]
+    quant = ProgressiveQuantizer(SegmentPlan((h.tokens, h.channels), h.group),
+                                 tuple(h.level_bits))
+    n_len = h.tokens + h.channels
     groups = quant.plan.groups
-    counts = [r * h["matrices"] for r in cfg.params["ranks"]]
+    counts = [r * h.matrices for r in cfg.params["ranks"]]
     # the level streams of the prefix (units re-assembled in stream order, FORMAT.md)
     streams = StreamHeader.parse(data).split(data, cfg.params["ranks"])
     codes = []
     for lv, k in enumerate(counts):
         if k == 0:
             break
-        size = (n_len * h["level_bits"][lv] + 7) // 8 + (1 + 2 * groups if lv == 0 else 0)
+        size = (n_len * h.level_bits[lv] + 7) // 8 + (1 + 2 * groups if lv == 0 else 0)
         block = torch.frombuffer(bytearray(streams[lv]), dtype=torch.uint8).view(k, size)
         if lv == 0:
             own = block[:, 0].numpy()
             steps = block[:, 1: 1 + 2 * groups].contiguous().view(torch.float16)
             block = block[:, 1 + 2 * groups:]
-        codes.append(unpack_codes(block, h["level_bits"][lv], n_len))
+        codes.append(unpack_codes(block, h.level_bits[lv], n_len))
     ref = quant.decode(steps, codes)
     assert np.array_equal(owner, own)
     assert torch.equal(torch.from_numpy(values), ref)

@@ -16,15 +16,15 @@ def test_runs_every_shard_in_order(native):
     stats = native.Pipeline(2, 3).run(
         50, lambda i: i * 10, lambda i, x: seen.append((i, x)), reconstruct=lambda i, x: x + 1)
     assert seen == [(i, i * 10 + 1) for i in range(50)]
-    assert stats["received"] == stats["reconstructed"] == stats["executed"] == 50
-    assert not stats["cancelled"]
+    assert stats.received == stats.reconstructed == stats.executed == 50
+    assert not stats.cancelled
 
 
 def test_receive_returning_none_ends_the_stream(native):
     got = []
     stats = native.Pipeline().run(100, lambda i: None if i == 7 else i, lambda i, x: got.append(x),
                                   reconstruct=lambda i, x: x)
-    assert got == list(range(7)) and stats["executed"] == 7
+    assert got == list(range(7)) and stats.executed == 7
 
 
 @pytest.mark.parametrize("cap_received,cap_ready", [(1, 1), (2, 2), (3, 1)])
@@ -45,9 +45,9 @@ def test_back_pressure_bounds_the_queues_and_receive(native, cap_received, cap_r
 
     stats = native.Pipeline(cap_received, cap_ready).run(40, receive, execute,
                                                          reconstruct=lambda i, x: x)
-    assert stats["executed"] == 40
-    assert stats["max_received_depth"] <= cap_received
-    assert stats["max_ready_depth"] == cap_ready  # filled (execute is the bottleneck), never more
+    assert stats.executed == 40
+    assert stats.max_received_depth <= cap_received
+    assert stats.max_ready_depth == cap_ready  # filled (execute is the bottleneck), never more
     # in flight: both queues, one shard in reconstruct, one in receive's hands, one executing
     assert state["ahead"] <= cap_received + cap_ready + 3
 
@@ -65,11 +65,11 @@ def test_cancel_from_another_thread_stops_every_stage(native):
     t0 = time.perf_counter()
     stats = pipe.run(1_000_000, lambda i: i, execute, reconstruct=lambda i, x: x)
     assert time.perf_counter() - t0 < 5
-    assert stats["cancelled"] and 0 < stats["executed"] < 1_000_000
+    assert stats.cancelled and 0 < stats.executed < 1_000_000
     assert executed == list(range(len(executed)))
     assert not pipe.running
     # the object runs again afterwards, uncancelled
-    assert not pipe.run(3, lambda i: i, lambda i, x: None, reconstruct=lambda i, x: x)["cancelled"]
+    assert not pipe.run(3, lambda i: i, lambda i, x: None, reconstruct=lambda i, x: x).cancelled
 
 
 def test_cancel_from_inside_a_stage(native):
@@ -80,7 +80,7 @@ def test_cancel_from_inside_a_stage(native):
             pipe.cancel()
 
     stats = pipe.run(1000, lambda i: i, execute, reconstruct=lambda i, x: x)
-    assert stats["cancelled"] and stats["executed"] == 5
+    assert stats.cancelled and stats.executed == 5
 
 
 @pytest.mark.parametrize("stage", ["receive", "reconstruct", "execute"])
@@ -127,7 +127,7 @@ def test_native_reconstruction_in_the_pipeline(native, tiny_pack):
     stats = native.Pipeline(1, 1).run(
         len(items), lambda i: (items[i][0], items[i][1]["ranks"]),
         lambda i, arr: got.__setitem__(i, arr), rope=table, decode_threads=2)
-    assert stats["executed"] == len(items)
+    assert stats.executed == len(items)
     for i, (data, params) in enumerate(items):
         assert got[i].dtype == np.float32 and got[i].shape == (spec.num_matrices, spec.tokens,
                                                              spec.channels)

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <string_view>
+#include <utility>
 
 #include "sakura/pipeline.hpp"
 #include "sakura/shard.hpp"
@@ -76,30 +77,21 @@ py::tuple dequantize(const py::bytes& data, const std::vector<int>& ranks) {
   return py::make_tuple(owner, values);
 }
 
-py::dict header(const py::bytes& data) {
+sakura::ShardHeader header(const py::bytes& data) {
   const std::string_view v = bytes_view(data);
-  const sakura::ShardHeader h = sakura::parse_header(u8(v), v.size());
-  py::dict d;
-  d["levels"] = h.levels;
-  d["matrices"] = h.matrices;
-  d["tokens"] = h.tokens;
-  d["channels"] = h.channels;
-  d["group"] = h.group;
-  d["level_bits"] = h.level_bits;
-  d["stored"] = h.stored;
-  return d;
+  return sakura::parse_header(u8(v), v.size());
 }
 
-py::dict stats_dict(const sakura::PipelineStats& s) {
-  py::dict d;
-  d["received"] = s.received;
-  d["reconstructed"] = s.reconstructed;
-  d["executed"] = s.executed;
-  d["max_received_depth"] = s.max_received_depth;
-  d["max_ready_depth"] = s.max_ready_depth;
-  d["cancelled"] = s.cancelled;
-  d["wall_s"] = s.wall_s;
-  return d;
+// A struct as a Python class with one read-only property per listed field and to_dict()
+// (the fields in the listed order), so each field is named once.
+template <class T, class... M>
+void readonly_fields(py::class_<T> cls, std::pair<const char*, M T::*>... fields) {
+  (cls.def_readonly(fields.first, fields.second), ...);
+  cls.def("to_dict", [=](const T& v) {
+    py::dict d;
+    ((d[fields.first] = py::cast(v.*(fields.second))), ...);
+    return d;
+  }, "Every field by name.");
 }
 
 // A Python reference that is only ever released with the GIL held (stage threads do not
@@ -155,7 +147,7 @@ class PyPipeline {
     }
   }
 
-  py::dict run(std::size_t count, py::function receive, py::function execute,
+  sakura::PipelineStats run(std::size_t count, py::function receive, py::function execute,
                std::optional<py::function> reconstruct, std::optional<py::array> rope,
                int decode_threads) {
     const bool native = !reconstruct.has_value();
@@ -252,7 +244,7 @@ class PyPipeline {
       py::gil_scoped_release nogil;
       stats = pipe->finish();  // rethrows a stage's exception
     }
-    return stats_dict(stats);
+    return stats;
   }
 
   void cancel() {
@@ -281,7 +273,7 @@ class PyPipeline {
   std::shared_ptr<sakura::Pipeline<Item, Item>> current_;
 };
 
-py::dict pipeline_overhead(std::size_t count, std::size_t received_capacity,
+sakura::PipelineStats pipeline_overhead(std::size_t count, std::size_t received_capacity,
                            std::size_t ready_capacity) {
   sakura::PipelineStats s;
   {
@@ -294,7 +286,7 @@ py::dict pipeline_overhead(std::size_t count, std::size_t received_capacity,
         [&sink](std::size_t, std::size_t& x) { sink += x; });
     s = pipe.run(count);
   }
-  return stats_dict(s);
+  return s;
 }
 
 }  // namespace
@@ -311,13 +303,34 @@ PYBIND11_MODULE(sakura_native, m) {
     }
   });
 
+  // Typed results (issue 30 item 3): read-only fields and to_dict(), from one list each.
+  readonly_fields(
+      py::class_<sakura::ShardHeader>(m, "ShardHeader", "A sakura/svd shard stream's header."),
+      std::pair{"levels", &sakura::ShardHeader::levels},
+      std::pair{"matrices", &sakura::ShardHeader::matrices},
+      std::pair{"tokens", &sakura::ShardHeader::tokens},
+      std::pair{"channels", &sakura::ShardHeader::channels},
+      std::pair{"group", &sakura::ShardHeader::group},
+      std::pair{"level_bits", &sakura::ShardHeader::level_bits},
+      std::pair{"stored", &sakura::ShardHeader::stored},
+      std::pair{"header_size", &sakura::ShardHeader::header_size});
+  readonly_fields(
+      py::class_<sakura::PipelineStats>(m, "PipelineStats", "What a native pipeline run did."),
+      std::pair{"received", &sakura::PipelineStats::received},
+      std::pair{"reconstructed", &sakura::PipelineStats::reconstructed},
+      std::pair{"executed", &sakura::PipelineStats::executed},
+      std::pair{"max_received_depth", &sakura::PipelineStats::max_received_depth},
+      std::pair{"max_ready_depth", &sakura::PipelineStats::max_ready_depth},
+      std::pair{"cancelled", &sakura::PipelineStats::cancelled},
+      std::pair{"wall_s", &sakura::PipelineStats::wall_s});
+
   m.def("decode", &decode, py::arg("data"), py::arg("ranks"), py::arg("rope") = py::none(),
         py::arg("threads") = 1,
         "Decode one sakura/svd configuration's bytes into float32 [M, N, C] (keys rotated "
         "by the optional RoPE table [N, C/2, 2]).");
   m.def("dequantize", &dequantize, py::arg("data"), py::arg("ranks"),
         "(owner uint8 [k], values float32 [k, N + C]): the dequantized, rotated factors.");
-  m.def("header", &header, py::arg("data"), "The parsed shard header as a dict.");
+  m.def("header", &header, py::arg("data"), "The parsed shard header (ShardHeader).");
   m.def("product_kernel", &sakura::product_kernel, "SIMD kernel of the low-rank product.");
   m.def("pipeline_overhead", &pipeline_overhead, py::arg("count"),
         py::arg("received_capacity") = 2, py::arg("ready_capacity") = 2,
@@ -341,7 +354,7 @@ PYBIND11_MODULE(sakura_native, m) {
            py::arg("decode_threads") = 1,
            "Run shards 0..count-1: receive(i) -> item | None (end); reconstruct(i, item) -> "
            "shard (None: native decode of item = (bytes, ranks)); execute(i, shard). "
-           "Returns the stats dict; re-raises the first stage exception.")
+           "Returns its PipelineStats; re-raises the first stage exception.")
       .def("cancel", &PyPipeline::cancel, "Cancel the run in progress (from any thread).")
       .def_property_readonly("running", &PyPipeline::running)
       .def_property_readonly("received_capacity", &PyPipeline::received_capacity)
