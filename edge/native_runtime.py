@@ -286,8 +286,9 @@ class NativeEngine:
     # ------------------------------------------------------------------ request set-up
     @torch.inference_mode()
     def inputs(self, template: Template, geo: Geometry, req: EditRequest,
-               geometry: ShardGeometry, dynamic: bool = False) -> dict[str, Any]:
-        """The tensors of one edit (see the module docstring); ``full``: every token;
+               geometry: ShardGeometry, dynamic: bool = False) -> Any:
+        """The tensors of one edit as ``sakura_native.EditInputs`` (see the module
+        docstring); ``full``: every token;
         ``dynamic``: for dynamic graphs, whose text RoPE tables are constants (``cos`` and
         ``sin`` hold the image tokens' rows only)."""
         model = self.model
@@ -325,7 +326,7 @@ class NativeEngine:
                                             model.cfg.patch_size)),
                        pin_noise=_f32(template_noise(model, template)),
                        t=_f32(ts[:-1]))
-        return doc
+        return self.native.EditInputs(**doc)
 
     def image(self, template: Template, geo: Geometry, x: np.ndarray, full: bool = False
               ) -> torch.Tensor:
@@ -404,8 +405,8 @@ class NativeEngine:
 
     def local_steps(self, template: Template, geo: Geometry, req: EditRequest,
                     exec_s: list[float], measured_step_s: float | None = None,
-                    stale_max_age: int = STALE_MAX_AGE) -> dict[str, Any]:
-        """The local fallback's part of ``run_stream``: the full graphs (compiled the first
+                    stale_max_age: int = STALE_MAX_AGE) -> Any:
+        """The local fallback's part of ``run_stream`` (``sakura_native.LocalFallback``): the full graphs (compiled the first
         time, as ``local``'s), their inputs, the masked tokens' rows and ``step_s``, the
         wait bound of one local step (:func:`~edge.deadlines.local_wait_s`), and the oldest
         K/V a late step may reuse before one is computed locally (``dit.stale``)."""
@@ -414,13 +415,14 @@ class NativeEngine:
                                                    self.model.cfg.num_blocks))
         step_s = local_wait_s(measured_step_s, exec_s, template.steps,
                               len(geo.masked) + len(geo.unmasked), len(geo.masked))
-        return {"graphs": graphs, "inputs": self.inputs(template, geo, req, full_geo),
-                "masked": [int(i) for i in geo.masked], "step_s": float(step_s),
-                "stale_max_age": int(stale_max_age)}
+        return self.native.LocalFallback(
+            graphs=graphs, inputs=self.inputs(template, geo, req, full_geo),
+            masked=[int(i) for i in geo.masked], step_s=float(step_s),
+            stale_max_age=int(stale_max_age))
 
     def streamed_edit(self, template: Template, geo: Geometry, req: EditRequest,
-                      stream: dict[str, Any], allocator: Any, monitor: Any, progress: Any,
-                      blocks_per_shard: int, local: dict[str, Any] | None = None
+                      stream: Any, allocator: Any, monitor: Any, progress: Any,
+                      blocks_per_shard: int, local: Any = None
                       ) -> tuple[torch.Tensor, list[Any], list[dict]]:
         """The streamed edit (``sakura_native.run_stream``): (image, records as
         ``sakura_native.ShardRecord``, requests); ``local`` (:meth:`local_steps`): the local
@@ -489,27 +491,27 @@ def stream_shards(manifest: Mapping[str, Any], url: str) -> list[dict[str, Any]]
 
 
 def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
-                http: dict[str, Any], origin: float, max_ahead: int, max_ready: int,
+                http: Any, origin: float, max_ahead: int, max_ready: int,
                 max_inflight: int, lookahead_rtts: float, max_ahead_cap: int,
                 reconstruct: str, kind: str,
                 decode: Callable[[int, int, bytes], np.ndarray],
                 rope: np.ndarray | None,
                 pipeline_cpus: Sequence[int] | None = None,
-                refine: bool = True) -> dict[str, Any]:
-    """What ``run_stream`` needs: the shard table (``sakura_native.StreamTable`` of
-    :func:`stream_shards`), the HTTP
-    settings, the pipeline's limits and the decoder ``kind`` (:func:`decode_kind`;
-    ``callback``: the Python ``decode``)."""
-    return {"shards": shards, "http": http, "decode": kind,
-            "callback": decode if kind == "callback" else None,
-            "rope": rope if kind == "lowrank" else None,
-            "matrix_floats": int(geometry["tokens"]) * int(geometry["channels"]),
-            "max_ahead": max_ahead, "max_ready": max_ready, "max_inflight": max_inflight,
-            "lookahead_rtts": lookahead_rtts, "max_ahead_cap": max_ahead_cap,
-            "refine": refine,
-            "reconstruct": reconstruct,
-            "pipeline_cpus": None if pipeline_cpus is None else [int(c) for c in pipeline_cpus],
-            "origin": origin}
+                refine: bool = True) -> Any:
+    """What ``run_stream`` needs, as a ``sakura_native.StreamSpec``: the shard table
+    (``sakura_native.StreamTable`` of :func:`stream_shards`), the HTTP settings
+    (``sakura_native.HttpOptions``), the pipeline's limits and the decoder ``kind``
+    (:func:`decode_kind`; ``callback``: the Python ``decode``)."""
+    return native_module().StreamSpec(
+        shards=shards, http=http, decode=kind,
+        callback=decode if kind == "callback" else None,
+        rope=rope if kind == "lowrank" else None,
+        matrix_floats=int(geometry["tokens"]) * int(geometry["channels"]),
+        max_ahead=max_ahead, max_ready=max_ready, max_inflight=max_inflight,
+        lookahead_rtts=lookahead_rtts, max_ahead_cap=max_ahead_cap, refine=refine,
+        reconstruct=reconstruct,
+        pipeline_cpus=None if pipeline_cpus is None else [int(c) for c in pipeline_cpus],
+        origin=origin)
 
 
 def decode_kind(codec: Any) -> str:

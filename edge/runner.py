@@ -367,21 +367,20 @@ class NativeRunner:
 
         geometry = job.manifest_dict["geometry"]
         retry = opts.retry
-        http = {"connect_timeout_s": retry.connect_timeout_s,
-                "read_timeout_s": retry.read_timeout_s, "window_s": retry.window_s,
-                "max_attempts": retry.max_attempts, "backoff_s": retry.backoff_s,
-                "backoff_max_s": retry.backoff_max_s, "max_refetch": retry.max_refetch,
-                "jitter": retry.jitter, "on_wait": opts.on_wait,
-                "max_connections": opts.max_inflight,
-                # HTTP/2: one connection carries every request (opened early when warm);
-                # a hedge opens its own (native/src/sakura/http.hpp)
-                "warm_connections": (0 if not opts.warm_connections
-                                     else 1 if opts.http_version == "2"
-                                     else opts.max_inflight - 1),
-                "http_version": opts.http_version,
-                "warm_hedges": opts.warm_connections,
-                "headers": [f"{k}: {v}" for k, v in where.headers.items()],
-                "display_url": client.base_url}
+        http = native.native.HttpOptions(
+            connect_timeout_s=retry.connect_timeout_s, read_timeout_s=retry.read_timeout_s,
+            window_s=retry.window_s, max_attempts=retry.max_attempts,
+            backoff_s=retry.backoff_s, backoff_max_s=retry.backoff_max_s,
+            max_refetch=retry.max_refetch, jitter=retry.jitter, on_wait=opts.on_wait,
+            max_connections=opts.max_inflight,
+            # HTTP/2: one connection carries every request (opened early when warm); a
+            # hedge opens its own (native/src/sakura/http.hpp)
+            warm_connections=(0 if not opts.warm_connections
+                              else 1 if opts.http_version == "2"
+                              else opts.max_inflight - 1),
+            http_version=opts.http_version, warm_hedges=opts.warm_connections,
+            headers=[f"{k}: {v}" for k, v in where.headers.items()],
+            display_url=client.base_url)
         pack_url = where.url
         if opts.pack_origin:  # the same path on another listener (h2c: EditOptions)
             base = urlsplit(opts.pack_origin)

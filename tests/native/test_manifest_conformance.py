@@ -93,13 +93,14 @@ def builder_manifests(tmp_path_factory) -> dict[str, dict[str, Any]]:
     return out
 
 
-def test_the_native_inputs_are_read_from_schema_fields(builder_manifests):
+def test_the_native_inputs_are_read_from_schema_fields(native, builder_manifests):
     schema = json_schema()
     for name, doc in builder_manifests.items():
         seen: set[tuple] = set()
         shards = stream_shards(Recorder(doc, (), seen), URL)
         assert len(shards) == len(doc["shards"])
-        stream_spec(shards, Recorder(doc["geometry"], ("geometry",), seen), http={},
+        stream_spec(native.StreamTable(shards), Recorder(doc["geometry"], ("geometry",), seen),
+                    http=native.HttpOptions(),
                     origin=0.0, max_ahead=1, max_ready=1, max_inflight=1, lookahead_rtts=1.0,
                     max_ahead_cap=1, reconstruct="pipelined", kind="fp16", decode=print,
                     rope=None)

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "sakura/edit.hpp"
@@ -130,22 +131,34 @@ std::vector<sakura::ShardRecord> shard_records(const py::list& shards) {
   return out;
 }
 
-sakura::EditInputs edit_inputs(const py::dict& d) {
+// The typed inputs of the binding (issue 30 item 3): each a class made with keyword
+// arguments, so a missing or misspelt field is a TypeError where it is made, not a KeyError
+// inside an edit. EditInputs: the tensors of one edit (edge/native_runtime.py, inputs).
+sakura::EditInputs make_inputs(int steps, const py::handle& x, const py::handle& txt,
+                               const py::handle& vec_txt, const py::handle& vec_img,
+                               const py::handle& cos, const py::handle& sin,
+                               const py::handle& dt, float guidance,
+                               std::optional<std::vector<std::int64_t>> pinned,
+                               const py::object& pin_x0, const py::object& pin_noise,
+                               const py::object& t) {
   sakura::EditInputs in;
-  in.steps = d["steps"].cast<int>();
-  in.x = floats(d["x"], "x");
-  in.txt = floats(d["txt"], "txt");
-  in.vec_txt = floats(d["vec_txt"], "vec_txt");
-  in.vec_img = floats(d["vec_img"], "vec_img");
-  in.cos = floats(d["cos"], "cos");
-  in.sin = floats(d["sin"], "sin");
-  in.dt = floats(d["dt"], "dt");
-  in.guidance = d["guidance"].cast<float>();
-  if (d.contains("pinned")) {
-    in.pinned = d["pinned"].cast<std::vector<std::int64_t>>();
-    in.pin_x0 = floats(d["pin_x0"], "pin_x0");
-    in.pin_noise = floats(d["pin_noise"], "pin_noise");
-    in.t = floats(d["t"], "t");
+  in.steps = steps;
+  in.x = floats(x, "x");
+  in.txt = floats(txt, "txt");
+  in.vec_txt = floats(vec_txt, "vec_txt");
+  in.vec_img = floats(vec_img, "vec_img");
+  in.cos = floats(cos, "cos");
+  in.sin = floats(sin, "sin");
+  in.dt = floats(dt, "dt");
+  in.guidance = guidance;
+  if (pinned) {  // a full edit: the unmasked tokens follow the template's trajectory
+    if (pin_x0.is_none() || pin_noise.is_none() || t.is_none()) {
+      throw py::value_error("pinned tokens need pin_x0, pin_noise and t");
+    }
+    in.pinned = *pinned;
+    in.pin_x0 = floats(pin_x0, "pin_x0");
+    in.pin_noise = floats(pin_noise, "pin_noise");
+    in.t = floats(t, "t");
   }
   return in;
 }
@@ -243,8 +256,7 @@ py::list records_list(const std::vector<sakura::ShardRecord>& records) {
 }
 
 // A full (no-cache) edit: the latent after the last step.
-py::array_t<float> run_full(PyEditGraphs& graphs, const py::dict& inputs) {
-  sakura::EditInputs in = edit_inputs(inputs);
+py::array_t<float> run_full(PyEditGraphs& graphs, const sakura::EditInputs& in) {
   std::atomic<bool> cancel{false};
   auto x = run_nogil(
       [&] {
@@ -256,9 +268,8 @@ py::array_t<float> run_full(PyEditGraphs& graphs, const py::dict& inputs) {
 }
 
 // Every shard resident in memory: (latent, records).
-py::tuple run_resident(PyEditGraphs& graphs, const py::dict& inputs, const py::list& shards,
-                       const py::list& cache, double origin) {
-  sakura::EditInputs in = edit_inputs(inputs);
+py::tuple run_resident(PyEditGraphs& graphs, const sakura::EditInputs& in,
+                       const py::list& shards, const py::list& cache, double origin) {
   std::vector<std::vector<float>> data;
   for (const auto& a : cache) data.push_back(floats(a, "a resident shard"));
   sakura::ResidentFeed feed(std::move(data), shard_records(shards), origin);
@@ -272,32 +283,36 @@ py::tuple run_resident(PyEditGraphs& graphs, const py::dict& inputs, const py::l
   return py::make_tuple(to_array(x), records_list(feed.records()));
 }
 
-sakura::HttpOptions http_options(const py::dict& d) {
+// HttpOptions: the receive stage's HTTP settings (edge/runner.py; sakura/http.hpp).
+sakura::HttpOptions make_http(double connect_timeout_s, double read_timeout_s, double window_s,
+                              std::optional<int> max_attempts, double backoff_s,
+                              double backoff_max_s, int max_refetch, int max_connections,
+                              int warm_connections, bool warm_hedges,
+                              const std::string& http_version,
+                              std::vector<std::string> headers, std::string display_url,
+                              double jitter, const py::object& on_wait) {
   sakura::HttpOptions o;
-  o.connect_timeout_s = d["connect_timeout_s"].cast<double>();
-  o.read_timeout_s = d["read_timeout_s"].cast<double>();
-  o.window_s = d["window_s"].cast<double>();
-  o.max_attempts = d["max_attempts"].is_none() ? 0 : d["max_attempts"].cast<int>();
-  o.backoff_s = d["backoff_s"].cast<double>();
-  o.backoff_max_s = d["backoff_max_s"].cast<double>();
-  o.max_refetch = d["max_refetch"].cast<int>();
-  o.max_connections = d["max_connections"].cast<int>();
-  if (d.contains("warm_connections")) o.warm_connections = d["warm_connections"].cast<int>();
-  if (d.contains("warm_hedges")) o.warm_hedges = d["warm_hedges"].cast<bool>();
-  if (d.contains("http_version")) {
-    const auto v = d["http_version"].cast<std::string>();
-    if (v != "1.1" && v != "2") {
-      throw py::value_error("http_version must be \"1.1\" or \"2\", got \"" + v + "\"");
-    }
-    o.http_version = v == "2" ? 2 : 1;
+  o.connect_timeout_s = connect_timeout_s;
+  o.read_timeout_s = read_timeout_s;
+  o.window_s = window_s;
+  o.max_attempts = max_attempts.value_or(0);
+  o.backoff_s = backoff_s;
+  o.backoff_max_s = backoff_max_s;
+  o.max_refetch = max_refetch;
+  o.max_connections = max_connections;
+  o.warm_connections = warm_connections;
+  o.warm_hedges = warm_hedges;
+  if (http_version != "1.1" && http_version != "2") {
+    throw py::value_error("http_version must be \"1.1\" or \"2\", got \"" + http_version + "\"");
   }
-  o.headers = d["headers"].cast<std::vector<std::string>>();
-  o.display_url = d["display_url"].cast<std::string>();
-  if (d.contains("jitter")) o.jitter = d["jitter"].cast<double>();
-  if (d.contains("on_wait") && !d["on_wait"].is_none()) {
+  o.http_version = http_version == "2" ? 2 : 1;
+  o.headers = std::move(headers);
+  o.display_url = std::move(display_url);
+  o.jitter = jitter;
+  if (!on_wait.is_none()) {
     // called on the receive thread: the GIL is taken for the call and for the release of
     // the function, and what the callback raises is not the edit's concern
-    std::shared_ptr<py::function> fn(new py::function(d["on_wait"].cast<py::function>()),
+    std::shared_ptr<py::function> fn(new py::function(on_wait.cast<py::function>()),
                                      [](py::function* f) {
                                        py::gil_scoped_acquire gil;
                                        delete f;
@@ -348,42 +363,31 @@ struct StreamTable {
   }
 };
 
-py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dict& stream,
-                     std::shared_ptr<sakura::Allocator> allocator,
-                     std::shared_ptr<sakura::BandwidthMonitor> monitor,
-                     std::shared_ptr<sakura::ExecutionProgress> progress,
-                     const py::object& local) {
-  sakura::EditInputs in = edit_inputs(inputs);
-  // the local fallback: {"graphs": full EditGraphs, "inputs": full inputs, "masked": rows,
-  // "step_s": one local step's predicted time, "stale_max_age": the oldest K/V a late step
-  // may reuse (optional; kStaleMaxAge)}
-  std::shared_ptr<PyEditGraphs> full_graphs;
-  sakura::EditInputs full_in;
-  sakura::LocalSteps steps;
-  const bool has_local = !local.is_none();
-  if (has_local) {
-    auto d = local.cast<py::dict>();
-    full_graphs = d["graphs"].cast<std::shared_ptr<PyEditGraphs>>();
-    full_in = edit_inputs(d["inputs"].cast<py::dict>());
-    steps.graphs = &full_graphs->get();
-    steps.inputs = &full_in;
-    steps.masked = d["masked"].cast<std::vector<std::int64_t>>();
-    steps.step_s = d["step_s"].cast<double>();
-    if (d.contains("stale_max_age")) steps.stale_max_age = d["stale_max_age"].cast<int>();
-  }
+// StreamSpec: what a streamed edit streams and how (edge/native_runtime.py, stream_spec).
+sakura::StreamSpec make_stream(const std::shared_ptr<StreamTable>& shards,
+                               sakura::HttpOptions http, const std::string& decode,
+                               const py::object& callback, const py::object& rope,
+                               std::int64_t matrix_floats, int max_ahead, int max_ready,
+                               int max_inflight, double lookahead_rtts, int max_ahead_cap,
+                               bool refine, std::string reconstruct,
+                               std::optional<std::vector<int>> pipeline_cpus, double origin) {
   sakura::StreamSpec spec;
-  const auto table = stream["shards"].cast<std::shared_ptr<StreamTable>>();
-  spec.shards = table->shards;
-  spec.configs = table->configs;
-  spec.http = http_options(stream["http"]);
-  const std::string decode = stream["decode"].cast<std::string>();
+  spec.shards = shards->shards;
+  spec.configs = shards->configs;
+  spec.http = std::move(http);
   if (decode == "lowrank") {
     spec.decode = sakura::DecodeKind::LowRank;
   } else if (decode == "fp16") {
     spec.decode = sakura::DecodeKind::Fp16;
   } else if (decode == "callback") {
+    if (callback.is_none()) throw py::value_error("decode=\"callback\" needs a callback");
     spec.decode = sakura::DecodeKind::Callback;
-    auto fn = std::make_shared<py::function>(stream["callback"].cast<py::function>());
+    // released with the GIL held, as it was taken
+    std::shared_ptr<py::function> fn(new py::function(callback.cast<py::function>()),
+                                     [](py::function* f) {
+                                       py::gil_scoped_acquire gil;
+                                       delete f;
+                                     });
     spec.callback = [fn](int shard, int config, const std::vector<std::uint8_t>& data,
                          float* out, std::size_t count) {
       py::gil_scoped_acquire gil;
@@ -400,20 +404,48 @@ py::tuple run_stream(PyEditGraphs& graphs, const py::dict& inputs, const py::dic
   } else {
     throw py::value_error("decode must be lowrank, fp16 or callback");
   }
-  if (!stream["rope"].is_none()) spec.rope = floats(stream["rope"], "rope");
-  spec.matrix_floats = stream["matrix_floats"].cast<std::int64_t>();
-  spec.options.max_ahead = stream["max_ahead"].cast<int>();
-  spec.options.max_ready = stream["max_ready"].cast<int>();
-  spec.options.max_inflight = stream["max_inflight"].cast<int>();
-  spec.options.lookahead_rtts = stream["lookahead_rtts"].cast<double>();
-  if (stream.contains("refine")) spec.options.refine = stream["refine"].cast<bool>();
-  spec.reconstruct = stream["reconstruct"].cast<std::string>();
-  if (stream.contains("pipeline_cpus") && !stream["pipeline_cpus"].is_none()) {
-    spec.pipeline_cpus = stream["pipeline_cpus"].cast<std::vector<int>>();
-  }
-  spec.options.max_ahead_cap = stream["max_ahead_cap"].cast<int>();
-  spec.origin = stream["origin"].cast<double>();
+  if (!rope.is_none()) spec.rope = floats(rope, "rope");
+  spec.matrix_floats = matrix_floats;
+  spec.options.max_ahead = max_ahead;
+  spec.options.max_ready = max_ready;
+  spec.options.max_inflight = max_inflight;
+  spec.options.lookahead_rtts = lookahead_rtts;
+  spec.options.max_ahead_cap = max_ahead_cap;
+  spec.options.refine = refine;
+  spec.reconstruct = std::move(reconstruct);
+  if (pipeline_cpus) spec.pipeline_cpus = *pipeline_cpus;
+  spec.origin = origin;
+  return spec;
+}
 
+// LocalFallback: the local fallback's part of a streamed edit (sakura/edit.hpp, LocalSteps):
+// the full graphs, their inputs, the masked tokens' rows, one local step's predicted time
+// and the oldest K/V a late step may reuse.
+struct LocalFallback {
+  std::shared_ptr<PyEditGraphs> graphs;
+  sakura::EditInputs inputs;
+  std::vector<std::int64_t> masked;
+  double step_s = 0;
+  int stale_max_age = sakura::kStaleMaxAge;
+};
+
+py::tuple run_stream(PyEditGraphs& graphs, const sakura::EditInputs& in,
+                     const sakura::StreamSpec& stream,
+                     std::shared_ptr<sakura::Allocator> allocator,
+                     std::shared_ptr<sakura::BandwidthMonitor> monitor,
+                     std::shared_ptr<sakura::ExecutionProgress> progress,
+                     const LocalFallback* local) {
+  sakura::LocalSteps steps;
+  const bool has_local = local != nullptr;
+  if (has_local) {
+    steps.graphs = &local->graphs->get();
+    steps.inputs = &local->inputs;
+    steps.masked = local->masked;
+    steps.step_s = local->step_s;
+    steps.stale_max_age = local->stale_max_age;
+  }
+  sakura::StreamSpec spec = stream;  // (the feed owns its copy; the caller's may be reused)
+  std::shared_ptr<PyEditGraphs> full_graphs = has_local ? local->graphs : nullptr;
   auto feed = std::make_shared<sakura::StreamFeed>(std::move(spec), allocator, monitor, progress);
   std::atomic<bool> cancel{false};
   std::vector<float> x;
@@ -483,6 +515,57 @@ void bind_edit(py::module_& m) {
            "offset, length, units: [(length, sha256 hex)], ranks?}]}), converted once.")
       .def("__len__", [](const StreamTable& t) { return t.shards.size(); });
 
+  // the typed inputs (issue 30 item 3); defaults are the C++ structs' own
+  py::class_<sakura::EditInputs>(m, "EditInputs", "The tensors of one edit (float32 arrays).")
+      .def(py::init(&make_inputs), py::kw_only(), py::arg("steps"), py::arg("x"),
+           py::arg("txt"), py::arg("vec_txt"), py::arg("vec_img"), py::arg("cos"),
+           py::arg("sin"), py::arg("dt"), py::arg("guidance"), py::arg("pinned") = py::none(),
+           py::arg("pin_x0") = py::none(), py::arg("pin_noise") = py::none(),
+           py::arg("t") = py::none())
+      .def_readonly("steps", &sakura::EditInputs::steps)
+      .def_readonly("guidance", &sakura::EditInputs::guidance)
+      .def_property_readonly("full", [](const sakura::EditInputs& in) { return !in.pinned.empty(); });
+  const sakura::HttpOptions http;
+  py::class_<sakura::HttpOptions>(m, "HttpOptions", "The receive stage's HTTP settings.")
+      .def(py::init(&make_http), py::kw_only(),
+           py::arg("connect_timeout_s") = http.connect_timeout_s,
+           py::arg("read_timeout_s") = http.read_timeout_s, py::arg("window_s") = http.window_s,
+           py::arg("max_attempts") = py::none(), py::arg("backoff_s") = http.backoff_s,
+           py::arg("backoff_max_s") = http.backoff_max_s,
+           py::arg("max_refetch") = http.max_refetch,
+           py::arg("max_connections") = http.max_connections,
+           py::arg("warm_connections") = http.warm_connections,
+           py::arg("warm_hedges") = http.warm_hedges, py::arg("http_version") = "1.1",
+           py::arg("headers") = std::vector<std::string>{}, py::arg("display_url") = "",
+           py::arg("jitter") = http.jitter, py::arg("on_wait") = py::none())
+      .def_readonly("max_connections", &sakura::HttpOptions::max_connections)
+      .def_readonly("warm_connections", &sakura::HttpOptions::warm_connections)
+      .def_readonly("http_version", &sakura::HttpOptions::http_version);
+  const sakura::StreamOptions so;
+  py::class_<sakura::StreamSpec>(m, "StreamSpec", "What a streamed edit streams and how.")
+      .def(py::init(&make_stream), py::kw_only(), py::arg("shards"), py::arg("http"),
+           py::arg("decode"), py::arg("callback") = py::none(), py::arg("rope") = py::none(),
+           py::arg("matrix_floats"), py::arg("max_ahead") = so.max_ahead,
+           py::arg("max_ready") = so.max_ready, py::arg("max_inflight") = so.max_inflight,
+           py::arg("lookahead_rtts") = so.lookahead_rtts,
+           py::arg("max_ahead_cap") = so.max_ahead_cap, py::arg("refine") = so.refine,
+           py::arg("reconstruct") = "cpu", py::arg("pipeline_cpus") = py::none(),
+           py::arg("origin") = 0.0)
+      .def_property_readonly("shards", [](const sakura::StreamSpec& s) { return s.shards.size(); })
+      .def_property_readonly("max_inflight", [](const sakura::StreamSpec& s) { return s.options.max_inflight; })
+      .def_readonly("reconstruct", &sakura::StreamSpec::reconstruct);
+  py::class_<LocalFallback>(m, "LocalFallback", "The local fallback of a streamed edit.")
+      .def(py::init([](std::shared_ptr<PyEditGraphs> graphs, sakura::EditInputs inputs,
+                       std::vector<std::int64_t> masked, double step_s, int stale_max_age) {
+             if (!graphs) throw py::value_error("the local fallback needs the full graphs");
+             return LocalFallback{std::move(graphs), std::move(inputs), std::move(masked),
+                                  step_s, stale_max_age};
+           }),
+           py::kw_only(), py::arg("graphs"), py::arg("inputs"), py::arg("masked"),
+           py::arg("step_s"), py::arg("stale_max_age") = sakura::kStaleMaxAge)
+      .def_readonly("step_s", &LocalFallback::step_s)
+      .def_readonly("stale_max_age", &LocalFallback::stale_max_age);
+
   m.def("run_full", &run_full, py::arg("graphs"), py::arg("inputs"),
         "A full (no-cache) edit; returns the final latent (flat float32).");
   m.def("run_resident", &run_resident, py::arg("graphs"), py::arg("inputs"), py::arg("shards"),
@@ -490,10 +573,9 @@ void bind_edit(py::module_& m) {
         "An edit with every shard's K/V in memory; returns (latent, [ShardRecord]).");
   m.def("run_stream", &run_stream, py::arg("graphs"), py::arg("inputs"), py::arg("stream"),
         py::arg("allocator"), py::arg("monitor"), py::arg("progress"),
-        py::arg("local") = py::none(),
+        py::arg("local") = static_cast<const LocalFallback*>(nullptr),
         "A streamed edit (receive -> reconstruct -> execute); returns (latent, [ShardRecord], "
-        "requests). local: the local fallback's full graphs, inputs, masked rows and "
-        "step_s (sakura/edit.hpp, LocalSteps).");
+        "requests). local: the LocalFallback (sakura/edit.hpp, LocalSteps), or None.");
   m.def("set_graph_threads", &sakura::set_graph_threads, py::arg("threads"),
         "Threads of the graphs' XNNPACK work (0: unchanged); returns the count in effect.");
 }
