@@ -125,8 +125,9 @@ def write_tables(model: Any, template: Template, geo: Geometry, txt_tokens: int,
     """``tables.bin``: float32 little-endian arrays, one after another, and their index
     (name -> byte offset and shape): the RoPE cos / sin of the text positions and of every
     image position (the device takes the masked rows), the edit schedule's ``steps + 1``
-    timesteps and the per-step modulation vectors of the image and text streams
-    (``NativeEngine.inputs`` computes the same from the model)."""
+    timesteps, the per-step modulation vectors of the image and text streams
+    (``NativeEngine.inputs`` computes the same from the model) and ``txt_in``'s weight
+    ``[D, text_dim]`` and bias ``[D]`` (``native/src/edge``, the ``sakura-edge`` binary)."""
     ts = edit_schedule(template)
     vt, vi = [], []
     for s in range(template.steps):
@@ -140,7 +141,10 @@ def write_tables(model: Any, template: Template, geo: Geometry, txt_tokens: int,
     arrays = {"rope_txt_cos": txt.cos(), "rope_txt_sin": txt.sin(),
               "rope_img_cos": img.cos(), "rope_img_sin": img.sin(),
               "schedule": ts[: template.steps + 1], "vec_img": torch.stack(vi),
-              "vec_txt": torch.stack(vt)}
+              "vec_txt": torch.stack(vt),
+              # the text stream's input projection (prompt embeddings -> the DiT's width):
+              # a device without the model in Python applies it to the encoder's output
+              "txt_in_weight": model.txt_in.weight, "txt_in_bias": model.txt_in.bias}
     index: dict[str, Any] = {}
     offset = 0
     with open(path, "wb") as f:

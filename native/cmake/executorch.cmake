@@ -12,7 +12,7 @@ if(NOT SAKURA_EDIT_RUNTIME)
 else()
   execute_process(
     COMMAND "${Python_EXECUTABLE}" -c
-      "import os, executorch, torch; print(list(executorch.__path__)[0]); print(os.path.dirname(torch.__file__))"
+      "import os, executorch, torch; print(list(executorch.__path__)[0]); print(os.path.dirname(torch.__file__)); from importlib.metadata import version; print(version('executorch'))"
     OUTPUT_VARIABLE _sakura_paths RESULT_VARIABLE _sakura_rc ERROR_QUIET
     OUTPUT_STRIP_TRAILING_WHITESPACE)
   find_package(CURL)
@@ -30,6 +30,7 @@ if(SAKURA_EDIT_REASON STREQUAL "")
   string(REPLACE "\n" ";" _sakura_paths "${_sakura_paths}")
   list(GET _sakura_paths 0 SAKURA_EXECUTORCH_DIR)
   list(GET _sakura_paths 1 SAKURA_TORCH_DIR)
+  list(GET _sakura_paths 2 SAKURA_EXECUTORCH_VERSION)
   execute_process(
     COMMAND "${Python_EXECUTABLE}" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"
     OUTPUT_VARIABLE _sakura_ext OUTPUT_STRIP_TRAILING_WHITESPACE)
@@ -58,6 +59,14 @@ if(SAKURA_EDIT_REASON STREQUAL "")
   target_link_directories(sakura_edit PUBLIC "${_sakura_pybind_dir}")
   target_link_libraries(sakura_edit PUBLIC "-l:_portable_lib${_sakura_ext}")
 
+  # the ExecuTorch include paths of what else runs graphs (the text encoder runner)
+  set(SAKURA_EXECUTORCH_INCLUDES "${SAKURA_EXECUTORCH_DIR}/include"
+      "${SAKURA_EXECUTORCH_DIR}/include/executorch/runtime/core/portable_type/c10"
+      "${SAKURA_TORCH_DIR}/include")
+  set(SAKURA_PORTABLE_DIR "${_sakura_pybind_dir}")
+endif()
+
+if(SAKURA_EDIT_REASON STREQUAL "" AND TARGET sakura_native)
   set_target_properties(sakura_native PROPERTIES CXX_STANDARD 20 CXX_STANDARD_REQUIRED ON)
   target_sources(sakura_native PRIVATE src/python/bind_edit.cpp)
   target_link_libraries(sakura_native PRIVATE sakura_edit)
@@ -67,7 +76,7 @@ if(SAKURA_EDIT_REASON STREQUAL "")
   set_target_properties(sakura_native PROPERTIES
     INSTALL_RPATH "$ORIGIN/${_sakura_rel};${_sakura_pybind_dir}"
     BUILD_RPATH "${_sakura_pybind_dir}")
-else()
+elseif(TARGET sakura_native)
   message(STATUS "sakura: no edit runtime: ${SAKURA_EDIT_REASON}")
   target_compile_definitions(sakura_native PRIVATE
     SAKURA_EDIT_UNAVAILABLE="${SAKURA_EDIT_REASON}")

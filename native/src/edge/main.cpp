@@ -1,0 +1,875 @@
+// sakura-edge: one whole edit with no Python (issue 31 item 2).
+//
+//   sakura-edge edit --origin URL --template ID --prompt TEXT --seed N --out edit.png
+//                    [--policy sakura-fixed-config|fp16] [--timeline PATH] [--float-out PATH]
+//
+// catalog entry and device bundle (downloaded once, sha256-checked, cached) -> manifest
+// (ETag revalidation, the per-origin rate memory) -> prompt -> WordPiece ids -> the text
+// encoder program -> txt_in -> request tensors -> the shard loop of sakura_native (edit.cpp:
+// libcurl receive, verify, reconstruct, ExecuTorch graphs) -> compose -> PNG (libpng), the
+// float output (.npy) and a timeline JSON. Errors: one "sakura-edge: error: ..." line, exit 1
+// for bad input (files, the origin's answers, the prompt), 2 for bad usage.
+#include <curl/curl.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "edge/origin.hpp"
+#include "edge/request.hpp"
+#include "sakura/allocator.hpp"
+#include "sakura/edit.hpp"
+#include "sakura/graph.hpp"
+#include "sakura/http.hpp"
+#include "sakura/monitor.hpp"
+#include "sakura/text_encoder.hpp"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using sakura::edge::InputError;
+
+namespace {
+
+constexpr int kGraphsFormat = 1;  // edge/native_runtime.py GRAPHS_FORMAT
+constexpr const char* kBundleFormat = "sakura-bundle";
+constexpr int kBundleVersion = 1;
+constexpr const char* kManifestFormat = "sakura-pack";
+constexpr int kManifestVersion = 2;
+constexpr double kStartupFraction = 0.1;  // edge/monitor.py DEFAULT_STARTUP_FRACTION
+constexpr double kStallFloorS = 0.05;     // edge/deadlines.py STALL_FLOOR_S
+#ifndef SAKURA_EXECUTORCH_VERSION
+#define SAKURA_EXECUTORCH_VERSION "unknown"
+#endif
+
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+const char* kUsage =
+    "usage: sakura-edge edit --origin URL --template ID --prompt TEXT --seed N --out FILE.png\n"
+    "                        [--policy sakura-fixed-config|fp16] [--budget-rate-bps BPS]\n"
+    "                        [--timeline PATH] [--float-out PATH.npy] [--token TOKEN]\n"
+    "                        [--state-dir DIR | --no-state] [--cache-dir DIR] [--threads N]\n"
+    "                        [--retry-window S] [--no-local-fallback] [--truncate]\n";
+
+struct Args {
+  std::string origin, template_id, prompt, out, policy = "sakura-fixed-config";
+  std::string timeline, float_out, token, state_dir, cache_dir;
+  std::uint64_t seed = 0;
+  bool have_seed = false, no_state = false, local_fallback = true, truncate = false;
+  double budget_rate_bps = NAN, retry_window_s = 30.0;
+  int threads = 1;
+};
+
+double number(const std::string& flag, const std::string& text) {
+  try {
+    std::size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used != text.size() || !std::isfinite(v)) throw std::invalid_argument("");
+    return v;
+  } catch (const std::exception&) {
+    throw UsageError(flag + " takes a number, got '" + text + "'");
+  }
+}
+
+Args parse(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) != "edit") {
+    throw UsageError(argc < 2 ? "no command given (edit)"
+                              : "unknown command '" + std::string(argv[1]) + "' (edit)");
+  }
+  Args a;
+  for (int i = 2; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw UsageError(f + " needs a value");
+      return argv[++i];
+    };
+    if (f == "--origin" || f == "--server") a.origin = value();
+    else if (f == "--template") a.template_id = value();
+    else if (f == "--prompt") a.prompt = value();
+    else if (f == "--out") a.out = value();
+    else if (f == "--policy") a.policy = value();
+    else if (f == "--timeline") a.timeline = value();
+    else if (f == "--float-out") a.float_out = value();
+    else if (f == "--token") a.token = value();
+    else if (f == "--state-dir") a.state_dir = value();
+    else if (f == "--cache-dir") a.cache_dir = value();
+    else if (f == "--no-state") a.no_state = true;
+    else if (f == "--no-local-fallback") a.local_fallback = false;
+    else if (f == "--truncate") a.truncate = true;
+    else if (f == "--budget-rate-bps") a.budget_rate_bps = number(f, value());
+    else if (f == "--retry-window") a.retry_window_s = number(f, value());
+    else if (f == "--threads") a.threads = static_cast<int>(number(f, value()));
+    else if (f == "--seed") {
+      const std::string v = value();
+      if (v.empty() || v.size() > 19 || !std::all_of(v.begin(), v.end(), ::isdigit)) {
+        throw UsageError("seed " + v + " is out of range: give an integer from 0 to "
+                         "9223372036854775807 (2**63 - 1)");
+      }
+      a.seed = std::stoull(v);
+      if (a.seed > 9223372036854775807ULL) throw UsageError("seed " + v + " is out of range");
+      a.have_seed = true;
+    } else if (f == "-h" || f == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    } else {
+      throw UsageError("unknown option " + f);
+    }
+  }
+  if (a.origin.empty()) throw UsageError("--origin is required");
+  if (a.origin.rfind("http://", 0) != 0 && a.origin.rfind("https://", 0) != 0) {
+    throw UsageError("'" + a.origin + "' is not an http(s) URL such as http://127.0.0.1:8000");
+  }
+  while (a.origin.size() > 8 && a.origin.back() == '/') a.origin.pop_back();
+  if (a.template_id.empty()) throw UsageError("--template is required");
+  if (a.prompt.find_first_not_of(" \t\r\n") == std::string::npos) {
+    throw UsageError("the prompt is empty: give the edit in words, e.g. --prompt 'a red hat'");
+  }
+  if (!a.have_seed) throw UsageError("--seed is required");
+  if (a.out.empty()) throw UsageError("--out is required");
+  if (a.policy != "sakura-fixed-config" && a.policy != "fp16") {
+    throw UsageError("policy '" + a.policy + "' is not in sakura-edge (sakura-fixed-config, "
+                     "fp16); the others run in `sakura edit --runtime native`");
+  }
+  if (a.threads < 1) throw UsageError("--threads must be >= 1");
+  if (!(a.retry_window_s > 0)) throw UsageError("--retry-window must be > 0");
+  return a;
+}
+
+std::string cache_root() {
+  if (const char* s = std::getenv("SAKURA_CACHE"); s && *s) return s;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/sakura";
+  const char* home = std::getenv("HOME");
+  return std::string(home ? home : ".") + "/.cache/sakura";
+}
+
+// fd 2 to /dev/null for a block: ExecuTorch's threadpool logs its CPU probing there
+struct QuietStderr {
+  int saved = -1;
+  QuietStderr() {
+    std::fflush(stderr);
+    saved = dup(2);
+    const int null = open("/dev/null", O_WRONLY);
+    if (null >= 0) {
+      dup2(null, 2);
+      close(null);
+    }
+  }
+  ~QuietStderr() {
+    if (saved >= 0) {
+      dup2(saved, 2);
+      close(saved);
+    }
+  }
+};
+
+json parse_json(const std::string& body, const std::string& what) {
+  try {
+    return json::parse(body);
+  } catch (const json::exception&) {
+    throw InputError(what + " is not JSON");
+  }
+}
+
+std::string short_body(const std::string& body) {
+  try {
+    const json d = json::parse(body);
+    if (d.is_object() && d.contains("detail") && d["detail"].is_string()) return d["detail"];
+  } catch (const json::exception&) {
+  }
+  return body.substr(0, 200);
+}
+
+std::string hex(const std::array<std::uint8_t, 32>& h) {
+  static const char* digits = "0123456789abcdef";
+  std::string s;
+  for (auto b : h) {
+    s.push_back(digits[b >> 4]);
+    s.push_back(digits[b & 15]);
+  }
+  return s;
+}
+
+std::array<std::uint8_t, 32> sha_bytes(const std::string& text) {
+  std::array<std::uint8_t, 32> out{};
+  if (text.size() != 64) throw InputError("a sha256 in the manifest is not 64 hex digits");
+  for (int i = 0; i < 32; ++i) {
+    out[i] = static_cast<std::uint8_t>(std::stoul(text.substr(2 * i, 2), nullptr, 16));
+  }
+  return out;
+}
+
+std::string file_sha256(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::string data((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  return hex(sakura::sha256(reinterpret_cast<const std::uint8_t*>(data.data()), data.size()));
+}
+
+// ------------------------------------------------------------------------------ bundle
+struct Bundle {
+  json doc;
+  std::map<std::string, fs::path> paths;
+};
+
+Bundle fetch_bundle(const Args& a, const json& entry, const std::vector<std::string>& headers,
+                    const sakura::edge::RetryOptions& retry, const std::string& root) {
+  if (!entry.contains("bundle") || !entry["bundle"].is_object()) {
+    throw InputError(a.origin + " publishes no device bundle for " + a.template_id +
+                     " (packs built before bundles, or with --no-bundle): rebuild them with "
+                     "`sakura build`");
+  }
+  Bundle b{entry["bundle"], {}};
+  const json& d = b.doc;
+  const std::string who = "the device bundle of " + a.template_id;
+  if (d.value("format", "") != kBundleFormat || d.value("version", -1) != kBundleVersion) {
+    throw InputError(who + " is refused: not a " + std::string(kBundleFormat) + " version " +
+                     std::to_string(kBundleVersion));
+  }
+  if (d.value("graphs_format", -1) != kGraphsFormat) {
+    throw InputError(who + " is refused: its graphs format is " +
+                     d.value("graphs_format", json(nullptr)).dump() + ", this runtime reads " +
+                     std::to_string(kGraphsFormat) + " (rebuild it with this version of "
+                     "`sakura build`)");
+  }
+  const std::string et = d.value("executorch", "");
+  const std::string want = std::string("executorch-") + SAKURA_EXECUTORCH_VERSION + "-";
+  if (et.rfind(want, 0) != 0) {
+    throw InputError(who + " is refused: it was exported with " + et + ", this binary runs "
+                     "executorch " + SAKURA_EXECUTORCH_VERSION);
+  }
+  if (!d.contains("text_encoder") || !d["text_encoder"].is_object()) {
+    throw InputError(who + " has no text encoder program (a bundle of a model with its own "
+                     "prompt encoder): sakura-edge runs the shipped MiniLM encoder");
+  }
+  for (const auto& f : d.at("files")) {
+    const std::string name = f.at("name"), sha = f.at("sha256"), key = f.at("key");
+    const std::int64_t bytes = f.at("bytes");
+    if (name.find('/') != std::string::npos || name.empty() || name[0] == '.') {
+      throw InputError(who + " names a file '" + name + "'");
+    }
+    const fs::path folder = fs::path(root) / sha;
+    const fs::path path = folder / name;
+    b.paths[name] = path;
+    std::error_code ec;
+    if (fs::file_size(path, ec) == static_cast<std::uintmax_t>(bytes) && !ec &&
+        file_sha256(path) == sha) {
+      continue;
+    }
+    const auto got = sakura::edge::http_get(sakura::edge::origin_url(a.origin, key), headers, "",
+                                            retry);
+    if (got.status != 200) {
+      throw InputError(a.origin + " answered " + std::to_string(got.status) +
+                       " for the device bundle file " + name + " of " + a.template_id + ": " +
+                       short_body(got.body));
+    }
+    const std::string digest = hex(sakura::sha256(
+        reinterpret_cast<const std::uint8_t*>(got.body.data()), got.body.size()));
+    if (digest != sha || static_cast<std::int64_t>(got.body.size()) != bytes) {
+      throw InputError("the device bundle file " + name + " of " + a.template_id + " (" + key +
+                       ") fails its checksum: " + std::to_string(got.body.size()) +
+                       " bytes with sha256 " + digest.substr(0, 16) + "..., the catalog says " +
+                       std::to_string(bytes) + " bytes with " + sha.substr(0, 16) +
+                       "...; it is not used");
+    }
+    fs::create_directories(folder);
+    const fs::path tmp = path.string() + ".part" + std::to_string(getpid());
+    {
+      std::ofstream out(tmp, std::ios::binary);
+      out.write(got.body.data(), static_cast<std::streamsize>(got.body.size()));
+      if (!out) throw std::runtime_error("cannot write " + tmp.string());
+    }
+    fs::rename(tmp, path);
+  }
+  return b;
+}
+
+const json& graph_set(const json& bundle, const std::string& name) {
+  for (const auto& gs : bundle.at("graph_sets")) {
+    if (gs.at("name") == name) return gs;
+  }
+  throw InputError("the device bundle has no '" + name + "' graph chain");
+}
+
+std::unique_ptr<sakura::EditGraphs> load_graphs(const json& gs, const Bundle& b) {
+  auto path = [&](const std::string& n) -> std::string {
+    auto it = b.paths.find(n);
+    if (it == b.paths.end()) throw InputError("the device bundle lists no file " + n);
+    return it->second.string();
+  };
+  auto g = std::make_unique<sakura::EditGraphs>();
+  g->step_in = std::make_unique<sakura::CompiledGraph>(path(gs.at("step_in")));
+  for (const auto& f : gs.at("group_files")) {
+    g->groups.push_back(std::make_unique<sakura::CompiledGraph>(path(f)));
+  }
+  g->step_out = std::make_unique<sakura::CompiledGraph>(path(gs.at("step_out")));
+  for (const auto& grp : gs.at("groups")) g->group_blocks.push_back(static_cast<int>(grp.size()));
+  g->takes_cache = gs.at("takes_cache");
+  g->check();
+  return g;
+}
+
+// ------------------------------------------------------------------------------ policy
+struct Option {
+  int id;
+  std::int64_t nbytes;
+  json params;
+  std::optional<double> psnr, werr;
+};
+
+std::optional<double> opt_number(const json& q, const char* key) {
+  if (!q.is_object() || !q.contains(key) || !q[key].is_number()) return std::nullopt;
+  return q[key].get<double>();
+}
+
+bool uniform(const json& params) {
+  std::vector<int> ranks;
+  if (params.contains("ranks")) {
+    for (const auto& r : params["ranks"]) {
+      if (r.get<int>() > 0) ranks.push_back(r.get<int>());
+    }
+  }
+  return std::all_of(ranks.begin(), ranks.end(), [&](int r) { return r == ranks[0]; });
+}
+
+// edge/allocator.py options_from_manifest (pareto only) + fixed_config
+std::vector<int> fixed_config(const json& manifest, const std::vector<double>& exec_s,
+                              double budget_rate_bps, double safety) {
+  std::vector<std::vector<Option>> tables;
+  for (const auto& s : manifest.at("shards")) {
+    std::vector<Option> opts, pareto;
+    for (const auto& c : s.at("configs")) {
+      const json q = c.value("quality", json::object());
+      Option o{c.at("id"), c.at("bytes"), c.value("params", json::object()),
+               opt_number(q, "psnr_db"), opt_number(q, "weighted_err")};
+      opts.push_back(o);
+      if (c.value("pareto", true)) pareto.push_back(o);
+    }
+    tables.push_back(pareto.empty() ? opts : pareto);
+  }
+  std::map<std::string, std::vector<Option>> common;
+  std::vector<std::string> order;  // first appearance (Python's dict order)
+  for (const auto& t : tables) {
+    for (const auto& o : t) {
+      if (!uniform(o.params)) continue;
+      const std::string key = o.params.dump();  // sorted keys: params_key()
+      if (!common.count(key)) order.push_back(key);
+      common[key].push_back(o);
+    }
+  }
+  std::vector<std::string> keys;
+  for (const auto& k : order) {
+    if (common[k].size() == tables.size()) keys.push_back(k);
+  }
+  if (keys.empty()) throw InputError("no configuration (same parameters) is offered by every shard");
+  double mean_exec = 0;
+  for (double e : exec_s) mean_exec += e;
+  mean_exec /= static_cast<double>(exec_s.size());
+  const double budget = (budget_rate_bps > 0 && std::isfinite(budget_rate_bps))
+                            ? std::max(0.0, mean_exec) * budget_rate_bps / 8.0 * safety
+                            : 0.0;
+  auto mean_bytes = [](const std::vector<Option>& v) {
+    double s = 0;
+    for (const auto& o : v) s += static_cast<double>(o.nbytes);
+    return s / static_cast<double>(v.size());
+  };
+  auto quality = [](const std::vector<Option>& v) {
+    bool all_psnr = true, all_werr = true;
+    double p = 0, w = 0, b = 0;
+    for (const auto& o : v) {
+      all_psnr = all_psnr && o.psnr.has_value();
+      all_werr = all_werr && o.werr.has_value();
+      p += o.psnr.value_or(0);
+      w += o.werr.value_or(0);
+      b += static_cast<double>(o.nbytes);
+    }
+    const double n = static_cast<double>(v.size());
+    return all_psnr ? p / n : all_werr ? -w / n : b;
+  };
+  const std::vector<Option>* chosen = nullptr;
+  for (const auto& k : keys) {
+    const auto& v = common[k];
+    if (mean_bytes(v) > budget) continue;
+    if (!chosen || quality(v) > quality(*chosen) ||
+        (quality(v) == quality(*chosen) && mean_bytes(v) < mean_bytes(*chosen))) {
+      chosen = &v;
+    }
+  }
+  if (!chosen) {
+    for (const auto& k : keys) {
+      if (!chosen || mean_bytes(common[k]) < mean_bytes(*chosen)) chosen = &common[k];
+    }
+  }
+  std::vector<int> ids;
+  for (const auto& o : *chosen) ids.push_back(o.id);
+  return ids;
+}
+
+// the keys' RoPE table [N, C/2, 2] of a low-rank codec (codec/lowrank.py rope_angles +
+// rope_phasors), or empty
+std::vector<float> rope_table(const json& options, std::int64_t tokens, std::int64_t channels) {
+  if (!options.is_object() || !options.contains("rope") || options["rope"].is_null()) return {};
+  const json& r = options["rope"];
+  const int heads = r.at("heads");
+  const std::vector<int> axes = r.at("axes").get<std::vector<int>>();
+  const double theta = r.at("theta");
+  const auto& pos = r.at("positions");
+  if (static_cast<std::int64_t>(pos.size()) != tokens) {
+    throw InputError("the manifest's rope has " + std::to_string(pos.size()) +
+                     " positions, the shard " + std::to_string(tokens) + " tokens");
+  }
+  const std::int64_t half = channels / heads / 2;
+  std::vector<float> out(static_cast<std::size_t>(tokens * heads * half * 2));
+  for (std::int64_t n = 0; n < tokens; ++n) {
+    std::vector<float> angles;
+    for (std::size_t i = 0; i < axes.size(); ++i) {
+      const int dim = axes[i];
+      const double p = pos[n][i].get<double>();
+      for (int k = 0; k < dim; k += 2) {
+        const double freq = 1.0 / std::pow(theta, static_cast<double>(k) / dim);
+        angles.push_back(static_cast<float>(p * freq));
+      }
+    }
+    if (static_cast<std::int64_t>(angles.size()) != half) {
+      throw InputError("the manifest's rope axes do not match its channels");
+    }
+    for (int h = 0; h < heads; ++h) {
+      for (std::int64_t j = 0; j < half; ++j) {
+        float* o = out.data() + ((n * heads + h) * half + j) * 2;
+        o[0] = std::cos(angles[j]);
+        o[1] = std::sin(angles[j]);
+      }
+    }
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------ timeline
+json record_json(const sakura::ShardRecord& r, const json& params) {
+  auto num = [](double v) { return std::isnan(v) ? json(nullptr) : json(v); };
+  auto idx = [](int v) { return v < 0 ? json(nullptr) : json(v); };
+  return {{"shard", r.shard}, {"step", r.step}, {"blocks", r.blocks}, {"config", idx(r.config)},
+          {"bytes", r.bytes}, {"window_s", num(r.window_s)}, {"lead_s", r.lead_s},
+          {"carry_s", num(r.carry_s)}, {"rate_bps", num(r.rate_bps)},
+          {"deadline", num(r.deadline)}, {"recv_start", num(r.recv_start)},
+          {"recv_first_byte", num(r.recv_first_byte)}, {"recv_end", num(r.recv_end)},
+          {"recon_start", num(r.recon_start)}, {"recon_end", num(r.recon_end)},
+          {"exec_start", num(r.exec_start)}, {"exec_end", num(r.exec_end)},
+          {"stall_s", r.stall_s}, {"attempts", r.attempts}, {"resumes", r.resumes},
+          {"refetches", r.refetches}, {"requested", idx(r.requested)}, {"hedges", r.hedges},
+          {"truncated", r.truncated}, {"damage", r.damage.empty() ? json(nullptr) : json(r.damage)},
+          {"local", r.local}, {"outage", r.outage}, {"refinements", r.refinements},
+          {"stale_from", idx(r.stale_from)}, {"params", params}};
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// ------------------------------------------------------------------------------ the edit
+int run(const Args& a) {
+  const double t_begin = sakura::now_s();
+  const std::string root = a.cache_dir.empty() ? cache_root() : a.cache_dir;
+  const std::string state_dir =
+      a.no_state ? "" : (a.state_dir.empty() ? root + "/edge" : a.state_dir);
+  sakura::edge::DeviceState state(state_dir);
+  sakura::edge::RetryOptions retry;
+  retry.window_s = a.retry_window_s;
+  std::vector<std::string> headers;
+  if (!a.token.empty()) headers.push_back("Authorization: Bearer " + a.token);
+  const std::string codec = a.policy == "fp16" ? "fp16" : "sakura";
+
+  // catalog entry
+  const auto cat = sakura::edge::http_get(sakura::edge::origin_url(a.origin, "catalog.json"),
+                                          headers, "", retry);
+  if (cat.status != 200) {
+    throw InputError(a.origin + " answered " + std::to_string(cat.status) +
+                     " for its catalog: " + short_body(cat.body));
+  }
+  const json catalog = parse_json(cat.body, a.origin + "'s catalog.json");
+  if (!catalog.is_object() || !catalog.contains("templates") || !catalog["templates"].is_object()) {
+    throw InputError(a.origin + ": catalog.json is not a SAKURA catalog");
+  }
+  if (!catalog["templates"].contains(a.template_id)) {
+    throw InputError(a.origin + ": unknown template '" + a.template_id +
+                     "' (not in its catalog, or not visible to this token)");
+  }
+  const json entry = catalog["templates"][a.template_id];
+  if (!entry.contains("template") || !entry["template"].is_object() ||
+      !entry["template"].contains("image_png_b64")) {
+    throw InputError("the catalog entry of '" + a.template_id + "' has no template assets "
+                     "(image, mask): rebuild it with `sakura build`");
+  }
+  const Bundle bundle = fetch_bundle(a, entry, headers, retry, root + "/compiled/bundles");
+  const json& tdoc = bundle.doc.at("tables");
+  std::map<std::string, std::pair<std::int64_t, std::vector<std::int64_t>>> index;
+  for (const auto& [name, v] : tdoc.at("arrays").items()) {
+    index[name] = {v.at("offset").get<std::int64_t>(), v.at("shape").get<std::vector<std::int64_t>>()};
+  }
+  const auto tables = sakura::edge::read_tables(bundle.paths.at(tdoc.value("file", "tables.bin")).string(), index);
+
+  // the template as the device sees it
+  const json& t = entry["template"];
+  const int grid = tdoc.at("grid");
+  const int resolution = t.value("resolution", 0);
+  const std::string image_png = sakura::edge::base64_decode(t.at("image_png_b64"), "the template image");
+  const std::string mask_png = sakura::edge::base64_decode(t.at("mask_png_b64"), "the template mask");
+  int size_guess = resolution > 0 ? resolution : 0;
+  if (size_guess == 0) size_guess = sakura::edge::read_png(image_png, 3, "the published template image").width;
+  if (grid <= 0 || size_guess % grid) throw InputError("the bundle's grid does not divide the template");
+  auto tv = sakura::edge::template_view(image_png, mask_png, size_guess / grid);
+  tv.steps = t.at("steps");
+  tv.guidance = t.at("guidance");
+  tv.strength = t.value("strength", 1.0);
+  tv.seed = t.contains("seed") && t["seed"].is_number_integer() ? t["seed"].get<std::int64_t>() : -1;
+  if (tdoc.value("steps", -1) != tv.steps) {
+    throw InputError("the device bundle's tables are for " + std::to_string(tdoc.value("steps", -1)) +
+                     " steps, the template has " + std::to_string(tv.steps));
+  }
+
+  // graphs, text encoder
+  const json& cached_set = graph_set(bundle.doc, "cached");
+  const int batch = tv.guidance != 1.0 ? 2 : 1;
+  if (cached_set.at("shape").value("batch", -1) != batch) {
+    throw InputError("the device bundle's graphs take a batch of " +
+                     cached_set.at("shape").at("batch").dump() + ", this edit " + std::to_string(batch));
+  }
+  const bool dynamic = cached_set.value("dynamic", false);
+  std::unique_ptr<sakura::EditGraphs> graphs, full_graphs;
+  std::unique_ptr<sakura::TextEncoder> encoder;
+  {
+    QuietStderr quiet;  // ExecuTorch's cpuinfo notes on x86 (harmless)
+    sakura::set_graph_threads(a.threads);
+    graphs = load_graphs(cached_set, bundle);
+    if (a.local_fallback && codec != "fp16") full_graphs = load_graphs(graph_set(bundle.doc, "full"), bundle);
+    const json& te = bundle.doc.at("text_encoder");
+    encoder = std::make_unique<sakura::TextEncoder>(bundle.paths.at(te.at("program")).string(),
+                                                    bundle.paths.at(te.at("vocab")).string());
+  }
+  const int T = encoder->max_tokens();
+  const auto tokens = encoder->tokenizer().encode(a.prompt, T);  // TokenizerError: not UTF-8
+  if (tokens.total > T) {
+    const std::string why = "the prompt is " + std::to_string(tokens.total - 2) +
+                            " word pieces, the text encoder reads " + std::to_string(T - 2);
+    if (!a.truncate) {
+      throw InputError(why + ": shorten it, or pass --truncate to edit with its first " +
+                       std::to_string(T - 2) + " (as `sakura edit` does)");
+    }
+    std::fprintf(stderr, "sakura-edge: note: %s; it is truncated to them\n", why.c_str());
+  }
+  std::vector<float> emb = encoder->run(tokens.ids, tokens.mask);
+  if (batch == 2) {
+    const auto unc = encoder->encode("");
+    emb.insert(emb.end(), unc.begin(), unc.end());
+  }
+  const auto& wshape = tables.shape("txt_in_weight");
+  if (wshape.size() != 2 || wshape[1] != encoder->dim()) {
+    throw InputError("the bundle's txt_in does not take the encoder's " +
+                     std::to_string(encoder->dim()) + " channels");
+  }
+  const auto txt = sakura::edge::linear(emb, tables.get("txt_in_weight", wshape),
+                                        tables.get("txt_in_bias", {wshape[0]}), wshape[1], wshape[0]);
+  const auto inputs = sakura::edge::edit_inputs(tv, tables, txt, batch, T, a.seed, false, dynamic);
+  std::unique_ptr<sakura::EditInputs> full_inputs;
+
+  // calibration (before the clock), kept in the device state
+  const int bps = graphs->group_blocks.empty() ? 0 : graphs->group_blocks[0];
+  const std::string profile_key = a.template_id + "|runtime=sakura-edge|bps=" + std::to_string(bps) +
+                                  "|steps=" + std::to_string(tv.steps) + "|cfg=" +
+                                  (batch == 2 ? "True" : "False") + "|bundle=" +
+                                  bundle.doc.value("id", "");
+  const std::int64_t U = static_cast<std::int64_t>(tv.unmasked.size());
+  const std::int64_t C = graphs->step_in->outputs().at(0).sizes.back();
+  std::vector<std::vector<int>> groups;
+  for (const auto& g : cached_set.at("groups")) groups.push_back(g.get<std::vector<int>>());
+  std::vector<double> group_s;
+  if (auto p = state.profile(profile_key); p && p->size() == groups.size()) {
+    group_s = *p;
+  } else {
+    std::vector<std::vector<float>> zeros;
+    std::vector<sakura::ShardRecord> recs;
+    for (int s = 0; s < tv.steps; ++s) {
+      for (const auto& g : groups) {
+        zeros.emplace_back(static_cast<std::size_t>(2 * g.size() * U * C), 0.0f);
+        sakura::ShardRecord r;
+        r.shard = static_cast<int>(recs.size());
+        r.step = s;
+        r.blocks = g;
+        recs.push_back(r);
+      }
+    }
+    sakura::ResidentFeed feed(std::move(zeros), recs, sakura::now_s());
+    std::atomic<bool> cancel{false};
+    sakura::run_edit(*graphs, inputs, &feed, cancel);
+    std::vector<std::vector<double>> per(groups.size());
+    const auto done = feed.records();
+    for (std::size_t i = 0; i < done.size(); ++i) {
+      if (i >= groups.size() || tv.steps == 1) {
+        per[i % groups.size()].push_back(done[i].exec_end - done[i].exec_start);
+      }
+    }
+    for (const auto& v : per) group_s.push_back(median(v));
+    state.keep_profile(profile_key, group_s);
+  }
+  std::optional<double> local_step = state.local_step_s(profile_key);
+  if (full_graphs) {
+    full_inputs = std::make_unique<sakura::EditInputs>(
+        sakura::edge::edit_inputs(tv, tables, txt, batch, T, a.seed, true, false));
+    if (!local_step) {  // the local fallback's step, timed once (as the native runner does)
+      const double began = sakura::now_s();
+      std::atomic<bool> cancel{false};
+      sakura::run_edit(*full_graphs, *full_inputs, nullptr, cancel);
+      local_step = (sakura::now_s() - began) / std::max(1, tv.steps);
+      state.keep_local_step_s(profile_key, *local_step);
+    }
+  }
+
+  // the manifest (the clock starts here, as in EdgeRuntime._streamed)
+  const double origin = sakura::now_s();
+  const double wall = sakura::edge::wall_s();
+  const auto prior = state.prior_bps(a.origin, wall);
+  const bool known = std::isfinite(a.budget_rate_bps) ? false : prior.has_value();
+  auto held = state.manifest(a.template_id, codec);
+  const std::string mkey = "templates/" + a.template_id + "/" + codec + "/manifest.json";
+  const auto got = sakura::edge::http_get(sakura::edge::origin_url(a.origin, mkey), headers,
+                                          known && held ? held->etag : "", retry);
+  json manifest;
+  std::int64_t raw_len = 0;
+  bool from_cache = false;
+  if (got.status == 304 && known && held) {
+    manifest = held->doc;
+    from_cache = true;
+  } else if (got.status == 200) {
+    manifest = parse_json(got.body, a.template_id + "/" + codec + "'s manifest");
+    raw_len = static_cast<std::int64_t>(got.body.size());
+    if (manifest.value("format", "") != kManifestFormat) {
+      throw InputError(a.template_id + "/" + codec + ": the origin's manifest is not a " + kManifestFormat);
+    }
+    if (manifest.value("version", -1) != kManifestVersion) {
+      throw InputError(a.template_id + "/" + codec + ": unsupported pack version " +
+                       manifest.value("version", json(nullptr)).dump() + " (this client reads version " +
+                       std::to_string(kManifestVersion) + "; rebuild the packs with `sakura build`)");
+    }
+    if (manifest.value("template_id", "") != a.template_id || manifest.value("codec", "") != codec) {
+      throw InputError("asked for " + a.template_id + "/" + codec + ", the manifest is for " +
+                       manifest.value("template_id", "?") + "/" + manifest.value("codec", "?"));
+    }
+    if (!got.etag.empty()) state.keep_manifest(a.template_id, codec, {got.etag, manifest, raw_len});
+  } else {
+    throw InputError(a.origin + " answered " + std::to_string(got.status) + " for " + mkey + ": " +
+                     short_body(got.body));
+  }
+  // rate memory: a body is a rate sample, a 304 gives the request latency only
+  {
+    const double latency = std::max(0.0, got.first_byte - got.start);
+    if (from_cache || raw_len == 0) {
+      state.remember(a.origin, NAN, latency, wall);
+    } else {
+      sakura::BandwidthMonitor one(1);
+      one.record(-1, raw_len, got.start, got.first_byte, got.end);
+      state.remember(a.origin, one.estimate_bps(), latency, wall);
+    }
+  }
+  const std::string weights = manifest.value("model", json::object()).value("weights_sha256", "");
+  if (!weights.empty() && weights != bundle.doc.value("weights_sha256", "")) {
+    throw InputError("the device bundle of " + a.template_id + " is refused: it was made for model "
+                     "weights " + bundle.doc.value("weights_sha256", "?").substr(0, 12) +
+                     ", the pack for " + weights.substr(0, 12) + " (rebuild them together)");
+  }
+  const json& geo = manifest.at("geometry");
+  if (geo.at("blocks_per_shard").get<int>() != bps || geo.at("steps").get<int>() != tv.steps ||
+      geo.at("tokens").get<std::int64_t>() != U || geo.at("channels").get<std::int64_t>() != C) {
+    throw InputError("the manifest's geometry " + geo.dump() + " is not the bundle's (" +
+                     std::to_string(bps) + " blocks per shard, " + std::to_string(U) +
+                     " cached tokens, " + std::to_string(C) + " channels)");
+  }
+
+  // the shard table
+  const std::string pack_file = manifest.at("pack_file");
+  if (pack_file.find('/') != std::string::npos) throw InputError("manifest: pack_file is not a pack name");
+  const std::string pack_url = sakura::edge::origin_url(
+      a.origin, "templates/" + a.template_id + "/" + codec + "/" + pack_file);
+  sakura::StreamSpec spec;
+  const json& units = manifest.value("units", json::array());
+  const std::int64_t pack_bytes = manifest.value("pack_bytes", static_cast<std::int64_t>(-1));
+  std::vector<json> shard_docs(manifest.at("shards").begin(), manifest.at("shards").end());
+  std::sort(shard_docs.begin(), shard_docs.end(),
+            [](const json& x, const json& y) { return x.at("index").get<int>() < y.at("index").get<int>(); });
+  std::map<std::pair<int, int>, json> params;
+  for (const auto& s : shard_docs) {
+    sakura::ShardRecord r;
+    r.shard = static_cast<int>(spec.shards.size());
+    if (s.at("index").get<int>() != r.shard) throw InputError("the manifest's shards are not numbered 0..n-1");
+    r.step = s.at("step");
+    r.blocks = s.at("blocks").get<std::vector<int>>();
+    std::map<int, sakura::ConfigSource> by_id;
+    for (const auto& c : s.at("configs")) {
+      sakura::ConfigSource src;
+      src.request.config = c.at("id");
+      src.request.url = pack_url;
+      const auto& ranges = c.at("ranges");
+      if (ranges.size() != 1) throw InputError("a configuration of the manifest is not one byte range");
+      src.request.offset = ranges[0][0];
+      src.request.length = ranges[0][1];
+      src.request.pack_bytes = pack_bytes;
+      for (const auto& u : c.value("units", json::array())) {
+        const auto& row = units.at(u.get<std::size_t>());
+        src.request.units.push_back({row.at(1).get<std::int64_t>(), sha_bytes(row.at(2))});
+      }
+      const json p = c.value("params", json::object());
+      if (p.contains("ranks")) src.ranks = p["ranks"].get<std::vector<int>>();
+      params[{r.shard, src.request.config}] = p;
+      by_id[src.request.config] = std::move(src);
+    }
+    spec.configs.push_back(std::move(by_id));
+    spec.shards.push_back(std::move(r));
+  }
+  const int shards = static_cast<int>(spec.shards.size());
+  std::vector<double> exec_s;
+  for (const auto& s : spec.shards) {
+    exec_s.push_back(group_s.at(static_cast<std::size_t>(s.blocks.at(0) / std::max(1, bps))));
+  }
+  spec.http.connect_timeout_s = retry.connect_timeout_s;
+  spec.http.read_timeout_s = retry.read_timeout_s;
+  spec.http.window_s = retry.window_s;
+  spec.http.max_connections = 6;
+  spec.http.warm_connections = 5;
+  spec.http.headers = headers;
+  spec.http.display_url = a.origin;
+  spec.decode = codec == "fp16" ? sakura::DecodeKind::Fp16 : sakura::DecodeKind::LowRank;
+  if (codec != "fp16") spec.rope = rope_table(manifest.value("codec_options", json::object()), U, C);
+  spec.matrix_floats = U * C;
+  spec.options.max_ahead = 4;
+  spec.options.max_ready = 2;
+  spec.options.max_inflight = 6;
+  spec.options.lookahead_rtts = 3.0;
+  spec.options.max_ahead_cap = 16;
+  spec.options.refine = true;
+  spec.origin = origin;
+
+  // monitor, allocator, progress
+  const double init_prior = prior ? *prior : NAN;
+  auto monitor = std::make_shared<sakura::BandwidthMonitor>(5, init_prior);
+  monitor->record(-1, from_cache ? 0 : raw_len, got.start, got.first_byte, got.end);
+  std::shared_ptr<sakura::Allocator> allocator;
+  std::vector<int> chosen;
+  if (codec == "fp16") {
+    for (const auto& s : shard_docs) chosen.push_back(s.at("configs").at(0).at("id"));
+  } else {
+    const double rate = std::isfinite(a.budget_rate_bps) ? a.budget_rate_bps : monitor->estimate_bps();
+    chosen = fixed_config(manifest, exec_s, rate, 0.8);
+  }
+  allocator = std::make_shared<sakura::FixedAllocator>(chosen);
+  double exec_total = 0;
+  for (double e : exec_s) exec_total += std::max(0.0, e);
+  const double allowance = kStartupFraction * exec_total;
+  const double first_byte_s = std::max(0.0, got.first_byte - got.start);
+  sakura::LocalSteps local;
+  if (full_graphs) {
+    local.graphs = full_graphs.get();
+    local.inputs = full_inputs.get();
+    local.masked = tv.masked;
+    const double cached_step = exec_total / std::max(1, tv.steps);
+    local.step_s = std::max(kStallFloorS, local_step ? *local_step
+                                                     : cached_step * tv.num_tokens() / tv.masked.size());
+    local.stale_max_age = sakura::kStaleMaxAge;
+  }
+  const double loop_start = sakura::now_s();
+  auto progress = sakura::ExecutionProgress::with_allowance(exec_s, origin, allowance,
+                                                            sakura::now_s() + first_byte_s);
+  auto feed = std::make_shared<sakura::StreamFeed>(std::move(spec), allocator, monitor, progress);
+  std::atomic<bool> cancel{false};
+  std::vector<float> x;
+  try {
+    x = sakura::run_edit(*graphs, inputs, feed.get(), cancel, full_graphs ? &local : nullptr);
+  } catch (const sakura::FetchError& e) {
+    if (e.kind() == "unreachable") throw sakura::edge::Unreachable(e.what());
+    throw InputError(std::string(e.kind()) + ": " + e.what());
+  }
+  const double latency = sakura::now_s() - origin;
+  const auto records = feed->records();
+  state.remember(a.origin, monitor->estimate_bps(),
+                 monitor->latency_s() > 0 ? monitor->latency_s() : NAN, sakura::edge::wall_s());
+  state.save();
+
+  // the image
+  const auto image = sakura::edge::compose(tv, x, false);
+  sakura::edge::write_png(a.out, sakura::edge::to_rgb8(image, tv.size), tv.size, tv.size);
+  if (!a.float_out.empty()) sakura::edge::write_npy(a.float_out, image, {3, tv.size, tv.size});
+  std::int64_t bytes = 0;
+  int stalls = 0, local_steps = 0;
+  json recs = json::array();
+  for (const auto& r : records) {
+    bytes += r.bytes;
+    stalls += r.stall_s > 0 ? 1 : 0;
+    local_steps += r.local ? 1 : 0;
+    recs.push_back(record_json(r, r.config >= 0 ? params[{r.shard, r.config}] : json::object()));
+  }
+  if (!a.timeline.empty()) {
+    const json doc = {{"runtime", "sakura-edge"}, {"origin", a.origin}, {"template", a.template_id},
+                      {"policy", a.policy}, {"codec", codec}, {"seed", a.seed},
+                      {"latency_s", latency}, {"bytes", bytes}, {"manifest_bytes", raw_len},
+                      {"manifest_cached", from_cache}, {"startup_allowance_s", allowance},
+                      {"loop_start_s", loop_start - origin}, {"predicted_exec_s", exec_s},
+                      {"configs", chosen}, {"shards", shards}, {"setup_s", origin - t_begin},
+                      {"timeline", recs}};
+    std::ofstream f(a.timeline);
+    f << doc.dump(1) << "\n";
+    if (!f) throw std::runtime_error("cannot write " + a.timeline);
+  }
+  std::printf("sakura-edge: %s %s seed %llu: %.3f s, %lld bytes, %d shards, %d stalls, "
+              "%d local -> %s\n",
+              a.template_id.c_str(), a.policy.c_str(), static_cast<unsigned long long>(a.seed),
+              latency, static_cast<long long>(bytes), shards, stalls, local_steps, a.out.c_str());
+  return 0;
+}
+
+void error_line(const std::string& what) {
+  std::string line = what;
+  std::replace(line.begin(), line.end(), '\n', ' ');
+  std::fprintf(stderr, "sakura-edge: error: %s\n", line.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    args = parse(argc, argv);
+  } catch (const UsageError& e) {
+    std::fputs(kUsage, stderr);
+    error_line(e.what());
+    return 2;
+  }
+  try {
+    return run(args);
+  } catch (const InputError& e) {
+    error_line(e.what());
+  } catch (const sakura::edge::Unreachable& e) {
+    error_line(e.what());
+  } catch (const sakura::TokenizerError& e) {
+    error_line(std::string("the prompt: ") + e.what());
+  } catch (const sakura::FetchError& e) {
+    error_line(e.what());
+  } catch (const json::exception& e) {
+    error_line(std::string("the origin's documents are not what this binary reads: ") + e.what());
+  } catch (const std::exception& e) {
+    error_line(e.what());
+  }
+  return 1;
+}

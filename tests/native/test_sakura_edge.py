@@ -1,0 +1,343 @@
+"""``sakura-edge``: a whole edit in one executable, no Python (issue 31 item 2).
+
+A small world made for it: a tiny seeded MMDiT whose text stream takes MiniLM's
+``[16, 384]`` embeddings, its template run, ``sakura`` and ``fp16`` packs and the device
+bundle with the text encoder program (``edge.bundle.export_bundle``), published into a
+catalog with the template's assets and served by a real ``sakura serve`` child process on
+loopback. The binary (CMake ``-DSAKURA_EDGE=ON``, built incrementally in
+``native/build/sakura-edge``) and the Python runtime (``EdgeRuntime(runtime="native")``, what
+``sakura edit --runtime native`` runs) edit the same template on the same fixed
+configurations; the Python side encodes prompts with the same program through
+``sakura_native.TextEncoder``, so the comparison covers everything after the encoder's
+output: txt_in, the request tensors, the shard loop, composition.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
+BUILD_DIR = NATIVE_DIR / "build" / "sakura-edge"
+TEMPLATE_ID = "edge-bin"
+PROMPT = "a red hat with a small feather"
+BPS = 2
+FIXED = ["--policy", "sakura-fixed-config", "--no-local-fallback"]
+
+native = pytest.importorskip("sakura_native")
+pytestmark = pytest.mark.skipif(
+    not (native.edit_runtime_available()[0] and native.text_encoder_available()[0]
+         and shutil.which("cmake")),
+    reason="needs the native edit runtime with the text encoder, and cmake")
+
+
+def build_binary() -> Path:
+    """``sakura-edge`` from this checkout (configured once, then incremental)."""
+    if not (BUILD_DIR / "CMakeCache.txt").exists():
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cmake", "-S", str(NATIVE_DIR), "-B", str(BUILD_DIR),
+                        "-DSAKURA_PYTHON=OFF", "-DSAKURA_EDGE=ON",
+                        f"-DPython_EXECUTABLE={sys.executable}",
+                        "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
+    done = subprocess.run(["cmake", "--build", str(BUILD_DIR), "-j", "2", "--target",
+                           "sakura-edge"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return BUILD_DIR / "sakura-edge"
+
+
+class ProgramEncoder:
+    """Prompt embeddings through the bundle's text encoder program (the C++ runner)."""
+
+    def __init__(self, pte: Path, vocab: Path) -> None:
+        self.pte, self.vocab = str(pte), str(vocab)
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        # loaded per call: a program loaded before the runtime resets ExecuTorch's
+        # threadpool (NativeEngine's set_graph_threads) would run on the old one
+        enc = native.TextEncoder(self.pte, self.vocab)
+        return torch.stack([torch.from_numpy(np.asarray(enc.encode(p)).copy())
+                            for p in prompts])
+
+
+def png_b64(arr: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def exe() -> Path:
+    return build_binary()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from sakura.cloud.bundle import publish_bundle
+    from sakura.cloud.publish import CatalogTransaction, update_catalog
+    from sakura.codec.base import get_codec
+    from sakura.codec.pack import write_pack
+    from sakura.dit.editing import EditRequest, Template, profile_importance, template_run
+    from sakura.dit.model import MMDiT, MMDiTConfig
+    from sakura.edge.backends.base import weights_sha256
+    from sakura.edge.backends.text_encoder import compiled_text_encoder
+    from sakura.edge.bundle import export_bundle
+
+    root = tmp_path_factory.mktemp("sakura-edge")
+    torch.manual_seed(3)
+    model = MMDiT(MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=2, single_blocks=2,
+                              mlp_ratio=2.0, text_dim=384, text_tokens=16,
+                              rope_axes=(4, 6, 6)))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.08)
+    model.eval()
+    g = torch.Generator().manual_seed(5)
+    pixels = (torch.rand(32, 32, 3, generator=g) * 255).round().to(torch.uint8)
+    mask = torch.zeros(32, 32, dtype=torch.bool)
+    mask[8:20, 4:16] = True
+    image = (pixels.float() / 127.5 - 1).permute(2, 0, 1).contiguous()
+    template = Template(image=image, mask=mask, txt=torch.zeros(1, 16, 384), seed=1, steps=4,
+                        guidance=2.0, strength=0.9)
+    program = compiled_text_encoder(16)
+    enc = ProgramEncoder(program.pte, program.vocab)
+    template.txt = enc.encode(["a template prompt"])
+    reqs = [EditRequest(enc.encode([p]), enc.encode([""]), seed=i)
+            for i, p in enumerate(["a profiling prompt", "another one"])]
+    run = template_run(model, template)
+    profile_importance(model, template, run, reqs)
+    catalog = root / "catalog"
+    sha = weights_sha256(model)
+    with CatalogTransaction(catalog) as txn:
+        for name in ("sakura", "fp16"):
+            work = root / "work" / name
+            m = write_pack(work, TEMPLATE_ID, run.cache, get_codec(name),
+                           blocks_per_shard=BPS, model={"name": "tiny-384",
+                                                        "weights_sha256": sha})
+            txn.publish(TEMPLATE_ID, name, m.to_dict(), work / m.pack_file,
+                        {"workload": "face-swap"})
+    made = export_bundle(model, sha, template, reqs[0], BPS, cache_dir_=root / "compiled",
+                         text_encoder=True, work=root / "bundle-work")
+    entry = publish_bundle(catalog, made.files, made.doc)
+    assets = {"prompt": "a template prompt", "seed": 1, "steps": 4, "guidance": 2.0,
+              "strength": 0.9, "resolution": 32,
+              "image_png_b64": png_b64(pixels.numpy()),
+              "mask_png_b64": png_b64(mask.numpy().astype(np.uint8) * 255)}
+    update_catalog(catalog, {TEMPLATE_ID: {"bundle": entry, "template": assets}})
+    return {"model": model, "catalog": catalog, "root": root, "encoder": enc,
+            "compiled": root / "compiled", "bundle": entry}
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    from sakura.edge.server_process import ServerProcess
+
+    with ServerProcess(world["catalog"]) as srv:
+        yield srv
+
+
+def run_binary(exe: Path, args: list[str], tmp: Path, env: dict | None = None
+               ) -> subprocess.CompletedProcess:
+    full = {**os.environ, "SAKURA_CACHE": str(tmp / "cache"), **(env or {})}
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=full,
+                          timeout=300)
+
+
+def edit_args(url: str, out: Path, seed: int = 3, prompt: str = PROMPT) -> list[str]:
+    return ["edit", "--origin", url, "--template", TEMPLATE_ID, "--prompt", prompt,
+            "--seed", str(seed), "--out", str(out)]
+
+
+def python_edit(world, url: str, policy: str, seed: int, rate: float, tmp: Path):
+    from sakura.edge.backends.base import BackendConfig
+    from sakura.edge.options import EditOptions
+    from sakura.edge.runtime import EdgeRuntime
+
+    rt = EdgeRuntime(world["model"], encoder=world["encoder"], runtime="native",
+                     backend_config=BackendConfig(cache_dir=tmp / "py-compiled"))
+    template = rt.fetch_template(url, TEMPLATE_ID)
+    req = rt.request(PROMPT, seed)
+    opts = EditOptions(local_fallback=False, budget_rate_bps=rate)
+    res = rt.edit(url, TEMPLATE_ID, template, req, policy, options=opts)
+    return res
+
+
+@pytest.mark.parametrize("policy,rate", [("sakura-fixed-config", 1e12),
+                                         ("sakura-fixed-config", 1.0), ("fp16", 1e12)])
+def test_the_binary_edits_as_the_python_runtime(exe, world, server, tmp_path, policy, rate):
+    out, floats, timeline = tmp_path / "edit.png", tmp_path / "edit.npy", tmp_path / "tl.json"
+    args = edit_args(server.url, out) + ["--policy", policy, "--no-local-fallback",
+                                         "--budget-rate-bps", str(rate), "--timeline",
+                                         str(timeline), "--float-out", str(floats)]
+    done = run_binary(exe, args, tmp_path)
+    assert done.returncode == 0, done.stderr
+    mine = np.load(floats)
+    res = python_edit(world, server.url, policy, 3, rate, tmp_path)
+    theirs = res.image.numpy()
+    assert mine.shape == theirs.shape == (3, 32, 32)
+    err = float(np.abs(mine - theirs).max())
+    print(f"{policy} rate {rate}: max abs err {err:.3g}")
+    assert err <= 1e-4
+    tl = json.loads(timeline.read_text())
+    assert tl["configs"] == res.configs  # the same configuration of every shard
+    assert len(tl["timeline"]) == len(res.timeline)
+    assert all(r["config"] == c for r, c in zip(tl["timeline"], res.configs))
+    # the PNG is the float output rounded as `sakura edit` rounds it
+    from PIL import Image
+
+    png = np.asarray(Image.open(out)).astype(np.int64)
+    want = np.round((np.clip(mine, -1, 1) + 1) * 127.5).astype(np.int64).transpose(1, 2, 0)
+    assert np.array_equal(png, want)
+
+
+def test_the_manifest_is_revalidated_and_the_rate_remembered(exe, server, tmp_path):
+    state = tmp_path / "state"
+    for _ in range(2):
+        done = run_binary(exe, edit_args(server.url, tmp_path / "e.png") + FIXED +
+                          ["--state-dir", str(state), "--timeline", str(tmp_path / "t.json")],
+                          tmp_path)
+        assert done.returncode == 0, done.stderr
+        tl = json.loads((tmp_path / "t.json").read_text())
+        doc = json.loads((state / "state.json").read_text())
+        rate = doc["rates"][server.url]
+        assert rate["rate_bps"] > 0 and rate["at"] > 0
+        assert doc["manifests"] == [f"{TEMPLATE_ID}.sakura.json"]
+    # the second edit had a remembered rate: its manifest came back 304, no body
+    assert tl["manifest_cached"] is True and tl["manifest_bytes"] == 0
+
+
+def test_the_float_output_does_not_depend_on_the_seed_path(exe, server, tmp_path):
+    outs = []
+    for seed in (3, 4):
+        f = tmp_path / f"{seed}.npy"
+        done = run_binary(exe, edit_args(server.url, tmp_path / "e.png", seed=seed) + FIXED +
+                          ["--float-out", str(f), "--no-state"], tmp_path)
+        assert done.returncode == 0, done.stderr
+        outs.append(np.load(f))
+    assert np.abs(outs[0] - outs[1]).max() > 1e-3  # another seed, another edit
+
+
+# ---------------------------------------------------------------------- bad input
+def one_error_line(done: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    assert done.returncode == code, (done.returncode, done.stderr)
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("sakura-edge: error:")]
+    assert len(lines) == 1, done.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def test_bad_usage_exits_2(exe, tmp_path):
+    one_error_line(run_binary(exe, [], tmp_path), 2, "no command")
+    one_error_line(run_binary(exe, ["edit", "--origin", "ftp://x"], tmp_path), 2, "http")
+    one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png")[:-2],
+                              tmp_path), 2, "--out")
+    one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
+                              ["--policy", "sakura"], tmp_path), 2, "policy")
+    one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png",
+                                             prompt="   "), tmp_path), 2, "empty")
+
+
+def test_an_unknown_template_is_one_line(exe, server, tmp_path):
+    args = edit_args(server.url, tmp_path / "o.png")
+    args[args.index(TEMPLATE_ID)] = "no-such-template"
+    one_error_line(run_binary(exe, args, tmp_path), 1, "unknown template", "no-such-template")
+
+
+def test_an_unreachable_origin_is_one_line(exe, tmp_path):
+    done = run_binary(exe, edit_args("http://127.0.0.1:9", tmp_path / "o.png") +
+                      ["--retry-window", "0.5"], tmp_path)
+    one_error_line(done, 1, "cannot reach", "127.0.0.1:9")
+
+
+def test_an_over_long_prompt_is_refused_or_truncated_and_said(exe, server, tmp_path):
+    long = " ".join(["word"] * 30)
+    one_error_line(run_binary(exe, edit_args(server.url, tmp_path / "o.png", prompt=long)
+                              + FIXED, tmp_path), 1, "30 word pieces", "reads 14", "--truncate")
+    done = run_binary(exe, edit_args(server.url, tmp_path / "o.png", prompt=long) + FIXED +
+                      ["--truncate"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "truncated" in done.stderr
+
+
+def test_a_non_utf8_prompt_is_one_line(exe, server, tmp_path):
+    args = [a.encode() for a in edit_args(server.url, tmp_path / "o.png")]
+    args[args.index(PROMPT.encode())] = b"caf\xe9 au lait"
+    done = subprocess.run([str(exe), *args], capture_output=True,
+                          env={**os.environ, "SAKURA_CACHE": str(tmp_path / "cache")})
+    done = subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(),
+                                       done.stderr.decode(errors="replace"))
+    one_error_line(done, 1, "prompt", "UTF-8")
+
+
+def corrupted_catalog(world, tmp_path: Path, name: str, how: str) -> Path:
+    catalog = tmp_path / "catalog"
+    shutil.copytree(world["catalog"], catalog)
+    f = next(x for x in world["bundle"]["files"] if x["name"] == name)
+    path = catalog / f["key"]
+    if how == "missing":
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return catalog
+
+
+@pytest.mark.parametrize("how,words", [("missing", ("404", "tables.bin")),
+                                       ("corrupt", ("checksum", "tables.bin"))])
+def test_a_missing_or_corrupt_bundle_file_is_one_line(exe, world, tmp_path, how, words):
+    from sakura.edge.server_process import ServerProcess
+
+    catalog = corrupted_catalog(world, tmp_path, "tables.bin", how)
+    with ServerProcess(catalog) as srv:
+        done = run_binary(exe, edit_args(srv.url, tmp_path / "o.png") + FIXED, tmp_path)
+    line = one_error_line(done, 1, *words)
+    assert not (tmp_path / "o.png").exists(), line
+
+
+def test_a_bundle_for_other_weights_is_one_line(exe, world, tmp_path):
+    from sakura.cloud.publish import update_catalog
+    from sakura.edge.server_process import ServerProcess
+
+    catalog = tmp_path / "catalog"
+    shutil.copytree(world["catalog"], catalog)
+    entry = dict(world["bundle"], weights_sha256="f" * 64)
+    update_catalog(catalog, {TEMPLATE_ID: {"bundle": entry}})
+    with ServerProcess(catalog) as srv:
+        done = run_binary(exe, edit_args(srv.url, tmp_path / "o.png") + FIXED, tmp_path)
+    one_error_line(done, 1, "refused", "ffffffffffff")
+
+
+# ---------------------------------------------------------------------- no interpreter
+def test_no_interpreter_starts(exe, server, tmp_path):
+    env = {"PYTHONHOME": "/nonexistent", "PYTHONPATH": "", "PATH": "/usr/bin:/bin"}
+    args = edit_args(server.url, tmp_path / "o.png") + FIXED + ["--no-state"]
+    strace = shutil.which("strace")
+    if strace is None:
+        done = run_binary(exe, args, tmp_path, env)
+        assert done.returncode == 0, done.stderr
+        pytest.skip("strace is not installed: ran without Python on PATH only")
+    trace = tmp_path / "trace.txt"
+    done = run_binary(Path(strace), ["-f", "-e", "trace=openat,execve", "-o", str(trace),
+                                     str(exe), *args], tmp_path, env)
+    assert done.returncode == 0, done.stderr
+    calls = trace.read_text().splitlines()
+    opened = [ln for ln in calls if "openat(" in ln]
+    assert opened, "strace saw no openat"
+    assert not [ln for ln in opened if ".py\"" in ln or ".pyc\"" in ln]
+    assert not [ln for ln in calls if "execve(" in ln and "sakura-edge" not in ln]
+    assert not [ln for ln in opened if "encodings" in ln or "site-packages/torch/" in ln
+                and ".py" in ln]
