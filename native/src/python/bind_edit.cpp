@@ -430,7 +430,7 @@ struct LocalFallback {
 };
 
 py::tuple run_stream(PyEditGraphs& graphs, const sakura::EditInputs& in,
-                     const sakura::StreamSpec& stream,
+                     sakura::StreamSpec& stream,
                      std::shared_ptr<sakura::Allocator> allocator,
                      std::shared_ptr<sakura::BandwidthMonitor> monitor,
                      std::shared_ptr<sakura::ExecutionProgress> progress,
@@ -444,7 +444,14 @@ py::tuple run_stream(PyEditGraphs& graphs, const sakura::EditInputs& in,
     steps.step_s = local->step_s;
     steps.stale_max_age = local->stale_max_age;
   }
-  sakura::StreamSpec spec = stream;  // (the feed owns its copy; the caller's may be reused)
+  // a StreamSpec serves one edit: the feed takes its table without a copy (a pack's
+  // table of ~1000 configurations is what the edit would copy before its first request)
+  if (stream.shards.empty()) {
+    throw py::value_error("this StreamSpec has no shards (one serves one edit: make another)");
+  }
+  sakura::StreamSpec spec = std::move(stream);
+  stream.shards.clear();
+  stream.configs.clear();
   std::shared_ptr<PyEditGraphs> full_graphs = has_local ? local->graphs : nullptr;
   auto feed = std::make_shared<sakura::StreamFeed>(std::move(spec), allocator, monitor, progress);
   std::atomic<bool> cancel{false};
