@@ -108,12 +108,13 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "benefit vs switch cost)")
     p.add_argument("--warmup", type=nonnegative_int, default=4, metavar="N",
                    help="warm-up steps (default 4)")
-    p.add_argument("--gate", default="importance", choices=["importance", "drift", "periodic"],
-                   help="patch gate (default importance: the paper's)")
+    p.add_argument("--gate", default="paper", choices=["paper", "importance", "drift", "periodic"],
+                   help="patch gate (default paper: frozen changes over their sum, at least "
+                        "one patch per step; importance: the earlier default)")
     p.add_argument("--partition", default="otsu", choices=["otsu", "cuts", "grid"],
                    help="patch partition (default otsu: the paper's focus/context split)")
     p.add_argument("--eps", type=nonnegative_float, default=None,
-                   help="gate threshold (default 0.01 for importance, 1.0 for drift)")
+                   help="gate threshold (default 0.15 for paper, 0.01 for importance, 1.0 for drift)")
     p.add_argument("--max-skips", type=nonnegative_int, default=3, metavar="K",
                    help="forced run after K skips (default 3)")
     p.add_argument("--patches", type=positive_int, default=None, metavar="R",

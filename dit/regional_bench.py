@@ -210,7 +210,13 @@ def run_config(model, encoder, refs: list[Reference], size: int, steps: int,
         probe_s += timer.get("probe_s", 0.0)
         total_s += dt
         rows.append({"skipped_fraction": st.stats.skipped_fraction,
+                     "compute_fraction": st.stats.compute_fraction,
                      "patches": st.stats.patches, "focus_patches": st.stats.focus_patches,
+                     "gated_steps": len(st.stats.active_log),
+                     "min_active_patches": st.stats.min_active_patches,
+                     "executed_patch_steps": st.stats.executed_patch_steps,
+                     "forced_patch_steps": st.stats.forced_patch_steps,
+                     "guaranteed_patch_steps": st.stats.guaranteed_patch_steps,
                      "psnr_db_vs_full": psnr_from_mse(
                          float(((img.double() - r.full.double()) / 2).pow(2).mean()))})
     out = a.to_dict()
@@ -314,12 +320,67 @@ def _explicit_probe(be, t: float, x: torch.Tensor, parts) -> torch.Tensor:
     return out["mass"]
 
 
+EPS_SWEEPS = {"paper": (0.05, 0.1, 0.15, 0.2, 0.25, 0.3),
+              "importance": (0.002, 0.005, 0.01, 0.02, 0.05)}
+
+
+def gate_summary(cfg: RegionalConfig, run: dict) -> dict:
+    """The bench's ``gate`` key from a :func:`run_config` of the default: the rule, the
+    fewest patches any gated step ran (over every prompt), and ``forced_fraction`` = the
+    share of the gated patch-steps run only because of the K cap."""
+    rows = run["per_prompt"]
+    executed = sum(r["executed_patch_steps"] for r in rows)
+    forced = sum(r["forced_patch_steps"] for r in rows)
+    mins = [r["min_active_patches"] for r in rows if r["min_active_patches"] is not None]
+    return {"rule": cfg.gate, "epsilon": cfg.threshold, "max_skips": cfg.max_skips,
+            "min_active_patches_per_gated_step": min(mins) if mins else None,
+            "forced_fraction": forced / executed if executed else 0.0,
+            "guaranteed_fraction": (sum(r["guaranteed_patch_steps"] for r in rows) / executed
+                                    if executed else 0.0),
+            "gated_steps": sum(r["gated_steps"] for r in rows),
+            "executed_patch_steps": executed, "forced_patch_steps": forced,
+            "skipped_fraction": run["skipped_fraction"],
+            "compute_fraction": run["compute_fraction"],
+            "psnr_db_vs_full": run["psnr_db_vs_full"]}
+
+
+def step_reuse_baseline(model, encoder, refs: list[Reference], size: int, steps: int,
+                        cfg: RegionalConfig, compute_fraction: float) -> dict:
+    """Whole-step velocity reuse at ``compute_fraction``: the warm-up runs, then the whole
+    image is one patch on a periodic schedule (a skipped step reuses the last velocity:
+    with one patch and nothing stale this *is* the full step or the reused one), no K cap.
+    Skipped steps come in whole numbers, so the two skip counts around the target are run
+    and the PSNR is interpolated at the target's compute (as the other equal-compute
+    comparisons)."""
+    w = min(cfg.warmup, steps)
+    gated = max(1, steps - w)
+    want = (1 - compute_fraction) * steps  # skipped steps at the target compute
+    counts = sorted({min(gated, max(0, int(want))), min(gated, max(0, int(want) + 1))})
+    rows = []
+    for k in counts:
+        c = replace(cfg, gate="periodic", partition="grid", patches=1,
+                    skip_fraction=min(0.95, k / gated), max_skips=steps)
+        d = run_config(model, encoder, refs, size, steps, c)
+        rows.append({"skipped_steps": k, "compute_fraction": d["compute_fraction"],
+                     "psnr_db_vs_full": d["psnr_db_vs_full"], "ssim_vs_full": d["ssim_vs_full"]})
+    eq = at(rows, "compute_fraction", compute_fraction)
+    return {"psnr_db_vs_full": eq["psnr_db_vs_full"], "ssim_vs_full": eq["ssim_vs_full"],
+            "compute_fraction": compute_fraction, "extrapolated": eq["extrapolated"],
+            "runs": rows, "warmup": w,
+            "what": "full steps with the previous velocity reused on an evenly spaced "
+                    "share of the post-warm-up steps, PSNR interpolated between the two "
+                    "whole skip counts around the default's compute fraction (the saliency "
+                    "probe of the last warm-up step is counted in their compute)"}
+
+
 def paper_study(model, encoder, refs: list[Reference], size: int, steps: int,
-                cfg: RegionalConfig, eps_values=(0.002, 0.005, 0.01, 0.02, 0.05),
+                cfg: RegionalConfig, eps_values=None,
                 drift_eps=(0.6, 0.8, 1.0, 1.4)) -> dict:
     """The bench's ``epsilon_sweep``, ``cap_only``, ``partition_comparison``,
-    ``alternatives`` and ``probe_overhead`` (see the module doc)."""
+    ``alternatives``, ``gate``, ``gate_alternative``, ``step_reuse_baseline`` and
+    ``probe_overhead`` (see the module doc)."""
     out: dict = {}
+    eps_values = eps_values or EPS_SWEEPS.get(cfg.gate, EPS_SWEEPS["importance"])
     sweep_rows = sweep(model, encoder, refs, size, steps, cfg, eps_values)
     out["epsilon_sweep"] = sweep_rows
     default = run_config(model, encoder, refs, size, steps, cfg)
@@ -327,6 +388,25 @@ def paper_study(model, encoder, refs: list[Reference], size: int, steps: int,
                                               "skipped_fraction", "compute_fraction")}
     out["default"]["epsilon"] = cfg.threshold
     out["cap_only"] = cap_only(model, encoder, refs, size, steps, cfg, default)
+    out["gate"] = gate_summary(cfg, default)
+    out["step_reuse_baseline"] = step_reuse_baseline(model, encoder, refs, size, steps, cfg,
+                                                     default["compute_fraction"])
+    if cfg.gate != "importance":  # the earlier gate, a named alternative: where it wins
+        imp = sweep(model, encoder, refs, size, steps, replace(cfg, gate="importance", eps=None),
+                    EPS_SWEEPS["importance"])
+        rows = []
+        for row in sweep_rows:
+            i = at(imp, "compute_fraction", row["compute_fraction"])
+            rows.append({"epsilon": row["epsilon"], "compute_fraction": row["compute_fraction"],
+                         "default_gate_db": row["psnr_db_vs_full"],
+                         "importance_gate_db": None if i["extrapolated"] else i["psnr_db_vs_full"]})
+        out["gate_alternative"] = {
+            "importance_gate_sweep": imp, "at_equal_compute": rows,
+            "importance_wins_at": [r["compute_fraction"] for r in rows
+                                   if r["importance_gate_db"] is not None
+                                   and r["importance_gate_db"] > r["default_gate_db"]],
+            "method": "the earlier importance gate swept over eps, PSNR interpolated at each "
+                      "default-gate sweep point's compute fraction (None: outside its range)"}
     # partitions at equal compute: each swept, interpolated at the default's compute
     target = default["compute_fraction"]
     parts = {"otsu": sweep_rows}
@@ -343,26 +423,26 @@ def paper_study(model, encoder, refs: list[Reference], size: int, steps: int,
                  **{k: eq[k]["ssim_vs_full"] for k in ("uniform_grid", "cuts")}},
         "extrapolated": {k: eq[k]["extrapolated"] for k in ("uniform_grid", "cuts")},
         "sweeps": {k: parts[k] for k in ("uniform_grid", "cuts")},
-        "method": "each partition swept over eps with the importance gate; PSNR linearly "
+        "method": f"each partition swept over eps with the {cfg.gate} gate; PSNR linearly "
                   "interpolated at the otsu default's compute fraction",
     }
     drift = sweep(model, encoder, refs, size, steps, replace(cfg, gate="drift", eps=None),
                   drift_eps)
     where = []
-    for row in sweep_rows:  # the drift gate at each importance-sweep point's skipped fraction
+    for row in sweep_rows:  # the drift gate at each default-sweep point's skipped fraction
         d = at(drift, "skipped_fraction", row["skipped_fraction"])
         g = at(parts["uniform_grid"], "compute_fraction", row["compute_fraction"])
         c = at(parts["cuts"], "compute_fraction", row["compute_fraction"])
         where.append({"epsilon": row["epsilon"], "skipped_fraction": row["skipped_fraction"],
                       "compute_fraction": row["compute_fraction"],
-                      "importance_gate_db": row["psnr_db_vs_full"],
+                      "default_gate_db": row["psnr_db_vs_full"],
                       "drift_gate_db": None if d["extrapolated"] else d["psnr_db_vs_full"],
                       "uniform_grid_db": None if g["extrapolated"] else g["psnr_db_vs_full"],
                       "cuts_db": None if c["extrapolated"] else c["psnr_db_vs_full"]})
     out["alternatives"] = {
         "drift_gate_sweep": drift, "drift_gate_default_eps": DEFAULT_EPS["drift"],
         "at_equal_points": where,
-        "method": "drift gate interpolated at each importance-sweep point's skipped "
+        "method": "drift gate interpolated at each default-gate sweep point's skipped "
                   "fraction, the other partitions at its compute fraction (None: outside "
                   "the swept range)",
     }
@@ -400,6 +480,6 @@ def edit_bench(model, encoder, spec, steps: int, cfg: RegionalConfig, requests: 
             "psnr_db_vs_cached_edit": d["psnr_db_vs_full"], "ssim_vs_cached_edit": d["ssim_vs_full"]}
 
 
-__all__ = ["Reference", "at", "cap_only", "edit_bench", "eps_sweep", "eval_prompts",
-           "paper_study", "probe_timing", "psnr_from_mse", "quality_bench", "references", "run_config",
+__all__ = ["EPS_SWEEPS", "Reference", "at", "cap_only", "edit_bench", "eps_sweep", "eval_prompts",
+           "gate_summary", "paper_study", "step_reuse_baseline", "probe_timing", "psnr_from_mse", "quality_bench", "references", "run_config",
            "ssim", "sweep"]

@@ -18,12 +18,16 @@ this implementation differs):
    (:func:`focus_context_partition`). Alternatives: ``"cuts"`` (recursive axis-aligned
    Otsu cuts under a size balance, :func:`otsu_partition`, with the bounded search over R
    of :func:`choose_partition`) and ``"grid"`` (a uniform grid, the paper's baseline).
-3. **Gate.** Default (the paper's, ``gate="importance"``): before every later step a cheap
-   *probe* (the first attention block over all region tokens, fused kernel plus a
+3. **Gate.** Default (the paper's rule, ``gate="paper"``): before every later step a
+   cheap *probe* (the first attention block over all region tokens, fused kernel plus a
    reduction: :class:`ProbeResult`) measures each patch's self-attention importance
-   ``A_p`` (attention mass its queries put on its own tokens); a patch is skipped when
-   ``|A_p - A_p(last run)| / sum_q A_q < eps``, and forced to run after ``max_skips``
-   consecutive skips (:class:`ImportanceGate`). Alternatives: ``"drift"`` (the score
+   ``A_p`` (attention mass its queries put on its own tokens). ``Delta_p`` = the change
+   of ``A_p`` between the patch's last two executions, frozen while it is skipped;
+   ``w_p = Delta_p / sum_q Delta_q``; a patch is skipped when ``w_p < eps``, forced to run
+   after ``max_skips`` consecutive skips, and the heaviest patch runs when no other would
+   (at least one per gated step: :class:`PaperGate`). Alternatives: ``"importance"``
+   (the earlier default: ``|A_p - A_p(last run)| / sum_q A_q < eps``, fresh every step,
+   every patch may skip: :class:`ImportanceGate`), ``"drift"`` (the score
    ``importance ** p x velocity drift``, normalised by its running mean:
    :class:`PatchGate`) and ``"periodic"`` (a fixed schedule of a given skipped fraction,
    no signal: :class:`PeriodicGate`, the cap-only baseline). A skipped patch reuses its
@@ -70,7 +74,13 @@ from sakura.dit.regional.config import (
     PARTITIONS,
     RegionalConfig,
 )
-from sakura.dit.regional.gate import GateDecision, ImportanceGate, PatchGate, PeriodicGate
+from sakura.dit.regional.gate import (
+    GateDecision,
+    ImportanceGate,
+    PaperGate,
+    PatchGate,
+    PeriodicGate,
+)
 from sakura.dit.regional.partition import (
     Partition,
     Split,
@@ -89,7 +99,7 @@ from sakura.dit.regional.state import RegionalState, RegionalStats, run_probes, 
 
 __all__ = [
     "DEFAULT_EPS", "DEFAULT_PATCHES", "FUNCTION_WORDS", "FullResult", "GATES", "GateDecision",
-    "ImportanceGate", "KVStore", "PARTITIONS", "Partition", "PatchGate", "PatchResult",
+    "ImportanceGate", "KVStore", "PaperGate", "PARTITIONS", "Partition", "PatchGate", "PatchResult",
     "PeriodicGate", "ProbeDone", "ProbeResult", "RegionalBackend", "RegionalConfig", "RegionalState",
     "RegionalStats", "Split", "balanced_bisection", "choose_partition", "explained_variance",
     "focus_context_partition", "fused_masses", "grid_partition", "make_partition", "otsu_partition",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GATES = ("importance", "drift", "periodic")
-DEFAULT_EPS = {"importance": 0.01, "drift": 1.0, "periodic": 0.0}
+GATES = ("paper", "importance", "drift", "periodic")
+DEFAULT_EPS = {"paper": 0.15, "importance": 0.01, "drift": 1.0, "periodic": 0.0}
 DEFAULT_PATCHES = 4
 PARTITIONS = ("otsu", "cuts", "grid")
 
@@ -16,12 +16,12 @@ class RegionalConfig:
     """Knobs of regional execution (defaults: ``dit/REGIONAL.md``)."""
 
     warmup: int = 4
-    gate: str = "importance"            # "importance" (paper) | "drift" | "periodic"
+    gate: str = "paper"                 # "paper" | "importance" | "drift" | "periodic"
     eps: float | None = None            # gate threshold; None: DEFAULT_EPS[gate]
     max_skips: int = 3
     partition: str = "otsu"             # "otsu" (paper) | "cuts" | "grid"
     patches: int | None = None          # R; None: DEFAULT_PATCHES ("cuts": bounded search)
-    probe_depth: int = 1                # probe blocks the importance gate's probe runs
+    probe_depth: int = 1                # probe blocks the paper / importance gates' probe runs
     skip_fraction: float = 0.5          # the periodic gate's schedule
     patch_candidates: tuple[int, ...] = (2, 3, 4, 6, 8)
     balance_tol: float = 0.25

@@ -1,12 +1,17 @@
 """The patch gate (FlashDiff step 3): before each step after the warm-up, which patches
 run and which reuse their last velocity.
 
-Default (the paper's, ``gate="importance"``): :class:`ImportanceGate` skips a patch when
-the change of its self-attention importance since it last ran, relative to the sum over
-all patches, is below ``eps``, and forces it back after ``max_skips`` skips.
-Alternatives: ``"drift"`` (:class:`PatchGate`, importance x velocity drift normalised by
-its running mean) and ``"periodic"`` (:class:`PeriodicGate`, a fixed schedule, no signal:
-the cap-only baseline). The gate names and default thresholds are in
+Default (the paper's rule, ``gate="paper"``): :class:`PaperGate` keeps, per patch, the
+change ``Delta_p`` of its self-attention importance between its last two executions
+(frozen while the patch is skipped), weighs it by the sum over all patches
+(``w_p = Delta_p / sum_q Delta_q``, so the weights sum to 1), skips a patch when
+``w_p < eps``, forces it back after ``max_skips`` skips, and runs the heaviest patch when
+nothing else would (at least one patch per gated step).
+Alternatives: ``"importance"`` (:class:`ImportanceGate`, the earlier default: fresh
+changes since each patch's last run, divided by the sum of importances, so every patch
+may skip in the same step), ``"drift"`` (:class:`PatchGate`, importance x velocity drift
+normalised by its running mean) and ``"periodic"`` (:class:`PeriodicGate`, a fixed
+schedule, no signal: the cap-only baseline). The gate names and default thresholds are in
 ``dit/regional/config.py``; :class:`~sakura.dit.regional.state.RegionalState` builds the
 gate the config names.
 """
@@ -25,6 +30,7 @@ class GateDecision:
     active: torch.Tensor   # bool [R]
     weights: torch.Tensor  # normalised scores [R]
     forced: torch.Tensor   # bool [R]: active only because of max_skips
+    guaranteed: torch.Tensor | None = None  # bool [R]: active only because one must run
 
     def active_ids(self) -> list[int]:
         return torch.nonzero(self.active).flatten().tolist()
@@ -80,8 +86,74 @@ class PatchGate:
 
 
 @dataclass
+class PaperGate:
+    """The paper's gate. ``Delta_p`` = the change of patch ``p``'s self-attention
+    importance between its last two executions; it is refreshed only when ``p`` runs
+    (frozen while it is skipped). Weights ``w_p = Delta_p / sum_q Delta_q`` (uniform when
+    every change is 0) sum to 1; ``p`` is skipped when ``w_p < eps``; a patch skipped
+    ``max_skips`` times in a row runs (``forced``); when no patch would run, the one of
+    largest weight runs (``guaranteed``), so every gated step runs at least one patch.
+
+    :meth:`start` takes every patch's importance at the last warm-up step (all patches
+    ran there). :meth:`decide` takes this step's importance (the probe, standing in for
+    the measurement the paper takes inside a patch's own execution): the first call sets
+    every ``Delta`` to the change since the warm-up (all patches ran at the step before);
+    after a decision, the patches
+    that run get ``Delta_p = |A_p(now) - A_p(last run)|`` and their reference moves to
+    now; the skipped keep both."""
+
+    patches: int
+    eps: float = 0.15
+    max_skips: int = 3
+    reference: torch.Tensor | None = None   # importance at each patch's last run
+    delta: torch.Tensor | None = None       # frozen change per patch
+    skips: torch.Tensor = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.skips is None:
+            self.skips = torch.zeros(self.patches, dtype=torch.long)
+
+    def start(self, importance: torch.Tensor) -> None:
+        """The importance every patch had at the last warm-up step (all of them ran)."""
+        self.reference = importance.double().clone()
+        self.delta = None
+
+    def weights(self) -> torch.Tensor:
+        d = self.delta.double().clamp_min(0)
+        total = float(d.sum())
+        if not torch.isfinite(d).all() or total <= 0:
+            return torch.full((self.patches,), 1.0 / self.patches, dtype=torch.float64)
+        return d / total
+
+    def decide(self, importance: torch.Tensor | None) -> GateDecision:
+        """``importance`` None (no probe: ``eps = 0``): every patch runs, nothing moves."""
+        if importance is None:
+            self.skips.zero_()
+            on = torch.ones(self.patches, dtype=torch.bool)
+            return GateDecision(on, torch.full((self.patches,), 1.0 / self.patches), ~on, ~on)
+        if self.reference is None:
+            raise RuntimeError("PaperGate.start() must see the warm-up importance first")
+        imp = importance.double()
+        if self.delta is None:  # every patch ran at the last warm-up step
+            self.delta = (imp - self.reference).abs()
+        w = self.weights()
+        chosen = w >= self.eps
+        forced = (self.skips >= self.max_skips) & ~chosen
+        active = chosen | forced
+        guaranteed = torch.zeros_like(active)
+        if not active.any():
+            guaranteed[int(torch.argmax(w))] = True
+            active = guaranteed.clone()
+        self.delta = torch.where(active, (imp - self.reference).abs(), self.delta)
+        self.reference = torch.where(active, imp, self.reference)
+        self.skips = torch.where(active, torch.zeros_like(self.skips), self.skips + 1)
+        return GateDecision(active, w.float(), forced, guaranteed)
+
+
+@dataclass
 class ImportanceGate:
-    """The paper's gate: skip a patch when the change of its self-attention importance
+    """The earlier default (``gate="importance"``; the paper's rule is :class:`PaperGate`):
+    skip a patch when the change of its self-attention importance
     since it last ran, relative to the sum over all patches, is below ``eps``; a patch
     skipped ``max_skips`` times in a row runs (forced reactivation).
 

@@ -16,7 +16,13 @@ from sakura.dit.regional.backend import (
     RegionalBackend,
 )
 from sakura.dit.regional.config import RegionalConfig
-from sakura.dit.regional.gate import GateDecision, ImportanceGate, PatchGate, PeriodicGate
+from sakura.dit.regional.gate import (
+    GateDecision,
+    ImportanceGate,
+    PaperGate,
+    PatchGate,
+    PeriodicGate,
+)
 from sakura.dit.regional.partition import Partition, make_partition
 
 
@@ -34,6 +40,7 @@ class RegionalStats:
     executed_patch_steps: int = 0
     skipped_patch_steps: int = 0
     forced_patch_steps: int = 0
+    guaranteed_patch_steps: int = 0   # run only because every gated step runs one
     macs: float = 0.0
     full_macs: float = 0.0
     probe_macs: float = 0.0
@@ -49,6 +56,16 @@ class RegionalStats:
     def skipped_fraction(self) -> float:
         total = self.executed_patch_steps + self.skipped_patch_steps
         return self.skipped_patch_steps / total if total else 0.0
+
+    @property
+    def min_active_patches(self) -> int | None:
+        """The fewest patches any gated step ran (None: no gated step)."""
+        return min((len(a) for a in self.active_log), default=None)
+
+    @property
+    def forced_fraction(self) -> float:
+        """Share of the gated patch-steps that ran only because of the K cap."""
+        return self.forced_patch_steps / self.executed_patch_steps if self.executed_patch_steps else 0.0
 
     @property
     def compute_fraction(self) -> float:
@@ -69,6 +86,9 @@ class RegionalStats:
                 "patch_sizes": self.patch_sizes, "executed_patch_steps": self.executed_patch_steps,
                 "skipped_patch_steps": self.skipped_patch_steps,
                 "forced_patch_steps": self.forced_patch_steps,
+                "guaranteed_patch_steps": self.guaranteed_patch_steps,
+                "forced_fraction": self.forced_fraction,
+                "min_active_patches": self.min_active_patches,
                 "skipped_fraction": self.skipped_fraction,
                 "compute_fraction": self.compute_fraction, "probe_fraction": self.probe_fraction,
                 "probes": self.probes, "probe_steps": self.probe_steps,
@@ -106,7 +126,7 @@ class RegionalState:
         self.step = 0
         self.store: KVStore | None = None
         self.partition: Partition | None = None
-        self.gate: PatchGate | ImportanceGate | PeriodicGate | None = None
+        self.gate: PaperGate | PatchGate | ImportanceGate | PeriodicGate | None = None
         self.eps = cfg.threshold        # the engine may change it between steps
         self.v_last = torch.zeros_like(self.x)
         self.v_prev: torch.Tensor | None = None
@@ -181,7 +201,9 @@ class RegionalState:
         part = make_partition(cfg.partition, self.coords, sal, self.patch_count, cfg,
                               self.text_tokens)
         self.partition = part
-        if cfg.gate == "importance":
+        if cfg.gate == "paper":
+            self.gate = PaperGate(part.count, self.eps, cfg.max_skips)
+        elif cfg.gate == "importance":
             self.gate = ImportanceGate(part.count, self.eps, cfg.max_skips)
         elif cfg.gate == "periodic":
             self.gate = PeriodicGate(part.count, cfg.skip_fraction, cfg.max_skips)
@@ -213,10 +235,11 @@ class RegionalState:
         out = []
         gate = self.cfg.gate
         warm = self.cfg.warmup - 1
-        if step == self.cfg.warmup and gate in ("importance", "drift"):
-            depth = self.cfg.probe_depth if gate == "importance" else None
+        probed = gate in ("paper", "importance")
+        if step == self.cfg.warmup and gate in ("paper", "importance", "drift"):
+            depth = self.cfg.probe_depth if probed else None
             out.append(("ref", self.t(warm), self._x_warm, depth))
-        if gate == "importance" and self.eps > 0:  # eps = 0: every patch runs, no probe
+        if probed and self.eps > 0:  # eps = 0: every patch runs, no probe
             out.append(("now", self.t(step), self.x, self.cfg.probe_depth))
         return out
 
@@ -231,7 +254,7 @@ class RegionalState:
             self.stats.probes += 1
         ref = results.get("ref")
         if ref is not None:
-            if isinstance(self.gate, ImportanceGate):
+            if isinstance(self.gate, (ImportanceGate, PaperGate)):
                 self.gate.start(ref.mass)
             else:
                 self.importance = ref.lift(self.partition.sizes())
@@ -249,7 +272,7 @@ class RegionalState:
         if self.probe_inputs(step):
             raise RuntimeError(f"step {step} needs its probes first")
         self.gate.eps = self.eps if not isinstance(self.gate, PeriodicGate) else 0.0
-        if isinstance(self.gate, ImportanceGate):
+        if isinstance(self.gate, (ImportanceGate, PaperGate)):
             now = self._probes.get(step, {}).get("now")
             d = self.gate.decide(None if now is None else now.mass)
         elif isinstance(self.gate, PeriodicGate):
@@ -295,6 +318,8 @@ class RegionalState:
         self.stats.executed_patch_steps += len(results)
         self.stats.skipped_patch_steps += len(parts) - len(results)
         self.stats.forced_patch_steps += int(d.forced.sum())
+        if d.guaranteed is not None:
+            self.stats.guaranteed_patch_steps += int(d.guaranteed.sum())
         self.stats.active_log.append(sorted(results))
         self.x = self.x + self.dt(step) * v
         self.step += 1

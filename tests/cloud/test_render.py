@@ -212,7 +212,7 @@ def test_arrival_traces_are_seeded_and_have_the_requested_rate(tmp_path):
 # ----------------------------------------------------------------------------- engine
 
 STEPS, SIZE, GUIDANCE = 8, 32, 2.0
-CFG = RegionalConfig(warmup=2, eps=0.01, max_skips=2, patches=4)
+CFG = RegionalConfig(warmup=2, eps=0.3, max_skips=2, patches=4)  # the paper's gate
 
 
 def _model() -> MMDiT:
@@ -377,7 +377,7 @@ def test_cli_registers_bench_flashdiff_and_render():
     r = parser.parse_args(["render", "replay", "--requests", "4", "--mode", "full", "--eps", "1.2"])
     assert (r.requests, r.mode, r.eps, r.priority) == (4, "full", 1.2, "warmup_first")
     assert (r.gate, r.partition, r.preempt, r.patches, r.request_priority) == (
-        "importance", "otsu", "benefit", None, "normal")
+        "paper", "otsu", "benefit", None, "normal")
     d = parser.parse_args(["render", "serve", "--gate", "drift", "--partition", "cuts",
                            "--patches", "6", "--no-quality-mode"])
     assert (d.gate, d.partition, d.patches, d.no_quality_mode, d.eps) == (

@@ -186,7 +186,7 @@ def test_adapter_checkpoint_served_regionally_equals_single_process(tmp_path, ki
                             torch.randn(1, pooled, generator=g) if pooled else None)
 
     req = LatentRequest(cond(7), cond(3), 0)
-    rc = RegionalConfig(warmup=2, eps=0.02, max_skips=2, patches=3)
+    rc = RegionalConfig(warmup=2, eps=0.4, max_skips=2, patches=3)  # the paper's gate
     cfg = EngineConfig(workers=1, model=name, model_path=str(path), regional=rc,
                        quality_eps=None, max_size=256)
     size = 6 * adapter.pixels_per_token

@@ -151,7 +151,7 @@ def test_periodic_gate_runs_the_requested_fraction_staggered(f):
 def test_state_probes_every_step_and_skips_the_patch_whose_importance_is_still():
     be = ScriptedBackend()
     steps = 10
-    cfg = RegionalConfig(warmup=2, eps=0.01, max_skips=2, patches=2)  # the paper's defaults
+    cfg = RegionalConfig(warmup=2, gate="importance", eps=0.01, max_skips=2, patches=2)
     ts = schedule(steps)
     st = RegionalState(cfg, be.coords, ts, torch.zeros(36, 2), be.text_tokens,
                        torch.tensor([False, True, False]), be.cost)
@@ -241,7 +241,8 @@ def test_fused_probe_masses_equal_the_explicit_attention_matrices():
 def test_regional_generation_with_each_gate_and_partition_runs_and_accounts_probes():
     model = tiny_model()
     req = tiny_request(model)
-    for gate, part in [("importance", "otsu"), ("drift", "cuts"), ("periodic", "grid")]:
+    for gate, part in [("paper", "otsu"), ("importance", "otsu"), ("drift", "cuts"),
+                       ("periodic", "grid")]:
         timer: dict = {}
         img, st = regional_generate(model, req.txt, req.txt_uncond, 32, 3, 6, 2.0,
                                     RegionalConfig(warmup=2, gate=gate, partition=part,
