@@ -296,16 +296,47 @@ def corrupted_catalog(world, tmp_path: Path, name: str, how: str) -> Path:
     return catalog
 
 
-@pytest.mark.parametrize("how,words", [("missing", ("404", "tables.bin")),
-                                       ("corrupt", ("checksum", "tables.bin"))])
-def test_a_missing_or_corrupt_bundle_file_is_one_line(exe, world, tmp_path, how, words):
+@pytest.mark.parametrize("how,code", [("missing", "publish_broken"),
+                                      ("corrupt", "pack_damaged")])
+def test_a_missing_or_corrupt_bundle_file_is_one_line(exe, world, tmp_path, how, code):
+    # sakura serve verifies a bundle file before it serves it: a 500 naming it
     from sakura.edge.server_process import ServerProcess
 
     catalog = corrupted_catalog(world, tmp_path, "tables.bin", how)
     with ServerProcess(catalog) as srv:
         done = run_binary(exe, edit_args(srv.url, tmp_path / "o.png") + FIXED, tmp_path)
-    line = one_error_line(done, 1, *words)
-    assert not (tmp_path / "o.png").exists(), line
+    one_error_line(done, 1, code, "tables.bin", "retrying will not help")
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_a_corrupt_bundle_file_from_a_plain_file_origin_fails_its_checksum(exe, world,
+                                                                          tmp_path):
+    # an origin that does not verify (a static file server, a CDN): the device's own check
+    import socket
+    import time
+
+    catalog = corrupted_catalog(world, tmp_path, "tables.bin", "corrupt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                             "127.0.0.1", "--directory", str(catalog)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        done = run_binary(exe, edit_args(f"http://127.0.0.1:{port}", tmp_path / "o.png")
+                          + FIXED, tmp_path)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    one_error_line(done, 1, "tables.bin", "fails its checksum", "not used")
+    assert not (tmp_path / "o.png").exists()
+    assert not list((tmp_path / "cache").rglob("tables.bin"))  # nothing kept
 
 
 def test_a_bundle_for_other_weights_is_one_line(exe, world, tmp_path):

@@ -185,13 +185,31 @@ json parse_json(const std::string& body, const std::string& what) {
   }
 }
 
+// the origin's own message (sakura serve: {"error": ..., "code": ...}; edge/retry.py)
 std::string short_body(const std::string& body) {
   try {
     const json d = json::parse(body);
-    if (d.is_object() && d.contains("detail") && d["detail"].is_string()) return d["detail"];
+    if (d.is_object()) {
+      std::string msg;
+      for (const char* k : {"error", "detail"}) {
+        if (d.contains(k) && d[k].is_string()) {
+          msg = d[k].get<std::string>().substr(0, 300);
+          break;
+        }
+      }
+      if (d.contains("code") && d["code"].is_string()) {
+        const std::string code = d["code"];
+        if (code == "pack_damaged" || code == "publish_broken") {
+          msg += " (the origin says " + code + ": retrying will not help)";
+        }
+      }
+      if (!msg.empty()) return msg;
+    }
   } catch (const json::exception&) {
   }
-  return body.substr(0, 200);
+  std::string text = body.substr(0, 200);
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  return text;
 }
 
 std::string hex(const std::array<std::uint8_t, 32>& h) {

@@ -132,8 +132,16 @@ Got http_get(const std::string& url, const std::vector<std::string>& headers,
       last = curl_easy_strerror(rc);
       again = true;
     } else if (got.status >= 500 || got.status == 408 || got.status == 429) {
+      // the origin's permanent codes (edge/retry.py PERMANENT_CODES) are answers, not outages
+      bool permanent = false;
+      try {
+        const auto doc = nlohmann::json::parse(t.body);
+        const std::string code = doc.is_object() ? doc.value("code", "") : "";
+        permanent = code == "pack_damaged" || code == "publish_broken";
+      } catch (const std::exception&) {
+      }
       last = "HTTP " + std::to_string(got.status);
-      again = true;
+      again = !permanent;
     }
     if (!again) {
       got.body = std::move(t.body);
