@@ -16,8 +16,11 @@ fi
 # the static origin the pack tests and `sakura bench origins` start on loopback (cloud/origins.py);
 # tcpdump, the packet captures of scripts/stall_capture.py.
 # utf8proc, the Unicode data of the native WordPiece tokenizer (native/src/sakura/tokenizer.cpp).
+# libpng and nlohmann-json for the sakura-edge executable (native/src/edge/: the PNG, the
+# catalog and manifest JSON), strace for its no-interpreter check (tests/native/test_sakura_edge.py).
 apt_pkgs="g++-aarch64-linux-gnu qemu-user pocl-opencl-icd ocl-icd-opencl-dev opencl-headers
-  libcurl4-openssl-dev libssl-dev nginx-light nftables tcpdump libutf8proc-dev"
+  libcurl4-openssl-dev libssl-dev nginx-light nftables tcpdump libutf8proc-dev
+  libpng-dev nlohmann-json3-dev strace"
 apt_missing="$(for p in $apt_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)"
 if [ -n "$apt_missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   echo "[sakura] installing Debian packages:" $apt_missing
