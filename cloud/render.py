@@ -75,6 +75,8 @@ from sakura.dit.regional import (
     salient_token_mask,
 )
 
+POOLS = ("process", "ray")
+
 
 @dataclass
 class _Req:
@@ -87,9 +89,11 @@ class _Req:
     spec: dict
     future: Future
     arrival: float
-    pending: dict[int, tuple[PatchResult, int]] = field(default_factory=dict)
-    # the last patch step that wrote K/V, and its writes (token ids, k, v, worker)
-    last: tuple[int, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]]] | None = None
+    # patch -> (result, worker, its K/V as object-store references or None)
+    pending: dict[int, tuple[PatchResult, int, tuple | None]] = field(default_factory=dict)
+    # the last patch step that wrote K/V, and its writes (token ids, k, v, worker); k / v
+    # are object-store references on the Ray pool (deltas forward them), arrays otherwise
+    last: tuple[int, dict[int, tuple[np.ndarray, object, object, int]]] | None = None
     kv_since: int = 0            # the K/V store is unchanged since the start of this step
     seen: set[int] = field(default_factory=set)   # workers holding its backend
     tasks: int = 0
@@ -114,7 +118,14 @@ class RenderEngine:
                                self.cfg.group_overhead_rows, self.cfg.priority,
                                self.cfg.preempt, self.cfg.reserve)
         self.search = PatchCountSearch(tuple(self.cfg.patch_candidates))
-        self.pool = WorkerPool(self.cfg)
+        if self.cfg.pool not in POOLS:
+            raise RenderError(f"pool must be one of {POOLS}")
+        if self.cfg.pool == "ray":
+            from sakura.cloud.render_ray import RayWorkerPool  # lazy: the [ray] extra
+
+            self.pool = RayWorkerPool(self.cfg)
+        else:
+            self.pool = WorkerPool(self.cfg)
         self._rid = itertools.count()
         self._reqs: dict[int, _Req] = {}
         self._inbox: queue.Queue = queue.Queue()
@@ -454,14 +465,16 @@ class RenderEngine:
                 pr = PatchResult(torch.from_numpy(p["velocity"]), torch.from_numpy(p["k"]),
                                  torch.from_numpy(p["v"]), p["self_mass"], p["img_keys"],
                                  p["probe_macs"])
-                r.pending[p["patch"]] = (pr, w.wid)
+                refs = (p["k_ref"], p["v_ref"]) if "k_ref" in p else None
+                r.pending[p["patch"]] = (pr, w.wid, refs)
                 self.applied.append(TaskKey(r.rid, s, p["patch"]))
         active = set(st.decide(s).active_ids())
         if set(r.pending) == active:
-            results = {p: pr for p, (pr, _) in r.pending.items()}
+            results = {p: pr for p, (pr, _, _) in r.pending.items()}
             parts = st.partition.patches
-            r.last = (s, {p: (as_numpy(parts[p]), as_numpy(pr.k), as_numpy(pr.v), wid)
-                          for p, (pr, wid) in r.pending.items()})
+            r.last = (s, {p: (as_numpy(parts[p]),
+                              *(refs or (as_numpy(pr.k), as_numpy(pr.v))), wid)
+                          for p, (pr, wid, refs) in r.pending.items()})
             r.kv_since = s + 1
             r.pending = {}
             st.apply_patches(s, results)
@@ -509,4 +522,4 @@ class RenderEngine:
             raise
 
 
-__all__ = ["RenderEngine"]
+__all__ = ["POOLS", "RenderEngine"]

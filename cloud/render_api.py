@@ -95,6 +95,10 @@ class EngineConfig:
     quality_eps: float | None = 0.0  # the gate's eps under low load (None: no quality mode)
     low_load: float = 0.5            # active requests per worker at or below = low load
     start_timeout_s: float = 300.0
+    pool: str = "process"            # "process" (spawned processes) | "ray" (cloud.render_ray)
+    ray_address: str | None = None   # join this Ray cluster (None: start a local one)
+    ray_object_store_bytes: int = 512 * 2**20   # a local Ray's object store
+    task_deadline_s: float = 300.0   # a Ray actor silent this long on a call is hung
     max_size: int = 128
     max_steps: int = 100
 

@@ -33,7 +33,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[sakura] installing the project into .venv (first run takes a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
   # [all,dev]: every extra (the model with torch==2.13.0, executorch, qnn, aihub, diffusers,
-  # s3) and the test tools, resolved in this same pip call, with native/'s build tools.
+  # s3, ray) and the test tools, resolved in this same pip call, with native/'s build tools.
   .venv/bin/python -m pip install -q -e ".[all,dev]" "pybind11~=3.1" "scikit-build-core~=1.1"
   # ./native builds the sakura_native extension (g++ >= 9, CMake >= 3.18) against the
   # executorch and torch just installed (its edit runtime links the executorch wheel's C++

@@ -1,0 +1,270 @@
+"""The render engine's workers as Ray actors: the same interface as the process pool
+(``cloud.render_pool.WorkerPool``: ``workers``, ``spawn``, ``wake``, ``poll``, ``close``),
+so the engine and its scheduler (``cloud.render_sched``: priority monotasks, least-maximum-
+load placement, step-boundary preemption) do not change. Ray does the processes, the
+transport, placement across nodes and failure detection.
+
+* **Actors.** :class:`RenderActor` wraps the process worker's ``_Worker``
+  (``cloud.render_worker``): it loads the model once (the default MMDiT or a diffusers
+  checkpoint), keeps each request's backend and K/V replica, and answers each monotask
+  group with the same messages (``done`` / ``resync`` / ``error``). One actor per worker,
+  one CPU each (one GPU each where the cluster has GPUs), spread over the nodes. Calls
+  from the engine to one actor run in the order they were made (Ray's actor ordering),
+  which the replicas' versions rely on, as they rely on the order of a pipe.
+* **K/V in the object store.** A patch group's K/V outputs are put in the object store by
+  the actor that computed them; the engine keeps the references (``k_ref`` / ``v_ref``)
+  and forwards *references* in the deltas that bring other actors' replicas up to date,
+  so the bytes go from the object store to the actor that needs them, not through the
+  engine. Snapshots (a new or replaced actor) are put once per send. The engine still
+  reads each output once (``ray.get``, zero-copy from the local store for numpy arrays)
+  for its authoritative per-request state, which is what recovery re-runs from.
+* **Failures.** A call whose actor died raises ``RayActorError``: the actor is reported
+  lost, the engine requeues its unfinished monotasks and starts a replacement (outputs
+  are idempotent per (request, step, patch)). A call that has not answered within
+  ``EngineConfig.task_deadline_s`` means a hung actor: it is killed and handled the same
+  way. A delta whose referenced objects died with their owner makes the receiving actor
+  ask for a resync (a snapshot), as a replica at the wrong version does.
+
+``EngineConfig(pool="ray", ray_address=...)`` selects it (``sakura render serve --ray
+ADDRESS`` joins a running cluster; ``--pool ray`` starts a local one).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from sakura.cloud.render_api import EngineConfig, RenderError
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - the [ray] extra is not installed
+        raise RenderError("the Ray pool needs the [ray] extra: pip install 'sakura-kv[ray]'") from exc
+    return ray
+
+
+class RenderActor:
+    """One render worker as a Ray actor (wrapped by ``ray.remote`` in :func:`actor_class`)."""
+
+    def __init__(self, wid: int, weights, device: str, threads: int, model_name, model_path):
+        import torch
+        from sakura.cloud.render_worker import _Worker, pick_device
+        from sakura.dit.adapters.registry import load_adapter
+        from sakura.dit.weights import load_model
+
+        torch.set_num_threads(max(1, threads))
+        self.wid = wid
+        self.device = pick_device(wid, device)
+        if model_name:
+            model = load_adapter(model_name, model_path, device=self.device)
+        else:
+            model = load_model(weights).to(self.device)
+        self.worker = _Worker(model)
+
+    def info(self) -> tuple:
+        return ("ready", self.wid, os.getpid(), self.device)
+
+    def close(self, rid: int) -> None:
+        self.worker.close(rid)
+
+    def _resolve(self, payload: dict) -> None:
+        """Fetch the object-store references a sync carries (in place)."""
+        ray = _ray()
+        sync = payload.get("sync")
+        if sync is None:
+            return
+        if sync[0] == "snapshot":
+            _, version, k, v = sync
+            k, v = ray.get([k, v]) if isinstance(k, ray.ObjectRef) else (k, v)
+            payload["sync"] = ("snapshot", version, k, v)
+        elif sync[0] == "delta":
+            _, since, version, writes = sync
+            refs = [x for w in writes for x in w[1:3] if isinstance(x, ray.ObjectRef)]
+            got = dict(zip(refs, ray.get(refs))) if refs else {}
+            writes = [(i, got.get(k, k) if isinstance(k, ray.ObjectRef) else k,
+                       got.get(v, v) if isinstance(v, ray.ObjectRef) else v)
+                      for i, k, v in writes]
+            payload["sync"] = ("delta", since, version, writes)
+
+    def run(self, payload: dict) -> tuple:
+        from sakura.cloud.render_worker import ResyncNeeded
+
+        ray = _ray()
+        keys = payload["keys"]
+        payload["x"] = np.array(payload["x"])  # writable (object-store buffers are not)
+        try:
+            try:
+                self._resolve(payload)
+            except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as exc:
+                raise ResyncNeeded(str(exc)) from exc
+            out = self.worker.run(payload)
+        except ResyncNeeded:
+            self.worker.close(payload["rid"])  # the engine resends the spec and a snapshot
+            return ("resync", self.wid, payload["rid"], payload["step"], keys)
+        except Exception:
+            return ("error", self.wid, payload["rid"], payload["step"], keys,
+                    traceback.format_exc())
+        out["keys"] = keys
+        if out["kind"] == "patches":  # K/V to the object store; the engine keeps references
+            for p in out["patches"]:
+                p["k_ref"], p["v_ref"] = ray.put(p["k"]), ray.put(p["v"])
+        return ("done", self.wid, out)
+
+
+_ACTOR = None
+
+
+def actor_class():
+    global _ACTOR
+    if _ACTOR is None:
+        _ACTOR = _ray().remote(RenderActor)
+    return _ACTOR
+
+
+@dataclass
+class RayWorker:
+    """A render actor as the engine sees a worker (the fields of ``WorkerProc``)."""
+
+    wid: int
+    actor: object
+    pending: dict = field(default_factory=dict)   # ObjectRef -> (sent at, what)
+    ready: bool = False
+    pid: int = 0
+    device: str = ""
+    alive: bool = True
+    done_groups: int = 0
+    node: str = ""
+
+    def send(self, msg) -> None:
+        if not self.alive:
+            return
+        if msg[0] == "run":
+            payload = _to_store(msg[1])
+            self.pending[self.actor.run.remote(payload)] = (time.monotonic(), "run")
+        elif msg[0] == "close":
+            self.actor.close.remote(msg[1])
+
+    def mark_lost(self) -> None:
+        self.alive = False
+        self.pending.clear()
+        try:
+            _ray().kill(self.actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+
+
+def _to_store(payload: dict) -> dict:
+    """Put a snapshot's K/V in the object store (the call then carries references)."""
+    ray = _ray()
+    sync = payload.get("sync")
+    if sync is not None and sync[0] == "snapshot" and isinstance(sync[2], np.ndarray):
+        payload = dict(payload)
+        payload["sync"] = (sync[0], sync[1], ray.put(sync[2]), ray.put(sync[3]))
+    return payload
+
+
+class RayWorkerPool:
+    """The engine's workers as Ray actors, by id (ids are never reused)."""
+
+    def __init__(self, cfg: EngineConfig):
+        ray = _ray()
+        self.cfg = cfg
+        self.workers: dict[int, RayWorker] = {}
+        self._wid = itertools.count()
+        self.started_ray = False
+        if not ray.is_initialized():
+            if cfg.ray_address:
+                ray.init(address=cfg.ray_address, include_dashboard=False,
+                         log_to_driver=False, logging_level="warning")
+            else:
+                ray.init(num_cpus=max(cfg.workers, 1), include_dashboard=False,
+                         log_to_driver=False, logging_level="warning",
+                         object_store_memory=cfg.ray_object_store_bytes)
+            self.started_ray = True
+        gpus = ray.cluster_resources().get("GPU", 0)
+        self.num_gpus = 1 if cfg.device != "cpu" and gpus >= 1 else 0
+
+    def spawn(self) -> RayWorker:
+        cfg = self.cfg
+        wid = next(self._wid)
+        actor = actor_class().options(
+            num_cpus=1, num_gpus=self.num_gpus, max_restarts=0, scheduling_strategy="SPREAD",
+            name=None).remote(wid, cfg.weights, "cuda" if self.num_gpus else
+                              ("cpu" if cfg.device == "auto" else cfg.device),
+                              cfg.threads, cfg.model, cfg.model_path)
+        w = RayWorker(wid, actor)
+        w.pending[actor.info.remote()] = (time.monotonic(), "info")
+        self.workers[wid] = w
+        return w
+
+    def wake(self) -> None:
+        """Nothing to cut short: :meth:`poll` waits at most its (short) timeout."""
+
+    def poll(self, timeout: float, on_message: Callable[[RayWorker, tuple], None],
+             on_lost: Callable[[RayWorker], None]) -> None:
+        ray = _ray()
+        live = [w for w in self.workers.values() if w.alive]
+        owner = {ref: w for w in live for ref in w.pending}
+        done = []
+        if owner:  # wait for the first answer, then take every one already there
+            first, rest = ray.wait(list(owner), num_returns=1, timeout=timeout)
+            if first and rest:
+                more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+                first = first + more
+            done = first
+        else:
+            time.sleep(timeout)
+        for ref in done:
+            w = owner[ref]
+            if not w.alive or ref not in w.pending:
+                continue
+            del w.pending[ref]
+            try:
+                msg = ray.get(ref)
+            except ray.exceptions.RayError:  # the actor died (or its answer is lost)
+                on_lost(w)
+                continue
+            if msg[0] == "done":
+                out = msg[2]
+                if out["kind"] == "patches":  # the engine keeps the references for deltas
+                    for p in out["patches"]:
+                        p["k"], p["v"] = ray.get([p["k_ref"], p["v_ref"]])
+                elif out["kind"] == "probe":
+                    out["probes"] = {label: (np.array(m), *rest)
+                                     for label, (m, *rest) in out["probes"].items()}
+                elif out["kind"] == "full":
+                    # the engine's K/V store is written in place: its own copy, not the
+                    # object store's read-only buffer
+                    f = out["full"]
+                    for key in ("velocity", "text_attn", "k", "v"):
+                        if f[key] is not None:
+                            f[key] = np.array(f[key])
+            on_message(w, msg)
+        now = time.monotonic()
+        limit = self.cfg.task_deadline_s
+        for w in live:  # a call past its deadline: the actor is hung
+            if w.alive and w.ready and limit and any(
+                    kind == "run" and now - t0 > limit for t0, kind in w.pending.values()):
+                on_lost(w)
+
+    def close(self) -> None:
+        ray = _ray()
+        for w in self.workers.values():
+            if w.alive:
+                w.alive = False
+                try:
+                    ray.kill(w.actor, no_restart=True)
+                except Exception:
+                    pass
+        if self.started_ray:
+            ray.shutdown()
+
+
+__all__ = ["RayWorker", "RayWorkerPool", "RenderActor", "actor_class"]
