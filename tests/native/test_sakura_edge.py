@@ -229,6 +229,57 @@ def test_the_float_output_does_not_depend_on_the_seed_path(exe, server, tmp_path
     assert np.abs(outs[0] - outs[1]).max() > 1e-3  # another seed, another edit
 
 
+class Outage:
+    """ASGI wrapper: pack GETs get their headers, then nothing for ``stall_s`` (no prefix can
+    arrive); everything else passes (tests/edge/test_native_runtime.py's outage)."""
+
+    def __init__(self, app, stall_s=30.0):
+        self.app, self.stall_s = app, stall_s
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] == "http" and scope["method"] == "GET"
+                and scope["path"].endswith(".pack")):
+            import asyncio
+
+            asked = dict(scope["headers"]).get(b"range", b"bytes=0-0").split(b"=", 1)[1]
+            await send({"type": "http.response.start", "status": 206,
+                        "headers": [(b"content-type", b"application/octet-stream"),
+                                    (b"content-range", b"bytes " + asked + b"/*")]})
+            await asyncio.sleep(self.stall_s)
+            return
+        await self.app(scope, receive, send)
+
+
+def test_an_outage_from_the_start_runs_every_step_locally_as_local_does(exe, world, server,
+                                                                         tmp_path):
+    """The local fallback through the bundle's full chain: no byte of the pack arrives, so
+    every step runs on the device with every token, and the image is the Python runtime's
+    ``local`` edit (the whole model, no cache)."""
+    from sakura.cloud.server import create_app
+    from sakura.cloud.storage import LocalStorage
+    from sakura.edge.backends.base import BackendConfig
+    from sakura.edge.runtime import EdgeRuntime
+
+    from tests.edge.helpers import Server
+
+    floats, timeline = tmp_path / "o.npy", tmp_path / "t.json"
+    with Server(Outage(create_app(LocalStorage(world["catalog"])))) as srv:
+        done = run_binary(exe, edit_args(srv.url, tmp_path / "o.png") +
+                          ["--policy", "sakura-fixed-config", "--budget-rate-bps", "1e12",
+                           "--float-out", str(floats), "--timeline", str(timeline),
+                           "--no-state"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    tl = json.loads(timeline.read_text())
+    assert all(r["local"] and r["bytes"] == 0 for r in tl["timeline"])
+    rt = EdgeRuntime(world["model"], encoder=world["encoder"], runtime="native",
+                     backend_config=BackendConfig(cache_dir=world["compiled"]))
+    template = rt.fetch_template(server.url, TEMPLATE_ID)
+    local = rt.edit(server.url, TEMPLATE_ID, template, rt.request(PROMPT, 3), "local")
+    err = float(np.abs(np.load(floats) - local.image.numpy()).max())
+    print(f"all-local edit vs local: max abs err {err:.3g}")
+    assert err <= 1e-4
+
+
 # ---------------------------------------------------------------------- bad input
 def one_error_line(done: subprocess.CompletedProcess, code: int, *words: str) -> str:
     assert done.returncode == code, (done.returncode, done.stderr)
