@@ -26,6 +26,13 @@ quality runs' 64 px (256 tokens), where a full request is ~5x cheaper than at 12
 the gate's probe round trip, the engine process's own CPU on the same two cores) weigh
 more against what skipping saves. Ratios come from one run on one machine.
 
+``ray``: the engine with its workers as Ray actors on a two-node Ray cluster started on
+this machine, against the process pool (``ray_bench``): throughput ratio, an actor killed
+mid-batch, output equality.
+
+``gate`` / ``gate_alternative`` / ``step_reuse_baseline``: the paper's gate's properties
+and its comparisons (``dit.regional_bench.paper_study``).
+
 ``adapters``: regional execution of diffusers transformers through the same engine
 (their workers load a checkpoint folder through ``dit.adapters``): seeded tiny FLUX.2 and
 SD3.5 transformers (``dit.adapters.tiny``, bench size; random weights, since no real
@@ -226,6 +233,86 @@ def adapter_bench(kinds=("flux2", "sd3.5"), *, steps: int = 10, grid: int = 16,
     return out
 
 
+def ray_bench(weights: str | None, encoder, prompts: list[str], *, workers: int = 2,
+              requests: int = 6, steps: int = 10, size: int = 64,
+              cfg: RegionalConfig | None = None, nodes: int = 2, rounds: int = 3) -> dict:
+    """The engine on Ray against the process pool on this machine.
+
+    A Ray cluster of ``nodes`` nodes is started here as an operator would (``ray start
+    --head``, then ``ray start --address`` per extra node, one CPU and a 200 MB object
+    store each; ``cloud.render_ray.LocalCluster``) and the engine joins it
+    (``pool="ray"``, ``ray_address``), its ``workers`` actors spread over the nodes. The
+    same batch of ``requests`` regional requests (submitted at once, fixed R) runs on the
+    process pool and on Ray; ``throughput_ratio_vs_process_pool`` = Ray's requests per
+    second of makespan over the process pool's (the best of ``rounds`` interleaved runs
+    each: the host's other load moves single runs by up to 1.6x here). Then the batch runs again on Ray with one actor
+    SIGKILLed while it has work in flight: ``actor_killed_recovered`` = every request
+    came back and equals the undisturbed Ray run's image. ``outputs_identical``: the Ray
+    images equal the process pool's bit for bit."""
+    import os as _os
+    import signal
+
+    from sakura.cloud.render_ray import LocalCluster, nodes_of
+
+    cfg = replace(cfg or _config(steps), patches=4)
+    base = RenderRequest(steps=steps, size=size, guidance=3.0, mode="regional")
+    reqs = [replace(base, prompt=prompts[i % len(prompts)], seed=30_000 + i)
+            for i in range(requests)]
+
+    def batch(eng, kill: bool = False):
+        t0 = time.perf_counter()
+        futs = [eng.submit(r) for r in reqs]
+        killed = None
+        if kill:
+            victim = min(eng.worker_pids())
+            while victim not in eng.busy_workers() and not all(f.done() for f in futs):
+                time.sleep(0.002)
+            killed = eng.worker_pids().get(victim)
+            if killed:
+                _os.kill(killed, signal.SIGKILL)
+        res = [f.result(timeout=600) for f in futs]
+        return res, time.perf_counter() - t0, killed
+
+    ecfg = EngineConfig(workers=workers, weights=weights, regional=cfg, quality_eps=None,
+                        patch_search=False)
+    times: dict[str, list[float]] = {"process": [], "ray": []}
+    with LocalCluster(nodes=nodes) as cluster:
+        rcfg = replace(ecfg, pool="ray", ray_address=cluster.address)
+        with RenderEngine(ecfg, encoder) as proc, RenderEngine(rcfg, encoder) as eng:
+            batch(proc)  # warm-up of both (first calls, caches)
+            batch(eng)
+            p_res, dt, _ = batch(proc)
+            times["process"].append(dt)
+            r_res, dt, _ = batch(eng)
+            times["ray"].append(dt)
+            for _ in range(rounds - 1):  # interleaved: Ray, process, process, Ray, ...
+                for name, e in (("ray", eng), ("process", proc)):
+                    times[name].append(batch(e)[1])
+            placed = sorted(set(nodes_of(eng.pool).values()))
+            before = eng.metrics()
+            k_res, dt_kill, killed = batch(eng, kill=True)
+            after = eng.metrics()
+        alive = cluster.alive_nodes()
+    diff = max(float((a.image - b.image).abs().max()) for a, b in zip(r_res, p_res))
+    kdiff = max(float((a.image - b.image).abs().max()) for a, b in zip(k_res, r_res))
+    thr = {k: requests / min(v) for k, v in times.items()}
+    return {"nodes": alive, "workers": workers,
+            "nodes_with_workers": len(placed),
+            "throughput_ratio_vs_process_pool": thr["ray"] / thr["process"],
+            "actor_killed_recovered": bool(killed) and kdiff == 0.0
+            and after["worker_deaths"] == before["worker_deaths"] + 1,
+            "outputs_identical": diff == 0.0,
+            "max_abs_diff_vs_process_pool": diff, "max_abs_diff_killed_vs_undisturbed": kdiff,
+            "requeued_after_kill": after["requeued"] - before["requeued"],
+            "makespan_s": {k: v for k, v in times.items()}, "killed_run_makespan_s": dt_kill,
+            "throughput_rps": thr, "requests": requests, "steps": steps, "size": size,
+            "patches": 4, "torch_threads_per_worker": ecfg.threads,
+            "cluster": f"{nodes} Ray nodes on this machine (ray start --head / --address), "
+                       "1 CPU and a 200 MB object store each",
+            "method": f"one batch submitted at once; the best of {rounds} interleaved runs "
+                      "per pool; one actor SIGKILLed mid-batch in a further Ray run"}
+
+
 def _percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -292,6 +379,8 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
         if not quick:  # the other priority policy, same replays as `serving`
             out["serving_fifo"] = replays(size=serve_size, priority="fifo")
         out["adapters"] = adapter_bench(steps=steps, workers=1)
+        out["ray"] = ray_bench(weights, enc, [p for _, p, _ in prompts], workers=workers,
+                               steps=steps, cfg=cfg)
     out["load_average_end"] = list(os.getloadavg())
     return out
 
@@ -308,4 +397,5 @@ def main(json_path: str | None, quick: bool, weights: str | None = None, workers
     return 0
 
 
-__all__ = ["adapter_bench", "main", "priority_replay", "run_bench", "serving_bench"]
+__all__ = ["adapter_bench", "main", "priority_replay", "ray_bench", "run_bench",
+           "serving_bench"]

@@ -33,7 +33,9 @@ def _engine(args: argparse.Namespace):
     from sakura.dit.regional import RegionalConfig  # lazy: torch
     from sakura.dit.text import TextEncoder  # lazy: torch
 
+    pool = "ray" if args.ray else args.pool
     cfg = EngineConfig(workers=args.workers, weights=args.weights, priority=args.priority,
+                       pool=pool, ray_address=args.ray,
                        device=args.device, preempt=args.preempt,
                        quality_eps=None if args.no_quality_mode else 0.0,
                        patch_search=args.patches is None,
@@ -101,6 +103,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="worker processes (default 2)")
     p.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     p.add_argument("--device", default="auto", help="auto (GPUs when present), cpu, cuda")
+    p.add_argument("--pool", default="process", choices=["process", "ray"],
+                   help="workers as spawned processes (default) or Ray actors on a local Ray "
+                        "the engine starts (needs the [ray] extra)")
+    p.add_argument("--ray", metavar="ADDRESS", default=None,
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379; implies --pool ray): "
+                        "the workers are actors spread over its nodes")
     p.add_argument("--priority", default="warmup_first", choices=["warmup_first", "fifo"],
                    help="monotask order within a priority class (default warmup_first)")
     p.add_argument("--preempt", default="benefit", choices=["benefit", "strict"],

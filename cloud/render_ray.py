@@ -69,7 +69,8 @@ class RenderActor:
         self.worker = _Worker(model)
 
     def info(self) -> tuple:
-        return ("ready", self.wid, os.getpid(), self.device)
+        node = _ray().get_runtime_context().get_node_id()
+        return ("ready", self.wid, os.getpid(), self.device, node)
 
     def close(self, rid: int) -> None:
         self.worker.close(rid)
@@ -184,7 +185,7 @@ class RayWorkerPool:
                 ray.init(address=cfg.ray_address, include_dashboard=False,
                          log_to_driver=False, logging_level="warning")
             else:
-                ray.init(num_cpus=max(cfg.workers, 1), include_dashboard=False,
+                ray.init(address="local", num_cpus=max(cfg.workers, 1), include_dashboard=False,
                          log_to_driver=False, logging_level="warning",
                          object_store_memory=cfg.ray_object_store_bytes)
             self.started_ray = True
@@ -231,6 +232,8 @@ class RayWorkerPool:
             except ray.exceptions.RayError:  # the actor died (or its answer is lost)
                 on_lost(w)
                 continue
+            if msg[0] == "ready":  # the engine's message has no node: keep it here
+                w.node, msg = msg[4], msg[:4]
             if msg[0] == "done":
                 out = msg[2]
                 if out["kind"] == "patches":  # the engine keeps the references for deltas
@@ -267,4 +270,80 @@ class RayWorkerPool:
             ray.shutdown()
 
 
-__all__ = ["RayWorker", "RayWorkerPool", "RenderActor", "actor_class"]
+def nodes_of(pool: RayWorkerPool) -> dict[int, str]:
+    """Live workers: id -> the Ray node they run on."""
+    return {w.wid: w.node for w in pool.workers.values() if w.alive and w.ready}
+
+
+class LocalCluster:
+    """A Ray cluster of ``nodes`` nodes on this machine, as an operator starts one: ``ray
+    start --head`` then ``ray start --address`` per extra node, each ``--block``ed in its
+    own process group (stopping it stops exactly what it started, nothing else of Ray on
+    the machine). Token authentication is on (Ray's default once a token exists)."""
+
+    def __init__(self, nodes: int = 2, cpus_per_node: int = 1,
+                 object_store_bytes: int = 200_000_000, port: int = 6399):
+        self.nodes, self.cpus, self.store, self.port = nodes, cpus_per_node, object_store_bytes, port
+        self.procs: list = []
+        self.address = ""
+
+    def __enter__(self) -> LocalCluster:
+        import sys
+        import tempfile
+
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        exe = os.path.join(os.path.dirname(sys.executable), "ray")
+        self.logs = tempfile.mkdtemp(prefix="sakura-ray-")  # kept: the nodes' logs
+        common = [f"--num-cpus={self.cpus}", f"--object-store-memory={self.store}",
+                  "--disable-usage-stats", "--block"]
+        head_log = os.path.join(self.logs, "head.log")
+        self._start([exe, "start", "--head", f"--port={self.port}",
+                     "--include-dashboard=false", *common], env, head_log)
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in open(head_log).read():
+            if time.monotonic() > deadline or self.procs[0].poll() is not None:
+                self.__exit__()
+                raise RenderError(f"ray start --head failed (see {head_log})")
+            time.sleep(0.5)
+        self.address = f"127.0.0.1:{self.port}"
+        for i in range(1, self.nodes):
+            self._start([exe, "start", f"--address={self.address}", *common], env,
+                        os.path.join(self.logs, f"node{i}.log"))
+        ray = _ray()
+        ray.init(address=self.address, log_to_driver=False, logging_level="warning")
+        while len([n for n in ray.nodes() if n["Alive"]]) < self.nodes:
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise RenderError(f"only {len(ray.nodes())} of {self.nodes} Ray nodes joined")
+            time.sleep(0.5)
+        return self
+
+    def _start(self, cmd, env, log) -> None:
+        import subprocess
+
+        with open(log, "w") as f:
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+
+    def alive_nodes(self) -> int:
+        return len([n for n in _ray().nodes() if n["Alive"]])
+
+    def __exit__(self, *exc) -> None:
+        import signal
+        import subprocess
+
+        ray = _ray()
+        if ray.is_initialized():
+            ray.shutdown()
+        for p in reversed(self.procs):
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs = []
+
+
+__all__ = ["LocalCluster", "RayWorker", "RayWorkerPool", "RenderActor", "actor_class", "nodes_of"]

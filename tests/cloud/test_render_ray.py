@@ -34,7 +34,7 @@ def weights(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_engine(weights, text_encoder):
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 * 2**20, logging_level="warning")
     eng = RenderEngine(EngineConfig(workers=2, weights=weights, regional=CFG, pool="ray",
                                     capacity_rows=400, quality_eps=None,
@@ -141,3 +141,18 @@ def test_unknown_model_or_size_is_one_clear_error(ray_engine, tmp_path):
         ray_engine.submit(RenderRequest(prompt="x", size=30))
     with pytest.raises(RenderError, match="pool"):
         RenderEngine(EngineConfig(pool="threads"))
+
+
+def test_cli_takes_a_ray_address_or_the_local_ray_pool():
+    import argparse
+
+    from sakura.cloud import render_cli
+
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers(dest="command")
+    render_cli.register(commands, commands.add_parser("bench").add_subparsers(dest="bench"))
+    a = parser.parse_args(["render", "serve", "--ray", "10.0.0.1:6379"])
+    assert (a.ray, a.pool) == ("10.0.0.1:6379", "process")  # --ray implies the Ray pool
+    b = parser.parse_args(["render", "replay", "--pool", "ray"])
+    assert (b.ray, b.pool) == (None, "ray")
+    assert parser.parse_args(["render", "serve"]).pool == "process"
