@@ -1,7 +1,8 @@
 """The cloud render engine: FlashDiff regional execution served across worker processes.
 
 ``RenderEngine`` owns a pool of spawned worker processes (``cloud.render_pool``, each
-running ``cloud.render_worker``; one per GPU when there are GPUs, CPU otherwise), a
+running ``cloud.render_worker``; one per GPU when there are GPUs, CPU otherwise; or, with
+``EngineConfig(pool="ray")``, Ray actors behind the same interface: ``cloud.render_ray``), a
 scheduler (``cloud.render_sched``: priority classes, step-boundary preemption by benefit vs
 switch cost, least-maximum-load placement with affinity), the online policy
 (``cloud.render_policy``: the patch count R searched from observed service time and reuse
