@@ -114,6 +114,15 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"shards {len(manifest.shards)}  units {len(manifest.units)}  configs {configs}")
         print(f"fp16 {manifest.fp16_bytes} B  stored {manifest.stored_bytes} B  "
               f"({manifest.fp16_bytes / max(manifest.stored_bytes, 1):.2f}x below FP16)")
+        chosen = [s.q for s in manifest.shards]
+        if any(q is not None for q in chosen):  # the builder's per-shard q (issue 33)
+            counts: dict[str, int] = {}
+            for q in chosen:
+                key = "default" if q is None else f"{q:g}"
+                counts[key] = counts.get(key, 0) + 1
+            print("q per shard (chosen from the measured front): "
+                  + " ".join("-" if q is None else f"{q:g}" for q in chosen) + "  ("
+                  + ", ".join(f"q={k}: {n}" for k, n in sorted(counts.items())) + ")")
         s0 = manifest.shards[0]
         print(f"shard 0 ({len(s0.configs)} configs; * = Pareto):")
         for c in s0.configs:

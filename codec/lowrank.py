@@ -40,7 +40,7 @@ from sakura.codec.embedded import StreamHeader, unit_levels
 from sakura.codec.errors import CodecError, PackError
 from sakura.codec.lowrank_geometry import BASE_LADDER, UNIT_LADDER, ShardGeometry
 from sakura.codec.lowrank_table import choose, prefix_cost, staircases, streams_of
-from sakura.codec.metrics import DEFAULT_FLOOR, normalized_importance
+from sakura.codec.metrics import DEFAULT_FLOOR, err_to_db, normalized_importance
 from sakura.codec.quant import ProgressiveQuantizer, pack_codes, unpack_codes
 from sakura.codec.shards import ShardData, ShardSpec
 
@@ -71,6 +71,13 @@ class LowRankOptions:
     """Which candidate configurations go into the pack's table: ``"pareto"`` (the
     non-dominated set by bytes and weighted error, thinned to 15% byte steps) or
     ``"all"`` (every uniform one as well, e.g. for fixed-bitwidth ablations)."""
+    q_candidates: tuple[float, ...] | None = None
+    """Per-shard choice of q (issue 33): the shard is encoded at every candidate (q = 0 is
+    always one) and keeps the one whose measured rate-quality front is best over
+    ``q_ratios`` without being worse than q = 0's at any of them (:func:`choose_q`); the
+    choice goes into the manifest (``shards[i].q``). None: ``q`` for every shard."""
+    q_ratios: tuple[float, ...] = (5.0, 15.0, 50.0)
+    """Ratios versus FP16 at which the candidates' fronts are compared."""
     rope: dict[str, Any] | None = None
     """Optional axial RoPE of the model (``{"heads", "axes", "theta", "positions"}``, see
     ``sakura.dit.rope.rope_option``): keys are factorized in the pre-rotation frame, where they are
@@ -98,6 +105,11 @@ class LowRankOptions:
             raise CodecError(f"ranks must be positive, got {self.ranks}")
         if not 0 < self.floor <= 1:
             raise CodecError(f"floor must be in (0, 1], got {self.floor}")
+        if self.q_candidates is not None and (
+                not self.q_candidates or any(not 0.0 <= c <= 4.0 for c in self.q_candidates)):
+            raise CodecError(f"q_candidates must be in [0, 4], got {self.q_candidates}")
+        if not self.q_ratios or any(r <= 0 for r in self.q_ratios):
+            raise CodecError(f"q_ratios must be positive, got {self.q_ratios}")
         if self.rope is not None:
             check_rope(self.rope)
         if self.keep not in ("pareto", "all"):
@@ -109,7 +121,7 @@ class LowRankCodec(Codec):
 
     def __init__(self, name: str = "sakura", **options: Any) -> None:
         opts = dict(options)
-        for key in ("bits", "level_fraction", "ranks", "uniform_bits"):
+        for key in ("bits", "level_fraction", "ranks", "uniform_bits", "q_candidates", "q_ratios"):
             if opts.get(key) is not None:
                 opts[key] = tuple(opts[key])
         try:
@@ -126,9 +138,11 @@ class LowRankCodec(Codec):
     @property
     def options(self) -> dict[str, Any]:
         out = asdict(self.opts)
-        for key in ("bits", "level_fraction", "ranks", "uniform_bits"):
+        for key in ("bits", "level_fraction", "ranks", "uniform_bits", "q_candidates", "q_ratios"):
             if out[key] is not None:
                 out[key] = list(out[key])
+        if out["q_candidates"] is None:  # (the per-shard choice off: the options, and so
+            del out["q_candidates"], out["q_ratios"]  # the manifests, are as before)
         return out
 
     # ------------------------------------------------------------------ geometry
@@ -158,20 +172,37 @@ class LowRankCodec(Codec):
 
     # ------------------------------------------------------------------ encode
     def factorize(
-        self, x: torch.Tensor, importance: torch.Tensor
+        self, x: torch.Tensor, importance: torch.Tensor, q: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Weighted SVD of one matrix: ``(a [K, N], b [K, C], rel [K])``, K = min(N, C).
 
         ``a_c = X v_c``, ``b_c = v_c`` and ``rel_c = s_c^2 / ||diag(w) X||^2``.
         """
         x64 = x.double()
-        w = normalized_importance(importance, self.opts.floor) ** self.opts.q
+        w = normalized_importance(importance, self.opts.floor) ** (self.opts.q if q is None else q)
         _, s, vh = torch.linalg.svd(w[:, None] * x64, full_matrices=False)
         energy = float((s**2).sum())
         rel = s**2 / energy if energy > 0 else torch.zeros_like(s)
         return (x64 @ vh.T).T.contiguous(), vh.contiguous(), rel
 
     def encode_shard(self, shard: ShardData) -> EncodedShard:
+        cands = self.opts.q_candidates
+        if cands is None:
+            return self._encode_at(shard, self.opts.q)
+        qs = [0.0] + sorted({float(c) for c in cands} - {0.0})
+        encs = [self._encode_at(shard, q) for q in qs]
+        spec = shard.spec
+        fp16 = 2 * spec.num_matrices * spec.tokens * spec.channels
+        budgets = [fp16 / r for r in self.opts.q_ratios]
+        fronts = [[(e.config_bytes(j), c.weighted_err) for j, c in enumerate(e.configs)]
+                  for e in encs]
+        best = choose_q(fronts, budgets)
+        enc = encs[best]
+        enc.meta["q"] = qs[best]
+        enc.meta["q_front_db"] = {f"{q:g}": front_db(f, budgets) for q, f in zip(qs, fronts)}
+        return enc
+
+    def _encode_at(self, shard: ShardData, q: float) -> EncodedShard:
         spec = shard.spec
         m_count = len(shard.matrices)
         if m_count != spec.num_matrices or m_count > 255:
@@ -184,7 +215,7 @@ class LowRankCodec(Codec):
         matrices = self._frame(shard.matrices, spec, inverse=True)
         shard = ShardData(spec=spec, matrices=matrices, importance=shard.importance)
         for m, (x, imp) in enumerate(zip(shard.matrices, shard.importance)):
-            a, b, rel = self.factorize(x, imp)
+            a, b, rel = self.factorize(x, imp, q)
             avecs.append(a)
             bvecs.append(b)
             rels.append(rel)
@@ -393,6 +424,41 @@ class LowRankCodec(Codec):
 
     def rank_key(self, params: dict[str, Any]) -> float:
         return float(sum(r * b for r, b in zip(params.get("ranks", []), self.opts.bits)))
+
+
+# ---------------------------------------------------------------------------- q choice
+def front_db(front: list[tuple[int, float]], budgets: list[float]) -> list[float | None]:
+    """Per budget, the quality (``-10 log10 err``) of the best configuration of ``front``
+    (``(bytes, err)`` pairs) within it; None where none fits."""
+    out: list[float | None] = []
+    for b in budgets:
+        errs = [e for n, e in front if n <= b]
+        out.append(None if not errs else round(err_to_db(min(errs)), 4))
+    return out
+
+
+def choose_q(fronts: list[list[tuple[int, float]]], budgets: list[float]) -> int:
+    """Index of the candidate whose measured front (``(bytes, err)`` per configuration) is
+    best on average over ``budgets``, among those no worse than candidate 0 (q = 0, plain
+    SVD) at ANY budget: the result is never worse than plain SVD on the measured front.
+    Ties keep the earlier candidate (q = 0 first)."""
+    base = front_db(fronts[0], budgets)
+    best, best_gain = 0, 0.0
+    for i, f in enumerate(fronts[1:], start=1):
+        db = front_db(f, budgets)
+        gains = []
+        ok = True
+        for d, b0 in zip(db, base):
+            if b0 is None:
+                continue  # plain SVD has nothing there: any config is no worse
+            if d is None or d < b0:
+                ok = False
+                break
+            gains.append(d - b0)
+        gain = sum(gains) / len(gains) if gains else 0.0
+        if ok and gain > best_gain:
+            best, best_gain = i, gain
+    return best
 
 
 @register("sakura")

@@ -124,6 +124,10 @@ class Shard(_Table):
     blocks: list[Index] = Field(min_length=1)
     compute_cost: Annotated[Number, Field(ge=0)] = 1.0
     configs: list[Config] = Field(min_length=1)
+    q: Annotated[Number, Field(ge=0, le=4)] | None = Field(
+        None, description="the low-rank codecs' importance exponent the builder chose for "
+        "this shard from its measured rate-quality front (codec option q_candidates); "
+        "absent: the codec_options' q. Informational: decoding does not depend on it")
 
 
 class Geometry(BaseModel):

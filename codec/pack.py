@@ -84,6 +84,7 @@ class ShardEntry:
     blocks: list[int]
     compute_cost: float
     configs: list[ConfigEntry]
+    q: float | None = None  # the importance exponent chosen for this shard (low-rank codecs)
 
     def config(self, config_id: int) -> ConfigEntry:
         for cfg in self.configs:
@@ -133,7 +134,9 @@ class Manifest:
                                   "ranges": [list(r) for r in c.ranges], "bytes": c.bytes,
                                   "quality": c.quality, "pareto": c.pareto,
                                   **({} if embedded else {"decode_ms": c.decode_ms})}
-                                 for c in s.configs]}
+                                 for c in s.configs],
+                     # (absent when not chosen: older packs stay byte-identical)
+                     **({} if s.q is None else {"q": s.q})}
                     for s in self.shards],
         )
         if self.local_psnr_db is not None:  # (absent: older packs stay byte-identical)
@@ -176,6 +179,7 @@ class Manifest:
                         )
                         for c in s["configs"]
                     ],
+                    q=None if s.get("q") is None else float(s["q"]),
                 )
                 for s in d["shards"]
             ],
@@ -353,7 +357,8 @@ def _encode_shards(cache: Any, layout: ShardLayout, codec: Codec, spool: IO[byte
         configs = _shard_configs(codec, sd, enc, base, quality_fn, profile_floor, decode_times)
         shards.append(ShardEntry(
             index=i, step=sd.spec.step, blocks=list(sd.spec.blocks),
-            compute_cost=float(compute_cost[i]) if compute_cost else 1.0, configs=configs))
+            compute_cost=float(compute_cost[i]) if compute_cost else 1.0, configs=configs,
+            q=None if enc.meta.get("q") is None else float(enc.meta["q"])))
     return units, shards, data_pos
 
 
