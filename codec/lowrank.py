@@ -71,6 +71,11 @@ class LowRankOptions:
     """Which candidate configurations go into the pack's table: ``"pareto"`` (the
     non-dominated set by bytes and weighted error, thinned to 15% byte steps) or
     ``"all"`` (every uniform one as well, e.g. for fixed-bitwidth ablations)."""
+    key_q: float | None = None
+    """Importance exponent of the keys (the even matrices of a shard; values keep ``q``).
+    None: ``q`` for both. An attention output is linear in the values weighted by the
+    attention mass (the importance), but a key's error moves its own logit, and so the
+    mass of every token: a large key error on a low-importance token can make it matter."""
     q_candidates: tuple[float, ...] | None = None
     """Per-shard choice of q (issue 33): the shard is encoded at every candidate (q = 0 is
     always one) and keeps the one whose measured rate-quality front is best over
@@ -105,6 +110,8 @@ class LowRankOptions:
             raise CodecError(f"ranks must be positive, got {self.ranks}")
         if not 0 < self.floor <= 1:
             raise CodecError(f"floor must be in (0, 1], got {self.floor}")
+        if self.key_q is not None and not 0.0 <= self.key_q <= 4.0:
+            raise CodecError(f"key_q must be in [0, 4], got {self.key_q}")
         if self.q_candidates is not None and (
                 not self.q_candidates or any(not 0.0 <= c <= 4.0 for c in self.q_candidates)):
             raise CodecError(f"q_candidates must be in [0, 4], got {self.q_candidates}")
@@ -143,6 +150,8 @@ class LowRankCodec(Codec):
                 out[key] = list(out[key])
         if out["q_candidates"] is None:  # (the per-shard choice off: the options, and so
             del out["q_candidates"], out["q_ratios"]  # the manifests, are as before)
+        if out["key_q"] is None:
+            del out["key_q"]
         return out
 
     # ------------------------------------------------------------------ geometry
@@ -215,7 +224,8 @@ class LowRankCodec(Codec):
         matrices = self._frame(shard.matrices, spec, inverse=True)
         shard = ShardData(spec=spec, matrices=matrices, importance=shard.importance)
         for m, (x, imp) in enumerate(zip(shard.matrices, shard.importance)):
-            a, b, rel = self.factorize(x, imp, q)
+            kq = self.opts.key_q
+            a, b, rel = self.factorize(x, imp, q if kq is None or m % 2 else kq)
             avecs.append(a)
             bvecs.append(b)
             rels.append(rel)

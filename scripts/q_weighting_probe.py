@@ -8,7 +8,8 @@ edit PSNR over the mask against exact). Prints and writes docs/bench/q_weighting
 per setting the edit PSNR and the importance-weighted KV dB (kv_db, what q = 0.5 minimises
 and what the selection uses) at 5x / 15x / 50x.
 
-Usage: python scripts/q_weighting_probe.py [--out docs/bench/q_weighting_probe.json]
+Usage: python scripts/q_weighting_probe.py [--keys] [--out PATH]
+(default PATH: docs/bench/q_weighting_probe.json, with --keys q_weighting_keys.json)
 """
 
 from __future__ import annotations
@@ -32,11 +33,26 @@ SETTINGS = {
     "sakura@qchoice": {"q_candidates": [0.25, 0.5, 1.0]},
 }
 
+# --keys: the importance weighting on the values only (keys at q = 0: codec option key_q)
+KEY_SETTINGS = {
+    "svd": {},
+    "sakura": {},
+    "sakura@kq0": {"key_q": 0.0},
+    "sakura@kq0v1": {"key_q": 0.0, "q": 1.0},
+    "sakura@kq0f03": {"key_q": 0.0, "floor": 0.3},
+}
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="docs/bench/q_weighting_probe.json")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--keys", action="store_true", help="the key/value split settings")
     args = ap.parse_args()
+    global SETTINGS
+    if args.keys:
+        SETTINGS = KEY_SETTINGS
+    args.out = args.out or ("docs/bench/q_weighting_keys.json" if args.keys
+                            else "docs/bench/q_weighting_probe.json")
     t0 = time.time()
     templates = model_templates(quick=True)
     res = run_codec_bench(templates, SETTINGS, log=lambda s: print(s, flush=True))
