@@ -377,6 +377,11 @@ def check_targets(result: dict[str, Any]) -> dict[str, bool | None]:
             if s is not None and v is not None:
                 ok.append(s >= v)
         out["q05_not_worse_than_q0_at_15_50"] = all(ok) if ok else None
+        # issue 33 item 3: importance weighting earns its place at every ratio
+        gain = [psnr["sakura"].get(r) is not None and psnr["svd"].get(r) is not None
+                and psnr["sakura"][r] >= psnr["svd"][r] + 0.5 for r in ("5", "15", "50")
+                if r in psnr["sakura"]]
+        out["sakura_0_5_db_above_svd_at_5_15_50"] = all(gain) if gain else None
     lay = result.get("layout") or {}
     if lay:
         out["one_range_per_config"] = lay.get("ranges_per_config") == 1
