@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import random
 
-from sakura.cli import main
 from sakura.codec import get_codec
 from sakura.codec.lowrank import choose_q, front_db
 from sakura.codec.pack import Manifest, write_pack
 from sakura.codec.shards import ShardLayout, shard_data
+
+from sakura.cli import main
 
 
 def _random_front(rng: random.Random) -> list[tuple[int, float]]:
