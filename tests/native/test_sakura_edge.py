@@ -229,6 +229,36 @@ def test_the_float_output_does_not_depend_on_the_seed_path(exe, server, tmp_path
     assert np.abs(outs[0] - outs[1]).max() > 1e-3  # another seed, another edit
 
 
+@pytest.mark.parametrize("policy", ["sakura", "sakura-greedy"])
+def test_the_adaptive_policies_choose_from_the_manifest_and_edit_near_exact(
+        exe, world, server, tmp_path, policy):
+    """The adaptive allocation (the plan over the next shards, or the greedy rule) in the
+    C++ allocator with the tables made from the manifest as edge/allocator.py makes them: every
+    shard runs on one of its Pareto configurations, and the image is near the fp16 edit
+    (``exact``) of the same request."""
+    import math
+
+    outs = {}
+    for pol in (policy, "fp16"):
+        f, tl = tmp_path / f"{pol}.npy", tmp_path / f"{pol}.json"
+        done = run_binary(exe, edit_args(server.url, tmp_path / "o.png") +
+                          ["--policy", pol, "--no-local-fallback", "--float-out", str(f),
+                           "--timeline", str(tl), "--no-state"], tmp_path)
+        assert done.returncode == 0, done.stderr
+        outs[pol] = (np.load(f), json.loads(tl.read_text()))
+    manifest = json.loads((world["catalog"] / "templates" / TEMPLATE_ID / "sakura" /
+                           "manifest.json").read_text())
+    offered = {int(s["index"]): {int(c["id"]) for c in s["configs"] if c.get("pareto", True)}
+               for s in manifest["shards"]}
+    records = outs[policy][1]["timeline"]
+    assert len(records) == len(offered)
+    assert all(r["config"] in offered[r["shard"]] for r in records)
+    mse = float(((outs[policy][0] - outs["fp16"][0]) ** 2).mean())
+    psnr = 100.0 if mse == 0 else 10 * math.log10(4.0 / mse)
+    print(f"{policy} vs fp16: {psnr:.1f} dB")
+    assert psnr > 25.0
+
+
 class Outage:
     """ASGI wrapper: pack GETs get their headers, then nothing for ``stall_s`` (no prefix can
     arrive); everything else passes (tests/edge/test_native_runtime.py's outage)."""
@@ -296,7 +326,7 @@ def test_bad_usage_exits_2(exe, tmp_path):
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png")[:-2],
                               tmp_path), 2, "--out")
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
-                              ["--policy", "sakura"], tmp_path), 2, "policy")
+                              ["--policy", "sakura-fixed-bits"], tmp_path), 2, "policy")
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png",
                                              prompt="   "), tmp_path), 2, "empty")
 

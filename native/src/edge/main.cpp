@@ -61,7 +61,8 @@ class UsageError : public std::runtime_error {
 
 const char* kUsage =
     "usage: sakura-edge edit --origin URL --template ID --prompt TEXT --seed N --out FILE.png\n"
-    "                        [--policy sakura-fixed-config|fp16] [--budget-rate-bps BPS]\n"
+    "                        [--policy sakura|svd|sakura-greedy|sakura-optimistic|\n"
+    "                                  sakura-fixed-config|fp16] [--budget-rate-bps BPS]\n"
     "                        [--timeline PATH] [--float-out PATH.npy] [--token TOKEN]\n"
     "                        [--state-dir DIR | --no-state] [--cache-dir DIR] [--threads N]\n"
     "                        [--retry-window S] [--no-local-fallback] [--truncate]\n";
@@ -141,9 +142,12 @@ Args parse(int argc, char** argv) {
   }
   if (!a.have_seed) throw UsageError("--seed is required");
   if (a.out.empty()) throw UsageError("--out is required");
-  if (a.policy != "sakura-fixed-config" && a.policy != "fp16") {
-    throw UsageError("policy '" + a.policy + "' is not in sakura-edge (sakura-fixed-config, "
-                     "fp16); the others run in `sakura edit --runtime native`");
+  static const std::set<std::string> kPolicies = {
+      "sakura", "svd", "sakura-greedy", "sakura-optimistic", "sakura-fixed-config", "fp16"};
+  if (!kPolicies.count(a.policy)) {
+    throw UsageError("policy '" + a.policy + "' is not in sakura-edge (sakura, svd, "
+                     "sakura-greedy, sakura-optimistic, sakura-fixed-config, fp16); the others "
+                     "run in `sakura edit --runtime native`");
   }
   if (a.threads < 1) throw UsageError("--threads must be >= 1");
   if (!(a.retry_window_s > 0)) throw UsageError("--retry-window must be > 0");
@@ -364,10 +368,11 @@ bool uniform(const json& params) {
 }
 
 // edge/allocator.py options_from_manifest (pareto only) + fixed_config
-std::vector<int> fixed_config(const json& manifest, const std::vector<double>& exec_s,
-                              double budget_rate_bps, double safety) {
+// edge/allocator.py options_from_manifest (Pareto only) with rank_by_quality (best first;
+// `shard_docs` sorted by index)
+std::vector<std::vector<Option>> option_tables(const std::vector<json>& shard_docs) {
   std::vector<std::vector<Option>> tables;
-  for (const auto& s : manifest.at("shards")) {
+  for (const auto& s : shard_docs) {
     std::vector<Option> opts, pareto;
     for (const auto& c : s.at("configs")) {
       const json q = c.value("quality", json::object());
@@ -376,8 +381,65 @@ std::vector<int> fixed_config(const json& manifest, const std::vector<double>& e
       opts.push_back(o);
       if (c.value("pareto", true)) pareto.push_back(o);
     }
-    tables.push_back(pareto.empty() ? opts : pareto);
+    auto t = pareto.empty() ? opts : pareto;
+    if (t.empty()) throw InputError("a shard has no configurations in the manifest");
+    const bool psnr = std::all_of(t.begin(), t.end(), [](const Option& o) {
+      return o.psnr && std::isfinite(*o.psnr);
+    });
+    const bool werr = std::all_of(t.begin(), t.end(), [](const Option& o) { return o.werr.has_value(); });
+    std::stable_sort(t.begin(), t.end(), [&](const Option& x, const Option& y) {
+      if (psnr) {
+        if (*x.psnr != *y.psnr) return *x.psnr > *y.psnr;
+        if (x.werr.value_or(0) != y.werr.value_or(0)) return x.werr.value_or(0) < y.werr.value_or(0);
+        return x.nbytes < y.nbytes;
+      }
+      if (werr) {
+        if (*x.werr != *y.werr) return *x.werr < *y.werr;
+        return x.nbytes < y.nbytes;
+      }
+      return x.nbytes > y.nbytes;
+    });
+    tables.push_back(std::move(t));
   }
+  return tables;
+}
+
+// _adaptive / _greedy_sakura / _optimistic: the plan over the next shards (edge/lookahead.py:
+// cost 10^(-psnr/10), else the weighted error; none known: no plan) or the greedy rule
+std::shared_ptr<sakura::Allocator> adaptive(const std::vector<std::vector<Option>>& tables,
+                                            const std::vector<double>& exec_s, double safety,
+                                            bool plan) {
+  std::vector<std::vector<sakura::AllocOption>> t;
+  std::vector<std::vector<double>> costs;
+  bool known = true;
+  for (const auto& shard : tables) {
+    std::vector<sakura::AllocOption> row;
+    std::vector<double> cost;
+    for (const auto& o : shard) {
+      row.push_back({o.id, o.nbytes});
+      if (o.psnr && std::isfinite(*o.psnr)) cost.push_back(std::pow(10.0, -*o.psnr / 10.0));
+      else if (o.werr && std::isfinite(*o.werr)) cost.push_back(*o.werr);
+      else known = false;
+    }
+    t.push_back(std::move(row));
+    costs.push_back(std::move(cost));
+  }
+  auto out = std::make_shared<sakura::AdaptiveAllocator>(t, 0.0, safety);
+  if (plan && known && !exec_s.empty()) {
+    sakura::Lookahead la;
+    la.costs = std::move(costs);
+    la.slots_s = exec_s;
+    out->set_lookahead(std::move(la));
+  }
+  return out;
+}
+
+std::vector<int> fixed_config(const json& manifest, const std::vector<double>& exec_s,
+                              double budget_rate_bps, double safety) {
+  std::vector<json> docs(manifest.at("shards").begin(), manifest.at("shards").end());
+  std::sort(docs.begin(), docs.end(),
+            [](const json& x, const json& y) { return x.at("index").get<int>() < y.at("index").get<int>(); });
+  const auto tables = option_tables(docs);
   std::map<std::string, std::vector<Option>> common;
   std::vector<std::string> order;  // first appearance (Python's dict order)
   for (const auto& t : tables) {
@@ -510,7 +572,7 @@ int run(const Args& a) {
   retry.window_s = a.retry_window_s;
   std::vector<std::string> headers;
   if (!a.token.empty()) headers.push_back("Authorization: Bearer " + a.token);
-  const std::string codec = a.policy == "fp16" ? "fp16" : "sakura";
+  const std::string codec = a.policy == "fp16" ? "fp16" : a.policy == "svd" ? "svd" : "sakura";
 
   // catalog entry
   const auto cat = sakura::edge::http_get(sakura::edge::origin_url(a.origin, "catalog.json"),
@@ -661,7 +723,9 @@ int run(const Args& a) {
   const double origin = sakura::now_s();
   const double wall = sakura::edge::wall_s();
   const auto prior = state.prior_bps(a.origin, wall);
-  const bool known = std::isfinite(a.budget_rate_bps) ? false : prior.has_value();
+  // the manifest's body is asked for unless a rate is remembered for this origin: its
+  // transfer is then the only rate sample before the first shards are sized
+  const bool known = prior.has_value();
   auto held = state.manifest(a.template_id, codec);
   const std::string mkey = "templates/" + a.template_id + "/" + codec + "/manifest.json";
   const auto got = sakura::edge::http_get(sakura::edge::origin_url(a.origin, mkey), headers,
@@ -786,13 +850,16 @@ int run(const Args& a) {
   monitor->record(-1, from_cache ? 0 : raw_len, got.start, got.first_byte, got.end);
   std::shared_ptr<sakura::Allocator> allocator;
   std::vector<int> chosen;
-  if (codec == "fp16") {
-    for (const auto& s : shard_docs) chosen.push_back(s.at("configs").at(0).at("id"));
-  } else {
+  if (a.policy == "sakura-fixed-config") {
     const double rate = std::isfinite(a.budget_rate_bps) ? a.budget_rate_bps : monitor->estimate_bps();
     chosen = fixed_config(manifest, exec_s, rate, 0.8);
+    allocator = std::make_shared<sakura::FixedAllocator>(chosen);
+  } else {  // fp16 (its one configuration) is the greedy rule of the baselines
+    const auto tables = option_tables(shard_docs);
+    const double safety = a.policy == "sakura-optimistic" ? 0.8 * 1.25 : 0.8;
+    const bool plan = a.policy == "sakura" || a.policy == "svd" || a.policy == "sakura-optimistic";
+    allocator = adaptive(tables, exec_s, safety, plan);
   }
-  allocator = std::make_shared<sakura::FixedAllocator>(chosen);
   double exec_total = 0;
   for (double e : exec_s) exec_total += std::max(0.0, e);
   const double allowance = kStartupFraction * exec_total;
@@ -832,6 +899,9 @@ int run(const Args& a) {
   std::int64_t bytes = 0;
   int stalls = 0, local_steps = 0;
   json recs = json::array();
+  if (chosen.empty()) {
+    for (const auto& r : records) chosen.push_back(r.config);
+  }
   for (const auto& r : records) {
     bytes += r.bytes;
     stalls += r.stall_s > 0 ? 1 : 0;
