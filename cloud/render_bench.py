@@ -252,7 +252,7 @@ def ray_bench(weights: str | None, encoder, prompts: list[str], *, workers: int 
     import os as _os
     import signal
 
-    from sakura.cloud.render_ray import LocalCluster, nodes_of
+    from sakura.cloud.render_ray import LocalCluster, nodes_of  # lazy: ray
 
     cfg = replace(cfg or _config(steps), patches=4)
     base = RenderRequest(steps=steps, size=size, guidance=3.0, mode="regional")

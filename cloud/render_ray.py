@@ -55,9 +55,9 @@ class RenderActor:
 
     def __init__(self, wid: int, weights, device: str, threads: int, model_name, model_path):
         import torch
-        from sakura.cloud.render_worker import _Worker, pick_device
-        from sakura.dit.adapters.registry import load_adapter
-        from sakura.dit.weights import load_model
+        from sakura.cloud.render_worker import _Worker, pick_device  # lazy: torch (actor)
+        from sakura.dit.adapters.registry import load_adapter  # lazy: torch (actor)
+        from sakura.dit.weights import load_model  # lazy: torch (actor)
 
         torch.set_num_threads(max(1, threads))
         self.wid = wid
@@ -95,7 +95,7 @@ class RenderActor:
             payload["sync"] = ("delta", since, version, writes)
 
     def run(self, payload: dict) -> tuple:
-        from sakura.cloud.render_worker import ResyncNeeded
+        from sakura.cloud.render_worker import ResyncNeeded  # lazy: torch (actor)
 
         ray = _ray()
         keys = payload["keys"]

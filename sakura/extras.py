@@ -42,6 +42,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "tokenizers": "diffusers",
     "boto3": "s3",
     "botocore": "s3",
+    "ray": "ray",
 }
 
 # built and installed on its own (C++), not an extra

@@ -82,8 +82,8 @@ def test_every_imported_package_is_declared():
 
 def test_the_extras_table_matches_pyproject():
     providers = importlib.metadata.packages_distributions()
-    assert set(EXTRAS) == {"model", "executorch", "qnn", "aihub", "diffusers", "s3", "dev",
-                           "all"}
+    assert set(EXTRAS) == {"model", "executorch", "qnn", "aihub", "diffusers", "s3", "ray",
+                           "dev", "all"}
     for module, extra in EXTRA_OF_MODULE.items():
         dists = {_name(d) for d in providers.get(module, [])}
         assert dists & EXTRAS[extra], (module, extra)
@@ -93,7 +93,7 @@ def test_the_extras_table_matches_pyproject():
                        "executorch", "boto3", "httpx"}
     assert EXTRAS["all"] == {"sakura-kv"}
     assert re.search(r"\[(.*)\]", PYPROJECT["optional-dependencies"]["all"][0]).group(1) \
-        .split(",") == ["model", "executorch", "qnn", "aihub", "diffusers", "s3"]
+        .split(",") == ["model", "executorch", "qnn", "aihub", "diffusers", "s3", "ray"]
     assert "httpx" in EXTRAS["dev"]  # used by tests only
 
 
