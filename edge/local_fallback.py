@@ -92,17 +92,20 @@ class LocalFallback:
             self._local_mode = False
             self._stale_wait_s = max(0.0, float(self.local_step_s or 0.0) - compute_s)
 
-    def _link_silent(self, bound: float) -> bool:
+    def _link_quiet_since(self, bound: float) -> float | None:
         """Outage evidence: transfers are out, none in a retry backoff, and the link has
         carried no body byte (of any transfer) for ``bound`` and 3 request latencies,
         counted from the later of its last byte and when transfers were last out again
-        (the native ``HttpReceiver::quiet_since_s``: a hedge does not reset it)."""
+        (the native ``HttpReceiver::quiet_since_s``: a hedge does not reset it). Returns
+        that moment (``time.monotonic``) when there is such evidence, else None."""
         entries = list(self._inflight.values())
         if not entries or any(e.transfer.backing_off() for e in entries):
-            return False
+            return None
         last = max([self._last_byte, self._busy_since]
                    + [e.transfer.last_progress for e in entries if e.transfer.received > 0])
-        return time.monotonic() - last >= max(bound, 3.0 * self.monitor.latency_s())
+        if time.monotonic() - last >= max(bound, 3.0 * self.monitor.latency_s()):
+            return last
+        return None
 
     def _cannot_arrive(self, j: int, until: float) -> bool:
         """The rate estimate says shard ``j``'s smallest verifiable prefix (its smallest

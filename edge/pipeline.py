@@ -519,8 +519,10 @@ class Pipeline(PrefixRefinement, LocalFallback):
                     self._cond.wait(0.5)
                     continue
                 left = now + bound - self.clock()
-                if bound > 0 and self._link_silent(bound):
+                quiet = self._link_quiet_since(bound) if bound > 0 else None
+                if quiet is not None:
                     late = outage = True
+                    self.records[j].quiet_since = self._rel(quiet)
                     break
                 if bound > 0 and self._cannot_arrive(j, self.clock() + left):
                     late = True  # the rate says so: the step is computed now, not after

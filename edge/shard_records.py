@@ -52,6 +52,8 @@ class ShardRecord:
     # used), and that began early on outage evidence
     local: bool = False
     outage: bool = False
+    quiet_since: float | None = None  # (outage) since when the link had carried nothing, as
+                                      # the rule counted it (its last byte, or transfers out)
     refinements: int = 0          # extensions of its received configuration (refinement)
     stale_from: int | None = None  # its step ran on this earlier step's K/V (stale reuse)
 

@@ -84,6 +84,7 @@ const RecordField kRecordFields[] = {
      }},
     {"local", "bool", [](const Record& r) -> py::object { return py::bool_(r.local); }},
     {"outage", "bool", [](const Record& r) -> py::object { return py::bool_(r.outage); }},
+    {"quiet_since", "float | None", [](const Record& r) { return none_if_nan(r.quiet_since); }},
     {"refinements", "int",
      [](const Record& r) -> py::object { return py::int_(r.refinements); }},
     {"stale_from", "int | None", [](const Record& r) { return none_if_negative(r.stale_from); }},

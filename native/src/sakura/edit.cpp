@@ -644,6 +644,7 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
             : quiet_since + std::max(timeout_s, 3.0 * monitor_->latency_s());
     if (timeout_s > 0 && now_s() >= quiet_until) {
       records_[j].outage = true;
+      records_[j].quiet_since = quiet_since - spec_.origin;
       break;
     }
     if (left <= 0 && !origin_failing_.load()) break;

@@ -58,6 +58,8 @@ struct ShardRecord {
   bool local = false;      // its step was computed on the device (local fallback): no bytes
   bool outage = false;     // the wait for it ended early: the link had carried nothing for
                            // the wait bound while requests were out (outage evidence)
+  double quiet_since = kNoValue;  // (outage) since when the link had carried nothing, as the
+                                  // rule counted it: its last byte, or when transfers resumed
   int refinements = 0;     // extensions of its received configuration (prefix refinement)
   int stale_from = -1;     // its step ran on the K/V of this earlier step (stale reuse; -1 no)
 };
