@@ -248,7 +248,7 @@ struct Bundle {
 };
 
 Bundle fetch_bundle(const Args& a, const json& entry, const std::vector<std::string>& headers,
-                    const sakura::edge::RetryOptions& retry, const std::string& root) {
+                    const sakura::HttpOptions& retry, const std::string& root) {
   if (!entry.contains("bundle") || !entry["bundle"].is_object()) {
     throw InputError(a.origin + " publishes no device bundle for " + a.template_id +
                      " (packs built before bundles, or with --no-bundle): rebuild them with "
@@ -568,7 +568,9 @@ int run(const Args& a) {
   const std::string state_dir =
       a.no_state ? "" : (a.state_dir.empty() ? root + "/edge" : a.state_dir);
   sakura::edge::DeviceState state(state_dir);
-  sakura::edge::RetryOptions retry;
+  // one set of timeouts and backoffs (sakura::HttpOptions' defaults, as the shard loop's)
+  // for the catalog, bundle and manifest fetches and the shard transfers
+  sakura::HttpOptions retry;
   retry.window_s = a.retry_window_s;
   std::vector<std::string> headers;
   if (!a.token.empty()) headers.push_back("Authorization: Bearer " + a.token);
@@ -826,9 +828,7 @@ int run(const Args& a) {
   for (const auto& s : spec.shards) {
     exec_s.push_back(group_s.at(static_cast<std::size_t>(s.blocks.at(0) / std::max(1, bps))));
   }
-  spec.http.connect_timeout_s = retry.connect_timeout_s;
-  spec.http.read_timeout_s = retry.read_timeout_s;
-  spec.http.window_s = retry.window_s;
+  spec.http = retry;
   spec.http.max_connections = 6;
   spec.http.warm_connections = 5;
   spec.http.headers = headers;

@@ -89,7 +89,7 @@ std::size_t on_header(char* data, std::size_t size, std::size_t n, void* user) {
 }  // namespace
 
 Got http_get(const std::string& url, const std::vector<std::string>& headers,
-             const std::string& etag, const RetryOptions& retry) {
+             const std::string& etag, const sakura::HttpOptions& retry) {
   static const bool initialised = [] {
     curl_global_init(CURL_GLOBAL_DEFAULT);
     return true;
@@ -152,7 +152,7 @@ Got http_get(const std::string& url, const std::vector<std::string>& headers,
     ++failures;
     const double backoff = std::min(retry.backoff_max_s,
                                     retry.backoff_s * std::pow(2.0, failures - 1)) *
-                           std::uniform_real_distribution<double>(0.5, 1.0)(rng);
+                           std::uniform_real_distribution<double>(1.0 - retry.jitter, 1.0)(rng);
     if (sakura::now_s() + backoff - began > retry.window_s) {
       throw Unreachable("cannot reach " + origin_of(url) + ": " + last + " (" +
                         std::to_string(failures) + " attempts over " +

@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sakura/http.hpp"
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -23,12 +25,6 @@ class Unreachable : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-struct RetryOptions {
-  double connect_timeout_s = 3.0;
-  double read_timeout_s = 10.0;
-  double window_s = 30.0;  // give up after this long without progress (RetryPolicy.window_s)
-  double backoff_s = 0.1, backoff_max_s = 2.0;
-};
 
 struct Got {
   long status = 0;
@@ -45,7 +41,7 @@ std::string origin_of(const std::string& url);
 // One GET (with If-None-Match when `etag` is given); connection errors, 5xx, 408 and 429
 // are retried with backoff for window_s, other answers are returned. Throws Unreachable.
 Got http_get(const std::string& url, const std::vector<std::string>& headers,
-             const std::string& etag, const RetryOptions& retry);
+             const std::string& etag, const sakura::HttpOptions& retry);
 
 // The rate memory (edge/state.py RateMemory, FLOOR 0.2, HALF_LIFE_S 30).
 double decayed(double rate_bps, double age_s);
