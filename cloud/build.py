@@ -78,6 +78,10 @@ class BuildConfig:
     # None: no bundle (a library build of packs only). A template whose packs are up to
     # date but whose bundle is missing gets only its bundle.
     bundle_exporter: BundleExporter | None = None
+    # build the templates as Ray tasks (--ray): a cluster's head HOST:PORT, "auto" (a
+    # cluster started on this machine) or "local" (start Ray here); None: in this process.
+    # The driver (this process) publishes, as a local build does (cloud/README.md)
+    ray: str | None = None
 
 
 # (engine, the device's template, blocks per shard, a work folder) -> the bundle's files
@@ -95,6 +99,22 @@ class BuildReport:
 
 
 def build(cfg: BuildConfig, log=print) -> BuildReport:
+    """Build the catalog's templates that are not up to date and publish them (module
+    docstring); with ``cfg.ray``, Ray is joined (or started) first, so an unreachable
+    cluster costs nothing, and left after the build."""
+    if not cfg.ray:
+        return _build(cfg, log)
+    from sakura.cloud.render_ray import _ray, init_ray  # lazy: ray (an optional extra)
+
+    started = init_ray(cfg.ray)
+    try:
+        return _build(cfg, log)
+    finally:
+        if started:
+            _ray().shutdown()
+
+
+def _build(cfg: BuildConfig, log) -> BuildReport:
     from sakura.dit.adapters.engine import load_engine  # lazy: torch
     from sakura.dit.weights import DEFAULT_WEIGHTS  # lazy: torch
     from tqdm import tqdm
@@ -114,31 +134,39 @@ def build(cfg: BuildConfig, log=print) -> BuildReport:
     out.mkdir(parents=True, exist_ok=True)
     model_files = [weights] if cfg.model is None else []
     report = BuildReport()
-    for tid, spec in tqdm(specs.items(), desc="build", unit="template"):
+    jobs: list[UnitJob] = []
+    for tid, spec in specs.items():
         content = _content_hash(cfg, spec, engine, model_files)
         packs_ok = not cfg.force and is_up_to_date(out, tid, content, codecs=cfg.codecs)
         if packs_ok and (cfg.bundle_exporter is None or has_bundle(out, tid)):
             report.skipped.append(tid)
             continue
-        t0 = time.perf_counter()
         # the device's view of the template (pixels, mask, seed, steps, guidance, prompt):
         # what the engine prepares from and what the catalog entry publishes
         device = spec.to_device_template()
-        if packs_ok:  # only the bundle is missing
+        if packs_ok:  # only the bundle is missing: here, on the driver
+            t0 = time.perf_counter()
             with build_workdir(out) as tmp, CatalogTransaction(out) as txn:
-                bundle = _bundle(cfg, engine, device, Path(tmp), out, log, tid)
+                made = _export_bundle(cfg, engine, device, Path(tmp), log, tid)
+                bundle = _publish_bundle(out, made, log, tid)
                 txn.set_metadata(tid, bundle=bundle)
             if bundle:
                 report.bundles[tid] = bundle["id"]
             report.built.append(tid)
             report.seconds[tid] = time.perf_counter() - t0
             continue
-        bundle_id = _build_template(cfg, engine, tid, spec, device, content, out, log)
+        jobs.append(UnitJob(tid, spec, device, content))
+    units = (_ray_units(cfg, jobs, out, log) if cfg.ray
+             else _local_units(cfg, engine, jobs, out, log))
+    # in catalog order, each in its own transaction, whichever way the units were made
+    for unit in tqdm(units, desc="build", unit="template", total=len(jobs)):
+        t0 = time.perf_counter()
+        bundle_id = _publish_unit(out, unit, log)
         if bundle_id:
-            report.bundles[tid] = bundle_id
-        report.built.append(tid)
-        report.seconds[tid] = time.perf_counter() - t0
-        log(f"built {tid}: {len(cfg.codecs)} codecs in {report.seconds[tid]:.1f}s")
+            report.bundles[unit.tid] = bundle_id
+        report.built.append(unit.tid)
+        report.seconds[unit.tid] = unit.seconds + time.perf_counter() - t0
+        log(f"built {unit.tid}: {len(cfg.codecs)} codecs in {report.seconds[unit.tid]:.1f}s")
     if cfg.publish:
         report.published = publish_catalog(out, cfg.publish)
         log(f"published {len(report.published)} files to {cfg.publish}")
@@ -182,14 +210,62 @@ def _content_hash(cfg: BuildConfig, spec: Any, engine: Any, model_files: list[Pa
     )
 
 
-def _build_template(cfg: BuildConfig, engine: Any, tid: str, spec: Any, device: Any,
-                    content: str, out: Path, log) -> str | None:
-    """One template built and published: the template run, importance profiling, every
-    codec's pack and the catalog entry (with its device bundle); the bundle's id."""
+@dataclass
+class UnitJob:
+    """One template to build: the unit of work of a build (its codecs share the template
+    run and the importance profile, so they are built together)."""
+
+    tid: str
+    spec: Any
+    device: Any  # the device's template (dit.editing.Template)
+    content: str  # the content hash the catalog entry records
+
+
+@dataclass
+class TemplateUnit:
+    """One template built and not yet published: each codec's manifest and pack, the
+    catalog entry's metadata and the device bundle's files. Files are paths in a work
+    folder, or their bytes while a unit travels from a Ray task to the driver."""
+
+    tid: str
+    packs: list[tuple[str, dict, Any]]  # (codec, manifest, pack: Path | bytes)
+    metadata: dict[str, Any]
+    bundle: tuple[list[tuple[str, str, Any]], dict] | None = None  # ((name, role, file), doc)
+    seconds: float = 0.0
+
+    def to_bytes(self) -> TemplateUnit:
+        """The same unit with its files' bytes in place of their paths."""
+        files = self.bundle and ([(n, r, Path(f).read_bytes()) for n, r, f in self.bundle[0]],
+                                 self.bundle[1])
+        return replace(self, packs=[(c, m, Path(f).read_bytes()) for c, m, f in self.packs],
+                       bundle=files)
+
+    def to_files(self, work: Path) -> TemplateUnit:
+        """The same unit with its bytes written under ``work`` (the driver's work folder)."""
+        def put(rel: str, data: bytes) -> Path:
+            path = work / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            return path
+
+        packs = [(c, m, put(f"{c}/{c}.pack", data))
+                 for c, m, data in self.packs]
+        bundle = self.bundle and ([(n, r, put(f"bundle/{i}-{n}", data))
+                                   for i, (n, r, data) in enumerate(self.bundle[0])],
+                                  self.bundle[1])
+        return replace(self, packs=packs, bundle=bundle)
+
+
+def build_unit(cfg: BuildConfig, engine: Any, job: UnitJob, work: Path, log) -> TemplateUnit:
+    """One template built into ``work`` (published by :func:`_publish_unit`): the template
+    run, importance profiling, every codec's pack, the catalog entry's metadata and its
+    device bundle. The same function in this process and in a Ray task."""
     from sakura.codec import ShardLayout, get_codec  # lazy: torch
     from sakura.codec.pack import write_pack  # lazy: torch
     from sakura.dit.templates import template_assets  # lazy: torch
 
+    t0 = time.perf_counter()
+    tid, spec, device, content = job.tid, job.spec, job.device, job.content
     if cfg.model is not None and device.strength != 1.0:
         # the diffusers adapters edit from pure noise only (dit.adapters.engine)
         log(f"{tid}: strength {device.strength} is the sakura MMDiT's; {cfg.model} "
@@ -216,47 +292,122 @@ def _build_template(cfg: BuildConfig, engine: Any, tid: str, spec: Any, device: 
     psnr_stats: dict[str, dict] = {}
     # an engine may fill in its default steps / guidance
     device = replace(device, steps=run.cache.steps, guidance=float(prep.template.guidance))
-    with (
-        build_workdir(out) as tmp,
-        CatalogTransaction(out) as txn,
-    ):
-        rope = engine.rope_option(prep)
-        for name in cfg.codecs:
-            options = dict(cfg.codec_options.get(name, {}))
-            if name in LOWRANK_CODECS and rope is not None:
-                # keys are factorised in the pre-RoPE frame (codec/README.md)
-                options.setdefault("rope", rope)
-            codec = get_codec(name, **options)
-            work = Path(tmp) / name
-            manifest = write_pack(
-                work,
-                tid,
-                run.cache,
-                codec,
-                blocks_per_shard=bps,
-                model=model_info,
-                compute_cost=cost,
-                quality_fn=_quality_fn(cfg, quality_fn, codec, layout, run.cache, content,
-                                       psnr_stats),
-                local_psnr_db=quality_fn.local_psnr_db if quality_fn else None,
-            )
-            txn.publish(tid, name, manifest.to_dict(), work / manifest.pack_file)
-        txn.set_metadata(
+    rope = engine.rope_option(prep)
+    packs = []
+    for name in cfg.codecs:
+        options = dict(cfg.codec_options.get(name, {}))
+        if name in LOWRANK_CODECS and rope is not None:
+            # keys are factorised in the pre-RoPE frame (codec/README.md)
+            options.setdefault("rope", rope)
+        codec = get_codec(name, **options)
+        manifest = write_pack(
+            work / name,
             tid,
-            workload=spec.workload,
-            resolution=spec.resolution,
-            mask_ratio=spec.meta.get("mask_ratio"),
-            token_mask_ratio=prep.token_mask_ratio,
-            content_hash=content,
-            fp16_bytes=run.cache.fp16_bytes(),
-            template=template_assets(spec, device),
-            **({"psnr_profile": psnr_stats} if psnr_stats else {}),
-            # None: packs rebuilt without one drop a bundle made for the old ones
-            bundle=(_bundle(cfg, engine, device, Path(tmp), out, log, tid)
-                    if cfg.bundle_exporter else None),
+            run.cache,
+            codec,
+            blocks_per_shard=bps,
+            model=model_info,
+            compute_cost=cost,
+            quality_fn=_quality_fn(cfg, quality_fn, codec, layout, run.cache, content,
+                                   psnr_stats),
+            local_psnr_db=quality_fn.local_psnr_db if quality_fn else None,
         )
-        bundle_id = (txn.entries[tid].get("bundle") or {}).get("id")
-    return bundle_id
+        packs.append((name, manifest.to_dict(), work / name / manifest.pack_file))
+    metadata = dict(
+        workload=spec.workload,
+        resolution=spec.resolution,
+        mask_ratio=spec.meta.get("mask_ratio"),
+        token_mask_ratio=prep.token_mask_ratio,
+        content_hash=content,
+        fp16_bytes=run.cache.fp16_bytes(),
+        template=template_assets(spec, device),
+        **({"psnr_profile": psnr_stats} if psnr_stats else {}),
+    )
+    bundle = (_export_bundle(cfg, engine, device, work, log, tid)
+              if cfg.bundle_exporter else None)
+    return TemplateUnit(tid, packs, metadata, bundle, time.perf_counter() - t0)
+
+
+def _publish_unit(out: Path, unit: TemplateUnit, log) -> str | None:
+    """Publish one built template atomically (packs and bundle files under new names, then
+    the catalog in one transaction); the bundle's id."""
+    with CatalogTransaction(out) as txn:
+        for name, manifest, pack in unit.packs:
+            txn.publish(unit.tid, name, manifest, pack)
+        txn.set_metadata(
+            unit.tid,
+            **unit.metadata,
+            # None: packs rebuilt without one drop a bundle made for the old ones
+            bundle=_publish_bundle(out, unit.bundle, log, unit.tid),
+        )
+        return (txn.entries[unit.tid].get("bundle") or {}).get("id")
+
+
+def _local_units(cfg: BuildConfig, engine: Any, jobs: list[UnitJob], out: Path, log):
+    """The units built here, one after another; each one's work folder lives until the
+    caller has published it (the next one is made when the caller asks for it)."""
+    for job in jobs:
+        with build_workdir(out) as tmp:
+            yield build_unit(cfg, engine, job, Path(tmp), log)
+
+
+_ENGINES: dict[tuple, Any] = {}  # a Ray worker's engine, loaded by its first task
+
+
+def _unit_task(cfg: BuildConfig, job: UnitJob) -> tuple:
+    """A Ray task: one unit built with one torch thread, in a private work folder, and sent
+    back as bytes; ``("ok", unit, notes)`` or ``("error", one line, notes)``."""
+    import tempfile
+
+    import torch  # lazy: torch (a Ray worker)
+    from sakura.dit.adapters.engine import load_engine  # lazy: torch (a Ray worker)
+    from sakura.dit.weights import DEFAULT_WEIGHTS  # lazy: torch (a Ray worker)
+
+    torch.set_num_threads(1)
+    notes: list[str] = []
+    try:
+        weights = Path(cfg.weights) if cfg.weights else DEFAULT_WEIGHTS
+        key = (cfg.model, cfg.model_path, str(weights))
+        if key not in _ENGINES:
+            _ENGINES.clear()
+            _ENGINES[key] = load_engine(cfg.model, cfg.model_path, weights=weights)
+        with tempfile.TemporaryDirectory(prefix="sakura-build-") as tmp:
+            unit = build_unit(cfg, _ENGINES[key], job, Path(tmp), notes.append)
+            return ("ok", unit.to_bytes(), notes)
+    except Exception as exc:  # noqa: BLE001 - reported by the driver as one line
+        text = str(exc).strip().splitlines()
+        return ("error", f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": "),
+                notes)
+
+
+def _ray_units(cfg: BuildConfig, jobs: list[UnitJob], out: Path, log):
+    """The units as Ray tasks (one CPU and one torch thread each) on the Ray this process
+    has joined (:func:`build`), all submitted at once and taken back in catalog order."""
+    from sakura.cloud.render_ray import _ray  # lazy: ray (an optional extra)
+
+    ray = _ray()
+    refs = []
+    try:
+        task = ray.remote(_unit_task).options(num_cpus=1)
+        cfg_ref = ray.put(cfg)
+        refs = [task.remote(cfg_ref, job) for job in jobs]
+        for job, ref in zip(jobs, refs):
+            try:
+                status, got, notes = ray.get(ref)
+            except ray.exceptions.RayError as exc:  # the task's worker or node died
+                raise PublishError(f"template {job.tid}: the Ray task failed "
+                                   f"({type(exc).__name__}); nothing of it was published"
+                                   ) from None
+            for note in notes:
+                log(note)
+            if status != "ok":
+                raise PublishError(f"template {job.tid}: {got} (in its Ray task; neither it "
+                                   "nor the templates after it were published)")
+            with build_workdir(out) as tmp:
+                yield got.to_files(Path(tmp))
+    finally:
+        for ref in refs:  # the rest, after an error (finished ones: nothing happens)
+            ray.cancel(ref)
 
 
 def has_bundle(out: Path, template_id: str) -> bool:
@@ -276,22 +427,27 @@ def has_bundle(out: Path, template_id: str) -> bool:
     return True
 
 
-def _bundle(cfg: BuildConfig, engine: Any, device: Any, tmp: Path, out: Path, log,
-            template_id: str) -> dict[str, Any] | None:
-    """Export and publish the template's device bundle (files first; the catalog
-    transaction makes the returned entry live)."""
+def _export_bundle(cfg: BuildConfig, engine: Any, device: Any, work: Path, log,
+                   template_id: str) -> tuple[list[tuple[str, str, Path]], dict] | None:
+    """Export the template's device bundle into ``work/bundle`` (:func:`_publish_bundle`
+    publishes it)."""
     assert cfg.bundle_exporter is not None
-    t0 = time.perf_counter()
-    made = cfg.bundle_exporter(engine, device, cfg.blocks_per_shard, tmp / "bundle")
+    made = cfg.bundle_exporter(engine, device, cfg.blocks_per_shard, work / "bundle")
     if made is None:
         log(f"{template_id}: no device bundle for {getattr(engine, 'name', 'this model')} "
             "(the native runtime runs the shipped MMDiT)")
+    return made
+
+
+def _publish_bundle(out: Path, made, log, template_id: str) -> dict[str, Any] | None:
+    """Publish an exported device bundle's files (the catalog transaction makes the
+    returned entry live); None when there is none."""
+    if made is None:
         return None
     files, doc = made
     entry = publish_bundle(out, files, doc)
     log(f"{template_id}: device bundle {entry['id']}: {len(files)} files, "
-        f"{sum(f['bytes'] for f in entry['files']) / 1e6:.1f} MB in "
-        f"{time.perf_counter() - t0:.1f}s")
+        f"{sum(f['bytes'] for f in entry['files']) / 1e6:.1f} MB")
     return entry
 
 

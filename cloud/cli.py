@@ -86,6 +86,12 @@ def register(commands: Any, bench: Any) -> None:
     build.add_argument("--bundle", action=argparse.BooleanOptionalAction, default=True,
                        help="also export and publish each template geometry's device bundle "
                             "(graphs, text encoder, vocabulary, tables; default: on)")
+    build.add_argument("--ray", metavar="ADDRESS",
+                       help="build the templates as Ray tasks (one CPU and one torch thread "
+                            "each) on the cluster whose head is ADDRESS (HOST:PORT; auto: a "
+                            "cluster started on this machine; local: start Ray here) and "
+                            "publish here, as without it; the packs are the same bytes (needs "
+                            "the [ray] extra)")
     build.add_argument("--json", type=json_path, metavar="PATH",
                        help="write the build report (built, skipped, seconds) here "
                             "(- for stdout)")
@@ -151,6 +157,8 @@ def _build(args: argparse.Namespace) -> int:
         if urlparse(args.publish).scheme not in ("s3", "file", ""):
             raise SakuraError(f"--publish {args.publish[:80]!r}: give s3://bucket/prefix "
                               "(or a folder)")
+    if args.ray:
+        require("ray", what="--ray")
     from sakura.cloud.build import BuildConfig, build  # lazy: CLI --help stays fast
 
     # the edge's exporter, set as this parser's default by the app layer (sakura.bundle_cli):
@@ -174,6 +182,7 @@ def _build(args: argparse.Namespace) -> int:
         psnr_fit=args.psnr_fit,
         publish=args.publish,
         bundle_exporter=exporter,
+        ray=args.ray,
     )
     report = build(cfg)
     doc = {"built": report.built, "skipped": report.skipped, "bundles": report.bundles,

@@ -153,6 +153,29 @@ def sweep_stale_builds(out_dir: str | os.PathLike[str], *, dry_run: bool = False
     return removed
 
 
+def published_files(out_dir: str | os.PathLike[str]) -> dict[str, bytes]:
+    """Every published file of a catalog directory (relative path -> bytes; work folders
+    and locks left out), to compare two builds: a manifest's bytes are taken without its
+    configurations' ``decode_ms``, which the pack writer *measures* (one timed decode of
+    each Pareto configuration), so that two builds of the same inputs, local or on Ray,
+    differ there and nowhere else (packs, the rest of the manifests, catalog.json)."""
+    root = Path(out_dir)
+    files = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if not path.is_file() or any(part.startswith(".") for part in rel.parts):
+            continue
+        data = path.read_bytes()
+        if path.name.endswith("manifest.json"):
+            doc = json.loads(data)
+            for shard in doc.get("shards", []):
+                for config in shard.get("configs", []):
+                    config.pop("decode_ms", None)
+            data = _dump(doc)
+        files[str(rel)] = data
+    return files
+
+
 def read_catalog(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The published catalog (an empty one if there is none yet)."""
     path = Path(out_dir) / layout.CATALOG_KEY

@@ -30,6 +30,9 @@ more against what skipping saves. Ratios come from one run on one machine.
 this machine, against the process pool (``ray_bench``): throughput ratio, an actor killed
 mid-batch, output equality.
 
+``build_ray``: ``sakura build --ray`` on a local Ray of one, then two CPUs, against a
+local build (``build_ray_bench``; ``scripts/build_ray_bench.py`` runs it alone).
+
 ``gate`` / ``gate_alternative`` / ``step_reuse_baseline``: the paper's gate's properties
 and its comparisons (``dit.regional_bench.paper_study``).
 
@@ -313,6 +316,91 @@ def ray_bench(weights: str | None, encoder, prompts: list[str], *, workers: int 
                       "per pool; one actor SIGKILLed mid-batch in a further Ray run"}
 
 
+BUILD_RAY_TEMPLATES = ("face-technologist", "face-cook", "face-student", "tryon-tuxedo")
+
+
+def build_ray_bench(templates: tuple[str, ...] = BUILD_RAY_TEMPLATES, *, steps: int = 4,
+                    codecs: tuple[str, ...] = ("fp16", "sakura"),
+                    weights: str | None = None) -> dict:
+    """``sakura build --ray`` on a local Ray of 1 CPU, then of 2 CPUs (one build task, one
+    torch thread per CPU), against a local build (one torch thread).
+
+    The shipped catalog's ``templates`` (64 px, all at ``steps`` steps, so of similar
+    cost: the local build's ``seconds_per_template``), ``codecs``, no device bundle, the
+    default fitted PSNR profile measured afresh in each build (its own cache folder).
+    ``speedup_2_vs_1_workers`` = the 1-CPU build's wall time over the 2-CPU build's (each
+    timed from the call to :func:`~sakura.cloud.build.build` on a started Ray to the last
+    publish: the workers' start and model load included). ``packs_identical``: the three
+    builds published the same files with the same bytes (``cloud.publish.published_files``:
+    manifests without their measured ``decode_ms``). One run each, on a shared machine:
+    ``load_average`` says how shared."""
+    import json as _json
+    import shutil
+    import tempfile
+
+    from sakura.cloud.build import BuildConfig, build  # lazy: the builder
+    from sakura.cloud.publish import published_files  # lazy: the builder
+    from sakura.cloud.render_ray import LOCAL, _ray, init_ray  # lazy: ray (an optional extra)
+    from sakura.dit.templates import DEFAULT_CATALOG  # lazy: the builder
+
+    quiet = lambda *_: None  # noqa: E731
+    load_start = list(os.getloadavg())
+    with tempfile.TemporaryDirectory(prefix="sakura-build-ray-") as tmp:
+        root = Path(tmp)
+        cat = _json.loads(DEFAULT_CATALOG.read_text())
+        chosen = {}
+        for tid in templates:
+            entry = dict(cat["templates"][tid], steps=steps)
+            for key in ("image", "mask"):
+                shutil.copy(DEFAULT_CATALOG.parent / entry[key], root / entry[key])
+            chosen[tid] = entry
+        (root / "catalog.json").write_text(_json.dumps({"version": 1, "templates": chosen}))
+
+        def cfg(name: str, ray: str | None) -> BuildConfig:
+            return BuildConfig(catalog=str(root / "catalog.json"), out_dir=str(root / name),
+                               codecs=codecs, weights=weights, psnr_cache=str(root / f"psnr-{name}"),
+                               ray=ray)
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            t0 = time.perf_counter()
+            local = build(cfg("local", None), log=quiet)
+            local_s = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(threads)
+        wall: dict[int, float] = {}
+        busy: dict[int, float] = {}  # the templates' own seconds (task + publish), summed
+        for workers in (1, 2):
+            started = init_ray(LOCAL, num_cpus=workers, object_store_bytes=200_000_000)
+            try:
+                t0 = time.perf_counter()
+                report = build(cfg(f"ray-{workers}", LOCAL), log=quiet)
+                wall[workers] = time.perf_counter() - t0
+                busy[workers] = sum(report.seconds.values())
+            finally:
+                if started:
+                    _ray().shutdown()
+            assert report.built == local.built
+        want = published_files(root / "local")
+        same = all(published_files(root / f"ray-{w}") == want for w in wall)
+    return {"templates": len(templates), "speedup_2_vs_1_workers": wall[1] / wall[2],
+            "packs_identical": same,
+            "wall_s": {"local_1_thread": local_s, "ray_1_worker": wall[1],
+                       "ray_2_workers": wall[2]},
+            # busy seconds over wall time: how many templates were being built at once
+            # (2 workers on a machine with 2 free cores: ~2 and each template as fast as
+            # with 1 worker; on shared cores: ~2 but each template slower)
+            "concurrency": {"ray_1_worker": busy[1] / wall[1], "ray_2_workers": busy[2] / wall[2]},
+            "seconds_per_template": {k: round(v, 2) for k, v in local.seconds.items()},
+            "template_ids": list(templates), "steps": steps, "codecs": list(codecs),
+            "files": len(want), "torch_threads_per_worker": 1, "cpu_count": os.cpu_count(),
+            "load_average": {"start": load_start, "end": list(os.getloadavg())},
+            "method": "sakura build --ray local (cloud.build, Ray tasks of one CPU and one "
+                      "torch thread each) on ray.init(address='local', num_cpus=1, then 2); "
+                      "one run each, after a local build with one torch thread"}
+
+
 def _percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -381,6 +469,7 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
         out["adapters"] = adapter_bench(steps=steps, workers=1)
         out["ray"] = ray_bench(weights, enc, [p for _, p, _ in prompts], workers=workers,
                                steps=steps, cfg=cfg)
+    out["build_ray"] = build_ray_bench(weights=weights)
     out["load_average_end"] = list(os.getloadavg())
     return out
 
@@ -397,5 +486,5 @@ def main(json_path: str | None, quick: bool, weights: str | None = None, workers
     return 0
 
 
-__all__ = ["adapter_bench", "main", "priority_replay", "ray_bench", "run_bench",
+__all__ = ["adapter_bench", "build_ray_bench", "main", "priority_replay", "ray_bench", "run_bench",
            "serving_bench"]

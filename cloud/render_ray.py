@@ -50,6 +50,57 @@ def _ray():
     return ray
 
 
+LOCAL = "local"  # a Ray address that starts a Ray instance on this machine (Ray's own word)
+
+
+def init_ray(address: str | None, *, num_cpus: int | None = None,
+             object_store_bytes: int | None = None, connect_timeout_s: float = 5.0) -> bool:
+    """Connect this process to Ray, the one rule for every Ray user here (the render pool,
+    ``sakura build --ray``): nothing when Ray is already initialised (a caller or a test
+    chose the cluster); ``address`` None or ``"local"``: start a Ray instance on this
+    machine with ``num_cpus`` CPUs and an object store of ``object_store_bytes``; any
+    other address (``host:port``, ``auto``, ``ray://...``) joins that cluster. A
+    ``host:port`` is first tried with a plain TCP connection (``connect_timeout_s``): Ray
+    itself retries an unreachable address for minutes, so an unreachable one is one
+    :class:`RenderError` line at once. Returns whether this call initialised Ray (the
+    caller then shuts it down)."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    common = {"include_dashboard": False, "log_to_driver": False, "logging_level": "warning"}
+    if address in (None, LOCAL):
+        ray.init(address=LOCAL, num_cpus=num_cpus, object_store_memory=object_store_bytes,
+                 **common)
+        return True
+    _check_reachable(address, connect_timeout_s)
+    try:
+        ray.init(address=address, **common)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        raise RenderError(f"cannot join the Ray cluster at {address}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                          ) from None
+    return True
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """A ``host:port`` Ray address answers a TCP connection (other forms: Ray checks)."""
+    import socket
+
+    if "://" in address or address == "auto":
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise RenderError(f"--ray {address!r}: give the head node's HOST:PORT (e.g. "
+                          "10.0.0.1:6379), auto (a cluster started on this machine) or "
+                          f"{LOCAL} (start one here)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise RenderError(f"cannot reach the Ray cluster at {address}: {reason} (is "
+                          "`ray start --head` running there, and the port open?)") from None
+
+
 class RenderActor:
     """One render worker as a Ray actor (wrapped by ``ray.remote`` in :func:`actor_class`)."""
 
@@ -179,16 +230,8 @@ class RayWorkerPool:
         self.cfg = cfg
         self.workers: dict[int, RayWorker] = {}
         self._wid = itertools.count()
-        self.started_ray = False
-        if not ray.is_initialized():
-            if cfg.ray_address:
-                ray.init(address=cfg.ray_address, include_dashboard=False,
-                         log_to_driver=False, logging_level="warning")
-            else:
-                ray.init(address="local", num_cpus=max(cfg.workers, 1), include_dashboard=False,
-                         log_to_driver=False, logging_level="warning",
-                         object_store_memory=cfg.ray_object_store_bytes)
-            self.started_ray = True
+        self.started_ray = init_ray(cfg.ray_address, num_cpus=max(cfg.workers, 1),
+                                    object_store_bytes=cfg.ray_object_store_bytes)
         gpus = ray.cluster_resources().get("GPU", 0)
         self.num_gpus = 1 if cfg.device != "cpu" and gpus >= 1 else 0
 
@@ -311,7 +354,12 @@ class LocalCluster:
             self._start([exe, "start", f"--address={self.address}", *common], env,
                         os.path.join(self.logs, f"node{i}.log"))
         ray = _ray()
-        ray.init(address=self.address, log_to_driver=False, logging_level="warning")
+        try:
+            ray.init(address=self.address, log_to_driver=False, logging_level="warning")
+        except (ConnectionError, RuntimeError) as exc:  # e.g. auth: stop what was started
+            self.__exit__()
+            raise RenderError(f"cannot join the Ray cluster started at {self.address}: "
+                              f"{exc} (see {self.logs})") from None
         while len([n for n in ray.nodes() if n["Alive"]]) < self.nodes:
             if time.monotonic() > deadline:
                 self.__exit__()
@@ -346,4 +394,4 @@ class LocalCluster:
         self.procs = []
 
 
-__all__ = ["LocalCluster", "RayWorker", "RayWorkerPool", "RenderActor", "actor_class", "nodes_of"]
+__all__ = ["LOCAL", "LocalCluster", "RayWorker", "RayWorkerPool", "RenderActor", "actor_class", "init_ray", "nodes_of"]
