@@ -259,6 +259,45 @@ def test_the_adaptive_policies_choose_from_the_manifest_and_edit_near_exact(
     assert psnr > 25.0
 
 
+def test_fixed_bits_keeps_its_bit_width_and_floor_says_when_it_cannot_plan(
+        exe, world, server, tmp_path):
+    """``sakura-fixed-bits`` (edge/allocator.py ``_fixed_bits``): every shard runs on a
+    uniform configuration of the bit width asked, on the Pareto front or off it; a width no
+    shard offers is one error line. ``sakura-floor`` on a pack without ``local_psnr_db`` (the
+    test world's) prints Policy.missing's warning and plans as ``sakura``."""
+    manifest = json.loads((world["catalog"] / "templates" / TEMPLATE_ID / "sakura" /
+                           "manifest.json").read_text())
+    params = {int(s["index"]): {int(c["id"]): c.get("params", {}) for c in s["configs"]}
+              for s in manifest["shards"]}
+    def uniform(p):  # edge/allocator.py ConfigOption.uniform
+        return len({r for r in p.get("ranks", []) if r > 0}) <= 1
+
+    widths = [{p["bits"] for p in shard.values() if "bits" in p and uniform(p)}
+              for shard in params.values()]
+    bits = max(set.intersection(*widths))
+    tl = tmp_path / "fb.json"
+    done = run_binary(exe, edit_args(server.url, tmp_path / "o.png") +
+                      ["--policy", "sakura-fixed-bits", "--bits", str(bits),
+                       "--no-local-fallback", "--timeline", str(tl), "--no-state"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    records = json.loads(tl.read_text())["timeline"]
+    assert len(records) == len(params)
+    for r in records:
+        p = params[r["shard"]][r["config"]]
+        assert p["bits"] == bits and uniform(p), p
+    absent = next(b for b in range(1, 17) if all(b not in w for w in widths))
+    one_error_line(run_binary(exe, edit_args(server.url, tmp_path / "o.png") +
+                              ["--policy", "sakura-fixed-bits", "--bits", str(absent),
+                               "--no-state"], tmp_path), 1, "no configuration matches")
+    assert manifest.get("local_psnr_db") is None
+    done = run_binary(exe, edit_args(server.url, tmp_path / "o.png") +
+                      ["--policy", "sakura-floor", "--no-local-fallback", "--no-state"],
+                      tmp_path)
+    assert done.returncode == 0, done.stderr
+    warnings = [ln for ln in done.stderr.splitlines() if ln.startswith("sakura-edge: warning:")]
+    assert len(warnings) == 1 and "plans as sakura" in warnings[0], done.stderr
+
+
 class Outage:
     """ASGI wrapper: pack GETs get their headers, then nothing for ``stall_s`` (no prefix can
     arrive); everything else passes (tests/edge/test_native_runtime.py's outage)."""
@@ -326,7 +365,9 @@ def test_bad_usage_exits_2(exe, tmp_path):
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png")[:-2],
                               tmp_path), 2, "--out")
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
-                              ["--policy", "sakura-fixed-bits"], tmp_path), 2, "policy")
+                              ["--policy", "intq"], tmp_path), 2, "policy")
+    one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
+                              ["--bits", "0"], tmp_path), 2, "--bits")
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png",
                                              prompt="   "), tmp_path), 2, "empty")
 

@@ -1,7 +1,7 @@
 // sakura-edge: one whole edit with no Python (issue 31 item 2).
 //
 //   sakura-edge edit --origin URL --template ID --prompt TEXT --seed N --out edit.png
-//                    [--policy sakura-fixed-config|fp16] [--timeline PATH] [--float-out PATH]
+//                    [--policy POLICY] [--bits N] [--timeline PATH] [--float-out PATH]
 //
 // catalog entry and device bundle (downloaded once, sha256-checked, cached) -> manifest
 // (ETag revalidation, the per-origin rate memory) -> prompt -> WordPiece ids -> the text
@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -61,8 +62,9 @@ class UsageError : public std::runtime_error {
 
 const char* kUsage =
     "usage: sakura-edge edit --origin URL --template ID --prompt TEXT --seed N --out FILE.png\n"
-    "                        [--policy sakura|svd|sakura-greedy|sakura-optimistic|\n"
-    "                                  sakura-fixed-config|fp16] [--budget-rate-bps BPS]\n"
+    "                        [--policy sakura|svd|sakura-greedy|sakura-optimistic|sakura-floor|\n"
+    "                                  sakura-fixed-bits|sakura-fixed-config|fp16] [--bits N]\n"
+    "                        [--budget-rate-bps BPS]\n"
     "                        [--timeline PATH] [--float-out PATH.npy] [--token TOKEN]\n"
     "                        [--state-dir DIR | --no-state] [--cache-dir DIR] [--threads N]\n"
     "                        [--retry-window S] [--no-local-fallback] [--truncate]\n";
@@ -74,6 +76,7 @@ struct Args {
   bool have_seed = false, no_state = false, local_fallback = true, truncate = false;
   double budget_rate_bps = NAN, retry_window_s = 30.0;
   int threads = 1;
+  int bits = 4;  // sakura-fixed-bits (edge/allocator.py _fixed_bits: options["bits"], 4)
 };
 
 double number(const std::string& flag, const std::string& text) {
@@ -115,6 +118,11 @@ Args parse(int argc, char** argv) {
     else if (f == "--budget-rate-bps") a.budget_rate_bps = number(f, value());
     else if (f == "--retry-window") a.retry_window_s = number(f, value());
     else if (f == "--threads") a.threads = static_cast<int>(number(f, value()));
+    else if (f == "--bits") {
+      const double b = number(f, value());
+      if (b != std::floor(b) || b < 1 || b > 16) throw UsageError("--bits takes a bit width 1-16");
+      a.bits = static_cast<int>(b);
+    }
     else if (f == "--seed") {
       const std::string v = value();
       if (v.empty() || v.size() > 19 || !std::all_of(v.begin(), v.end(), ::isdigit)) {
@@ -143,11 +151,13 @@ Args parse(int argc, char** argv) {
   if (!a.have_seed) throw UsageError("--seed is required");
   if (a.out.empty()) throw UsageError("--out is required");
   static const std::set<std::string> kPolicies = {
-      "sakura", "svd", "sakura-greedy", "sakura-optimistic", "sakura-fixed-config", "fp16"};
+      "sakura",         "svd",          "sakura-greedy",       "sakura-optimistic",
+      "sakura-floor",   "sakura-fixed-bits", "sakura-fixed-config", "fp16"};
   if (!kPolicies.count(a.policy)) {
     throw UsageError("policy '" + a.policy + "' is not in sakura-edge (sakura, svd, "
-                     "sakura-greedy, sakura-optimistic, sakura-fixed-config, fp16); the others "
-                     "run in `sakura edit --runtime native`");
+                     "sakura-greedy, sakura-optimistic, sakura-floor, sakura-fixed-bits, "
+                     "sakura-fixed-config, fp16); the others run in `sakura edit --runtime "
+                     "native`");
   }
   if (a.threads < 1) throw UsageError("--threads must be >= 1");
   if (!(a.retry_window_s > 0)) throw UsageError("--retry-window must be > 0");
@@ -367,21 +377,28 @@ bool uniform(const json& params) {
   return std::all_of(ranks.begin(), ranks.end(), [&](int r) { return r == ranks[0]; });
 }
 
-// edge/allocator.py options_from_manifest (pareto only) + fixed_config
 // edge/allocator.py options_from_manifest (Pareto only) with rank_by_quality (best first;
-// `shard_docs` sorted by index)
-std::vector<std::vector<Option>> option_tables(const std::vector<json>& shard_docs) {
+// `shard_docs` sorted by index). With `keep` (a policy that restricts the set, as
+// ShardOptions.filtered): the configurations it keeps, on the front or off it.
+std::vector<std::vector<Option>> option_tables(
+    const std::vector<json>& shard_docs,
+    const std::function<bool(const Option&)>& keep = nullptr) {
   std::vector<std::vector<Option>> tables;
   for (const auto& s : shard_docs) {
-    std::vector<Option> opts, pareto;
+    std::vector<Option> opts, pareto, kept;
     for (const auto& c : s.at("configs")) {
       const json q = c.value("quality", json::object());
       Option o{c.at("id"), c.at("bytes"), c.value("params", json::object()),
                opt_number(q, "psnr_db"), opt_number(q, "weighted_err")};
       opts.push_back(o);
       if (c.value("pareto", true)) pareto.push_back(o);
+      if (keep && keep(o)) kept.push_back(o);
     }
-    auto t = pareto.empty() ? opts : pareto;
+    if (keep && kept.empty()) {
+      throw InputError("shard " + std::to_string(s.at("index").get<int>()) +
+                       ": no configuration matches the policy");
+    }
+    auto t = keep ? kept : pareto.empty() ? opts : pareto;
     if (t.empty()) throw InputError("a shard has no configurations in the manifest");
     const bool psnr = std::all_of(t.begin(), t.end(), [](const Option& o) {
       return o.psnr && std::isfinite(*o.psnr);
@@ -402,6 +419,22 @@ std::vector<std::vector<Option>> option_tables(const std::vector<json>& shard_do
     tables.push_back(std::move(t));
   }
   return tables;
+}
+
+// edge/allocator.py floored: each shard's options at or above `floor_db` (an option without
+// a PSNR is kept); a shard with none keeps its best
+std::vector<std::vector<Option>> floored(const std::vector<std::vector<Option>>& tables,
+                                         double floor_db) {
+  std::vector<std::vector<Option>> out;
+  for (const auto& t : tables) {
+    std::vector<Option> kept;
+    for (const auto& o : t) {
+      if (!o.psnr || *o.psnr >= floor_db) kept.push_back(o);
+    }
+    if (kept.empty()) kept.push_back(t.front());
+    out.push_back(std::move(kept));
+  }
+  return out;
 }
 
 // _adaptive / _greedy_sakura / _optimistic: the plan over the next shards (edge/lookahead.py:
@@ -854,10 +887,31 @@ int run(const Args& a) {
     const double rate = std::isfinite(a.budget_rate_bps) ? a.budget_rate_bps : monitor->estimate_bps();
     chosen = fixed_config(manifest, exec_s, rate, 0.8);
     allocator = std::make_shared<sakura::FixedAllocator>(chosen);
+  } else if (a.policy == "sakura-fixed-bits") {  // adaptive rank, one bit width (the plan)
+    const int bits = a.bits;
+    const auto tables = option_tables(shard_docs, [bits](const Option& o) {
+      return o.params.contains("bits") && o.params["bits"].is_number_integer() &&
+             o.params["bits"].get<int>() == bits && uniform(o.params);
+    });
+    allocator = adaptive(tables, exec_s, 0.8, true);
   } else {  // fp16 (its one configuration) is the greedy rule of the baselines
-    const auto tables = option_tables(shard_docs);
+    auto tables = option_tables(shard_docs);
+    if (a.policy == "sakura-floor") {  // edge/allocator.py _floored, local_share_floor_db
+      const json local = manifest.value("local_psnr_db", json());
+      if (local.is_number()) {
+        const double n = static_cast<double>(std::max<std::size_t>(1, tables.size()));
+        tables = floored(tables, local.get<double>() + 10.0 * std::log10(n));
+      } else {  // Policy.missing: a pack built before the field
+        std::fprintf(stderr,
+                     "sakura-edge: warning: the %s pack has no local_psnr_db (built before it "
+                     "was measured): sakura-floor plans as sakura; rebuild the packs with "
+                     "`sakura build` to use it\n",
+                     codec.c_str());
+      }
+    }
     const double safety = a.policy == "sakura-optimistic" ? 0.8 * 1.25 : 0.8;
-    const bool plan = a.policy == "sakura" || a.policy == "svd" || a.policy == "sakura-optimistic";
+    const bool plan = a.policy == "sakura" || a.policy == "svd" ||
+                      a.policy == "sakura-optimistic" || a.policy == "sakura-floor";
     allocator = adaptive(tables, exec_s, safety, plan);
   }
   double exec_total = 0;
