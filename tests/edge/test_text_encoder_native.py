@@ -48,6 +48,9 @@ def text_program():
 
 @pytest.fixture(scope="session")
 def native_encoder(text_program):
+    # the runtime's graph thread count (NativeEngine: 1) before a program that lives for the
+    # session loads: the count cannot change under it afterwards
+    sakura_native.set_graph_threads(1)
     return sakura_native.TextEncoder(str(text_program.pte), str(text_program.vocab))
 
 
@@ -182,3 +185,35 @@ def test_bad_input_is_one_clear_error(tokenizer, vocab, native_encoder, text_pro
         sakura_native.TextEncoder(str(tmp_path / "missing.pte"), vocab)
     with pytest.raises(ValueError, match="takes 16 ids"):
         native_encoder.run([101, 102], [1, 1])
+
+
+def test_the_thread_count_cannot_change_under_a_loaded_program(text_program, vocab):
+    """A program loaded before ``set_graph_threads`` replaced ExecuTorch's threadpool held
+    the old pool and segfaulted on its next run (issue 31). Now the count already in effect
+    is a no-op, a change while a program is loaded is one RuntimeError (the program still
+    runs), and once no program is loaded the change is made. In a child process: the pool is
+    process-wide, and a regression would crash the interpreter, not fail an assert."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sakura_native as n
+        enc = n.TextEncoder({str(text_program.pte)!r}, {vocab!r})
+        before = enc.encode("a red circle")
+        now = n.set_graph_threads(0)
+        assert n.set_graph_threads(now) == now
+        try:
+            n.set_graph_threads(now + 1)
+        except RuntimeError as exc:
+            assert "while 1 programs are loaded" in str(exc), exc
+        else:
+            raise SystemExit("no error")
+        assert (enc.encode("a red circle") == before).all()
+        del enc
+        assert n.set_graph_threads(now + 1) == now + 1
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -585,5 +585,6 @@ void bind_edit(py::module_& m) {
         "A streamed edit (receive -> reconstruct -> execute); returns (latent, [ShardRecord], "
         "requests). local: the LocalFallback (sakura/edit.hpp, LocalSteps), or None.");
   m.def("set_graph_threads", &sakura::set_graph_threads, py::arg("threads"),
-        "Threads of the graphs' XNNPACK work (0: unchanged); returns the count in effect.");
+        "Threads of the graphs' XNNPACK work (0: unchanged); returns the count in effect. "
+        "RuntimeError for a change while any program is loaded (they hold the threadpool).");
 }

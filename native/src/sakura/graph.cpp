@@ -3,6 +3,7 @@
 // lifetime; memory planning follows the method's metadata (one buffer per planned id).
 #include "sakura/graph.hpp"
 
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -85,8 +86,19 @@ void init_runtime_once() {
 
 }  // namespace
 
+// Programs alive in this process. Their XNNPACK runtimes hold ExecuTorch's process-wide
+// threadpool from the moment they load, so that pool may not be replaced while any is alive
+// (a text encoder loaded before set_graph_threads(1) replaced the pool segfaulted on its
+// next run): a count as process-wide as the pool it guards.
+namespace {
+std::atomic<int> g_live_programs{0};
+}  // namespace
+
 struct CompiledGraph::Impl {
-  explicit Impl(std::vector<std::uint8_t> bytes) : loader(std::move(bytes)) {}
+  explicit Impl(std::vector<std::uint8_t> bytes) : loader(std::move(bytes)) { ++g_live_programs; }
+  ~Impl() { --g_live_programs; }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
   BufferLoader loader;
   std::unique_ptr<et::Program> program;
   std::vector<std::vector<std::uint8_t>> planned;
@@ -189,7 +201,17 @@ std::vector<std::vector<std::int64_t>> CompiledGraph::run(const std::vector<Grap
 int set_graph_threads(int threads) {
   auto* pool = ::executorch::extension::threadpool::get_threadpool();
   if (pool == nullptr) return 1;
-  if (threads > 0) pool->_unsafe_reset_threadpool(static_cast<std::uint32_t>(threads));
+  const int now = static_cast<int>(pool->get_thread_count());
+  if (threads > 0 && threads != now) {
+    const int live = g_live_programs.load();
+    if (live > 0) {
+      throw std::runtime_error(
+          "the graphs' thread count cannot change from " + std::to_string(now) + " to " +
+          std::to_string(threads) + " while " + std::to_string(live) +
+          " programs are loaded (they hold ExecuTorch's threadpool): set it before loading any");
+    }
+    pool->_unsafe_reset_threadpool(static_cast<std::uint32_t>(threads));
+  }
   return static_cast<int>(pool->get_thread_count());
 }
 

@@ -56,7 +56,9 @@ class CompiledGraph {
 };
 
 // Threads the graphs' XNNPACK work may use (ExecuTorch's process-wide threadpool); 0 leaves
-// it as it is. Returns the thread count in effect.
+// it as it is, and so does the count already in effect. Returns the thread count in effect.
+// Throws std::runtime_error for a change while any program (CompiledGraph, TextEncoder) is
+// loaded: their XNNPACK runtimes hold the pool, which a change replaces.
 int set_graph_threads(int threads);
 
 // True when this build can run compiled graphs (it was built against ExecuTorch).
