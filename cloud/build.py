@@ -96,6 +96,9 @@ class BuildReport:
     seconds: dict[str, float] = field(default_factory=dict)
     published: list[str] = field(default_factory=list)  # keys uploaded by --publish
     bundles: dict[str, str] = field(default_factory=dict)  # template -> published bundle id
+    # CPU seconds of the process that built each template, while it did (its Ray worker's
+    # with --ray): over ``seconds``, the share of a core the build got
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def build(cfg: BuildConfig, log=print) -> BuildReport:
@@ -166,6 +169,7 @@ def _build(cfg: BuildConfig, log) -> BuildReport:
             report.bundles[unit.tid] = bundle_id
         report.built.append(unit.tid)
         report.seconds[unit.tid] = unit.seconds + time.perf_counter() - t0
+        report.cpu_seconds[unit.tid] = unit.cpu_seconds
         log(f"built {unit.tid}: {len(cfg.codecs)} codecs in {report.seconds[unit.tid]:.1f}s")
     if cfg.publish:
         report.published = publish_catalog(out, cfg.publish)
@@ -232,6 +236,7 @@ class TemplateUnit:
     metadata: dict[str, Any]
     bundle: tuple[list[tuple[str, str, Any]], dict] | None = None  # ((name, role, file), doc)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the building process's, while it built this unit
 
     def to_bytes(self) -> TemplateUnit:
         """The same unit with its files' bytes in place of their paths."""
@@ -264,7 +269,7 @@ def build_unit(cfg: BuildConfig, engine: Any, job: UnitJob, work: Path, log) -> 
     from sakura.codec.pack import write_pack  # lazy: torch
     from sakura.dit.templates import template_assets  # lazy: torch
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     tid, spec, device, content = job.tid, job.spec, job.device, job.content
     if cfg.model is not None and device.strength != 1.0:
         # the diffusers adapters edit from pure noise only (dit.adapters.engine)
@@ -325,7 +330,8 @@ def build_unit(cfg: BuildConfig, engine: Any, job: UnitJob, work: Path, log) -> 
     )
     bundle = (_export_bundle(cfg, engine, device, work, log, tid)
               if cfg.bundle_exporter else None)
-    return TemplateUnit(tid, packs, metadata, bundle, time.perf_counter() - t0)
+    return TemplateUnit(tid, packs, metadata, bundle, time.perf_counter() - t0,
+                        time.process_time() - cpu0)
 
 
 def _publish_unit(out: Path, unit: TemplateUnit, log) -> str | None:

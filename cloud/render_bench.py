@@ -371,6 +371,7 @@ def build_ray_bench(templates: tuple[str, ...] = BUILD_RAY_TEMPLATES, *, steps: 
             torch.set_num_threads(threads)
         wall: dict[int, float] = {}
         busy: dict[int, float] = {}  # the templates' own seconds (task + publish), summed
+        cpu: dict[int, float] = {}  # the CPU seconds their tasks got, summed
         for workers in (1, 2):
             started = init_ray(LOCAL, num_cpus=workers, object_store_bytes=200_000_000)
             try:
@@ -378,20 +379,31 @@ def build_ray_bench(templates: tuple[str, ...] = BUILD_RAY_TEMPLATES, *, steps: 
                 report = build(cfg(f"ray-{workers}", LOCAL), log=quiet)
                 wall[workers] = time.perf_counter() - t0
                 busy[workers] = sum(report.seconds.values())
+                cpu[workers] = sum(report.cpu_seconds.values())
             finally:
                 if started:
                     _ray().shutdown()
             assert report.built == local.built
         want = published_files(root / "local")
         same = all(published_files(root / f"ray-{w}") == want for w in wall)
+    share = {w: cpu[w] / busy[w] for w in wall}
     return {"templates": len(templates), "speedup_2_vs_1_workers": wall[1] / wall[2],
             "packs_identical": same,
+            # an estimate, not a measurement: the speedup had each task of the 2-worker run
+            # got the share of a core the 1-worker run's tasks got (wall-time speedup x
+            # share_1 / share_2); it separates the machine's other load from the build
+            "speedup_estimate_at_equal_cpu_share": wall[1] / wall[2] * share[1] / share[2],
             "wall_s": {"local_1_thread": local_s, "ray_1_worker": wall[1],
                        "ray_2_workers": wall[2]},
             # busy seconds over wall time: how many templates were being built at once
             # (2 workers on a machine with 2 free cores: ~2 and each template as fast as
             # with 1 worker; on shared cores: ~2 but each template slower)
             "concurrency": {"ray_1_worker": busy[1] / wall[1], "ray_2_workers": busy[2] / wall[2]},
+            # CPU seconds over busy seconds: the share of a core each build task got (1 on
+            # an idle machine with a core per worker; lower when the cores are shared)
+            "cpu_share_per_task": {"local_1_thread": sum(local.cpu_seconds.values())
+                                   / sum(local.seconds.values()),
+                                   "ray_1_worker": share[1], "ray_2_workers": share[2]},
             "seconds_per_template": {k: round(v, 2) for k, v in local.seconds.items()},
             "template_ids": list(templates), "steps": steps, "codecs": list(codecs),
             "files": len(want), "torch_threads_per_worker": 1, "cpu_count": os.cpu_count(),
