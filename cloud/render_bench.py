@@ -33,6 +33,10 @@ mid-batch, output equality.
 ``build_ray``: ``sakura build --ray`` on a local Ray of one, then two CPUs, against a
 local build (``build_ray_bench``; ``scripts/build_ray_bench.py`` runs it alone).
 
+``slo``: the share of requests meeting twice their unloaded latency under the bursty 3x
+replay at the quality runs' size, the priority scheduler (every third request ``high``)
+against a one-class FIFO engine (``cloud.render_slo``).
+
 ``gate`` / ``gate_alternative`` / ``step_reuse_baseline``: the paper's gate's properties
 and its comparisons (``dit.regional_bench.paper_study``).
 
@@ -55,6 +59,7 @@ from pathlib import Path
 import torch
 from sakura.cloud.render import RenderEngine
 from sakura.cloud.render_api import EngineConfig, RenderRequest
+from sakura.cloud.render_slo import classed, slo_bench
 from sakura.cloud.render_trace import bursty_arrivals, replay, request_factory
 from sakura.dit.adapters.inputs import Conditioning
 from sakura.dit.adapters.tiny import tiny_transformer
@@ -167,14 +172,8 @@ def priority_replay(eng: RenderEngine, base: RenderRequest, prompts: list[str], 
     """One overloaded bursty replay where every ``high_every``-th request is ``high`` and
     the others ``low``: latency per class."""
     trace = bursty_arrivals(requests, rate, prompts, burst=max(2, requests // 4), seed=seed)
-    order = {a.seed: i for i, a in enumerate(sorted(trace, key=lambda a: a.t))}
-
-    def make(a):
-        cls = "high" if order[a.seed] % high_every == 0 else "low"
-        return replace(base, prompt=a.prompt, seed=a.seed, priority=cls)
-
     before = eng.metrics()
-    rep = replay(eng, trace, make)
+    rep = replay(eng, trace, classed(base, trace, high_every))
     after = eng.metrics()
     out: dict = {"requests": requests, "high_every": high_every, "arrival_rate_rps": rate,
                  "preemptions": after["preemptions"] - before["preemptions"],
@@ -481,6 +480,8 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
         out["adapters"] = adapter_bench(steps=steps, workers=1)
         out["ray"] = ray_bench(weights, enc, [p for _, p, _ in prompts], workers=workers,
                                steps=steps, cfg=cfg)
+        out["slo"] = slo_bench(weights, enc, [p for _, p, _ in prompts], cfg, workers=workers,
+                               requests=18 if quick else 48, steps=steps, size=size)
     out["build_ray"] = build_ray_bench(weights=weights)
     out["load_average_end"] = list(os.getloadavg())
     return out
