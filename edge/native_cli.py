@@ -1,19 +1,31 @@
-"""``sakura bench native``: native (C++) vs Python reconstruction, pipeline overhead.
+"""``sakura bench native``: native (C++) vs Python reconstruction, pipeline overhead;
+``sakura bench phone``: the ``sakura-edge`` executable on x86 and on arm64 under emulation.
 
 ``sakura bench native --json PATH [--pack DIR [--template ID]] [--shards N] [--threads T]``
 writes the JSON described in :mod:`edge.native_bench`; ``--export DIR`` instead writes the
 sampled shards for the standalone ``sakura-native run DIR`` (``native/README.md``).
+
+``sakura bench phone --json PATH [--keys arm64,x86]`` computes the keys named
+(:mod:`edge.sakura_edge_bench`) and writes them into PATH, keeping the other keys a file
+already there holds (the phone bench's keys are measured by different parts of the tree).
 Imports are lazy so ``sakura --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from sakura.argtypes import json_out, positive_int
+from sakura.dit.cli import check_template
+
+from sakura import output
+from sakura.argtypes import json_out, name_list, positive_int
 from sakura.errors import UsageError
+
+PHONE_KEYS = ("arm64", "x86")
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -37,6 +49,57 @@ def register(commands: Any, bench: Any) -> None:
     p.add_argument("--export", metavar="DIR",
                    help="write the sampled shards for `sakura-native run DIR` instead")
     p.set_defaults(func=_bench)
+
+    ph = bench.add_parser(
+        "phone", help="sakura-edge (one native executable) on x86 vs the Python runtime, and "
+                      "cross-built for arm64 under qemu vs x86",
+        description="Serve one template of the shipped catalog with its device bundle on "
+                    "loopback; edit it on fixed configurations with the x86 sakura-edge and "
+                    "the Python runtime (x86: error, latency ratio), and with sakura-edge "
+                    "cross-built for arm64 under qemu-aarch64 against the x86 binary (arm64: "
+                    "PSNR, error, no interpreter). Emulated timings are not reported.")
+    json_out(ph)
+    ph.add_argument("--keys", type=name_list, default=PHONE_KEYS, metavar="K[,K]",
+                    help=f"keys to measure (default {','.join(PHONE_KEYS)}); the file's "
+                         "other keys are kept")
+    ph.add_argument("--template", default="face-technologist", metavar="ID",
+                    help="template of the shipped catalog (default face-technologist)")
+    ph.add_argument("--runs", type=positive_int, default=3, metavar="N",
+                    help="timed runs per configuration on x86 (median; default 3)")
+    ph.add_argument("--seed", type=positive_int, default=3, metavar="N",
+                    help="edit seed (default 3)")
+    ph.set_defaults(func=_bench_phone)
+
+
+def _bench_phone(args: argparse.Namespace) -> int:
+
+    unknown = [k for k in args.keys if k not in PHONE_KEYS]
+    if unknown or not args.keys:
+        raise UsageError(f"--keys: unknown key {', '.join(unknown) or '(none)'} "
+                         f"(known: {', '.join(PHONE_KEYS)})")
+    from sakura.edge.sakura_edge_bench import phone_figures  # lazy: torch
+
+    check_template(args.template)
+    doc: dict = {}
+    if Path(args.json).is_file():  # keep the keys measured elsewhere
+        try:
+            doc = json.loads(Path(args.json).read_text())
+        except ValueError:
+            doc = {}
+    doc.update(phone_figures(args.keys, args.template, runs=args.runs, seed=args.seed,
+                             log=lambda m: print(m, file=sys.stderr, flush=True)))
+    output.write_json(args.json, doc, indent=1)
+    arm, x86 = doc.get("arm64", {}), doc.get("x86", {})
+    if "arm64" in args.keys:
+        print(f"arm64: built {arm.get('built')}, edit_ok {arm.get('edit_ok')}, interpreter "
+              f"started {arm.get('interpreter_started')}, PSNR vs x86 "
+              f"{arm.get('psnr_db_vs_x86')} dB, max abs err {arm.get('max_abs_err_vs_x86')}"
+              + (f" ({arm['error']})" if "error" in arm else ""))
+    if "x86" in args.keys:
+        print(f"x86: binary vs Python runtime max abs err "
+              f"{x86.get('binary_vs_python_runtime_max_abs_err')}, latency ratio "
+              f"{x86.get('binary_latency_ratio_vs_module')}")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -26,6 +26,20 @@ if [ -n "$apt_missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" =
   echo "[sakura] installing Debian packages:" $apt_missing
   apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $apt_missing
 fi
+# Debian's arm64 multiarch libraries of sakura-edge cross-built for arm64 and run under
+# qemu-aarch64 (edge/backends/arm64_edge.py; the loader and libc run the binary, the -dev
+# packages link it). Not fatal: without them only tests/native/test_sakura_edge_arm64.py and
+# the arm64 key of `sakura bench phone` skip, saying which package is missing.
+arm64_pkgs="libcurl4-openssl-dev:arm64 libssl-dev:arm64 libpng-dev:arm64 libutf8proc-dev:arm64
+  libpython3.11:arm64 libstdc++6:arm64"
+arm64_missing="$(for p in $arm64_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)"
+if [ -n "$arm64_missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && [ "$(dpkg --print-architecture)" = amd64 ]; then
+  echo "[sakura] installing Debian's arm64 packages:" $arm64_missing
+  if ! dpkg --print-foreign-architectures | grep -qx arm64; then dpkg --add-architecture arm64; fi
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $arm64_missing; } \
+    || echo "[sakura] warning: the arm64 packages did not install; the arm64 sakura-edge tests skip"
+fi
 stamp=".venv/.sakura-installed"
 want="$(find pyproject.toml native/pyproject.toml native/CMakeLists.txt native/cmake native/src -type f \
   | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"

@@ -16,6 +16,7 @@ speed and are not reported as such.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -29,6 +30,15 @@ SYSROOT = Path("/usr") / TRIPLE
 QEMU = "qemu-aarch64"
 APT_PACKAGES = "g++-aarch64-linux-gnu qemu-user cmake ninja-build"
 REL_BOUND = 1e-5  # native/src/tools/sakura_native.cpp: a shard mismatches above this
+
+
+MULTIARCH_LOADER = Path("/lib/ld-linux-aarch64.so.1")  # Debian's libc6:arm64
+
+
+def cache_root() -> Path:
+    """Where the arm64 runtime and the qemu prefix are kept (never in the repository)."""
+    env = os.environ.get("SAKURA_ARM64_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "sakura" / "arm64"
 
 
 def native_dir() -> Path:
@@ -93,9 +103,10 @@ def machine(binary: Path) -> str:
 
 
 def emulate(binary: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run an arm64 binary under qemu-user with Debian's arm64 runtime libraries."""
+    """Run an arm64 binary under qemu-user with Debian's arm64 runtime libraries
+    (:func:`qemu_prefix`)."""
     check_tools()
-    return _run([QEMU, "-L", str(SYSROOT), str(binary), *args], timeout,
+    return _run([QEMU, "-L", str(qemu_prefix()), str(binary), *args], timeout,
                 f"{QEMU} {Path(binary).name} {' '.join(args)}")
 
 
@@ -107,6 +118,55 @@ def neon_instructions(build_dir: Path) -> int:
         return 0
     text = subprocess.run([tool, "-d", str(objs[0])], capture_output=True, text=True).stdout
     return sum(1 for line in text.splitlines() if "fmla" in line and ".4s" in line)
+
+
+# What an arm64 Linux kernel shows of its CPUs, for qemu-user 7.2, which passes the x86
+# host's /proc/cpuinfo through: cpuinfo (XNNPACK's, inside libtorch_cpu.so) finds no ARM
+# processor there and libtorch_cpu's start-up dereferences its empty tables (SIGSEGV).
+# A Neoverse-N1 (MIDR 0x413fd0c1), whose features qemu's default CPU has.
+CPUINFO = ("processor\t: {i}\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull "
+           "sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\n"
+           "CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x3\n"
+           "CPU part\t: 0xd0c\nCPU revision\t: 1\n\n")
+MIDR = "0x00000000413fd0c1\n"
+
+
+def qemu_root(root: Path | None = None) -> Path:
+    """The ``-L`` prefix qemu-user runs the binary in: an arm64 ``/proc/cpuinfo`` and the
+    per-CPU MIDR_EL1 files, nothing else. qemu looks every absolute path up under the prefix
+    first and falls back to the host's, so the loader (``/lib/ld-linux-aarch64.so.1``) and
+    every library come from Debian's arm64 multiarch packages (libc6:arm64,
+    libstdc++6:arm64, ...). Not the cross toolchain's ``/usr/aarch64-linux-gnu``: its glibc
+    is another build than libc6:arm64's, and the binary's libraries (libcurl, libpython)
+    pull in the multiarch libc.so.6; a loader of one build with the libc of the other
+    hangs in ``pthread_create``."""
+    root = (Path(root) if root is not None else cache_root()) / "qemu-root"
+    lib = root / "usr" / "lib" / TRIPLE
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    possible = Path("/sys/devices/system/cpu/possible")
+    if possible.exists():
+        last = possible.read_text().strip().split(",")[-1].split("-")[-1]
+        cpus = int(last) + 1 if last.isdigit() else cpus
+    (root / "proc").mkdir(parents=True, exist_ok=True)
+    # the C++ runtime when libstdc++6:arm64 is not installed: the cross toolchain's (the same
+    # GCC; it does not depend on the glibc build)
+    for name in ("libstdc++.so.6", "libgcc_s.so.1"):
+        if not (Path("/usr/lib") / TRIPLE / name).exists() and not (lib / name).exists():
+            lib.mkdir(parents=True, exist_ok=True)
+            (lib / name).symlink_to(SYSROOT / "lib" / name)
+    (root / "proc" / "cpuinfo").write_text("".join(CPUINFO.format(i=i) for i in range(cpus)))
+    for i in range(cpus):
+        d = root / f"sys/devices/system/cpu/cpu{i}/regs/identification"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "midr_el1").write_text(MIDR)
+    return root
+
+
+def qemu_prefix() -> Path:
+    """The ``-L`` prefix of qemu-aarch64: :func:`qemu_root` once Debian's arm64 libc is
+    installed (multiarch; any multiarch library the binary links pulls it in), else the cross
+    toolchain's sysroot."""
+    return qemu_root() if MULTIARCH_LOADER.exists() else SYSROOT
 
 
 @dataclass

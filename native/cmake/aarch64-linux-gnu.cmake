@@ -12,8 +12,12 @@ set(SAKURA_CROSS_PREFIX aarch64-linux-gnu- CACHE STRING "cross toolchain prefix"
 set(CMAKE_C_COMPILER ${SAKURA_CROSS_PREFIX}gcc)
 set(CMAKE_CXX_COMPILER ${SAKURA_CROSS_PREFIX}g++)
 
-# the target's libraries and headers (Debian's multiarch cross root), never the host's
-set(CMAKE_FIND_ROOT_PATH /usr/aarch64-linux-gnu)
+# the target's libraries and headers, never the host's: Debian's cross root, and the
+# multiarch arm64 packages (dpkg --add-architecture arm64; libcurl4-openssl-dev:arm64 ...),
+# whose libraries live in /usr/lib/aarch64-linux-gnu and arch-specific headers in
+# /usr/include/aarch64-linux-gnu (searched through CMAKE_LIBRARY_ARCHITECTURE)
+set(CMAKE_LIBRARY_ARCHITECTURE aarch64-linux-gnu)
+set(CMAKE_FIND_ROOT_PATH /usr/aarch64-linux-gnu /)
 set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)
 set(CMAKE_FIND_ROOT_PATH_MODE_LIBRARY ONLY)
 set(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE ONLY)
@@ -21,3 +25,7 @@ set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE ONLY)
 
 # how CMake (try_run, tests) and the tests run target binaries on the host
 set(CMAKE_CROSSCOMPILING_EMULATOR qemu-aarch64;-L;/usr/aarch64-linux-gnu)
+
+# pkg-config (FindCURL, FindOpenSSL, FindPNG hints): the arm64 packages' .pc files only
+set(ENV{PKG_CONFIG_LIBDIR} "/usr/lib/aarch64-linux-gnu/pkgconfig:/usr/share/pkgconfig")
+set(ENV{PKG_CONFIG_PATH} "")

@@ -6,9 +6,27 @@
 # `pip install --no-build-isolation ./native` into the environment that has executorch and
 # torch (scripts/_env.sh). Without them the module builds without the edit runtime and
 # `sakura_native.edit_runtime_available()` says why.
+#
+# A cross build (edge/backends/arm64_edge.py: sakura-edge for arm64) names the runtime instead
+# of asking the interpreter: -DSAKURA_EXECUTORCH_DIR (the target's executorch package: headers
+# and extension/pybindings/_portable_lib*.so), -DSAKURA_TORCH_DIR (a torch package whose
+# include/ has the c10 headers; they do not depend on the architecture) and
+# -DSAKURA_EXECUTORCH_VERSION.
 set(SAKURA_EDIT_REASON "")
+set(_sakura_given OFF)
+if(SAKURA_EXECUTORCH_DIR AND SAKURA_TORCH_DIR AND SAKURA_EXECUTORCH_VERSION)
+  set(_sakura_given ON)
+endif()
 if(NOT SAKURA_EDIT_RUNTIME)
   set(SAKURA_EDIT_REASON "built with -DSAKURA_EDIT_RUNTIME=OFF")
+elseif(_sakura_given)
+  find_package(CURL)
+  find_package(OpenSSL COMPONENTS Crypto)
+  if(NOT CURL_FOUND)
+    set(SAKURA_EDIT_REASON "libcurl development files not found for ${CMAKE_SYSTEM_PROCESSOR}")
+  elseif(NOT OpenSSL_FOUND)
+    set(SAKURA_EDIT_REASON "OpenSSL development files not found for ${CMAKE_SYSTEM_PROCESSOR}")
+  endif()
 else()
   execute_process(
     COMMAND "${Python_EXECUTABLE}" -c
@@ -26,7 +44,16 @@ else()
   endif()
 endif()
 
-if(SAKURA_EDIT_REASON STREQUAL "")
+if(SAKURA_EDIT_REASON STREQUAL "" AND _sakura_given)
+  set(_sakura_pybind_dir "${SAKURA_EXECUTORCH_DIR}/extension/pybindings")
+  file(GLOB _sakura_portable "${_sakura_pybind_dir}/_portable_lib*.so")
+  list(LENGTH _sakura_portable _sakura_n)
+  if(NOT _sakura_n EQUAL 1)
+    message(FATAL_ERROR "expected one _portable_lib*.so in ${_sakura_pybind_dir}")
+  endif()
+  get_filename_component(_sakura_portable_name "${_sakura_portable}" NAME)
+  string(REGEX REPLACE "^_portable_lib" "" _sakura_ext "${_sakura_portable_name}")
+elseif(SAKURA_EDIT_REASON STREQUAL "")
   string(REPLACE "\n" ";" _sakura_paths "${_sakura_paths}")
   list(GET _sakura_paths 0 SAKURA_EXECUTORCH_DIR)
   list(GET _sakura_paths 1 SAKURA_TORCH_DIR)
@@ -36,6 +63,8 @@ if(SAKURA_EDIT_REASON STREQUAL "")
     OUTPUT_VARIABLE _sakura_ext OUTPUT_STRIP_TRAILING_WHITESPACE)
   set(_sakura_pybind_dir "${SAKURA_EXECUTORCH_DIR}/extension/pybindings")
   set(_sakura_portable "${_sakura_pybind_dir}/_portable_lib${_sakura_ext}")
+endif()
+if(SAKURA_EDIT_REASON STREQUAL "")
   if(NOT EXISTS "${_sakura_portable}")
     message(FATAL_ERROR "ExecuTorch runtime library not found: ${_sakura_portable}")
   endif()

@@ -1,0 +1,83 @@
+"""``sakura-edge`` cross-built for arm64 and run under qemu-aarch64 (issue 31 item 3).
+
+The arm64 binary (``sakura.edge.backends.arm64_edge.build``: the aarch64 executorch wheel's
+runtime, fetched and cached under ``~/.cache/sakura/arm64``, Debian's arm64 multiarch
+libraries) edits the tiny world of ``test_sakura_edge.py`` from a real ``sakura serve`` on
+loopback, on the fixed configurations, and is compared with the x86 binary on the same
+edits (``sakura.edge.sakura_edge_bench.arm64_figures``): PSNR of the float outputs >= 60 dB
+(XNNPACK's NEON kernels are not its AVX kernels: no bit equality), the same configuration of
+every shard, and no interpreter (``qemu-aarch64 -strace``: no ``.py``/``.pyc`` opened,
+nothing executed, with PYTHONHOME=/nonexistent). Bad input under qemu: one
+``sakura-edge: error:`` line, exit 1 or 2. Slow: the first build fetches the wheels and
+cross-compiles; every emulated edit loads libtorch_cpu.so under qemu (seconds).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sakura.edge.backends import arm64_edge
+from sakura.edge.backends.errors import BackendError, BackendUnavailable
+from sakura.edge.sakura_edge_bench import (
+    ARM64_BUILD,
+    NO_PYTHON_ENV,
+    PSNR_TARGET_DB,
+    arm64_figures,
+    run_edge,
+)
+
+from tests.native import test_sakura_edge as x86
+from tests.native.test_sakura_edge import PROMPT, TEMPLATE_ID, edit_args, one_error_line
+
+native = pytest.importorskip("sakura_native")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (native.edit_runtime_available()[0]
+                            and native.text_encoder_available()[0]),
+                       reason="needs the native edit runtime with the text encoder"),
+]
+
+# the x86 tests' fixtures: the x86 binary, the tiny world, sakura serve on it
+exe, world, server = x86.exe, x86.world, x86.server
+
+
+@pytest.fixture(scope="module")
+def arm_exe() -> Path:
+    try:
+        arm64_edge.check_prerequisites()
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        return arm64_edge.build(ARM64_BUILD)
+    except BackendError as exc:
+        if "pip download" in str(exc):  # no index reachable: say so rather than fail
+            pytest.skip(f"the aarch64 wheels could not be fetched: {exc}")
+        raise
+
+
+def test_the_arm64_binary_edits_as_the_x86_binary(arm_exe, exe, server, tmp_path):
+    doc = arm64_figures(server.url, TEMPLATE_ID, PROMPT, exe, arm_exe, tmp_path, log=print)
+    print({k: v for k, v in doc.items() if k != "configs"})
+    assert doc["built"] and doc["machine"] == "aarch64"
+    assert doc["edit_ok"]  # every shard on the same configuration, same shapes
+    assert all(c["same_shard_configs"] and c["shards"] > 0 for c in doc["configs"].values())
+    assert doc["psnr_db_vs_x86"] is None or doc["psnr_db_vs_x86"] >= PSNR_TARGET_DB
+    assert doc["max_abs_err_vs_x86"] < 1e-2
+    # measured under qemu -strace with no Python reachable
+    assert doc["exit_code"] == 0 and doc["files_opened"] > 0
+    assert doc["interpreter_started"] is False
+    assert doc["python_files_opened"] == 0 and doc["programs_executed"] == 0
+
+
+def test_bad_input_under_qemu_is_one_line(arm_exe, server, tmp_path):
+    qemu = arm64_edge.qemu_command(arm_exe)
+    args = edit_args(server.url, tmp_path / "o.png")
+    args[args.index(TEMPLATE_ID)] = "no-such-template"
+    done = run_edge(qemu, args, tmp_path / "cache", env=NO_PYTHON_ENV)
+    one_error_line(done, 1, "unknown template", "no-such-template")
+    done = run_edge(qemu, edit_args("http://127.0.0.1:9", tmp_path / "o.png") +
+                    ["--retry-window", "0.5"], tmp_path / "cache")
+    one_error_line(done, 1, "cannot reach", "127.0.0.1:9")
+    one_error_line(run_edge(qemu, [], tmp_path / "cache"), 2, "no command")
+    assert not (tmp_path / "o.png").exists()
