@@ -226,8 +226,8 @@ def arm64_figures(url: str, template_id: str, prompt: str, x86_exe: Path, arm_ex
                   log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """The arm64 binary under qemu against the x86 binary on the same edits:
     ``{built, edit_ok, interpreter_started, psnr_db_vs_x86, max_abs_err_vs_x86}`` (the worst
-    configuration's), per-configuration figures, and the interpreter check (on the first
-    configuration, under ``qemu -strace``)."""
+    configuration's), per-configuration figures, and the interpreter check (under ``qemu
+    -strace``, on the configurations in turn until one edit succeeds there)."""
     work = Path(work)
     doc: dict[str, Any] = {"built": arm64_edge.machine(arm_exe) == "aarch64",
                            "machine": arm64_edge.machine(arm_exe),
@@ -244,11 +244,13 @@ def arm64_figures(url: str, template_id: str, prompt: str, x86_exe: Path, arm_ex
             if arch == "x86":
                 done = run_edge([str(x86_exe)], args, d / "cache")
             else:
-                strace = i == 0
+                # under -strace until one whole edit has succeeded there
+                strace = doc.get("exit_code") != 0
                 done = run_edge(arm64_edge.qemu_command(arm_exe, strace=strace), args,
                                 d / "cache", env=NO_PYTHON_ENV)
                 if strace:
-                    doc.update(interpreter_check(done.stderr, done.returncode))
+                    doc.update(interpreter_check(done.stderr, done.returncode),
+                               interpreter_checked_on=name)
             if done.returncode != 0:
                 lines = [ln for ln in done.stderr.splitlines() if "sakura-edge" in ln]
                 outs["error"] = (f"sakura-edge ({arch}) exited {done.returncode}: "
