@@ -74,27 +74,40 @@ class BundleExport:
 def export_bundle(model: Any, weights_sha256: str, template: Template, req: EditRequest,
                   blocks_per_shard: int, *, cache_dir_: Path | None = None,
                   text_encoder: bool = True, text_cache: Path | None = None,
-                  work: Path) -> BundleExport:
+                  work: Path, precision: str = "fp32") -> BundleExport:
     """Export what an edit of ``template`` executes on the device (see the module
     docstring) for requests shaped like ``req`` (its text tokens and whether it carries
     the unconditional prompt). Graphs are exported into ``cache_dir_`` and the text encoder
     into ``text_cache`` (default: the compiled-artifact cache) unless they are there;
-    ``work`` receives the tables."""
+    ``work`` receives the tables. ``precision="int8"`` also exports the int8 variant of
+    every chain's block-group graphs (``edge.backends.int8``; graph sets ``<name>-int8``);
+    each graph set records its ``precision``."""
+    from sakura.edge.backends.int8 import check_precision  # lazy: keeps torchao optional
+
+    check_precision(precision)
     t0 = time.perf_counter()
     kw = {"cache_dir": cache_dir_} if cache_dir_ is not None else {}
     native = NativeEngine(model, weights_sha256, **kw)
+    engines = {"fp32": native}
+    if precision == "int8":
+        engines["int8"] = NativeEngine(model, weights_sha256, precision="int8", **kw)
     geo = Geometry.of(model, template)
     files: list[tuple[str, str, Path]] = []
     sets = []
-    for name, shape, groups in native.graph_plan(template, geo, req, blocks_per_shard):
-        graphs, digest = native.export(shape, groups)
+    plan = [(name if p == "fp32" else f"{name}-{p}", p, shape, groups)
+            for p in engines
+            for name, shape, groups in native.graph_plan(template, geo, req,
+                                                         blocks_per_shard)]
+    for name, prec, shape, groups in plan:
+        graphs, digest = engines[prec].export(shape, groups)
         group_files = [f"{name}-group{i}.pte" for i in range(len(groups))]
         files += [(f"{name}-step_in.pte", "graph", graphs.step_in),
                   *[(n, "graph", p) for n, p in zip(group_files, graphs.groups)],
                   (f"{name}-step_out.pte", "graph", graphs.step_out)]
         sets.append({"name": name, "digest": digest, "shape": shape.to_dict(),
                      "groups": [list(g) for g in groups], "dynamic": graphs.dynamic,
-                     "takes_cache": graphs.takes_cache, "step_in": f"{name}-step_in.pte",
+                     "takes_cache": graphs.takes_cache, "precision": prec,
+                     "step_in": f"{name}-step_in.pte",
                      "group_files": group_files, "step_out": f"{name}-step_out.pte"})
     doc: dict[str, Any] = {
         "format": BUNDLE_FORMAT, "version": BUNDLE_VERSION,

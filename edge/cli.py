@@ -146,6 +146,9 @@ def _edit_parser(commands: Any) -> None:
     p.add_argument("--max-inflight", type=positive_int, default=MAX_INFLIGHT,
                    metavar="N", help="requests in flight at once, one connection each "
                                      "(default %(default)s)")
+    p.add_argument("--precision", default="fp32",
+                   help="the shard loop's graphs (native runtime): fp32 (default) or int8 "
+                        "(the bundle's int8 XNNPACK variant; sakura build --int8)")
     p.add_argument("--http-version", choices=("1.1", "2"), default="1.1",
                    help="the native runtime's HTTP for pack ranges: 1.1 (default), or 2 "
                         "(h2c with prior knowledge, e.g. nginx's `listen PORT http2;`; "
@@ -368,7 +371,7 @@ def _edit(args: argparse.Namespace) -> int:
     req = runtime.request(args.prompt, args.seed, reference)
     options = EditOptions(max_ahead=args.max_ahead, max_inflight=args.max_inflight,
                           pack=args.pack, http_version=args.http_version,
-                          pack_origin=args.pack_origin,
+                          pack_origin=args.pack_origin, precision=args.precision,
                           reconstruct=args.reconstruct,
                           startup_fraction=args.startup_fraction, on_wait=say_waiting)
     link_info: dict[str, Any] = {"mode": "direct"}

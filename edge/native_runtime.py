@@ -132,6 +132,9 @@ class NativeEngine:
     # compile per (weights, resolution, batch, text tokens, block groups) serves every
     # template; False: one static compile per template geometry
     dynamic: bool = True
+    # the block groups' shard graphs: "fp32", or "int8" (``edge.backends.int8``: PT2E,
+    # dynamic activations, per-channel int8 Linear weights; StepIn / StepOut stay fp32)
+    precision: str = "fp32"
     _loaded: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False)
     _supported: dict[ShardBounds, bool] = field(default_factory=dict, init=False, repr=False)
     # the per-step modulation vectors of a schedule (no request in them): ~8 ms per edit
@@ -143,6 +146,9 @@ class NativeEngine:
     _bundled: dict[str, GraphSet] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        from sakura.edge.backends.int8 import check_precision  # lazy: keeps torchao optional
+
+        check_precision(self.precision)
         self.native = native_module()
         with quiet_stderr():  # ExecuTorch's cpuinfo start-up notes on x86 (harmless)
             self.native.set_graph_threads(self.threads)
@@ -193,7 +199,8 @@ class NativeEngine:
     def _key(self, geometry: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
              ) -> ArtifactKey:
         version = (f"{exporter_version()}-graphs{GRAPHS_FORMAT}-groups"
-                   + "_".join(f"{g[0]}-{g[-1]}" for g in groups))
+                   + "_".join(f"{g[0]}-{g[-1]}" for g in groups)
+                   + ("" if self.precision == "fp32" else f"-{self.precision}"))
         return ArtifactKey(self.weights_sha256, self.architecture(), geometry,  # type: ignore[arg-type]
                            tuple(b for g in groups for b in g), "native", version)
 
@@ -265,7 +272,13 @@ class NativeEngine:
                                   shape.dynamic_shapes(blocks) if dynamic else None))
                 for name, module, example, dims in parts:
                     (tmp / name).mkdir()
-                    if dims is None:
+                    if self.precision == "int8" and name.startswith("group"):
+                        from sakura.edge.backends.int8 import (  # lazy: torchao
+                            export_int8,
+                        )
+
+                        export_int8(module.eval(), example, tmp / name / PTE_NAME, dims)
+                    elif dims is None:
                         backend._compile(module.eval(), example, tmp / name)
                     else:
                         export_dynamic(module.eval(), example, dims, tmp / name / PTE_NAME)

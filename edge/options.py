@@ -16,6 +16,8 @@ from sakura.edge.retry import RetryPolicy
 
 #: the HTTP versions EditOptions.http_version takes (HTTP/2: the native runtime only)
 HTTP_VERSIONS = ("1.1", "2")
+#: the shard graphs' precisions EditOptions.precision takes (edge.backends.int8.PRECISIONS)
+PRECISIONS = ("fp32", "int8")
 
 
 @dataclass
@@ -65,6 +67,9 @@ class EditOptions:
     # with few cores, giving them other cores than execution's keeps receiving and decoding
     # from slowing execution (the benches give them the server and link's core)
     pipeline_cpus: tuple[int, ...] | None = None
+    # the shard loop's graphs (native runtime, device bundles): "fp32", or "int8"
+    # (edge.backends.int8: dynamic int8 Linear layers, attention over the fp32 cache fp32)
+    precision: str = "fp32"
     safety: float = 0.8         # fraction of rate x window the allocator may use
     rate_window: int = 5        # shards in the harmonic-mean rate estimate
     budget_rate_bps: float | None = None  # median rate for sakura-fixed-config
@@ -107,6 +112,9 @@ class EditOptions:
             raise EdgeError(f"lookahead_rtts must be >= 0, got {self.lookahead_rtts!r}")
         if min(self.max_ahead, self.max_ready, self.max_inflight) < 1:
             raise EdgeError("max_ahead, max_ready and max_inflight must be >= 1")
+        if self.precision not in PRECISIONS:
+            raise EdgeError(f"precision must be one of {', '.join(PRECISIONS)}, got "
+                            f"{self.precision!r}")
         if self.http_version not in HTTP_VERSIONS:
             raise EdgeError(f"http_version must be one of {', '.join(HTTP_VERSIONS)}, got "
                             f"{self.http_version!r}")

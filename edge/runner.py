@@ -252,6 +252,8 @@ class NativeRunner:
     def __init__(self, compiled_dir: Any = None) -> None:
         self._compiled_dir = compiled_dir
         self._engine: NativeEngine | None = None
+        self._engines: dict[str, NativeEngine] = {}  # other precisions than fp32
+        self._precision = "fp32"  # the current edit's EditOptions.precision
         # the templates' device bundles (edge.bundle): graphs exported in the cloud,
         # downloaded once and cached beside the compiled graphs
         self.bundles = (DeviceBundles(Path(compiled_dir) / "bundles") if compiled_dir
@@ -267,7 +269,18 @@ class NativeRunner:
             kw = {"cache_dir": self._compiled_dir} if self._compiled_dir else {}
             self._engine = NativeEngine(device.model, device.weights_sha256
                                         or weights_sha256(device.model), **kw)
-        return self._engine
+        if self._precision == "fp32":
+            return self._engine
+        # EditOptions.precision "int8": the block groups' int8 graphs (edge.backends.int8),
+        # the same bundled chains (the int8 sets have their own digests)
+        other = self._engines.get(self._precision)
+        if other is None:
+            kw = {"cache_dir": self._compiled_dir} if self._compiled_dir else {}
+            other = NativeEngine(device.model, self._engine.weights_sha256,
+                                 precision=self._precision, **kw)
+            other._bundled = self._engine._bundled
+            self._engines[self._precision] = other
+        return other
 
     def check(self, opts: EditOptions) -> None:
         return None
@@ -287,6 +300,7 @@ class NativeRunner:
         the cached manifest, or from a manifest fetched outside the device's cache (so
         that the timed edit fetches it exactly as the Python runtime does)."""
 
+        self._precision = opts.precision
         native = self.engine(device)
         cached = device.manifests.get((template_id, codec))
         if cached is not None:
@@ -356,6 +370,7 @@ class NativeRunner:
 
     def stream(self, device: EdgeRuntime, job: StreamJob
                ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        self._precision = job.opts.precision
         native = self.engine(device)
         manifest, opts, client = job.manifest, job.opts, job.client
         codec_impl = manifest.make_codec()

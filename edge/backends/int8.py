@@ -17,6 +17,7 @@ the dynamic config the observers record nothing that the program keeps.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -59,8 +60,26 @@ def quantize_int8(module: torch.nn.Module, example: tuple[torch.Tensor, ...],
         for inputs in calibration:
             prepared(*inputs)
         converted = convert_pt2e(prepared)
+        if dynamic_shapes is not None:  # the converted graph takes flat positional args
+            dynamic_shapes = _flat_shapes(module, dynamic_shapes, len(example))
         return torch.export.export(converted, example, dynamic_shapes=dynamic_shapes,
                                    strict=False)
+
+
+def _flat_shapes(module: torch.nn.Module, dynamic_shapes: Any, n: int) -> tuple:
+    """``dynamic_shapes`` of ``module.forward`` (a dict by name, or a tuple whose last entry
+    holds the ``*args`` entries) as one entry per flat positional input."""
+    params = list(inspect.signature(module.forward).parameters.values())
+    named = [p for p in params if p.kind != inspect.Parameter.VAR_POSITIONAL]
+    if isinstance(dynamic_shapes, dict):
+        flat = [dynamic_shapes.get(p.name) for p in named]
+        rest = dynamic_shapes.get(next((p.name for p in params
+                                        if p.kind == inspect.Parameter.VAR_POSITIONAL), ""))
+    else:
+        flat, rest = list(dynamic_shapes[:len(named)]), dynamic_shapes[len(named):]
+        rest = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+    flat += list(rest or ())
+    return tuple(flat + [None] * (n - len(flat)))
 
 
 def lower_int8(module: torch.nn.Module, example: tuple[torch.Tensor, ...],

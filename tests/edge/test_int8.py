@@ -54,3 +54,67 @@ def test_a_bad_precision_is_one_clear_error():
     assert check_precision("int8") == "int8"
     with pytest.raises(ValueError, match=r"precision must be one of fp32, int8, got 'int4'"):
         check_precision("int4")
+
+
+def test_edit_options_take_a_precision_and_refuse_a_bad_one():
+    from sakura.edge.errors import EdgeError
+    from sakura.edge.options import EditOptions
+
+    assert EditOptions(precision="int8").precision == "int8"
+    with pytest.raises(EdgeError, match=r"^precision must be one of fp32, int8, got 'fp16'$"):
+        EditOptions(precision="fp16")
+
+
+def test_int8_engine_has_its_own_graph_key(tmp_path):
+    pytest.importorskip("executorch")
+    from sakura.edge.native_runtime import NativeEngine, step_groups
+
+    model = tiny_model()
+    fp32 = NativeEngine(model, "0" * 64, cache_dir=tmp_path)
+    int8 = NativeEngine(model, "0" * 64, cache_dir=tmp_path, precision="int8")
+    shape = ShardGeometry(1, model.cfg.text_tokens, 16, 48)
+    groups = step_groups(model.cfg.num_blocks, 2)
+    assert fp32._key(shape, groups).digest() != int8._key(shape, groups).digest()
+    with pytest.raises(ValueError, match="precision must be one of"):
+        NativeEngine(model, "0" * 64, cache_dir=tmp_path, precision="int4")
+
+
+@pytest.mark.skip(reason="unverified: the dynamic int8 export of the tiny world's chains did "
+                         "not finish inside the session's time; run it by hand")
+def test_int8_option_runs_the_bundles_int8_graphs(world, compiled_dir, tmp_path):
+    """An int8 bundle (fp32 and int8 graph sets, each recording its precision); an edit with
+    ``precision="int8"`` runs the int8 sets from the bundle (nothing exported on the
+    device) and its image is near the fp32 edit's, not equal to it."""
+    pytest.importorskip("executorch")
+    import shutil
+
+    from sakura.cloud.bundle import publish_bundle
+    from sakura.cloud.publish import update_catalog
+    from sakura.edge.backends.base import weights_sha256
+    from sakura.edge.bundle import export_bundle
+    from sakura.edge.options import EditOptions
+
+    from tests.edge.helpers import TEMPLATE_ID, serve_catalog
+    from tests.edge.test_bundle import BPS, device
+    from tests.edge.test_edit import PROMPT, SEED
+
+    catalog = tmp_path / "catalog"
+    shutil.copytree(world.catalog_dir, catalog)
+    req = world.runtime().request(PROMPT, SEED)
+    made = export_bundle(world.model, weights_sha256(world.model), world.template, req, BPS,
+                         cache_dir_=compiled_dir, text_encoder=False, work=tmp_path / "w",
+                         precision="int8")
+    by_name = {s["name"]: s["precision"] for s in made.doc["graph_sets"]}
+    assert by_name == {"cached": "fp32", "full": "fp32", "cached-int8": "int8",
+                       "full-int8": "int8"}
+    update_catalog(catalog, {TEMPLATE_ID: {"bundle": publish_bundle(catalog, made.files,
+                                                                     made.doc)}})
+    dev = device(world, tmp_path / "phone")
+    images = {}
+    with serve_catalog(catalog) as server:
+        for p in ("fp32", "int8"):
+            images[p] = dev.edit(server.url, TEMPLATE_ID, world.template, req, "fp16",
+                                 options=EditOptions(local_fallback=False, precision=p)).image
+    assert dev.native.compiles == 0 and dev.runner._engines["int8"].compiles == 0
+    diff = (images["int8"] - images["fp32"]).abs()
+    assert 0 < float(diff.max()) < 0.1, float(diff.max())
