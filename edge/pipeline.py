@@ -388,6 +388,8 @@ class Pipeline(PrefixRefinement, LocalFallback):
             idle = t.idle_s()  # (the client's clock: time.monotonic)
             if idle is None:  # waiting out a backoff, or a restart is on its way
                 continue
+            if t.received >= entry.nbytes:  # the whole body is in: its completion is due
+                continue  # (a restart would ask for an empty range: native restart_stalled)
             limit = stall_limit_s(entry.nbytes - t.received, rate, latency, t.stalled_restarts)
             if idle > limit:
                 if t.restart():
