@@ -266,6 +266,13 @@ class Scheduler:
             limit = self._limit(self._ready[i][2])
             eligible = [w for w in (free if pinned is None else [pinned])
                         if self.workers[w] < limit]
+            if not eligible and pinned is not None:
+                # the lower-class request kept on its worker has no room left there (its
+                # class's reserve, none at reserve 0): the higher class goes instead, or
+                # nothing would ever be placed again (reserve 0 stalled the engine)
+                i, pinned = 0, None
+                limit = self._limit(self._ready[0][2])
+                eligible = [w for w in free if self.workers[w] < limit]
             if not eligible:
                 break  # the room left is reserved for a higher class
             unit = self._unit(i)

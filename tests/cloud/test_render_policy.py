@@ -211,6 +211,23 @@ def test_adapter_checkpoint_served_regionally_equals_single_process(tmp_path, ki
             assert r.stats["probe_steps"] == STEPS - 2
 
 
+def test_a_kept_lower_class_request_without_room_yields_to_the_higher_class():
+    """At reserve 0 a lower class may take no backlog while a higher class is open. When the
+    benefit rule keeps the low request on its worker (a cheap step is not worth a switch),
+    that request has no room, so the high one must go: before, nothing was placed and an
+    engine with no task in flight waited forever."""
+    def transfer(task, w):
+        return 0.0 if task.key.rid == 1 else 10.0
+    s = Scheduler(capacity=100.0, transfer=transfer, reserve=0.0)
+    s.add_worker(0)
+    s.open_request(1, 2)
+    s.open_request(2, 0)
+    s.add(_task(1, 4, 0, PATCH, cost=20.0, cls=2))   # 4 * 20 < 1 * (100 + 10): kept
+    s.add(_task(2, 0, -1, WARMUP, cost=100.0, cls=0))
+    assert [g.tasks[0].key.rid for g in s.place()] == [2]
+    assert s.stats.kept == 1
+
+
 def test_lower_classes_leave_backlog_room_while_a_higher_class_is_open():
     s = Scheduler(capacity=100.0, reserve=0.5)
     s.add_worker(0)
