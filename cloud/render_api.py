@@ -89,7 +89,8 @@ class EngineConfig:
     respawn: bool = True
     priority: str = "warmup_first"   # or "fifo" (cloud.render_sched)
     preempt: str = "benefit"         # or "strict" (cloud.render_sched)
-    reserve: float = 0.5             # lower-class backlog share while a higher class is open
+    reserve: float = 0.0             # lower-class backlog share while a higher class is open
+                                     # (cloud/RENDER.md, "SLO": 0.5 met no deadline)
     patch_search: bool = True        # online R search (cloud.render_policy)
     patch_candidates: tuple[int, ...] = (2, 4, 6, 8)
     quality_eps: float | None = 0.0  # the gate's eps under low load (None: no quality mode)
