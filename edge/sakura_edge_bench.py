@@ -52,6 +52,8 @@ from sakura.edge.quality import psnr
 from sakura.edge.runtime import EdgeRuntime
 from sakura.edge.server_process import ServerProcess
 
+from sakura import cachedir
+
 ROOT = Path(__file__).resolve().parents[1]
 X86_BUILD = ROOT / "native" / "build" / "sakura-edge"
 ARM64_BUILD = ROOT / "native" / "build" / "sakura-edge-arm64"
@@ -111,7 +113,7 @@ def run_edge(prefix: Sequence[str], args: Sequence[str], cache: Path,
              env: dict[str, str] | None = None, timeout: float = 900
              ) -> subprocess.CompletedProcess:
     """One ``sakura-edge`` run (``prefix``: the binary, or qemu and the binary)."""
-    full = {**os.environ, **(env or {}), "SAKURA_CACHE": str(cache)}
+    full = {**os.environ, **(env or {}), cachedir.ENV_VAR: str(cache)}
     return subprocess.run([*prefix, *args], capture_output=True, text=True, env=full,
                           timeout=timeout)
 

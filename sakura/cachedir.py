@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+ENV_VAR = "SAKURA_CACHE"  # what a child process (e.g. ``sakura-edge``) is given to move it
+
 
 def cache_dir(*parts: str) -> Path:
     """SAKURA's cache folder (see the module docstring), joined with ``parts``; not created."""
-    root = os.environ.get("SAKURA_CACHE")
+    root = os.environ.get(ENV_VAR)
     if root:
         base = Path(root)
     else:

@@ -33,6 +33,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "tqdm": "model",
     "yaml": "model",
     "executorch": "executorch",
+    "torchao": "executorch",
     "onnxruntime": "qnn",
     "onnxruntime_qnn": "qnn",
     "onnx": "qnn",
