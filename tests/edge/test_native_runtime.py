@@ -228,8 +228,10 @@ def test_the_server_sees_only_public_names(world, runtime, native_runtime):
     # each of max_inflight - 1 connections (EditOptions.warm_connections)
     # before the edit: the template's catalog entry, once per origin (is there a device
     # bundle? edge.bundle); a public document, and not in the edit's log
+    # (at most once: the module's runtime remembers the entry per origin URL, and a port an
+    # earlier test's server had may come back here; CI at f6f94d3 saw 0)
     setup = [e for e in recorder.requests if e["path"] == "/catalog.json"]
-    assert len(setup) == 1
+    assert len(setup) <= 1
     requests = [e for e in recorder.requests if e["path"] != "/catalog.json"]
     heads = [e for e in requests if e["method"] == "HEAD"]
     gets = [e for e in requests if e["method"] == "GET"]
