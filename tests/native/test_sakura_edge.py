@@ -55,20 +55,6 @@ def build_binary() -> Path:
     return BUILD_DIR / "sakura-edge"
 
 
-class ProgramEncoder:
-    """Prompt embeddings through the bundle's text encoder program (the C++ runner)."""
-
-    def __init__(self, pte: Path, vocab: Path) -> None:
-        self.pte, self.vocab = str(pte), str(vocab)
-
-    def encode(self, prompts: list[str]) -> torch.Tensor:
-        # loaded per call: a program loaded before the runtime resets ExecuTorch's
-        # threadpool (NativeEngine's set_graph_threads) would run on the old one
-        enc = native.TextEncoder(self.pte, self.vocab)
-        return torch.stack([torch.from_numpy(np.asarray(enc.encode(p)).copy())
-                            for p in prompts])
-
-
 def png_b64(arr: np.ndarray) -> str:
     from PIL import Image
 
@@ -112,6 +98,8 @@ def world(tmp_path_factory):
     template = Template(image=image, mask=mask, txt=torch.zeros(1, 16, 384), seed=1, steps=4,
                         guidance=2.0, strength=0.9)
     program = compiled_text_encoder(16)
+    from sakura.edge.sakura_edge_bench import ProgramEncoder  # lazy: as the imports above
+
     enc = ProgramEncoder(program.pte, program.vocab)
     template.txt = enc.encode(["a template prompt"])
     reqs = [EditRequest(enc.encode([p]), enc.encode([""]), seed=i)
