@@ -74,7 +74,8 @@ end = float(sys.stdin.readline())
 s.settimeout(0.05)
 buf = bytearray(262144)
 cum = 0
-out = [(time.monotonic(), 0)]
+last = time.monotonic()
+out = [(last, 0)]
 while True:
     now = time.monotonic()
     if now >= end:
@@ -88,7 +89,12 @@ while True:
         break
     if n > 0:
         cum += n
-    if now - out[-1][0] >= 0.002:
+        last = now
+    if n < 0 and cum != out[-1][1]:
+        # A quiet spell after reads that came too soon to be sampled: stamp those bytes
+        # at their read, not at this timeout (which would move them into the quiet).
+        out.append((last, cum))
+    elif now - out[-1][0] >= 0.002:
         out.append((now, cum))
 out.append((time.monotonic(), cum))
 s.close()

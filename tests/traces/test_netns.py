@@ -15,6 +15,7 @@ import pytest
 from sakura.traces import NetnsUnavailableError, Trace, load_trace
 from sakura.traces.bench import choose_piece
 from sakura.traces.measure import measure_kernel
+from sakura.traces.tbf import PACKET_BYTES
 from sakura.traces.netns import KernelShapedLink, kernel_shaping_unavailable_reason
 
 from tests.traces.common import assert_follows_the_trace
@@ -124,7 +125,13 @@ def test_real_outage_delivers_nothing_then_resumes(trace_dir: Path) -> None:
     m = measure_kernel(piece, window_s=2.0, n_windows=5, settle_s=1.5)
     *outage, after = m.windows
     assert [w.t0_s for w in outage] == pytest.approx([1.5, 3.5, 5.5, 7.5])
-    assert all(w.outage and w.measured_bytes == 0 for w in outage), m.to_dict()
+    first, *inside = outage
+    assert all(w.outage and w.measured_bytes == 0 for w in inside), m.to_dict()
+    # Its first window may hold the frame the switch to the outage lets out and the one the
+    # old rate had in flight (the clean-clone CI at 19af38f counted bytes there with the
+    # suite's other work on the host; the switch is made early, but by a thread that a
+    # loaded host can wake late). Anything more would be a leak.
+    assert first.outage and first.measured_bytes <= 2 * PACKET_BYTES, m.to_dict()
     # It resumes: the window after the outage follows the trace (a clean-clone CI run
     # delivered 5.6% short there with the suite's other work on the host).
     assert after.t0_s == pytest.approx(9.5) and not after.outage
