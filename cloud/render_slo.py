@@ -49,7 +49,16 @@ def classed(base: RenderRequest, trace: list[Arrival],
     return make
 
 
-def _warm(eng: RenderEngine, base: RenderRequest, prompts: list[str]) -> int:
+def full_service_s(eng: RenderEngine, full: RenderRequest, prompts: list[str],
+                   workers: int) -> float:
+    """Full execution's service time: ``workers`` full requests at once (which also warms
+    the workers up); the capacity an offered load is a multiple of is ``workers`` over it."""
+    cal = [eng.submit(replace(full, prompt=prompts[i % len(prompts)], seed=10_000 + i))
+           for i in range(workers)]
+    return sum(f.result().latency_s for f in cal) / workers
+
+
+def warm_search(eng: RenderEngine, base: RenderRequest, prompts: list[str]) -> int:
     """Spend the R search's exploration (every candidate ``trials`` times), untimed."""
     n = len(eng.search.candidates) * eng.search.trials
     for f in [eng.submit(replace(base, prompt=prompts[i % len(prompts)], seed=20_000 + i))
@@ -74,11 +83,9 @@ def slo_bench(weights: str | None, encoder, prompts: list[str], cfg: RegionalCon
                         **engine)  # type: ignore[arg-type]
     out["engine"] = {k: v for k, v in engine.items()}
     with RenderEngine(ecfg, encoder) as eng:
-        cal = [eng.submit(replace(full, prompt=prompts[i % len(prompts)], seed=10_000 + i))
-               for i in range(workers)]
-        service = sum(f.result().latency_s for f in cal) / workers
+        service = full_service_s(eng, full, prompts, workers)
         rate = overload * workers / service
-        _warm(eng, base, prompts)
+        warm_search(eng, base, prompts)
         alone = []
         for i in range(unloaded_runs):
             res = eng.submit(replace(base, prompt=prompts[i % len(prompts)],
@@ -99,7 +106,7 @@ def slo_bench(weights: str | None, encoder, prompts: list[str], cfg: RegionalCon
             out[f"{cls}_count"] = len(lat)
             out[f"{cls}_latency_s"] = sorted(round(x, 3) for x in lat)
     with RenderEngine(replace(ecfg, priority="fifo"), encoder) as eng:
-        _warm(eng, base, prompts)
+        warm_search(eng, base, prompts)
         t0 = time.perf_counter()
         plain = replay(eng, trace, lambda a: replace(base, prompt=a.prompt, seed=a.seed))
         out["fifo_replay_s"] = time.perf_counter() - t0
@@ -118,4 +125,4 @@ def slo_bench(weights: str | None, encoder, prompts: list[str], cfg: RegionalCon
     return out
 
 
-__all__ = ["DEADLINE_FACTOR", "classed", "slo_bench"]
+__all__ = ["DEADLINE_FACTOR", "classed", "full_service_s", "slo_bench", "warm_search"]

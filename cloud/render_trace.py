@@ -81,6 +81,17 @@ def save_trace(trace: list[Arrival], path: str | Path) -> None:
                                   + "\n" for a in trace))
 
 
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``xs``, linearly interpolated; nan when empty."""
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    pos = q / 100 * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
 @dataclass
 class ReplayResult:
     results: list[RenderResult]
@@ -91,13 +102,7 @@ class ReplayResult:
         return [r.latency_s for r in self.results]
 
     def percentile(self, q: float) -> float:
-        xs = sorted(self.latencies)
-        if not xs:
-            return float("nan")
-        pos = q / 100 * (len(xs) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+        return percentile(self.latencies, q)
 
     @property
     def throughput_rps(self) -> float:
@@ -136,5 +141,5 @@ def request_factory(base: RenderRequest) -> Callable[[Arrival], RenderRequest]:
     return lambda a: replace(base, prompt=a.prompt, seed=a.seed)
 
 
-__all__ = ["Arrival", "ReplayResult", "bursty_arrivals", "load_trace", "poisson_arrivals",
-           "replay", "request_factory", "save_trace"]
+__all__ = ["Arrival", "ReplayResult", "bursty_arrivals", "load_trace", "percentile",
+           "poisson_arrivals", "replay", "request_factory", "save_trace"]
