@@ -131,6 +131,10 @@ class PythonRunner:
         if opts.reconstruct != "cpu":
             raise EdgeError("reconstruct opencl is a stage of the native runtime "
                             "(--runtime native)")
+        if opts.precision != "fp32":
+            # the int8 shard graphs run in the native runner only (edge.backends.int8)
+            raise EdgeError(f"precision {opts.precision} runs on the native runtime "
+                            "(--runtime native); the Python runtime executes fp32")
 
     def monitor(self, k: int, prior: float | None) -> BandwidthMonitor:
         return BandwidthMonitor(k, prior)

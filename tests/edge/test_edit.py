@@ -331,6 +331,14 @@ def test_a_bad_startup_fraction_is_a_clear_error():
         opts.check()
 
 
+def test_the_python_runtime_refuses_int8_instead_of_running_fp32():
+    from sakura.edge.runner import PythonRunner
+
+    PythonRunner().check(EditOptions(precision="fp32"))
+    with pytest.raises(EdgeError, match="precision int8 runs on the native runtime"):
+        PythonRunner().check(EditOptions(precision="int8"))
+
+
 def test_unreachable_server_gives_a_clear_error(world):
     rt = world.runtime()
     req = rt.request(PROMPT, SEED)
