@@ -4,10 +4,14 @@ step, forced reactivation after K skips; and the earlier gate still selectable b
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
+from sakura.cloud import render_cli
 from sakura.dit.regional import (
     DEFAULT_EPS,
+    GATES,
     ImportanceGate,
     PaperGate,
     RegionalConfig,
@@ -32,6 +36,30 @@ def test_paper_gate_is_the_default_and_the_earlier_gate_stays_by_name():
                            schedule(6), torch.zeros(36, 2), be.text_tokens, None, be.cost)
         run_regional(be, st)
         assert isinstance(st.gate, cls)
+
+
+def _gate_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    out = []
+    for a in parser._actions:
+        if a.dest == "gate":
+            out.append(a)
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                out += _gate_actions(sub)
+    return out
+
+
+def test_the_cli_names_the_registry_gates_and_defaults_to_the_paper_gate():
+    """``sakura render serve|replay --gate`` lists its names by hand (the parser stays
+    torch-free); they must be config.GATES, defaulting to RegionalConfig's gate."""
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers(dest="command")
+    render_cli.register(commands, commands.add_parser("bench").add_subparsers(dest="bench"))
+    actions = _gate_actions(parser)
+    assert len(actions) >= 2  # serve and replay
+    for a in actions:
+        assert tuple(a.choices) == GATES and a.default == RegionalConfig().gate == "paper"
+    assert parser.parse_args(["render", "serve", "--gate", "importance"]).gate == "importance"
 
 
 def test_weights_are_the_frozen_changes_over_their_sum():
