@@ -392,28 +392,28 @@ def _ray_units(cfg: BuildConfig, jobs: list[UnitJob], out: Path, log):
     from sakura.cloud.render_ray import _ray  # lazy: ray (an optional extra)
 
     ray = _ray()
-    refs = []
-    try:
-        task = ray.remote(_unit_task).options(num_cpus=1)
-        cfg_ref = ray.put(cfg)
-        refs = [task.remote(cfg_ref, job) for job in jobs]
-        for job, ref in zip(jobs, refs):
-            try:
-                status, got, notes = ray.get(ref)
-            except ray.exceptions.RayError as exc:  # the task's worker or node died
-                raise PublishError(f"template {job.tid}: the Ray task failed "
-                                   f"({type(exc).__name__}); nothing of it was published"
-                                   ) from None
-            for note in notes:
-                log(note)
-            if status != "ok":
-                raise PublishError(f"template {job.tid}: {got} (in its Ray task; neither it "
-                                   "nor the templates after it were published)")
-            with build_workdir(out) as tmp:
-                yield got.to_files(Path(tmp))
-    finally:
-        for ref in refs:  # the rest, after an error (finished ones: nothing happens)
-            ray.cancel(ref)
+    # After an error the remaining tasks are left to finish and their results dropped, not
+    # cancelled: ray.cancel of a task that completes at that moment aborts the driver in
+    # Ray 2.60 ("Check failed: Tried to complete task that was not pending",
+    # task_manager.cc; it killed the clean-clone CI's pytest at 1ed7382). A `sakura build`
+    # that fails exits, and Ray then stops the job's workers itself.
+    task = ray.remote(_unit_task).options(num_cpus=1)
+    cfg_ref = ray.put(cfg)
+    refs = [task.remote(cfg_ref, job) for job in jobs]
+    for job, ref in zip(jobs, refs):
+        try:
+            status, got, notes = ray.get(ref)
+        except ray.exceptions.RayError as exc:  # the task's worker or node died
+            raise PublishError(f"template {job.tid}: the Ray task failed "
+                               f"({type(exc).__name__}); nothing of it was published"
+                               ) from None
+        for note in notes:
+            log(note)
+        if status != "ok":
+            raise PublishError(f"template {job.tid}: {got} (in its Ray task; neither it "
+                               "nor the templates after it were published)")
+        with build_workdir(out) as tmp:
+            yield got.to_files(Path(tmp))
 
 
 def has_bundle(out: Path, template_id: str) -> bool:
