@@ -192,7 +192,7 @@ class DeviceBundles:
     say: Callable[[str], None] = _say
     _done: dict[tuple[str, str], DeviceBundle | None] = field(default_factory=dict,
                                                              init=False, repr=False)
-    downloaded: int = field(default=0, init=False)  # files fetched (not found in the cache)
+    downloaded: int = field(default=0, init=False)  # files fetched (identical bytes: once)
 
     def ensure(self, native: NativeEngine, server: str, template_id: str,
                token: str | None = None, retry: RetryPolicy | None = None,
@@ -249,29 +249,38 @@ class DeviceBundles:
 
     def fetch(self, bundle: DeviceBundle, server: str, template_id: str,
               token: str | None, retry: RetryPolicy) -> dict[str, Path]:
-        """Every file of ``bundle`` in the cache (downloaded and checked where missing)."""
+        """Every file of ``bundle`` in the cache (downloaded and checked where missing).
+
+        A file lives at ``<sha256>/<name>``; files with the same bytes under other names (an
+        int8 bundle's graph sets share the fp32 sets' ``step_in`` / ``step_out``) are
+        downloaded once and written under every name into that one folder (published whole:
+        a folder per name would replace the other names)."""
         paths: dict[str, Path] = {}
-        missing = []
+        by_sha: dict[str, list[Any]] = {}
         for f in bundle.files:
-            path = self.root / f.sha256 / f.name
-            paths[f.name] = path
+            paths[f.name] = self.root / f.sha256 / f.name
+            by_sha.setdefault(f.sha256, []).append(f)
+        missing = []
+        for same in by_sha.values():
             try:
-                if path.stat().st_size == f.bytes:
+                if all(paths[f.name].stat().st_size == f.bytes for f in same):
                     continue
             except OSError:
                 pass
-            missing.append(f)
+            missing.append(same)
         if not missing:
             return paths
 
         async def get_all() -> list[bytes]:
             async with PackClient(server, token=token, retry=retry) as c:
-                return [await c.fetch_file(f.key, f"the device bundle file {f.name} of "
-                                                  f"{template_id}") for f in missing]
+                return [await c.fetch_file(same[0].key, f"the device bundle file "
+                                                        f"{same[0].name} of {template_id}")
+                        for same in missing]
 
         with NetLoop() as net:
             bodies = net.run(get_all())
-        for f, data in zip(missing, bodies):
+        for same, data in zip(missing, bodies):
+            f = same[0]
             got = hashlib.sha256(data).hexdigest()
             if got != f.sha256 or len(data) != f.bytes:
                 raise IntegrityError(
@@ -279,11 +288,13 @@ class DeviceBundles:
                     f"checksum: {len(data)} bytes with sha256 {got[:16]}..., the catalog "
                     f"says {f.bytes} bytes with {f.sha256[:16]}...; it is not used")
 
-            def fill(tmp: Path, data: bytes = data, name: str = f.name) -> None:
-                with open(tmp / name, "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
+            def fill(tmp: Path, data: bytes = data,
+                     names: tuple[str, ...] = tuple(sorted({g.name for g in same}))) -> None:
+                for name in names:
+                    with open(tmp / name, "wb") as out:
+                        out.write(data)
+                        out.flush()
+                        os.fsync(out.fileno())
 
             publish_folder(self.root / f.sha256, fill)
             self.downloaded += 1

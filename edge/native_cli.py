@@ -5,9 +5,12 @@
 writes the JSON described in :mod:`edge.native_bench`; ``--export DIR`` instead writes the
 sampled shards for the standalone ``sakura-native run DIR`` (``native/README.md``).
 
-``sakura bench phone --json PATH [--keys arm64,x86]`` computes the keys named
-(:mod:`edge.sakura_edge_bench`) and writes them into PATH, keeping the other keys a file
-already there holds (the phone bench's keys are measured by different parts of the tree).
+``sakura bench phone --json PATH [--keys arm64,x86,text_encoder,bundle,int8]
+[--bundle-record FILE]`` computes the keys named (:mod:`edge.sakura_edge_bench`) and writes
+them into PATH, keeping the other keys a file already there holds (the phone bench's keys
+are measured by different parts of the tree). ``--bundle-record`` takes the ``bundle`` key
+from a ``sakura bench bundle`` JSON (the same function; measuring it again takes ~10
+minutes here) and says so in the key.
 Imports are lazy so ``sakura --help`` stays fast.
 """
 
@@ -25,7 +28,8 @@ from sakura import output
 from sakura.argtypes import json_out, name_list, positive_int
 from sakura.errors import UsageError
 
-PHONE_KEYS = ("arm64", "x86")
+PHONE_KEYS = ("arm64", "x86", "text_encoder", "bundle", "int8")
+DEFAULT_KEYS = ("arm64", "x86")
 
 
 def register(commands: Any, bench: Any) -> None:
@@ -51,21 +55,28 @@ def register(commands: Any, bench: Any) -> None:
     p.set_defaults(func=_bench)
 
     ph = bench.add_parser(
-        "phone", help="sakura-edge (one native executable) on x86 vs the Python runtime, and "
-                      "cross-built for arm64 under qemu vs x86",
+        "phone", help="sakura-edge (one native executable) on x86 vs the Python runtime, "
+                      "cross-built for arm64 under qemu vs x86; text encoder, bundle, int8",
         description="Serve one template of the shipped catalog with its device bundle on "
                     "loopback; edit it on fixed configurations with the x86 sakura-edge and "
                     "the Python runtime (x86: error, latency ratio), and with sakura-edge "
                     "cross-built for arm64 under qemu-aarch64 against the x86 binary (arm64: "
-                    "PSNR, error, no interpreter). Emulated timings are not reported.")
+                    "PSNR, error, no interpreter); text_encoder: the C++ tokenizer and "
+                    "encoder program vs torch; bundle: the device bundle's size and the "
+                    "device export it saves; int8: the int8 shard graphs in the same edits "
+                    "(PSNR vs fp32 and exact, exec speedup, Linear share). Emulated timings "
+                    "are not reported.")
     json_out(ph)
-    ph.add_argument("--keys", type=name_list, default=PHONE_KEYS, metavar="K[,K]",
-                    help=f"keys to measure (default {','.join(PHONE_KEYS)}); the file's "
-                         "other keys are kept")
+    ph.add_argument("--keys", type=name_list, default=DEFAULT_KEYS, metavar="K[,K]",
+                    help=f"keys to measure, of {','.join(PHONE_KEYS)} (default "
+                         f"{','.join(DEFAULT_KEYS)}); the file's other keys are kept")
+    ph.add_argument("--bundle-record", metavar="FILE",
+                    help="take the bundle key from this `sakura bench bundle --json` file "
+                         "(recorded as its source) instead of measuring it (~10 minutes)")
     ph.add_argument("--template", default="face-technologist", metavar="ID",
                     help="template of the shipped catalog (default face-technologist)")
     ph.add_argument("--runs", type=positive_int, default=3, metavar="N",
-                    help="timed runs per configuration on x86 (median; default 3)")
+                    help="timed runs per configuration on x86 and for int8 (median; default 3)")
     ph.add_argument("--seed", type=positive_int, default=3, metavar="N",
                     help="edit seed (default 3)")
     ph.set_defaults(func=_bench_phone)
@@ -77,9 +88,18 @@ def _bench_phone(args: argparse.Namespace) -> int:
     if unknown or not args.keys:
         raise UsageError(f"--keys: unknown key {', '.join(unknown) or '(none)'} "
                          f"(known: {', '.join(PHONE_KEYS)})")
+    check_template(args.template)
+    record = Path(args.bundle_record) if args.bundle_record else None
+    if record is not None and "bundle" in args.keys:
+        try:
+            rec = json.loads(record.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--bundle-record: cannot read {record}: {exc}") from exc
+        if not isinstance(rec, dict) or rec.get("template") != args.template:
+            raise UsageError(f"--bundle-record: {record} is not a `sakura bench bundle` "
+                             f"record of template {args.template}")
     from sakura.edge.sakura_edge_bench import phone_figures  # lazy: torch
 
-    check_template(args.template)
     doc: dict = {}
     if Path(args.json).is_file():  # keep the keys measured elsewhere
         try:
@@ -87,6 +107,7 @@ def _bench_phone(args: argparse.Namespace) -> int:
         except ValueError:
             doc = {}
     doc.update(phone_figures(args.keys, args.template, runs=args.runs, seed=args.seed,
+                             bundle_record=record,
                              log=lambda m: print(m, file=sys.stderr, flush=True)))
     output.write_json(args.json, doc, indent=1)
     arm, x86 = doc.get("arm64", {}), doc.get("x86", {})
@@ -99,6 +120,20 @@ def _bench_phone(args: argparse.Namespace) -> int:
         print(f"x86: binary vs Python runtime max abs err "
               f"{x86.get('binary_vs_python_runtime_max_abs_err')}, latency ratio "
               f"{x86.get('binary_latency_ratio_vs_module')}")
+    if "text_encoder" in args.keys:
+        te = doc["text_encoder"]
+        print(f"text_encoder: {te.get('prompts')} prompts, token ids identical "
+              f"{te.get('token_ids_identical')}, max abs err vs torch "
+              f"{te.get('max_abs_err_vs_torch')}" + (f" ({te['error']})" if "error" in te else ""))
+    if "bundle" in args.keys:
+        b = doc["bundle"]
+        print(f"bundle: {b.get('bytes')} bytes in {b.get('files')} files, export "
+              f"{b.get('export_s')} s, device export saved {b.get('device_export_s_saved')} s")
+    if "int8" in args.keys:
+        q = doc["int8"]
+        print(f"int8: PSNR vs fp32 {q.get('edit_psnr_db_vs_fp32')} dB, vs exact "
+              f"{q.get('edit_psnr_db_vs_exact')} dB, exec speedup "
+              f"x{q.get('exec_speedup_vs_fp32')}, Linear share {q.get('linear_share_of_exec')}")
     return 0
 
 

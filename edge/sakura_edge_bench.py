@@ -1,5 +1,8 @@
 """``sakura-edge`` against the Python runtime and the arm64 build against the x86 one: the
-``x86`` and ``arm64`` keys of ``sakura bench phone`` (issue 31).
+``x86`` and ``arm64`` keys of ``sakura bench phone`` (issue 31); its ``text_encoder``,
+``bundle`` and ``int8`` keys come from the measurements that own them
+(:func:`text_encoder_figures`, :func:`sakura.edge.bundle_bench.bundle_figures`,
+:func:`sakura.edge.int8_bench.int8_figures`), gathered by :func:`phone_figures`.
 
 One world, :func:`shipped_world`: one template of the shipped catalog (``packs/``) copied
 into a scratch folder, its device bundle exported there (graphs from the compiled-artifact
@@ -15,6 +18,11 @@ cache when held) and published, served by ``sakura serve`` on loopback.
   the configurations of every shard compared, plus the interpreter check
   (:func:`interpreter_check`). XNNPACK picks other kernels on NEON than on AVX, so the target
   is ``psnr_db_vs_x86 >= 60``, not bit equality. Emulated timings are not reported.
+
+* :func:`text_encoder_figures`: ``scripts/text_encoder_check.py`` (the C++ tokenizer and
+  the text encoder program against the Hugging Face tokenizer and ``TextEncoder.encode``
+  over ``check_prompts()``: the catalog's prompts and ``HARD_PROMPTS``, accents and emoji
+  included) run as it is, its JSON summarised.
 
 ``scripts/sakura_edge_check.py`` is a thin wrapper over :func:`x86_figures`.
 """
@@ -47,6 +55,8 @@ from sakura.edge.backends.base import BackendConfig
 from sakura.edge.backends.errors import BackendError, BackendUnavailable
 from sakura.edge.backends.text_encoder import compiled_text_encoder
 from sakura.edge.bundle import export_bundle
+from sakura.edge.bundle_bench import bundle_figures
+from sakura.edge.int8_bench import int8_figures
 from sakura.edge.options import EditOptions
 from sakura.edge.quality import psnr
 from sakura.edge.runtime import EdgeRuntime
@@ -61,6 +71,8 @@ ARM64_BUILD = ROOT / "native" / "build" / "sakura-edge-arm64"
 FIXED_CONFIGS: tuple[tuple[str, float], ...] = (("sakura-fixed-config", 1e12),
                                                 ("sakura-fixed-config", 1.0), ("fp16", 1e12))
 PSNR_TARGET_DB = 60.0
+TEXT_ENCODER_CHECK = ROOT / "scripts" / "text_encoder_check.py"
+TEXT_ENCODER_TARGET = 1e-4  # issue 31: max_abs_err_vs_torch <= 1e-4
 # what the interpreter check runs the binary with: no Python anywhere it could look
 NO_PYTHON_ENV = {"PYTHONHOME": "/nonexistent", "PYTHONPATH": "", "PATH": "/usr/bin:/bin"}
 
@@ -282,14 +294,66 @@ def arm64_figures(url: str, template_id: str, prompt: str, x86_exe: Path, arm_ex
     return doc
 
 
+def text_encoder_figures(timeout: float = 1800) -> dict[str, Any]:
+    """The ``text_encoder`` key: ``scripts/text_encoder_check.py`` in a child process (it
+    sets one thread per side for its timings), its figures kept whole under ``check``."""
+    with tempfile.TemporaryDirectory(prefix="sakura-text-check-") as tmp:
+        out = Path(tmp) / "text-encoder.json"
+        done = subprocess.run([sys.executable, str(TEXT_ENCODER_CHECK), "--json", str(out)],
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        if done.returncode != 0:
+            raise BackendError("scripts/text_encoder_check.py failed: "
+                               + (done.stderr.strip().splitlines() or ["?"])[-1])
+        check = json.loads(out.read_text())
+    return {"prompts": check["prompts"], "token_ids_identical": check["token_ids_identical"],
+            "max_abs_err_vs_torch": check["max_abs_err_vs_torch"],
+            "target_max_abs_err": TEXT_ENCODER_TARGET,
+            "catalog_prompts": check["catalog_prompts"], "own_prompts": check["hard_prompts"],
+            "source": "scripts/text_encoder_check.py (sakura.edge.backends.text_encoder."
+                      "check_prompts: the catalog's prompts and the hard cases)",
+            "check": check}
+
+
+def bundle_doc(template_id: str, record: Path | None = None) -> dict[str, Any]:
+    """The ``bundle`` key: :func:`sakura.edge.bundle_bench.bundle_figures` measured now
+    (``sakura bench bundle``'s function: a fresh cloud export and device export, about 10
+    minutes here), or ``record``, a JSON file that function wrote, read as it is."""
+    if record is None:
+        doc = bundle_figures(template_id)
+        doc["source"] = "measured by this run (sakura.edge.bundle_bench.bundle_figures)"
+        return doc
+    doc = json.loads(Path(record).read_text())
+    if doc.get("template") != template_id:
+        raise BackendError(f"{record} records template {doc.get('template')!r}, "
+                           f"not {template_id!r}")
+    doc["source"] = (f"{record}: sakura bench bundle (sakura.edge.bundle_bench."
+                     "bundle_figures), not measured again by this run")
+    return doc
+
+
 def phone_figures(keys: Sequence[str] = ("arm64", "x86"), template_id: str = "face-technologist",
                   runs: int = 3, seed: int = 3, jobs: int = 2,
+                  bundle_record: Path | None = None,
                   log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """The ``arm64`` and ``x86`` keys of ``sakura bench phone`` on one served world; a key
-    whose prerequisites are missing holds ``{"error": why}``."""
+    """The keys of ``sakura bench phone`` named in ``keys``; ``arm64``, ``x86`` and ``int8``
+    on one served world. A key whose prerequisites are missing holds ``{"error": why}``."""
     doc: dict[str, Any] = {"bench": "phone", "template": template_id, "seed": seed}
-    log("building sakura-edge (x86)")
-    x86_exe = build_x86(jobs=jobs)
+    if "text_encoder" in keys:
+        log("text_encoder: scripts/text_encoder_check.py")
+        try:
+            doc["text_encoder"] = text_encoder_figures()
+        except (BackendUnavailable, BackendError) as exc:
+            doc["text_encoder"] = {"error": str(exc)}
+    if "bundle" in keys:
+        log("bundle: " + (f"from {bundle_record}" if bundle_record
+                          else "cloud export and device export (about 10 minutes)"))
+        doc["bundle"] = bundle_doc(template_id, bundle_record)
+    if not {"x86", "arm64", "int8"} & set(keys):
+        return doc
+    x86_exe = X86_BUILD
+    if {"x86", "arm64"} & set(keys):
+        log("building sakura-edge (x86)")
+        x86_exe = build_x86(jobs=jobs)
     with shipped_world(template_id) as world:
         if "x86" in keys:
             log("x86: the binary against the Python runtime")
@@ -306,4 +370,7 @@ def phone_figures(keys: Sequence[str] = ("arm64", "x86"), template_id: str = "fa
                 doc["arm64"]["build_s"] = round(build_s, 1)
             except (BackendUnavailable, BackendError) as exc:
                 doc["arm64"] = {"built": False, "edit_ok": False, "error": str(exc)}
+        if "int8" in keys:
+            log("int8: fp32 and int8 shard graphs in the same edits")
+            doc["int8"] = int8_figures(world, FIXED_CONFIGS, runs=runs, seed=seed, log=log)
     return doc

@@ -18,9 +18,11 @@ import httpx
 import pytest
 from sakura.cloud.bundle import publish_bundle
 from sakura.cloud.publish import update_catalog
+from sakura.codec.manifest import bundle_key, parse_bundle
 from sakura.edge.backends.base import BackendConfig, weights_sha256
-from sakura.edge.bundle import export_bundle
+from sakura.edge.bundle import DeviceBundles, export_bundle
 from sakura.edge.errors import EdgeError, IntegrityError, OriginError
+from sakura.edge.retry import RetryPolicy
 from sakura.edge.runtime import EdgeRuntime, EditOptions
 
 from tests.edge.helpers import TEMPLATE_ID, FakeEncoder, FaultyApp, RecordingApp, serve_catalog
@@ -181,3 +183,25 @@ def test_without_a_bundle_the_device_exports_and_says_so_once(world, native_runt
         bundles.say = saved
     assert len(said) == 1 and "no device bundle" in said[0]
     assert native_runtime.native._bundled == {}  # the device's own graphs ran
+
+
+def test_files_with_the_same_bytes_are_kept_under_every_name(bundled, tmp_path):
+    """An int8 bundle's graph sets reuse the fp32 sets' step_in / step_out bytes under
+    other names: the device downloads those bytes once and keeps them under both names
+    (it stored one folder per checksum and rewrote it per name, losing the first)."""
+    catalog, entry = bundled
+    doc = json.loads(json.dumps(entry))
+    first = next(f for f in doc["files"] if f["name"].endswith("step_in.pte"))
+    alias = "alias-" + first["name"]  # listed after the first: its key is the one fetched
+    doc["files"].append({**first, "name": alias, "key": bundle_key(alias, first["sha256"])})
+    bundle = parse_bundle(doc)
+    device = DeviceBundles(tmp_path / "bundles", say=lambda _l: None)
+    with serve_catalog(catalog) as server:
+        paths = device.fetch(bundle, server.url, TEMPLATE_ID, None, RetryPolicy())
+        assert device.downloaded == len(entry["files"])  # the alias's bytes: not again
+        again = DeviceBundles(tmp_path / "bundles", say=lambda _l: None)
+        assert again.fetch(bundle, server.url, TEMPLATE_ID, None, RetryPolicy()) == paths
+        assert again.downloaded == 0
+    a, b = paths[first["name"]], paths[alias]
+    assert a.parent == b.parent and a.read_bytes() == b.read_bytes()
+    assert a.stat().st_size == first["bytes"]
