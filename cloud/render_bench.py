@@ -37,6 +37,10 @@ local build (``build_ray_bench``; ``scripts/build_ray_bench.py`` runs it alone).
 replay at the quality runs' size, the priority scheduler (every third request ``high``)
 against a one-class FIFO engine (``cloud.render_slo``).
 
+``load_sweep``: regional against full serving at 0.5, 1, 2 and 3x full's capacity, 48
+requests (12 in ``--quick``) and 3 arrival seeds (2) per load, with a bootstrap ci95 over
+the seeds (``cloud.render_sweep``).
+
 ``gate`` / ``gate_alternative`` / ``step_reuse_baseline``: the paper's gate's properties
 and its comparisons (``dit.regional_bench.paper_study``).
 
@@ -60,7 +64,8 @@ import torch
 from sakura.cloud.render import RenderEngine
 from sakura.cloud.render_api import EngineConfig, RenderRequest
 from sakura.cloud.render_slo import classed, slo_bench
-from sakura.cloud.render_trace import bursty_arrivals, replay, request_factory
+from sakura.cloud.render_sweep import load_sweep
+from sakura.cloud.render_trace import bursty_arrivals, percentile, replay, request_factory
 from sakura.dit.adapters.inputs import Conditioning
 from sakura.dit.adapters.tiny import tiny_transformer
 from sakura.dit.regional import RegionalConfig
@@ -132,9 +137,9 @@ def serving_bench(weights: str | None, encoder, prompts: list[str], *, workers: 
     for mode, reps in runs.items():
         lat = sorted(x for rep in reps for x in rep.latencies)
         thr = sum(rep.throughput_rps for rep in reps) / len(reps)
-        p90 = _percentile(lat, 90)
-        out[mode] = {"throughput_rps": thr, "p50_latency_s": _percentile(lat, 50),
-                     "p90_latency_s": p90, "p99_latency_s": _percentile(lat, 99),
+        p90 = percentile(lat, 90)
+        out[mode] = {"throughput_rps": thr, "p50_latency_s": percentile(lat, 50),
+                     "p90_latency_s": p90, "p99_latency_s": percentile(lat, 99),
                      "makespan_s": sum(rep.makespan_s for rep in reps) / len(reps),
                      "skipped_fraction": sum(rep.summary()["skipped_fraction"] for rep in reps)
                      / len(reps)}
@@ -180,8 +185,8 @@ def priority_replay(eng: RenderEngine, base: RenderRequest, prompts: list[str], 
                  "kept": after["kept"] - before["kept"]}
     for cls in ("high", "low"):
         lat = sorted(r.latency_s for r in rep.results if r.priority == cls)
-        out[cls] = {"count": len(lat), "p50_latency_s": _percentile(lat, 50),
-                    "p90_latency_s": _percentile(lat, 90)}
+        out[cls] = {"count": len(lat), "p50_latency_s": percentile(lat, 50),
+                    "p90_latency_s": percentile(lat, 90)}
     out["high_p90_lower"] = out["high"]["p90_latency_s"] < out["low"]["p90_latency_s"]
     return out
 
@@ -412,15 +417,6 @@ def build_ray_bench(templates: tuple[str, ...] = BUILD_RAY_TEMPLATES, *, steps: 
                       "one run each, after a local build with one torch thread"}
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    pos = q / 100 * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
               requests: int | None = None, serve: bool = True, serve_size: int = 128) -> dict:
     torch.manual_seed(0)
@@ -480,6 +476,9 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
         out["adapters"] = adapter_bench(steps=steps, workers=1)
         out["ray"] = ray_bench(weights, enc, [p for _, p, _ in prompts], workers=workers,
                                steps=steps, cfg=cfg)
+        out["load_sweep"] = load_sweep(weights, enc, [p for _, p, _ in prompts], cfg,
+                                       workers=workers, requests=12 if quick else 48,
+                                       seeds=2 if quick else 3, steps=steps, size=size)
         out["slo"] = slo_bench(weights, enc, [p for _, p, _ in prompts], cfg, workers=workers,
                                requests=18 if quick else 48, steps=steps, size=size)
     out["build_ray"] = build_ray_bench(weights=weights)

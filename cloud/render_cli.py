@@ -119,8 +119,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", default="paper", choices=["paper", "importance", "drift", "periodic"],
                    help="patch gate (default paper: frozen changes over their sum, at least "
                         "one patch per step; importance: the earlier default)")
-    p.add_argument("--partition", default="otsu", choices=["otsu", "cuts", "grid"],
-                   help="patch partition (default otsu: the paper's focus/context split)")
+    p.add_argument("--partition", default="grid", choices=["grid", "otsu", "cuts"],
+                   help="patch partition (default grid, which beats otsu, the paper's "
+                        "focus/context split, at equal compute: dit/REGIONAL.md)")
     p.add_argument("--eps", type=nonnegative_float, default=None,
                    help="gate threshold (default 0.15 for paper, 0.01 for importance, 1.0 for drift)")
     p.add_argument("--max-skips", type=nonnegative_int, default=3, metavar="K",

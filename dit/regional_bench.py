@@ -320,7 +320,7 @@ def _explicit_probe(be, t: float, x: torch.Tensor, parts) -> torch.Tensor:
     return out["mass"]
 
 
-EPS_SWEEPS = {"paper": (0.05, 0.1, 0.15, 0.2, 0.25, 0.3),
+EPS_SWEEPS = {"paper": (0.05, 0.1, 0.15, 0.2, 0.22, 0.24, 0.3),
               "importance": (0.002, 0.005, 0.01, 0.02, 0.05)}
 
 
@@ -407,36 +407,46 @@ def paper_study(model, encoder, refs: list[Reference], size: int, steps: int,
                                    and r["importance_gate_db"] > r["default_gate_db"]],
             "method": "the earlier importance gate swept over eps, PSNR interpolated at each "
                       "default-gate sweep point's compute fraction (None: outside its range)"}
-    # partitions at equal compute: each swept, interpolated at the default's compute
+    # partitions at equal compute: the default's own run, the others swept and
+    # interpolated at the default's compute (keys by the bench's names)
     target = default["compute_fraction"]
-    parts = {"otsu": sweep_rows}
-    for name, kind in (("uniform_grid", "grid"), ("cuts", "cuts")):
-        parts[name] = sweep(model, encoder, refs, size, steps, replace(cfg, partition=kind),
-                            eps_values[1:])
-    eq = {name: at(rows, "compute_fraction", target) for name, rows in parts.items()}
+    names = {"otsu": "otsu", "uniform_grid": "grid", "cuts": "cuts"}
+    parts = {}
+    for name, kind in names.items():
+        parts[name] = (sweep_rows if kind == cfg.partition else
+                       sweep(model, encoder, refs, size, steps, replace(cfg, partition=kind),
+                             eps_values[1:]))
+    eq = {name: ({"psnr_db_vs_full": default["psnr_db_vs_full"],
+                  "ssim_vs_full": default["ssim_vs_full"], "extrapolated": False}
+                 if kind == cfg.partition else
+                 at(parts[name], "compute_fraction", target))
+          for name, kind in names.items()}
+    others = [n for n, k in names.items() if k != cfg.partition]
     out["partition_comparison"] = {
-        "otsu": default["psnr_db_vs_full"],
-        "uniform_grid": eq["uniform_grid"]["psnr_db_vs_full"],
-        "cuts": eq["cuts"]["psnr_db_vs_full"],
+        **{name: eq[name]["psnr_db_vs_full"] for name in names},
+        "default": default["psnr_db_vs_full"],
+        "default_partition": cfg.partition,
         "compute_fraction": target,
-        "ssim": {"otsu": default["ssim_vs_full"],
-                 **{k: eq[k]["ssim_vs_full"] for k in ("uniform_grid", "cuts")}},
-        "extrapolated": {k: eq[k]["extrapolated"] for k in ("uniform_grid", "cuts")},
-        "sweeps": {k: parts[k] for k in ("uniform_grid", "cuts")},
-        "method": f"each partition swept over eps with the {cfg.gate} gate; PSNR linearly "
-                  "interpolated at the otsu default's compute fraction",
+        "ssim": {name: eq[name]["ssim_vs_full"] for name in names},
+        "extrapolated": {n: eq[n]["extrapolated"] for n in others},
+        "sweeps": {n: parts[n] for n in others},
+        "method": f"each other partition swept over eps with the {cfg.gate} gate; PSNR "
+                  f"linearly interpolated at the default ({cfg.partition}, eps "
+                  f"{cfg.threshold})'s compute fraction",
     }
     drift = sweep(model, encoder, refs, size, steps, replace(cfg, gate="drift", eps=None),
                   drift_eps)
     where = []
     for row in sweep_rows:  # the drift gate at each default-sweep point's skipped fraction
         d = at(drift, "skipped_fraction", row["skipped_fraction"])
+        o = at(parts["otsu"], "compute_fraction", row["compute_fraction"])
         g = at(parts["uniform_grid"], "compute_fraction", row["compute_fraction"])
         c = at(parts["cuts"], "compute_fraction", row["compute_fraction"])
         where.append({"epsilon": row["epsilon"], "skipped_fraction": row["skipped_fraction"],
                       "compute_fraction": row["compute_fraction"],
                       "default_gate_db": row["psnr_db_vs_full"],
                       "drift_gate_db": None if d["extrapolated"] else d["psnr_db_vs_full"],
+                      "otsu_db": None if o["extrapolated"] else o["psnr_db_vs_full"],
                       "uniform_grid_db": None if g["extrapolated"] else g["psnr_db_vs_full"],
                       "cuts_db": None if c["extrapolated"] else c["psnr_db_vs_full"]})
     out["alternatives"] = {

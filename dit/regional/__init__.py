@@ -69,6 +69,7 @@ from sakura.dit.regional.backend import (
 )
 from sakura.dit.regional.config import (
     DEFAULT_EPS,
+    DEFAULT_PARTITION,
     DEFAULT_PATCHES,
     GATES,
     PARTITIONS,
@@ -98,7 +99,7 @@ from sakura.dit.regional.saliency import FUNCTION_WORDS, fused_masses, salient_t
 from sakura.dit.regional.state import RegionalState, RegionalStats, run_probes, run_regional
 
 __all__ = [
-    "DEFAULT_EPS", "DEFAULT_PATCHES", "FUNCTION_WORDS", "FullResult", "GATES", "GateDecision",
+    "DEFAULT_EPS", "DEFAULT_PARTITION", "DEFAULT_PATCHES", "FUNCTION_WORDS", "FullResult", "GATES", "GateDecision",
     "ImportanceGate", "KVStore", "PaperGate", "PARTITIONS", "Partition", "PatchGate", "PatchResult",
     "PeriodicGate", "ProbeDone", "ProbeResult", "RegionalBackend", "RegionalConfig", "RegionalState",
     "RegionalStats", "Split", "balanced_bisection", "choose_partition", "explained_variance",

@@ -377,7 +377,7 @@ def test_cli_registers_bench_flashdiff_and_render():
     r = parser.parse_args(["render", "replay", "--requests", "4", "--mode", "full", "--eps", "1.2"])
     assert (r.requests, r.mode, r.eps, r.priority) == (4, "full", 1.2, "warmup_first")
     assert (r.gate, r.partition, r.preempt, r.patches, r.request_priority) == (
-        "paper", "otsu", "benefit", None, "normal")
+        "paper", "grid", "benefit", None, "normal")
     d = parser.parse_args(["render", "serve", "--gate", "drift", "--partition", "cuts",
                            "--patches", "6", "--no-quality-mode"])
     assert (d.gate, d.partition, d.patches, d.no_quality_mode, d.eps) == (

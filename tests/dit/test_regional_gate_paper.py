@@ -12,6 +12,7 @@ from sakura.cloud import render_cli
 from sakura.dit.regional import (
     DEFAULT_EPS,
     GATES,
+    PARTITIONS,
     ImportanceGate,
     PaperGate,
     RegionalConfig,
@@ -38,14 +39,15 @@ def test_paper_gate_is_the_default_and_the_earlier_gate_stays_by_name():
         assert isinstance(st.gate, cls)
 
 
-def _gate_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+def _gate_actions(parser: argparse.ArgumentParser, dest: str = "gate"
+                  ) -> list[argparse.Action]:
     out = []
     for a in parser._actions:
-        if a.dest == "gate":
+        if a.dest == dest:
             out.append(a)
         if isinstance(a, argparse._SubParsersAction):
             for sub in a.choices.values():
-                out += _gate_actions(sub)
+                out += _gate_actions(sub, dest)
     return out
 
 
@@ -60,6 +62,20 @@ def test_the_cli_names_the_registry_gates_and_defaults_to_the_paper_gate():
     for a in actions:
         assert tuple(a.choices) == GATES and a.default == RegionalConfig().gate == "paper"
     assert parser.parse_args(["render", "serve", "--gate", "importance"]).gate == "importance"
+
+
+def test_the_cli_names_the_partitions_and_defaults_to_the_grid():
+    """Issue 32 item 6: the grid beat the paper's Otsu split at equal compute, so it is the
+    default; ``--partition`` lists config.PARTITIONS by hand, as ``--gate`` does."""
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers(dest="command")
+    render_cli.register(commands, commands.add_parser("bench").add_subparsers(dest="bench"))
+    actions = _gate_actions(parser, "partition")
+    assert actions
+    for a in actions:
+        assert tuple(a.choices) == PARTITIONS
+        assert a.default == RegionalConfig().partition == "grid"
+    assert parser.parse_args(["render", "serve", "--partition", "otsu"]).partition == "otsu"
 
 
 def test_weights_are_the_frozen_changes_over_their_sum():

@@ -151,7 +151,8 @@ def test_periodic_gate_runs_the_requested_fraction_staggered(f):
 def test_state_probes_every_step_and_skips_the_patch_whose_importance_is_still():
     be = ScriptedBackend()
     steps = 10
-    cfg = RegionalConfig(warmup=2, gate="importance", eps=0.01, max_skips=2, patches=2)
+    cfg = RegionalConfig(warmup=2, gate="importance", eps=0.01, max_skips=2, patches=2,
+                         partition="otsu")
     ts = schedule(steps)
     st = RegionalState(cfg, be.coords, ts, torch.zeros(36, 2), be.text_tokens,
                        torch.tensor([False, True, False]), be.cost)
