@@ -81,3 +81,40 @@ def test_bad_input_under_qemu_is_one_line(arm_exe, server, tmp_path):
     one_error_line(done, 1, "cannot reach", "127.0.0.1:9")
     one_error_line(run_edge(qemu, [], tmp_path / "cache"), 2, "no command")
     assert not (tmp_path / "o.png").exists()
+
+
+PUSH = Path(__file__).resolve().parents[2] / "native" / "android" / "push.sh"
+
+
+def test_push_stages_a_self_contained_device_folder_that_edits(arm_exe, server, tmp_path):
+    """``native/android/push.sh --stage-only``: the folder adb would push. Its run.sh, run
+    under qemu-aarch64 (``SAKURA_EXEC``) as the device runs it, edits from the origin, and
+    qemu's system-call trace shows every shared library loaded from the staged ``lib/``
+    (the loader included), none from the host's arm64 folders or the wheel cache."""
+    import os
+    import re
+    import subprocess
+
+    stage = tmp_path / "device"
+    done = subprocess.run([str(PUSH), "--stage-only", str(stage), str(arm_exe), server.url,
+                           TEMPLATE_ID], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert (stage / "bin" / "sakura-edge").exists() and (stage / "run.sh").exists()
+    assert (stage / "lib" / "ld-linux-aarch64.so.1").exists()
+    qemu = " ".join(arm64_edge.qemu_command(arm_exe, strace=True)[:-1])  # without the binary
+    env = {**os.environ, **NO_PYTHON_ENV, "SAKURA_EXEC": qemu}
+    out = tmp_path / "edit.png"
+    run = subprocess.run(["sh", str(stage / "run.sh"), "--prompt", PROMPT, "--seed", "3",
+                          "--out", str(out)], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert out.exists() and out.stat().st_size > 0
+    opened = re.findall(r'openat\(AT_FDCWD,"([^"]+\.so[^"]*)",[^)]*\) = (\d+)', run.stderr)
+    assert opened, "no shared library opened in qemu's trace"
+    outside = sorted({p for p, _ in opened if not p.startswith(str(stage / "lib") + "/")})
+    assert not outside, outside
+    # push.sh refuses what it cannot push, in one line
+    bad = subprocess.run([str(PUSH), "--stage-only", str(tmp_path / "x"), str(PUSH),
+                          server.url, TEMPLATE_ID], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("push.sh: error:")
+    assert len(bad.stderr.strip().splitlines()) == 1
