@@ -85,7 +85,9 @@ class BuildConfig:
 
 
 # (engine, the device's template, blocks per shard, a work folder) -> the bundle's files
-# ((name, role, path)) and its description, or None when the engine has no device bundle
+# ((name, role, path)) and its description, or None when the engine has no device bundle;
+# an exporter may also have ``is_current(bundle_entry) -> bool``: a published bundle it
+# does not accept is exported again (has_bundle)
 BundleExporter = Callable[[Any, Any, int, Path], "tuple[list[tuple[str, str, Path]], dict] | None"]
 
 
@@ -141,7 +143,8 @@ def _build(cfg: BuildConfig, log) -> BuildReport:
     for tid, spec in specs.items():
         content = _content_hash(cfg, spec, engine, model_files)
         packs_ok = not cfg.force and is_up_to_date(out, tid, content, codecs=cfg.codecs)
-        if packs_ok and (cfg.bundle_exporter is None or has_bundle(out, tid)):
+        if packs_ok and (cfg.bundle_exporter is None or has_bundle(
+                out, tid, getattr(cfg.bundle_exporter, "is_current", None))):
             report.skipped.append(tid)
             continue
         # the device's view of the template (pixels, mask, seed, steps, guidance, prompt):
@@ -416,9 +419,11 @@ def _ray_units(cfg: BuildConfig, jobs: list[UnitJob], out: Path, log):
             yield got.to_files(Path(tmp))
 
 
-def has_bundle(out: Path, template_id: str) -> bool:
+def has_bundle(out: Path, template_id: str,
+               is_current: Callable[[dict], bool] | None = None) -> bool:
     """Whether the published catalog lists a device bundle for the template whose files
-    are all there with their sizes."""
+    are all there with their sizes, and which ``is_current`` (the exporter's own check,
+    when it has one: ``BundleExporter.is_current``) accepts as what it makes now."""
     try:
         entry = read_catalog(out)["templates"].get(template_id) or {}
     except Exception:  # noqa: BLE001 - an unreadable catalog: build
@@ -430,7 +435,7 @@ def has_bundle(out: Path, template_id: str) -> bool:
         path = out / f["key"]
         if not path.is_file() or path.stat().st_size != f["bytes"]:
             return False
-    return True
+    return is_current is None or is_current(bundle)
 
 
 def _export_bundle(cfg: BuildConfig, engine: Any, device: Any, work: Path, log,

@@ -58,6 +58,21 @@ from sakura.atomic import publish_folder
 from sakura.cachedir import cache_dir
 
 TABLES_NAME = "tables.bin"
+# the arrays of tables.bin that this exporter writes and sakura-edge reads (txt_in since
+# sakura-edge, issue 31 item 2): a published bundle without one of them is stale
+TABLE_ARRAYS = ("rope_txt_cos", "rope_txt_sin", "rope_img_cos", "rope_img_sin", "schedule",
+                "vec_img", "vec_txt", "txt_in_weight", "txt_in_bias")
+
+
+def bundle_is_current(bundle: dict[str, Any]) -> bool:
+    """Whether a published bundle entry is what this exporter makes now: the same graphs
+    format and every table array (``sakura build`` re-exports a stale one; without this,
+    a bundle from before sakura-edge was kept, and the binary refused it, telling the user
+    to run the very ``sakura build`` that skipped it)."""
+    tables = bundle.get("tables") or {}
+    arrays = tables.get("arrays") or {}
+    return (bundle.get("graphs_format") == GRAPHS_FORMAT
+            and all(name in arrays for name in TABLE_ARRAYS))
 
 
 # ------------------------------------------------------------------------------ export

@@ -27,7 +27,8 @@ def export_for_build(engine: Any, device: Any, blocks_per_shard: int, work: Path
                      ) -> tuple[list[tuple[str, str, Path]], dict] | None:
     """``cloud.build.BundleExporter``: the device bundle of ``device`` (a
     ``dit.editing.Template``) for the shipped MMDiT; None for other engines (the native
-    runtime runs only the shipped model)."""
+    runtime runs only the shipped model). ``export_for_build.is_current`` tells the
+    build which published bundles are stale (``sakura.edge.bundle.bundle_is_current``)."""
     from sakura.dit.adapters.engine import DefaultEngine  # lazy: torch
     from sakura.edge.backends.base import weights_sha256  # lazy: torch
     from sakura.edge.bundle import export_bundle  # lazy: torch, executorch
@@ -40,6 +41,15 @@ def export_for_build(engine: Any, device: Any, blocks_per_shard: int, work: Path
     made = export_bundle(model, engine.weights_id or weights_sha256(model), device, req,
                          min(blocks_per_shard, model.cfg.num_blocks), work=work)
     return made.files, made.doc
+
+
+def _is_current(bundle: dict) -> bool:
+    from sakura.edge.bundle import bundle_is_current  # lazy: torch, executorch
+
+    return bundle_is_current(bundle)
+
+
+export_for_build.is_current = _is_current  # type: ignore[attr-defined]
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:

@@ -10,21 +10,24 @@ served by ``sakura serve``'s app over real sockets.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
 
 import httpx
 import pytest
+from sakura.cloud.build import has_bundle
 from sakura.cloud.bundle import publish_bundle
 from sakura.cloud.publish import update_catalog
 from sakura.codec.manifest import bundle_key, parse_bundle
 from sakura.edge.backends.base import BackendConfig, weights_sha256
-from sakura.edge.bundle import DeviceBundles, export_bundle
+from sakura.edge.bundle import TABLE_ARRAYS, DeviceBundles, bundle_is_current, export_bundle
 from sakura.edge.errors import EdgeError, IntegrityError, OriginError
 from sakura.edge.retry import RetryPolicy
 from sakura.edge.runtime import EdgeRuntime, EditOptions
 
+from sakura.bundle_cli import export_for_build
 from tests.edge.helpers import TEMPLATE_ID, FakeEncoder, FaultyApp, RecordingApp, serve_catalog
 from tests.edge.test_edit import PROMPT, SEED
 
@@ -205,3 +208,23 @@ def test_files_with_the_same_bytes_are_kept_under_every_name(bundled, tmp_path):
     a, b = paths[first["name"]], paths[alias]
     assert a.parent == b.parent and a.read_bytes() == b.read_bytes()
     assert a.stat().st_size == first["bytes"]
+
+
+def test_a_stale_published_bundle_is_exported_again(bundled, tmp_path):
+    """A bundle published before the exporter wrote txt_in (or for another graphs format)
+    is not current, so ``sakura build`` re-exports it instead of skipping the template
+    (sakura-edge refuses such a bundle and tells the user to run ``sakura build``)."""
+    catalog, entry = bundled
+    assert tuple(entry["tables"]["arrays"]) == TABLE_ARRAYS  # the rule names what is written
+    assert bundle_is_current(entry) and export_for_build.is_current(entry)
+    assert has_bundle(catalog, TEMPLATE_ID, export_for_build.is_current)
+    old = copy.deepcopy(entry)
+    del old["tables"]["arrays"]["txt_in_weight"], old["tables"]["arrays"]["txt_in_bias"]
+    other = dict(entry, graphs_format=entry["graphs_format"] + 1)
+    assert not bundle_is_current(old) and not bundle_is_current(other)
+    out = copy_of(catalog, tmp_path)
+    doc = json.loads((out / "catalog.json").read_text())
+    doc["templates"][TEMPLATE_ID]["bundle"] = old
+    (out / "catalog.json").write_text(json.dumps(doc))
+    assert has_bundle(out, TEMPLATE_ID)  # files all there: only the exporter's rule sees it
+    assert not has_bundle(out, TEMPLATE_ID, export_for_build.is_current)
