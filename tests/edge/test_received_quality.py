@@ -28,8 +28,10 @@ PROMPT = "turn my secret portrait into a pirate captain"
 # the whole deadline, so each gets its largest configuration (with the default lookahead
 # the last shards' windows are one execution slot at the rate measured on 127.0.0.1, and
 # they took smaller ones)
+# (no local fallback: on a loaded host a late shard's step would run on the device and
+# receive nothing, as the clean-clone CI at ebf554a saw: fraction 0.49)
 EVERYTHING = EditOptions(initial_rate_bps=1e10, deadline_s=60.0, max_ahead=16,
-                         max_inflight=16)
+                         max_inflight=16, local_fallback=False)
 
 
 @pytest.fixture(scope="module")
