@@ -28,6 +28,9 @@ class RegionalConfig:
     gate: str = "paper"                 # "paper" | "importance" | "drift" | "periodic"
     eps: float | None = None            # gate threshold; None: DEFAULT_EPS[gate]
     max_skips: int = 3
+    # the paper gate's eps is for this many patches; at R patches its threshold is
+    # eps * eps_patches / R (PaperGate.eps_patches; None: the paper's fixed eps)
+    eps_patches: int | None = DEFAULT_PATCHES
     partition: str = DEFAULT_PARTITION  # "grid" | "otsu" (the paper's) | "cuts"
     patches: int | None = None          # R; None: DEFAULT_PATCHES ("cuts": bounded search)
     probe_depth: int = 1                # probe blocks the paper / importance gates' probe runs
@@ -63,6 +66,8 @@ class RegionalConfig:
             raise ValueError("change must be 'relative' or 'absolute'")
         if self.max_skips < 0 or self.threshold < 0:
             raise ValueError("eps and max_skips must be non-negative")
+        if self.eps_patches is not None and self.eps_patches < 1:
+            raise ValueError("eps_patches must be >= 1 (or None)")
         if self.patches is not None and self.patches < 1:
             raise ValueError("patches must be >= 1")
         if self.probe_depth < 1:

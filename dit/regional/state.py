@@ -202,7 +202,7 @@ class RegionalState:
                               self.text_tokens)
         self.partition = part
         if cfg.gate == "paper":
-            self.gate = PaperGate(part.count, self.eps, cfg.max_skips)
+            self.gate = PaperGate(part.count, self.eps, cfg.max_skips, cfg.eps_patches)
         elif cfg.gate == "importance":
             self.gate = ImportanceGate(part.count, self.eps, cfg.max_skips)
         elif cfg.gate == "periodic":

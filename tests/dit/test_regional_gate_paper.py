@@ -133,9 +133,28 @@ def test_forced_after_k_skips_and_frozen_delta_keeps_a_still_patch_skipped():
     assert [f[1] for _, f in log] == [False, False, True, False, False, True, False]
 
 
+def test_eps_is_scaled_to_the_patch_count_it_was_set_for():
+    """``eps_patches``: the weight a patch needs relative to uniform stays the same when R
+    changes (the engine's R search moved to R = 8 where a fixed eps skipped most patches)."""
+    imp0, imp1 = torch.ones(8), torch.ones(8) + torch.tensor([8, 8, 6, 6, 4, 4, 2, 2.0])
+    paper = PaperGate(8, eps=0.2)
+    scaled = PaperGate(8, eps=0.2, eps_patches=4)
+    assert paper.threshold == 0.2 and scaled.threshold == pytest.approx(0.1)
+    assert PaperGate(4, eps=0.2, eps_patches=4).threshold == pytest.approx(0.2)
+    for g in (paper, scaled):
+        g.start(imp0)
+    # weights 0.2, 0.2, 0.15, 0.15, 0.1, 0.1, 0.05, 0.05
+    assert paper.decide(imp1).active.tolist() == [True, True] + [False] * 6
+    assert scaled.decide(imp1).active.tolist() == [True] * 6 + [False] * 2
+    assert RegionalConfig().eps_patches == 4
+    with pytest.raises(ValueError, match="eps_patches"):
+        RegionalConfig(eps_patches=0).validate(10)
+
+
 def test_state_with_the_paper_gate_on_a_scripted_backend():
     be = ScriptedBackend()
-    cfg = RegionalConfig(warmup=2, gate="paper", eps=0.3, max_skips=2, patches=2)
+    cfg = RegionalConfig(warmup=2, gate="paper", eps=0.3, max_skips=2, patches=2,
+                         eps_patches=None)
     st = RegionalState(cfg, be.coords, schedule(10), torch.zeros(36, 2), be.text_tokens,
                        torch.tensor([False, True, False]), be.cost)
     run_regional(be, st)
