@@ -64,13 +64,12 @@ import torch
 from sakura.cloud.render import RenderEngine
 from sakura.cloud.render_api import EngineConfig, RenderRequest
 from sakura.cloud.render_slo import classed, slo_bench
-from sakura.cloud.render_sweep import load_sweep
+from sakura.cloud.render_sweep import load_sweep, served_images
 from sakura.cloud.render_trace import bursty_arrivals, percentile, replay, request_factory
 from sakura.dit.adapters.inputs import Conditioning
 from sakura.dit.adapters.tiny import tiny_transformer
 from sakura.dit.regional import RegionalConfig
 from sakura.dit.regional_bench import (
-    ImageAccumulator,
     edit_bench,
     eps_sweep,
     eval_prompts,
@@ -159,12 +158,7 @@ def _served_quality(full: list, regional: list) -> dict:
     """PSNR / SSIM of each served regional image against the served full image of the
     same arrival (the replays share one trace, so results pair up in trace order): the
     quality the replay's throughput was bought with."""
-    acc = ImageAccumulator()
-    for f, g in zip(full, regional):
-        for a, b in zip(f.results, g.results):
-            if a.image is not None and b.image is not None:
-                acc.add(b.image, a.image, b.stats["skipped_fraction"],
-                        b.stats.get("compute_fraction", 1.0))
+    acc = served_images(full, regional)
     if not acc.images:
         return {}
     d = acc.to_dict()

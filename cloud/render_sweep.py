@@ -51,6 +51,18 @@ LOADS = (0.5, 1.0, 2.0, 3.0)  # issue 32: offered load in multiples of full's ca
 BOOTSTRAP = 2000  # resamples of the seeds for ci95
 
 
+def served_images(full: list[ReplayResult], regional: list[ReplayResult]) -> ImageAccumulator:
+    """Every served regional image against the served full image of the same arrival (the
+    replays share one trace, so their results pair up in trace order)."""
+    acc = ImageAccumulator()
+    for f, g in zip(full, regional):
+        for a, b in zip(f.results, g.results):
+            if a.image is not None and b.image is not None:
+                acc.add(b.image, a.image, b.stats["skipped_fraction"],
+                        b.stats.get("compute_fraction", 1.0))
+    return acc
+
+
 @dataclass
 class SeedPair:
     """One arrival seed's full and regional replays, reduced to what the figures need."""
@@ -65,11 +77,7 @@ class SeedPair:
 
     @classmethod
     def of(cls, full: ReplayResult, regional: ReplayResult) -> SeedPair:
-        acc = ImageAccumulator()
-        for a, b in zip(full.results, regional.results):
-            if a.image is not None and b.image is not None:
-                acc.add(b.image, a.image, b.stats["skipped_fraction"],
-                        b.stats.get("compute_fraction", 1.0))
+        acc = served_images([full], [regional])
         return cls(full.throughput_rps, regional.throughput_rps, full.latencies,
                    regional.latencies, acc.se, acc.count,
                    [r.stats.get("compute_fraction", 1.0) for r in regional.results])
@@ -138,4 +146,5 @@ def load_sweep(weights: str | None, encoder, prompts: list[str], cfg: RegionalCo
     return entries
 
 
-__all__ = ["BOOTSTRAP", "LOADS", "SeedPair", "bootstrap_ci95", "figures", "load_sweep"]
+__all__ = ["BOOTSTRAP", "LOADS", "SeedPair", "bootstrap_ci95", "figures", "load_sweep",
+           "served_images"]

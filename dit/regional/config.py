@@ -6,16 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GATES = ("paper", "importance", "drift", "periodic")
-# The paper gate's eps at the default grid partition (issue 32 item 6, 2026-12-05, 6 eval
-# prompts, 64 px, 10 steps, R 4): eps 0.2 / 0.22 / 0.24 run at compute 0.912 / 0.873 /
-# 0.685 for 40.5 / 37.8 / 26.1 dB from full, so 0.22 sits just before the gate's cliff,
-# nearest the compute the Otsu default ran at (0.86-0.91 with eps 0.15).
+# The paper gate's eps at the default grid partition (issue 32 item 6): `sakura bench
+# flashdiff --quick`'s epsilon_sweep (docs/bench/flashdiff.json; 2 prompts, 64 px, 10 steps,
+# R 4) runs eps 0.2 / 0.22 / 0.24 at compute 0.959 / 0.889 / 0.724 for 43.0 / 36.7 / 27.0 dB
+# from full, so 0.22 sits just before the gate's cliff, nearest the compute the Otsu
+# default ran at (0.86 with eps 0.15).
 DEFAULT_EPS = {"paper": 0.22, "importance": 0.01, "drift": 1.0, "periodic": 0.0}
 DEFAULT_PATCHES = 4
-# "grid" is the default: at equal compute it beats the paper's Otsu focus/context split
-# on the shipped model by 3-4 dB (issue 32 item 6: 40.5 vs 36.2 dB at compute ~0.91, 6
-# prompts; dit/REGIONAL.md, partition_comparison in docs/bench/flashdiff.json); "otsu" is
-# kept by name as the paper's.
+# "grid" is the default: at equal compute it beats the paper's Otsu focus/context split on
+# the shipped model (partition_comparison in docs/bench/flashdiff.json: 36.7 against 34.8 dB
+# at compute 0.889; dit/REGIONAL.md); "otsu" is kept by name as the paper's.
 PARTITIONS = ("grid", "otsu", "cuts")
 DEFAULT_PARTITION = "grid"
 
