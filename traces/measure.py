@@ -63,6 +63,7 @@ while True:
 #: monotonic end time from stdin, reads the flow until then and prints "t cum" lines.
 SINK_SCRIPT = r"""
 import socket, sys, time
+from sakura.traces.measure import read_until
 host, port = sys.argv[1], int(sys.argv[2])
 for attempt in range(200):
     try:
@@ -71,34 +72,8 @@ for attempt in range(200):
     except OSError:
         time.sleep(0.02)
 end = float(sys.stdin.readline())
-s.settimeout(0.05)
-buf = bytearray(262144)
-cum = 0
-last = time.monotonic()
-out = [(last, 0)]
-while True:
-    now = time.monotonic()
-    if now >= end:
-        break
-    try:
-        n = s.recv_into(buf)
-    except socket.timeout:
-        n = -1
-    now = time.monotonic()
-    if n == 0:
-        break
-    if n > 0:
-        cum += n
-        last = now
-    if n < 0 and cum != out[-1][1]:
-        # A quiet spell after reads that came too soon to be sampled: stamp those bytes
-        # at their read, not at this timeout (which would move them into the quiet).
-        out.append((last, cum))
-    elif now - out[-1][0] >= 0.002:
-        out.append((now, cum))
-out.append((time.monotonic(), cum))
-s.close()
-sys.stdout.write("\n".join(f"{t:.6f} {c}" for t, c in out) + "\n")
+log = read_until(s, end)
+sys.stdout.write("\n".join(f"{t:.6f} {c}" for t, c in zip(log.times, log.cum)) + "\n")
 """
 
 
@@ -280,7 +255,8 @@ def read_until(sock: socket.socket, end: float) -> ReceiveLog:
     sock.settimeout(0.05)
     buf = bytearray(262144)
     cum = 0
-    times = [time.monotonic()]
+    last = time.monotonic()
+    times = [last]
     cums = [0]
     try:
         while True:
@@ -296,7 +272,13 @@ def read_until(sock: socket.socket, end: float) -> ReceiveLog:
                 break
             if n > 0:
                 cum += n
-            if now - times[-1] >= 0.002:
+                last = now
+            if n < 0 and cum != cums[-1]:
+                # a quiet spell after reads that came too soon to be sampled: stamp those
+                # bytes at their read, not at this timeout (which would move them into it)
+                times.append(last)
+                cums.append(cum)
+            elif now - times[-1] >= 0.002:
                 times.append(now)
                 cums.append(cum)
     finally:

@@ -14,6 +14,7 @@ from sakura.traces import Trace, load_trace
 from sakura.traces.bench import choose_piece
 from sakura.traces.link import PacedLink, PacedLinkThread
 from sakura.traces.measure import BlastServer, measure_paced, read_until, receive_for
+from sakura.traces.tbf import PACKET_BYTES
 
 from tests.traces.common import assert_follows_the_trace
 
@@ -51,7 +52,11 @@ def test_real_outage_delivers_nothing_then_resumes(trace_dir: Path) -> None:
     piece = Trace.concatenate([wifi.slice(84.5, 3.5), wifi.slice(93.0, 3.0)])
     m = measure_paced(piece, window_s=2.0, n_windows=2, settle_s=1.5)
     outage, after = m.windows
-    assert outage.outage and outage.measured_bytes == 0, m.to_dict()
+    # nothing delivered inside it; at most the two frames the last slice had in flight may be
+    # read after its start on a loaded host (the clean-clone CI at 36e9a1a: 1500 bytes read
+    # in it, none of them surely delivered inside: inner_bytes 0)
+    assert outage.outage and outage.inner_bytes == 0, m.to_dict()
+    assert outage.measured_bytes <= 2 * PACKET_BYTES, m.to_dict()
     assert after.expected_bytes == pytest.approx(13.613904e6 / 8, rel=1e-6)
     assert_follows_the_trace(m, [after])
 
