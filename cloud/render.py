@@ -79,6 +79,29 @@ from sakura.dit.regional import (
 POOLS = ("process", "ray")
 
 
+def patch_gangs(sizes: dict[int, int], k: int) -> dict[int, int]:
+    """Cut a step's active patches (patch -> token count) into at most ``k`` gangs of
+    balanced token counts: largest patch first (ties: lower id), each to the lightest gang
+    (ties: lower gang). Patch -> gang; all in gang 0 when ``k < 2``."""
+    k = max(1, min(k, len(sizes)))
+    load = [0] * k
+    gangs = {}
+    for p in sorted(sizes, key=lambda p: (-sizes[p], p)):
+        g = min(range(k), key=lambda i: (load[i], i))
+        gangs[p] = g
+        load[g] += sizes[p]
+    return gangs
+
+
+def _sync_bytes(sync: tuple) -> int:
+    """K/V bytes a replica sync carries (arrays only: object-store references count 0)."""
+    if sync[0] == "snapshot":
+        arrays = sync[2:4]
+    else:
+        arrays = [a for _, k, v in sync[3] for a in (k, v)]
+    return int(sum(getattr(a, "nbytes", 0) for a in arrays))
+
+
 @dataclass
 class _Req:
     """A request in flight: its state machine and the engine's bookkeeping of it."""
@@ -103,6 +126,9 @@ class _Req:
     busy_s: float = 0.0          # worker seconds spent on its tasks
     mode_step: int = -1          # the step whose gate threshold was last set
     quality_steps: int = 0       # patch steps run in the quality mode
+    split_steps: int = 0         # patch steps whose gangs ran on more than one worker
+    exchange_s: float = 0.0      # workers' time receiving and applying K/V syncs
+    exchange_bytes: int = 0      # K/V bytes sent to workers in syncs (snapshots, deltas)
 
 
 class RenderEngine:
@@ -306,18 +332,37 @@ class RenderEngine:
             st.apply_patches(s, {})  # the store is unchanged: r.last and kv_since stay
             self._enqueue(r)
             return
+        parts = self._parts(r, d.active_ids())
         for p in d.active_ids():
             m = len(st.partition.patches[p])
             cost = float(m + (0 if st.joint else t))
             self.sched.add(Task(TaskKey(r.rid, s, p), PATCH, r.seq, cost, m, gang=st.joint,
-                                cls=r.cls))
+                                cls=r.cls, part=parts.get(p, 0)))
+
+    def _parts(self, r: _Req, active: list[int]) -> dict[int, int]:
+        """Patch parallelism: the gang a joint step's active patch belongs to. While fewer
+        requests are open than live workers (a worker would otherwise idle), the patches
+        are cut into up to ``patch_split`` gangs of balanced token counts (largest first,
+        each to the lightest gang); the placement rule then decides whether they really
+        run apart (``cloud.render_sched``). Otherwise one gang."""
+        st = r.state
+        live = len(self.sched.workers)
+        if not st.joint or len(self._reqs) >= live:
+            return {}
+        return patch_gangs({p: len(st.partition.patches[p]) for p in active},
+                           min(self.cfg.patch_split, live))
 
     def _finish(self, r: _Req) -> None:
         img, latents = self.view.output(r.state.x, r.req)
         st = r.state
         stats = st.stats.to_dict()
+        exchange_s = r.exchange_s + sum(w.sync_send_s.pop(r.rid, 0.0)
+                                        for w in self.pool.workers.values()
+                                        if hasattr(w, "sync_send_s"))
         stats.update(tasks=r.tasks, priority=r.req.priority, service_s=r.busy_s,
-                     quality_steps=r.quality_steps, patches_searched=r.searched)
+                     quality_steps=r.quality_steps, patches_searched=r.searched,
+                     split_steps=r.split_steps, exchange_s=exchange_s,
+                     exchange_bytes=r.exchange_bytes)
         if r.searched and st.partition is not None and not r.quality_steps:
             # (a request run partly in the quality mode says nothing about gated cost)
             self.search.observe(st.partition.count, r.busy_s / max(1, st.steps),
@@ -388,6 +433,7 @@ class RenderEngine:
                 self.syncs[kind] += 1
                 if sync is not None:
                     payload["sync"] = sync
+                    r.exchange_bytes += _sync_bytes(sync)
         w.send(("run", payload))
         r.seen.add(g.worker)
         r.tasks += len(keys)
@@ -439,6 +485,7 @@ class RenderEngine:
         st = r.state
         s = out["step"]
         r.busy_s += float(out.get("seconds", 0.0)) / max(1, len(keys)) * len(fresh)
+        r.exchange_s += float(out.get("sync_s", 0.0))
         if out["kind"] == "probe":
             st.apply_probes(s, {label: ProbeResult(torch.from_numpy(m), keys_, macs)
                                 for label, (m, keys_, macs) in out["probes"].items()})
@@ -472,6 +519,7 @@ class RenderEngine:
         active = set(st.decide(s).active_ids())
         if set(r.pending) == active:
             results = {p: pr for p, (pr, _, _) in r.pending.items()}
+            r.split_steps += int(len({wid for _, wid, _ in r.pending.values()}) > 1)
             parts = st.partition.patches
             r.last = (s, {p: (as_numpy(parts[p]),
                               *(refs or (as_numpy(pr.k), as_numpy(pr.v))), wid)
@@ -523,4 +571,4 @@ class RenderEngine:
             raise
 
 
-__all__ = ["POOLS", "RenderEngine"]
+__all__ = ["POOLS", "RenderEngine", "patch_gangs"]

@@ -95,6 +95,11 @@ class EngineConfig:
     patch_candidates: tuple[int, ...] = (2, 4, 6, 8)
     quality_eps: float | None = 0.0  # the gate's eps under low load (None: no quality mode)
     low_load: float = 0.5            # active requests per worker at or below = low load
+    # patch parallelism (cloud.render): while fewer requests are open than workers, a joint
+    # step's active patches are cut into up to this many gangs, which the placement rule
+    # may send to different workers (each sees the other gangs' K/V as of their last
+    # execution); 1 = one gang per step on one worker
+    patch_split: int = 1
     start_timeout_s: float = 300.0
     pool: str = "process"            # "process" (spawned processes) | "ray" (cloud.render_ray)
     ray_address: str | None = None   # join this Ray cluster (None: start a local one)

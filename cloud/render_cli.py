@@ -38,7 +38,7 @@ def _engine(args: argparse.Namespace):
                        pool=pool, ray_address=args.ray,
                        device=args.device, preempt=args.preempt,
                        quality_eps=None if args.no_quality_mode else 0.0,
-                       patch_search=args.patches is None,
+                       patch_search=args.patches is None, patch_split=args.patch_split,
                        regional=RegionalConfig(warmup=args.warmup, eps=args.eps,
                                                max_skips=args.max_skips, gate=args.gate,
                                                partition=args.partition,
@@ -123,13 +123,17 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="patch partition (default grid, which beats otsu, the paper's "
                         "focus/context split, at equal compute: dit/REGIONAL.md)")
     p.add_argument("--eps", type=nonnegative_float, default=None,
-                   help="gate threshold (default 0.15 for paper, 0.01 for importance, 1.0 for drift)")
+                   help="gate threshold (default 0.22 for paper, 0.01 for importance, 1.0 for drift)")
     p.add_argument("--max-skips", type=nonnegative_int, default=3, metavar="K",
                    help="forced run after K skips (default 3)")
     p.add_argument("--patches", type=positive_int, default=None, metavar="R",
                    help="fixed patch count (default: searched online)")
     p.add_argument("--no-quality-mode", action="store_true",
                    help="keep gating under low load (default: every patch runs then)")
+    p.add_argument("--patch-split", type=positive_int, default=1, metavar="N",
+                   help="patch parallelism: while fewer requests are open than workers, "
+                        "cut a step's active patches into up to N gangs that may run on "
+                        "different workers (default 1: one worker per step)")
 
 
 def _bench_flashdiff(args: argparse.Namespace) -> int:

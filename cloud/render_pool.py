@@ -16,6 +16,7 @@ import multiprocessing as mp
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -39,6 +40,9 @@ class WorkerProc:
     device: str = ""
     alive: bool = True
     done_groups: int = 0
+    # request -> seconds its feeder spent sending messages that carry a K/V sync (pickling
+    # and writing them into the pipe; the engine adds it to the request's exchange time)
+    sync_send_s: dict = field(default_factory=dict)
 
     def send(self, msg) -> None:
         if self.alive:
@@ -60,7 +64,12 @@ def _feed(w: WorkerProc, conn) -> None:
         if msg is None:
             break
         try:
+            sync = msg[0] == "run" and msg[1].get("sync") is not None
+            t0 = time.perf_counter()
             conn.send(msg)
+            if sync:
+                rid = msg[1]["rid"]
+                w.sync_send_s[rid] = w.sync_send_s.get(rid, 0.0) + time.perf_counter() - t0
         except OSError:  # the worker is gone: its sentinel tells the engine loop
             break
     try:

@@ -41,6 +41,13 @@ that lacks the request's state adds the cost of shipping that state (``transfer`
 that is the affinity. Ties go to the worker with affinity, then the less loaded one.
 Tasks of one (request, step) placed on one worker in one round form one *group* (one
 message, one packed forward).
+
+A *gang* (``gang=True``: the active patches of a joint regional step, which see each other
+fresh) is placed whole. The engine may cut a step's gang into ``part``s (patch
+parallelism, ``cloud.render``): each part is then placed on its own by the same rule, so
+the parts go to different workers only when the load after placing them, shipping the
+request's K/V to the second worker included, is lower than on one worker; parts that land
+on one worker in one round form one group again, and run as one joint unit.
 """
 
 from __future__ import annotations
@@ -82,8 +89,10 @@ class Task:
     seq: int            # the request's arrival order
     cost: float         # estimated compute, in token rows
     tokens: int = 0     # region tokens the task computes (for transfer estimates)
-    gang: bool = False  # all ready tasks of its (request, step) go to one worker together
+    gang: bool = False  # all ready tasks of its (request, step, part) go to one worker together
     cls: int = 1        # the request's priority class (index into CLASSES)
+    part: int = 0       # its gang within the step (patch parallelism: a step's gangs may
+                        # go to different workers; on one worker they form one group)
 
     @property
     def priority(self) -> int:
@@ -216,7 +225,7 @@ class Scheduler:
         """Take the task at heap position ``i`` (and, for a gang, its siblings) out."""
         task = self._ready[i][2]
         same = [e for e in self._ready
-                if e[2] is task or (task.gang and self._same_step(e[2], task))]
+                if e[2] is task or (task.gang and self._same_gang(e[2], task))]
         self._ready = [e for e in self._ready if not any(e is s for s in same)]
         heapq.heapify(self._ready)
         return [e[2] for e in sorted(same)]
@@ -225,7 +234,7 @@ class Scheduler:
         task = self._ready[i][2]
         if not task.gang:
             return task.cost
-        return sum(e[2].cost for e in self._ready if self._same_step(e[2], task))
+        return sum(e[2].cost for e in self._ready if self._same_gang(e[2], task))
 
     def _choose(self, free: list[int], open_groups) -> tuple[int, int | None]:
         """Heap position of the next task to place (and the worker it is pinned to, if the
@@ -296,8 +305,8 @@ class Scheduler:
         return groups
 
     @staticmethod
-    def _same_step(a: Task, b: Task) -> bool:
-        return (a.key.rid, a.key.step) == (b.key.rid, b.key.step)
+    def _same_gang(a: Task, b: Task) -> bool:
+        return (a.key.rid, a.key.step, a.part) == (b.key.rid, b.key.step, b.part)
 
     def _assign(self, task: Task, w: int, charged: float, affine: bool,
                 open_groups: dict, groups: list[Group]) -> None:

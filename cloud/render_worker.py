@@ -28,6 +28,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -145,9 +146,13 @@ class _Worker:
             return {"rid": rid, "step": step, "kind": "probe", "probes": probes,
                     "seconds": time.perf_counter() - t0}
         store = None
+        sync_s = p.get("load_s", 0.0) if p.get("sync") is not None else 0.0
         if p["context"]:
+            t1 = time.perf_counter()
             rep = self.sync(rid, step, p.get("sync"))
             store = KVStore(rep.k, rep.v)
+            if p.get("sync") is not None:
+                sync_s += time.perf_counter() - t1
         idx = [_t(i).long() for _, i in p["patches"]]
         outs = be.run_patches(step, p["t"], x, idx, store, joint=p.get("joint", False),
                               measure=p.get("measure", True))
@@ -162,7 +167,7 @@ class _Worker:
                     "probe_macs": r.probe_macs}
                    for (pid, _), r in zip(p["patches"], outs)]
         return {"rid": rid, "step": step, "kind": "patches", "patches": patches,
-                "seconds": time.perf_counter() - t0}
+                "seconds": time.perf_counter() - t0, "sync_s": sync_s}
 
     def close(self, rid: int) -> None:
         self.backends.pop(rid, None)
@@ -184,9 +189,13 @@ def worker_main(wid: int, inbox, conn, weights: str | None, device: str, threads
     conn.send(("ready", wid, os.getpid(), dev))
     while True:
         try:
-            msg = inbox.recv()
+            buf = inbox.recv_bytes()
         except (EOFError, OSError):
             return
+        t0 = time.perf_counter()
+        msg = ForkingPickler.loads(buf)  # what Connection.recv does, timed (K/V exchange)
+        if msg[0] == "run":
+            msg[1]["load_s"] = time.perf_counter() - t0
         if msg[0] == "stop":
             return
         if msg[0] == "close":

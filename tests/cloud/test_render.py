@@ -151,6 +151,42 @@ def test_gang_tasks_of_a_joint_step_go_to_one_worker():
     assert g.worker == 0 and len(g.tasks) == 4
 
 
+def test_a_split_gang_goes_to_idle_workers_and_merges_on_one():
+    """Patch parallelism: the parts of a step's gang are placed one by one; apart while
+    that lowers the maximum load, one group again when they land on one worker."""
+    def add(s, part_of):
+        for p, part in part_of.items():
+            s.add(Task(TaskKey(0, 3, p), PATCH, 0, 10.0, gang=True, part=part))
+
+    s = Scheduler(capacity=100.0)
+    for w in (0, 1):
+        s.add_worker(w)
+    add(s, {0: 0, 1: 1, 2: 0, 3: 1})
+    groups = s.place()
+    assert sorted((g.worker, sorted(t.key.patch for t in g.tasks)) for g in groups) == \
+        [(0, [0, 2]), (1, [1, 3])]
+    one = Scheduler(capacity=100.0)
+    one.add_worker(0)
+    add(one, {0: 0, 1: 1, 2: 0, 3: 1})
+    (g,) = one.place()
+    assert sorted(t.key.patch for t in g.tasks) == [0, 1, 2, 3]
+    # shipping the request's state to the idle worker costs more than the part saves
+    far = Scheduler(capacity=100.0, transfer=lambda task, w: 0.0 if w == 0 else 50.0)
+    for w in (0, 1):
+        far.add_worker(w)
+    add(far, {0: 0, 1: 1, 2: 0, 3: 1})
+    (g,) = far.place()
+    assert g.worker == 0 and len(g.tasks) == 4
+
+
+def test_patch_gangs_balance_token_counts():
+    from sakura.cloud.render import patch_gangs
+
+    assert patch_gangs({0: 9, 1: 3, 2: 5, 3: 4}, 2) == {0: 0, 2: 1, 3: 1, 1: 0}
+    assert set(patch_gangs({0: 4, 1: 4}, 1).values()) == {0}
+    assert patch_gangs({7: 4}, 2) == {7: 0}
+
+
 # ----------------------------------------------------------------------------- trace
 
 
@@ -384,3 +420,60 @@ def test_cli_registers_bench_flashdiff_and_render():
         "drift", "cuts", 6, True, None)
     s = parser.parse_args(["render", "serve", "--port", "0", "--priority", "fifo"])
     assert (s.port, s.priority) == (0, "fifo")
+
+
+class _SplitBackend:
+    """Single-process reference of a step whose gangs ran on different workers: each gang
+    runs jointly against the store as it was at the start of the step."""
+
+    def __init__(self, inner, k):
+        self.inner, self.k = inner, k
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run_patches(self, step, t, x, patches, context, joint=False, measure=True):
+        from sakura.cloud.render import patch_gangs
+
+        gangs = patch_gangs({i: len(p) for i, p in enumerate(patches)}, self.k)
+        out = [None] * len(patches)
+        for g in sorted(set(gangs.values())):
+            ids = [i for i in range(len(patches)) if gangs[i] == g]
+            res = self.inner.run_patches(step, t, x, [patches[i] for i in ids], context,
+                                         joint=joint, measure=measure)
+            for i, r in zip(ids, res):
+                out[i] = r
+        return out
+
+
+def test_patch_parallel_splits_a_lone_request_over_two_workers(tmp_path, text_encoder):
+    """One request on two idle workers with ``patch_split=2``: its patch steps run as two
+    gangs on the two workers, their K/V exchanged through the replicas, and the image is
+    the single-process run of the same split (each gang sees the other one step old)."""
+    from sakura.dit.regional import run_regional
+    from sakura.dit.regional_mmdit import (
+        generation_backend,
+        generation_state,
+        latents_to_image,
+    )
+
+    model = _model()
+    path = tmp_path / "tiny.safetensors"
+    save_model(model, path)
+    cfg = RegionalConfig(warmup=2, eps=0.0, max_skips=2, patches=4)  # every patch runs
+    ecfg = EngineConfig(workers=2, weights=str(path), regional=cfg, quality_eps=None,
+                        patch_split=2, transfer_weight=0.0, group_overhead_rows=0.0)
+    with RenderEngine(ecfg, encoder=text_encoder) as eng:
+        req = eng.prepare(RenderRequest(prompt="smileys: grinning face", seed=3, steps=STEPS,
+                                        size=SIZE, guidance=GUIDANCE))
+        res = eng.submit(req).result(timeout=120)
+    assert res.stats["split_steps"] == STEPS - cfg.warmup
+    assert res.stats["exchange_bytes"] > 0 and res.stats["exchange_s"] > 0
+    backend = _SplitBackend(generation_backend(model, req.txt, req.txt_uncond, SIZE,
+                                               GUIDANCE), 2)
+    st = run_regional(backend, generation_state(model, SIZE, req.seed, STEPS, cfg,
+                                                backend.inner, req.salient))
+    split = latents_to_image(model, st.x, SIZE)[0]
+    assert float((res.image - split).abs().max()) < 1e-4
+    joint, _ = _reference(model, req, cfg)
+    assert float((res.image - joint).abs().max()) > 1e-3  # the split is not the joint step

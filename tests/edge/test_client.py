@@ -329,7 +329,7 @@ class SilentFirstManifest:
 
 
 def test_an_unanswered_manifest_request_is_hedged_on_a_new_connection(world):
-    from sakura.edge.client import HEDGE_JSON_S
+    from sakura.edge.client import HEDGE_JSON_ATTEMPTS, HEDGE_JSON_S
 
     app = SilentFirstManifest(create_app(LocalStorage(world.catalog_dir)))
     with Server(app) as server:
@@ -337,7 +337,10 @@ def test_an_unanswered_manifest_request_is_hedged_on_a_new_connection(world):
             async with PackClient(server.url) as c:
                 return await c.manifest_fetch(TEMPLATE_ID, "sakura")
         got = run(go())
-    assert app.manifests == 2 and got.data["template_id"] == TEMPLATE_ID
+    # the silent request was hedged and a hedge answered; a loaded host may answer the
+    # first hedge later than HEDGE_JSON_S, so a third request is allowed (never a fourth)
+    assert 2 <= app.manifests <= HEDGE_JSON_ATTEMPTS
+    assert got.data["template_id"] == TEMPLATE_ID
     assert HEDGE_JSON_S < 1.0  # below the 1 s a lost SYN costs
 
 
