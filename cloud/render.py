@@ -119,6 +119,9 @@ class _Req:
     # are object-store references on the Ray pool (deltas forward them), arrays otherwise
     last: tuple[int, dict[int, tuple[np.ndarray, object, object, int]]] | None = None
     kv_since: int = 0            # the K/V store is unchanged since the start of this step
+    # worker -> (step, patches): outputs of that step already sent to its replica ahead
+    # of the step boundary (patch parallelism; ``cloud.render_replicas``)
+    ahead: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)   # workers holding its backend
     tasks: int = 0
     cls: int = 1
@@ -228,7 +231,7 @@ class RenderEngine:
                 "affinity_hits": s.affinity_hits, "preemptions": s.preemptions,
                 "kept": s.kept, "worker_deaths": self.deaths,
                 "respawned": self.respawned, "active_requests": len(self._reqs),
-                "kv_syncs": {k: self.syncs[k] for k in ("none", "delta", "snapshot")},
+                "kv_syncs": {k: self.syncs[k] for k in ("none", "delta", "snapshot", "ahead")},
                 "patch_search": self.search.to_dict()}
 
     # -- requests --------------------------------------------------------------------
@@ -438,6 +441,25 @@ class RenderEngine:
         r.seen.add(g.worker)
         r.tasks += len(keys)
 
+    def _send_ahead(self, r: _Req, step: int, wid: int, patches: list[int]) -> None:
+        """Patch parallelism: while a step's other gangs still run elsewhere, send the
+        outputs of ``patches`` (computed on ``wid``) to the other workers whose replica is
+        at this step, so the K/V exchange overlaps their compute instead of waiting for
+        the step boundary (process pool only: Ray ships K/V through its object store)."""
+        if self.cfg.pool != "process" or r.state.cfg.context != "stale" or not patches:
+            return
+        parts = r.state.partition.patches
+        writes = [(as_numpy(parts[p]), as_numpy(r.pending[p][0].k), as_numpy(r.pending[p][0].v))
+                  for p in patches]
+        for u, w in self.pool.workers.items():
+            if u == wid or not w.alive or self._replicas.versions.get(u, {}).get(r.rid) != step:
+                continue
+            w.send(("ahead", r.rid, step, writes))
+            self.syncs["ahead"] += 1
+            r.exchange_bytes += sum(a.nbytes for _, k, v in writes for a in (k, v))
+            got = r.ahead.get(u)
+            r.ahead[u] = (step, (got[1] if got and got[0] == step else set()) | set(patches))
+
     # -- results ---------------------------------------------------------------------
 
     def _on_message(self, w: WorkerProc, msg: tuple) -> None:
@@ -517,6 +539,9 @@ class RenderEngine:
                 r.pending[p["patch"]] = (pr, w.wid, refs)
                 self.applied.append(TaskKey(r.rid, s, p["patch"]))
         active = set(st.decide(s).active_ids())
+        if set(r.pending) != active:
+            self._send_ahead(r, s, w.wid, [p["patch"] for p in out["patches"]
+                                           if p["patch"] in want])
         if set(r.pending) == active:
             results = {p: pr for p, (pr, _, _) in r.pending.items()}
             r.split_steps += int(len({wid for _, wid, _ in r.pending.values()}) > 1)

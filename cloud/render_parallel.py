@@ -105,4 +105,33 @@ def patch_parallel_bench(weights: str | None, encoder, prompts: list[str],
     }
 
 
-__all__ = ["patch_parallel_bench"]
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sakura.cloud.render_parallel [--requests N] [--json PATH]``: this key
+    alone, with the arguments ``sakura bench flashdiff --quick`` gives it."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from sakura.dit.regional_bench import eval_prompts
+    from sakura.dit.templates import load_catalog
+    from sakura.dit.text import TextEncoder
+
+    ap = argparse.ArgumentParser(prog="python -m sakura.cloud.render_parallel")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    prompts = [p for _, p, _ in eval_prompts(load_catalog(), 1, 2)]
+    cfg = RegionalConfig(warmup=2)  # render_bench._config(10)
+    out = patch_parallel_bench(None, TextEncoder(), prompts, cfg, steps=10, size=64,
+                               requests=args.requests)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+__all__ = ["main", "patch_parallel_bench"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -64,11 +64,11 @@ def _feed(w: WorkerProc, conn) -> None:
         if msg is None:
             break
         try:
-            sync = msg[0] == "run" and msg[1].get("sync") is not None
+            sync = msg[0] == "ahead" or (msg[0] == "run" and msg[1].get("sync") is not None)
             t0 = time.perf_counter()
             conn.send(msg)
             if sync:
-                rid = msg[1]["rid"]
+                rid = msg[1] if msg[0] == "ahead" else msg[1]["rid"]
                 w.sync_send_s[rid] = w.sync_send_s.get(rid, 0.0) + time.perf_counter() - t0
         except OSError:  # the worker is gone: its sentinel tells the engine loop
             break

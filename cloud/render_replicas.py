@@ -5,7 +5,11 @@ A worker keeps a replica of a request's K/V store (the stale context of patch ta
 version = the step whose start it reflects (``cloud.render_worker`` applies the syncs). The
 engine sends nothing (the replica is current), a *delta* (the last K/V-writing step's
 writes computed by other workers; the version may move several steps on, since a step where
-every patch was skipped writes nothing), or the whole store as a *snapshot*. A request here
+every patch was skipped writes nothing), or the whole store as a *snapshot*. With patch
+parallelism a worker may get another worker's writes of its current step *ahead* of the
+step boundary (``("ahead", rid, step, writes)``, while it waits for the step's other
+gangs); the next delta then leaves them out and says how many it relies on, and a worker
+that does not hold them asks for a snapshot. A request here
 is anything with ``rid``, ``kv_since`` (the store is unchanged since the start of this
 step) and ``last`` (the last patch step that wrote K/V, and its writes by patch: token ids,
 k, v, worker).
@@ -50,11 +54,20 @@ class ReplicaVersions:
 
     def delta_writes(self, r, wid: int) -> list:
         """The writes of the last K/V-writing step that worker ``wid`` did not compute
-        (none when its replica is past that step)."""
+        and was not sent ahead (none when its replica is past that step)."""
         version = self.versions[wid][r.rid]
         if r.last is None or r.last[0] != version:
             return []
-        return [(o[0], o[1], o[2]) for o in r.last[1].values() if o[3] != wid]
+        sent = self.sent_ahead(r, wid, version)
+        return [(o[0], o[1], o[2]) for p, o in r.last[1].items()
+                if o[3] != wid and p not in sent]
+
+    @staticmethod
+    def sent_ahead(r, wid: int, step: int) -> set[int]:
+        """Patches of ``step`` whose outputs went to worker ``wid``'s replica ahead of the
+        step boundary (``r.ahead``; requests without it have none)."""
+        got = getattr(r, "ahead", {}).get(wid)
+        return got[1] if got is not None and got[0] == step else set()
 
     def sync(self, r, step: int, wid: int, store) -> tuple[str, tuple | None]:
         """What brings worker ``wid``'s replica of ``r`` to the start of ``step``: the
@@ -66,6 +79,10 @@ class ReplicaVersions:
         if kind == "snapshot":
             msg = ("snapshot", step, as_numpy(store.k), as_numpy(store.v))
         elif kind == "delta":
-            msg = ("delta", self.versions[wid][r.rid], step, self.delta_writes(r, wid))
+            since = self.versions[wid][r.rid]
+            msg = ("delta", since, step, self.delta_writes(r, wid))
+            ahead = len(self.sent_ahead(r, wid, since)) if r.last and r.last[0] == since else 0
+            if ahead:  # the worker checks it holds that many writes sent ahead
+                msg += (ahead,)
         self.move(wid, r.rid, step)
         return kind, msg

@@ -10,7 +10,9 @@ dangling handle):
   ``("done", wid, payload)`` per group; ``("resync", wid, rid, step, keys)`` when its
   copy of a request's K/V store is not at the version the engine assumed;
   ``("error", wid, rid, step, keys, traceback)``.
-* engine -> worker (a second pipe): ``("run", payload)``, ``("close", rid)``, ``("stop",)``.
+* engine -> worker (a second pipe): ``("run", payload)``, ``("ahead", rid, step, writes)``
+  (another worker's outputs of ``step``, before its boundary: ``cloud.render_replicas``),
+  ``("close", rid)``, ``("stop",)``.
 
 The worker keeps a *replica* of each request's K/V store (the stale context of patch
 tasks) at a version = the step whose start it reflects, and a stash of the patch outputs
@@ -50,6 +52,8 @@ class Replica:
     v: torch.Tensor
     version: int
     stash: dict[int, list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # other workers' writes of a step, sent ahead of its boundary (patch parallelism)
+    ahead: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
     def write(self, idx, k, v) -> None:
         i = torch.as_tensor(np.asarray(idx), dtype=torch.long)
@@ -78,6 +82,7 @@ class _Worker:
         self.model = model  # an MMDiT or a dit.adapters ModelAdapter
         self.backends: dict[int, object] = {}
         self.replicas: dict[int, Replica] = {}
+        self.ahead_s: dict[int, float] = {}  # request -> time taking writes sent ahead
 
     def make_backend(self, spec: dict):
         if spec["kind"] == "mmdit":
@@ -108,11 +113,15 @@ class _Worker:
             _, version, k, v = sync
             self.replicas[rid] = Replica(_t(k).clone(), _t(v).clone(), version)
         elif sync is not None and sync[0] == "delta":
-            _, since, version, writes = sync
+            _, since, version, writes = sync[:4]
+            expect = sync[4] if len(sync) > 4 else 0
             rep = self.replicas.get(rid)
             if rep is None or rep.version != since:
                 raise ResyncNeeded(f"request {rid}: replica not at step {since}")
-            for idx, k, v in rep.stash.pop(since, []):
+            ahead = rep.ahead.pop(since, [])
+            if len(ahead) != expect:
+                raise ResyncNeeded(f"request {rid}: {len(ahead)} writes sent ahead, not {expect}")
+            for idx, k, v in rep.stash.pop(since, []) + ahead:
                 rep.write(idx, k, v)
             for idx, k, v in writes:
                 rep.write(idx, k, v)
@@ -147,6 +156,7 @@ class _Worker:
                     "seconds": time.perf_counter() - t0}
         store = None
         sync_s = p.get("load_s", 0.0) if p.get("sync") is not None else 0.0
+        sync_s += self.ahead_s.pop(rid, 0.0)
         if p["context"]:
             t1 = time.perf_counter()
             rep = self.sync(rid, step, p.get("sync"))
@@ -169,7 +179,18 @@ class _Worker:
         return {"rid": rid, "step": step, "kind": "patches", "patches": patches,
                 "seconds": time.perf_counter() - t0, "sync_s": sync_s}
 
+    def ahead(self, rid: int, step: int, writes: list) -> None:
+        """Another worker's outputs of ``step``, sent before the step's boundary: kept for
+        the delta that moves the replica past ``step`` (dropped if the replica is not at
+        it: that delta then finds them missing and asks for a snapshot)."""
+        rep = self.replicas.get(rid)
+        if rep is not None and rep.version == step:
+            for s in [s for s in rep.ahead if s < step]:
+                del rep.ahead[s]
+            rep.ahead.setdefault(step, []).extend(writes)
+
     def close(self, rid: int) -> None:
+        self.ahead_s.pop(rid, None)
         self.backends.pop(rid, None)
         self.replicas.pop(rid, None)
 
@@ -200,6 +221,11 @@ def worker_main(wid: int, inbox, conn, weights: str | None, device: str, threads
             return
         if msg[0] == "close":
             worker.close(msg[1])
+            continue
+        if msg[0] == "ahead":
+            worker.ahead(*msg[1:])
+            worker.ahead_s[msg[1]] = (worker.ahead_s.get(msg[1], 0.0)
+                                      + time.perf_counter() - t0)
             continue
         payload = msg[1]
         keys = payload["keys"]

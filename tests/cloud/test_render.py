@@ -467,7 +467,10 @@ def test_patch_parallel_splits_a_lone_request_over_two_workers(tmp_path, text_en
         req = eng.prepare(RenderRequest(prompt="smileys: grinning face", seed=3, steps=STEPS,
                                         size=SIZE, guidance=GUIDANCE))
         res = eng.submit(req).result(timeout=120)
+        syncs = eng.metrics()["kv_syncs"]
     assert res.stats["split_steps"] == STEPS - cfg.warmup
+    # the gang that finished first had its K/V sent ahead to the other worker
+    assert syncs["ahead"] >= 1 and syncs["snapshot"] == 1
     assert res.stats["exchange_bytes"] > 0 and res.stats["exchange_s"] > 0
     backend = _SplitBackend(generation_backend(model, req.txt, req.txt_uncond, SIZE,
                                                GUIDANCE), 2)
