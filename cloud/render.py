@@ -75,8 +75,11 @@ from sakura.dit.regional import (
     RegionalState,
     salient_token_mask,
 )
+from sakura.dit.regional_mmdit import join_branches
 
 POOLS = ("process", "ray")
+# task keys (patch field) of a whole step's two guidance branches, cond then uncond
+BRANCH_KEYS = (-3, -4)
 
 
 def patch_gangs(sizes: dict[int, int], k: int) -> dict[int, int]:
@@ -122,6 +125,7 @@ class _Req:
     # worker -> (step, patches): outputs of that step already sent to its replica ahead
     # of the step boundary (patch parallelism; ``cloud.render_replicas``)
     ahead: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
+    branches: dict[int, FullResult] = field(default_factory=dict)  # this step's, by branch
     seen: set[int] = field(default_factory=set)   # workers holding its backend
     tasks: int = 0
     cls: int = 1
@@ -321,8 +325,13 @@ class RenderEngine:
         n, t = st.n, st.text_tokens
         if st.phase(s) == "full":
             kind = WARMUP if r.req.mode != "full" else FULL
-            self.sched.add(Task(TaskKey(r.rid, s, -1), kind, r.seq, float(n + t), n,
-                                cls=r.cls))
+            if self._split_branches(r):  # one task per guidance branch (BRANCH_KEYS)
+                for b in BRANCH_KEYS:
+                    self.sched.add(Task(TaskKey(r.rid, s, b), kind, r.seq, float(n + t) / 2,
+                                        n, cls=r.cls))
+            else:
+                self.sched.add(Task(TaskKey(r.rid, s, -1), kind, r.seq, float(n + t), n,
+                                    cls=r.cls))
             return
         self._set_threshold(r, s)
         probes = st.probe_inputs(s)
@@ -341,6 +350,16 @@ class RenderEngine:
             cost = float(m + (0 if st.joint else t))
             self.sched.add(Task(TaskKey(r.rid, s, p), PATCH, r.seq, cost, m, gang=st.joint,
                                 cls=r.cls, part=parts.get(p, 0)))
+
+    def _split_branches(self, r: _Req) -> bool:
+        """Whether a whole step of ``r`` runs as two tasks, one per guidance branch (exact:
+        the branches meet only in the guided velocity, combined here). The companion of
+        patch parallelism for the steps that have no patches: same switch
+        (``patch_split``), same condition (fewer open requests than live workers); the
+        default MMDiT only."""
+        return (self.cfg.patch_split >= 2 and self.view.kind == "mmdit"
+                and r.req.txt_uncond is not None and r.req.guidance != 1.0
+                and len(self._reqs) < len(self.sched.workers))
 
     def _parts(self, r: _Req, active: list[int]) -> dict[int, int]:
         """Patch parallelism: the gang a joint step's active patch belongs to. While fewer
@@ -420,7 +439,11 @@ class RenderEngine:
                    "keys": [(k.rid, k.step, k.patch) for k in keys],
                    "spec": None if g.worker in r.seen else r.spec}
         if st.phase(s) == "full":
-            payload.update(kind="full", probe=st.wants_probe(s), want_kv=st.wants_kv(s))
+            branch = None  # the whole step, or both of its branch tasks on this worker
+            if len(keys) == 1 and keys[0].patch in BRANCH_KEYS:
+                branch = BRANCH_KEYS.index(keys[0].patch)
+            payload.update(kind="full", probe=st.wants_probe(s), want_kv=st.wants_kv(s),
+                           branch=branch)
         elif keys[0].patch == -2:
             payload.update(kind="probe",
                            patches=[as_numpy(p) for p in st.partition.patches],
@@ -516,15 +539,22 @@ class RenderEngine:
             return
         if out["kind"] == "full":
             f = out["full"]
+            branch = out.get("branch")
             kv = None
             if f["k"] is not None:
                 kv = KVStore(torch.from_numpy(f["k"]), torch.from_numpy(f["v"]))
-                self._replicas.move(w.wid, r.rid, s + 1)
+                if branch is None:  # a branch alone makes no replica on its worker
+                    self._replicas.move(w.wid, r.rid, s + 1)
             res = FullResult(torch.from_numpy(f["velocity"]), kv,
                              None if f["text_attn"] is None else torch.from_numpy(f["text_attn"]),
                              f["img_keys"], f["probe_macs"])
+            self.applied.extend(fresh)
+            if branch is not None:
+                r.branches[branch] = res
+                if len(r.branches) < len(BRANCH_KEYS):
+                    return  # the other branch still runs
+                res = join_branches(r.branches.pop(0), r.branches.pop(1), r.req.guidance)
             st.apply_full(s, res)
-            self.applied.append(keys[0])
             if kv is not None:
                 r.last, r.kv_since = None, s + 1
             self._enqueue(r)

@@ -137,14 +137,21 @@ class _Worker:
         x = _t(p["x"])
         t0 = time.perf_counter()
         if p["kind"] == "full":
-            res = be.run_full(step, p["t"], x, p["probe"], p["want_kv"])
+            branch = p.get("branch")
+            if branch is None:
+                res = be.run_full(step, p["t"], x, p["probe"], p["want_kv"])
+            else:  # one guidance branch (cloud.render: the default MMDiT only)
+                res = be.run_full(step, p["t"], x, p["probe"], p["want_kv"], branch=branch)
             out = {"velocity": _np(res.velocity), "img_keys": res.img_keys,
                    "text_attn": None if res.text_attn is None else _np(res.text_attn),
                    "probe_macs": res.probe_macs, "k": None, "v": None}
             if res.kv is not None:
                 out["k"], out["v"] = _np(res.kv.k), _np(res.kv.v)
-                self.replicas[rid] = Replica(res.kv.k.clone(), res.kv.v.clone(), step + 1)
-            return {"rid": rid, "step": step, "kind": "full", "full": out,
+                if branch is None:
+                    self.replicas[rid] = Replica(res.kv.k.clone(), res.kv.v.clone(), step + 1)
+                else:  # half of the store: no replica (the engine sends a snapshot)
+                    self.replicas.pop(rid, None)
+            return {"rid": rid, "step": step, "kind": "full", "full": out, "branch": branch,
                     "seconds": time.perf_counter() - t0}
         if p["kind"] == "probe":
             idx = [_t(i).long() for i in p["patches"]]

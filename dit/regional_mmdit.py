@@ -53,6 +53,23 @@ from sakura.dit.regional import (
 from sakura.dit.sampler import noise_like, schedule
 
 
+def guided(cond: torch.Tensor, uncond: torch.Tensor, guidance: float) -> torch.Tensor:
+    """Classifier-free guidance of two branch outputs (the one rule, batched or not)."""
+    return uncond + guidance * (cond - uncond)
+
+
+def join_branches(cond: FullResult, uncond: FullResult, guidance: float) -> FullResult:
+    """The whole-region step of two branch results (:meth:`MMDiTRegional.run_full` with
+    ``branch`` 0 and 1, possibly run on two workers): the guided velocity, K/V with the
+    branches stacked as a batched call stacks them, the cond branch's text mass."""
+    kv = None
+    if cond.kv is not None and uncond.kv is not None:
+        kv = KVStore(torch.cat([cond.kv.k, uncond.kv.k], dim=1),
+                     torch.cat([cond.kv.v, uncond.kv.v], dim=1))
+    return FullResult(guided(cond.velocity, uncond.velocity, guidance), kv, cond.text_attn,
+                      cond.img_keys, cond.probe_macs)
+
+
 def mmdit_macs(cfg: MMDiTConfig, queries: int, keys: int) -> float:
     """Multiply-accumulates of the transformer blocks for one guidance branch."""
     d = cfg.hidden_size
@@ -213,11 +230,12 @@ class MMDiTRegional:
     def _call(self, step: int, t: float, x: torch.Tensor, patches: list[torch.Tensor],
               context: KVStore | None, columns: str | None = None,
               groups: list[torch.Tensor] | None = None, mask_own: bool = True,
-              depth: int | None = None) -> _Out:
+              depth: int | None = None, branch: int | None = None) -> _Out:
         """One forward of ``patches`` (packed). ``columns`` selects a fused mass
         measurement in the probe blocks (see :meth:`_indicator`); ``depth`` makes it a
         probe: cond branch only, no K/V, the forward stopped after ``depth`` probe
-        blocks."""
+        blocks. ``branch`` (0 cond, 1 uncond) runs that guidance branch alone and returns
+        its raw output as the velocity (:func:`guided` combines two)."""
         dev = self.device
         idx = torch.cat(patches)
         sizes = [len(p) for p in patches]
@@ -242,9 +260,10 @@ class MMDiTRegional:
         probe = depth is not None
         hook = PackHook(fixed, ctx, None if mask is None else mask.to(dev), self.probe_blocks,
                         ind, stop_after=depth, record=not probe)
-        bc = 1 if probe else self.branches
+        bc = 1 if probe or branch is not None else self.branches
+        first = branch or 0
         img = x[idx].to(dev, torch.float32)[None].expand(bc, -1, -1)
-        txt = self.txt[:bc].to(dev).repeat(1, len(patches), 1)
+        txt = self.txt[first:first + bc].to(dev).repeat(1, len(patches), 1)
         tt = torch.full((bc,), float(t), device=dev)
         batch = TokenBatch(img=img, img_pos=self.pos[idx].to(dev), txt=txt, t=tt)
         q = len(patches) * pack.txt + sum(sizes)
@@ -264,7 +283,7 @@ class MMDiTRegional:
                                     last, chunks)
             return _Out(None, None, None, mass, pack, macs)
         out = self.model(batch, hook)
-        vel = out[1:] + self.guidance * (out[:1] - out[1:]) if bc == 2 else out
+        vel = guided(out[:1], out[1:], self.guidance) if bc == 2 else out
         vel = vel[0].float().cpu()
         nb = self.model.cfg.num_blocks
         k = torch.stack([hook.k[b] for b in range(nb)]).float().cpu()
@@ -279,9 +298,14 @@ class MMDiTRegional:
     # -- the backend interface -------------------------------------------------------
 
     def run_full(self, step: int, t: float, x: torch.Tensor, probe: bool,
-                 want_kv: bool) -> FullResult:
+                 want_kv: bool, branch: int | None = None) -> FullResult:
+        """A whole-region step; ``branch`` (0 cond, 1 uncond): that guidance branch only,
+        its raw output as the velocity and its K/V, the text mass only on the cond
+        branch (:func:`join_branches` makes the step of two)."""
         n = x.shape[0]
-        out = self._call(step, t, x, [torch.arange(n)], None, "text" if probe else None)
+        probe = probe and not branch
+        out = self._call(step, t, x, [torch.arange(n)], None, "text" if probe else None,
+                         branch=branch)
         res = FullResult(out.velocity, KVStore(out.k, out.v) if want_kv else None,
                          img_keys=n + self.fixed_tokens, probe_macs=out.probe_macs)
         if out.mass is not None:
@@ -424,5 +448,6 @@ def regional_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVP
 
 
 __all__ = ["MMDiTRegional", "PackHook", "ProbeDone", "edit_backend", "generation_backend",
-           "generation_state", "grid_coords", "latents_to_image", "mmdit_macs",
+           "generation_state", "grid_coords", "guided", "join_branches", "latents_to_image",
+           "mmdit_macs",
            "mmdit_probe_macs", "regional_edit", "regional_generate"]

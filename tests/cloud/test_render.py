@@ -469,8 +469,9 @@ def test_patch_parallel_splits_a_lone_request_over_two_workers(tmp_path, text_en
         res = eng.submit(req).result(timeout=120)
         syncs = eng.metrics()["kv_syncs"]
     assert res.stats["split_steps"] == STEPS - cfg.warmup
-    # the gang that finished first had its K/V sent ahead to the other worker
-    assert syncs["ahead"] >= 1 and syncs["snapshot"] == 1
+    # the warm-up steps ran one guidance branch per worker, so neither holds the store:
+    # one snapshot each; later the gang that finished first had its K/V sent ahead
+    assert syncs["ahead"] >= 1 and syncs["snapshot"] == 2
     assert res.stats["exchange_bytes"] > 0 and res.stats["exchange_s"] > 0
     backend = _SplitBackend(generation_backend(model, req.txt, req.txt_uncond, SIZE,
                                                GUIDANCE), 2)
@@ -480,3 +481,24 @@ def test_patch_parallel_splits_a_lone_request_over_two_workers(tmp_path, text_en
     assert float((res.image - split).abs().max()) < 1e-4
     joint, _ = _reference(model, req, cfg)
     assert float((res.image - joint).abs().max()) > 1e-3  # the split is not the joint step
+
+
+def test_whole_steps_split_by_guidance_branch_equal_full_generation(tmp_path, text_encoder):
+    """With ``patch_split=2`` a lone full-mode request runs each step as two tasks, one
+    guidance branch per worker, combined by the engine: the image is full generation's."""
+    model = _model()
+    path = tmp_path / "tiny.safetensors"
+    save_model(model, path)
+    ecfg = EngineConfig(workers=2, weights=str(path), regional=CFG, quality_eps=None,
+                        patch_split=2, transfer_weight=0.0, group_overhead_rows=0.0)
+    with RenderEngine(ecfg, encoder=text_encoder) as eng:
+        req = eng.prepare(RenderRequest(prompt="food: red apple", seed=5, steps=STEPS,
+                                        size=SIZE, guidance=GUIDANCE, mode="full"))
+        applied = len(eng.applied)
+        res = eng.submit(req).result(timeout=120)
+        keys = list(eng.applied)[applied:]
+        placed = {(k, w) for k, w in eng.sched.stats.placements if k.rid == keys[0].rid}
+    assert sorted(k.patch for k in keys) == [-4] * STEPS + [-3] * STEPS
+    assert {w for _, w in placed} == {0, 1}  # the branches ran on both workers
+    ref, _ = _reference(model, req, CFG)
+    assert float((res.image - ref).abs().max()) < 1e-4
