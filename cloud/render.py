@@ -207,6 +207,18 @@ class RenderEngine:
             if not r.future.done():
                 r.future.set_exception(RenderError("the render engine stopped"))
         self._reqs.clear()
+        self._fail_inbox()
+
+    def _fail_inbox(self) -> None:
+        """Fail the requests submitted but not yet admitted (the engine stopped first):
+        every client gets its answer, none waits forever."""
+        while True:
+            try:
+                _, _, fut, _ = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.done():
+                fut.set_exception(RenderError("the render engine stopped"))
 
     def _spawn(self) -> WorkerProc:
         w = self.pool.spawn()
@@ -249,6 +261,8 @@ class RenderEngine:
         rid = next(self._rid)
         self._inbox.put((rid, req, fut, time.monotonic()))
         self.pool.wake()
+        if self._stop.is_set():  # stopped meanwhile: stop() may have drained the inbox
+            self._fail_inbox()
         return fut
 
     def prepare(self, req: RenderRequest) -> RenderRequest:

@@ -377,6 +377,17 @@ class LocalCluster:
     def alive_nodes(self) -> int:
         return len([n for n in _ray().nodes() if n["Alive"]])
 
+    def remove_node(self, i: int) -> None:
+        """Take worker node ``i`` (1 ... nodes - 1) away at once, as a machine that fails:
+        its ``ray start`` process group (raylet, object store, actors) is SIGKILLed."""
+        import signal
+
+        if not 1 <= i < len(self.procs):
+            raise ValueError(f"node {i}: worker nodes are 1..{len(self.procs) - 1}")
+        p = self.procs[i]
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
     def __exit__(self, *exc) -> None:
         import signal
         import subprocess

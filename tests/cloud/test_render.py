@@ -502,3 +502,38 @@ def test_whole_steps_split_by_guidance_branch_equal_full_generation(tmp_path, te
     assert {w for _, w in placed} == {0, 1}  # the branches ran on both workers
     ref, _ = _reference(model, req, CFG)
     assert float((res.image - ref).abs().max()) < 1e-4
+
+
+def test_an_engine_stopped_with_requests_in_flight_answers_every_client(tmp_path, text_encoder):
+    """Stopping the engine (a restart) with requests running and queued: every future
+    resolves, to its (correct) result or to one clear error, none is lost; a stopped
+    engine refuses new work; the restarted engine serves the failed requests."""
+    model = _model()
+    path = tmp_path / "tiny.safetensors"
+    save_model(model, path)
+    ecfg = EngineConfig(workers=2, weights=str(path), regional=CFG, quality_eps=None)
+    eng = RenderEngine(ecfg, encoder=text_encoder)
+    eng.start()
+    reqs = _requests(eng, 8, text_encoder)
+    futs = [eng.submit(r) for r in reqs]
+    deadline = time.monotonic() + 60
+    while not eng.busy_workers():
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    eng.stop()
+    assert all(f.done() for f in futs)
+    failed = [r for r, f in zip(reqs, futs) if f.exception() is not None]
+    for f in futs:
+        if f.exception() is not None:
+            assert str(f.exception()) == "the render engine stopped"
+    assert failed  # it was stopped mid-request
+    for req, f in zip(reqs, futs):
+        if f.exception() is None:
+            ref, _ = _reference(model, req, CFG)
+            assert float((f.result().image - ref).abs().max()) < 1e-4
+    with pytest.raises(RenderError, match="not running"):
+        eng.submit(reqs[0])
+    with RenderEngine(ecfg, encoder=text_encoder) as again:
+        res = again.submit(failed[0]).result(timeout=120)
+    ref, _ = _reference(model, failed[0], CFG)
+    assert float((res.image - ref).abs().max()) < 1e-4
