@@ -132,6 +132,21 @@ def test_hung_actor_is_replaced_after_its_task_deadline(ray_engine, process_imag
     assert victim not in ray_engine.worker_pids()
 
 
+def test_a_full_object_store_spills_and_loses_nothing(ray_engine, process_images):
+    """The object store (128 MB here) filled by other objects that stay referenced: the
+    actors' K/V puts spill to disk and every request comes back unchanged."""
+    import numpy as np
+
+    filler = [ray.put(np.full(16 * 2**20, i, dtype=np.uint8)) for i in range(10)]  # 160 MB
+    try:
+        reqs = _requests(ray_engine)
+        res = [f.result(timeout=180) for f in [ray_engine.submit(r) for r in reqs]]
+        _same(res, process_images)
+        assert all(int(ray.get(ref)[0]) == i for i, ref in enumerate(filler))
+    finally:
+        del filler
+
+
 def test_unknown_model_or_size_is_one_clear_error(ray_engine, tmp_path):
     with pytest.raises(SakuraError, match="unknown model 'nope'"):
         RenderEngine(EngineConfig(pool="ray", model="nope", model_path=str(tmp_path)))
