@@ -136,6 +136,7 @@ class _Req:
     split_steps: int = 0         # patch steps whose gangs ran on more than one worker
     exchange_s: float = 0.0      # workers' time receiving and applying K/V syncs
     exchange_bytes: int = 0      # K/V bytes sent to workers in syncs (snapshots, deltas)
+    engine_s: float = 0.0        # the engine loop's time building its tasks, applying outputs
 
 
 class RenderEngine:
@@ -398,10 +399,11 @@ class RenderEngine:
         stats.update(tasks=r.tasks, priority=r.req.priority, service_s=r.busy_s,
                      quality_steps=r.quality_steps, patches_searched=r.searched,
                      split_steps=r.split_steps, exchange_s=exchange_s,
-                     exchange_bytes=r.exchange_bytes)
+                     exchange_bytes=r.exchange_bytes, engine_s=r.engine_s)
         if r.searched and st.partition is not None and not r.quality_steps:
             # (a request run partly in the quality mode says nothing about gated cost)
-            self.search.observe(st.partition.count, r.busy_s / max(1, st.steps),
+            cost = r.busy_s + exchange_s + r.engine_s  # compute, K/V moved, engine time
+            self.search.observe(st.partition.count, cost / max(1, st.steps),
                                 st.stats.reuse_error)
         res = RenderResult(r.rid, img, r.arrival, time.monotonic(), stats, r.req.mode,
                            latents, r.req.priority)
@@ -508,8 +510,10 @@ class RenderEngine:
             return
         if kind == "done":
             w.done_groups += 1
+            t0 = time.perf_counter()
             try:
                 self._on_done(w, msg[2])
+                self._charge(msg[2]["rid"], t0)
             except (ValueError, RuntimeError) as exc:  # a bad output fails its request only
                 r = self._reqs.get(msg[2]["rid"])
                 if r is not None:
@@ -530,6 +534,12 @@ class RenderEngine:
             r = self._reqs.get(rid)
             if r is not None:
                 self._fail(r, f"worker {w.wid} failed on step {step}:\n{tb}")
+
+    def _charge(self, rid: int, t0: float) -> None:
+        """Engine time since ``t0`` spent on request ``rid`` (its cost to the service)."""
+        r = self._reqs.get(rid)
+        if r is not None:
+            r.engine_s += time.perf_counter() - t0
 
     def _retry(self, w: WorkerProc, keys) -> None:
         for k in keys:
@@ -631,7 +641,9 @@ class RenderEngine:
                     except (ValueError, RuntimeError) as exc:  # this request only
                         item[2].set_exception(RenderError(f"request rejected: {exc}"))
                 for g in self.sched.place():
+                    t0 = time.perf_counter()
                     self._send(g)
+                    self._charge(g.rid, t0)
                 self._poll(0.05)
         except BaseException as exc:  # pragma: no cover - surfaced to every waiter
             self.loop_error = exc

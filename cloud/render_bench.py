@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 from sakura.cloud.render import RenderEngine
 from sakura.cloud.render_api import EngineConfig, RenderRequest
-from sakura.cloud.render_parallel import patch_parallel_bench
+from sakura.cloud.render_parallel import patch_parallel_bench, quality_mode_bench
 from sakura.cloud.render_slo import classed, slo_bench
 from sakura.cloud.render_sweep import load_sweep, served_images
 from sakura.cloud.render_trace import bursty_arrivals, percentile, replay, request_factory
@@ -475,6 +475,9 @@ def run_bench(quick: bool = False, weights: str | None = None, workers: int = 2,
                                        workers=workers, requests=12 if quick else 48,
                                        seeds=2 if quick else 3, steps=steps, size=size)
         out["patch_parallel"] = patch_parallel_bench(
+            weights, enc, [p for _, p, _ in prompts], cfg, steps=steps, size=size,
+            requests=4 if quick else 8)
+        out["quality_mode"] = quality_mode_bench(
             weights, enc, [p for _, p, _ in prompts], cfg, steps=steps, size=size,
             requests=4 if quick else 8)
         out["slo"] = slo_bench(weights, enc, [p for _, p, _ in prompts], cfg, workers=workers,

@@ -1,5 +1,6 @@
-"""Patch parallelism, measured: single requests on two workers against one
-(``sakura bench flashdiff``'s ``patch_parallel`` key, issue 32 item 3).
+"""What an idle render engine can spend its spare workers on, measured on single
+requests: latency (patch parallelism, ``sakura bench flashdiff``'s ``patch_parallel`` key,
+issue 32 item 3) or quality (the low-load quality mode, ``quality_mode``, item 5).
 
 What the engine does (``cloud.render``, ``EngineConfig.patch_split``): in a joint regional
 step the active patches are one gang, computed together in one packed forward where they
@@ -105,9 +106,60 @@ def patch_parallel_bench(weights: str | None, encoder, prompts: list[str],
     }
 
 
+def quality_mode_bench(weights: str | None, encoder, prompts: list[str],
+                       cfg: RegionalConfig, *, steps: int = 10, size: int = 64,
+                       requests: int = 4, patches: int = 4, workers: int = 2) -> dict:
+    """The other use of an idle engine (``quality_mode`` key, issue 32 item 5): single
+    requests one at a time on an idle ``workers``-worker engine with the quality mode on
+    (``quality_eps=0``: every patch runs every step while the load is low) and off (the
+    gate at its threshold), both against full execution of the same prompt and seed.
+    Same engine for all three modes (``EngineConfig.quality_eps`` is read per request
+    at each step boundary, so two engines differ only there)."""
+    cfg = replace(cfg, patches=patches)
+    base = EngineConfig(workers=workers, weights=weights, regional=cfg, patch_search=False)
+    engines = {"quality": base, "gated": replace(base, quality_eps=None)}
+    reqs = [RenderRequest(prompt=prompts[i % len(prompts)], seed=50_000 + i, steps=steps,
+                          size=size, guidance=3.0, mode="regional")
+            for i in range(requests)]
+    lat: dict[str, list[float]] = {"quality": [], "gated": [], "full": []}
+    acc = {"quality": ImageAccumulator(), "gated": ImageAccumulator()}
+    quality_steps = 0
+    load_start = list(os.getloadavg())
+    with RenderEngine(engines["quality"], encoder) as q, \
+            RenderEngine(engines["gated"], encoder) as g:
+        for eng in (q, g):
+            eng.submit(reqs[0]).result(timeout=600)  # warm-up, untimed
+        for req in reqs:
+            full = g.submit(replace(req, mode="full")).result(timeout=600)
+            lat["full"].append(full.latency_s)
+            for name, eng in (("quality", q), ("gated", g)):
+                res = eng.submit(req).result(timeout=600)
+                lat[name].append(res.latency_s)
+                acc[name].add(res.image, full.image, compute=res.stats["compute_fraction"])
+                if name == "quality":
+                    quality_steps += res.stats["quality_steps"]
+    med = {k: statistics.median(v) for k, v in lat.items()}
+    out = {name: {"psnr_db_vs_full": a.to_dict()["psnr_db_vs_full"],
+                  "compute_fraction": a.to_dict()["compute_fraction"],
+                  "p50_latency_s": med[name]} for name, a in acc.items()}
+    out.update({
+        "full_p50_latency_s": med["full"],
+        "latency_ratio_quality_vs_gated": med["quality"] / med["gated"],
+        "quality_steps_per_request": quality_steps / requests,
+        "requests": requests, "steps": steps, "size": size, "patches": patches,
+        "workers": workers, "warmup_steps": cfg.warmup, "eps": cfg.threshold,
+        "load_average": {"start": load_start, "end": list(os.getloadavg())},
+        "method": "single requests one at a time on idle engines (low load: one request "
+                  "on two workers), quality mode on and off, each image against full "
+                  "execution of the same prompt and seed; medians",
+    })
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sakura.cloud.render_parallel [--requests N] [--json PATH]``: this key
-    alone, with the arguments ``sakura bench flashdiff --quick`` gives it."""
+    """``python -m sakura.cloud.render_parallel [--requests N] [--json PATH]``: the
+    ``patch_parallel`` and ``quality_mode`` keys alone, with the arguments ``sakura bench
+    flashdiff --quick`` gives them."""
     import argparse
     import json
     from pathlib import Path
@@ -122,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     prompts = [p for _, p, _ in eval_prompts(load_catalog(), 1, 2)]
     cfg = RegionalConfig(warmup=2)  # render_bench._config(10)
-    out = patch_parallel_bench(None, TextEncoder(), prompts, cfg, steps=10, size=64,
-                               requests=args.requests)
+    enc = TextEncoder()
+    out = {"patch_parallel": patch_parallel_bench(None, enc, prompts, cfg, steps=10, size=64,
+                                                  requests=args.requests),
+           "quality_mode": quality_mode_bench(None, enc, prompts, cfg, steps=10, size=64,
+                                              requests=args.requests)}
     text = json.dumps(out, indent=2)
     print(text)
     if args.json:
@@ -131,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["main", "patch_parallel_bench"]
+__all__ = ["main", "patch_parallel_bench", "quality_mode_bench"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -80,6 +80,22 @@ def test_no_preemption_question_when_the_high_request_runs_where_its_state_is():
 # ----------------------------------------------------------------------------- policy
 
 
+def test_patch_count_search_descends_a_unimodal_cost_and_stops_at_its_minimum():
+    """Bounded descent: from the middle R over its neighbours toward the lower score,
+    never trying the candidates past the minimum."""
+    cost = {2: 1.6, 4: 1.3, 6: 1.1, 8: 1.0, 12: 1.2, 16: 1.5}  # unimodal, minimum at 8
+    s = PatchCountSearch(candidates=(16, 2, 4, 6, 8, 12), explore_every=0, quality_weight=0)
+    assert s.candidates == (2, 4, 6, 8, 12, 16)
+    for _ in range(12):
+        r = s.choose()
+        s.observe(r, cost[r], 0.0)
+    assert s.to_dict()["current"] == 8
+    assert set(s.obs) == {4, 6, 8, 12}  # from 6: its neighbours, then 8's other one
+    assert s.history[-4:] == [8] * 4
+    with pytest.raises(ValueError):
+        PatchCountSearch(candidates=(2, 4), start=3)
+
+
 def test_patch_count_search_explores_then_exploits_the_best_score():
     s = PatchCountSearch(candidates=(2, 4, 8), trials=2, explore_every=5, quality_weight=1.0)
     first = [s.choose() for _ in range(6)]
@@ -158,8 +174,10 @@ def test_high_priority_overtakes_low_priority_requests(weights, text_encoder):
         assert hr.finish < min(r.finish for r in lr)
         assert hr.priority == "high" and hr.stats["priority"] == "high"
         assert all(r.priority == "low" for r in lr)
-        # R came from the online search (every candidate tried first), which saw them all
-        assert sorted(r.stats["patches"] for r in [hr, *lr]) == [2, 2, 4, 6, 8]
+        # R came from the online search (the middle candidate and its neighbours tried
+        # first; 8 only once 6 has scored below 4), which saw them all
+        assert eng.search.history[:3] == [4, 2, 6]
+        assert {r.stats["patches"] for r in [hr, *lr]} <= {2, 4, 6}
         assert sum(eng.metrics()["patch_search"]["observations"].values()) == 5
         with pytest.raises(RenderError, match="priority"):
             eng.submit(RenderRequest(prompt="x", priority="urgent"))
