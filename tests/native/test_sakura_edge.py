@@ -358,6 +358,60 @@ def test_bad_usage_exits_2(exe, tmp_path):
                               ["--bits", "0"], tmp_path), 2, "--bits")
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png",
                                              prompt="   "), tmp_path), 2, "empty")
+    one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
+                              ["--precision", "int4"], tmp_path), 2, "--precision", "int4")
+
+
+def test_int8_from_a_bundle_without_int8_graphs_is_one_line(exe, server, tmp_path):
+    done = run_binary(exe, edit_args(server.url, tmp_path / "o.png") + FIXED
+                      + ["--precision", "int8"], tmp_path)
+    one_error_line(done, 1, "no int8 graphs", "sakura build --int8")
+    assert not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.slow  # ~3 min here: the int8 export of the tiny model's two chains
+def test_int8_runs_the_bundles_int8_graphs_as_the_python_runtime(exe, world, tmp_path):
+    """An int8 bundle (``sakura build --int8``'s): ``--precision int8`` runs its int8
+    sets, and the image is the Python runtime's int8 edit (same graphs, same runtime),
+    near the fp32 edit and not equal to it."""
+    from sakura.cloud.bundle import publish_bundle
+    from sakura.cloud.publish import update_catalog
+    from sakura.edge.backends.base import BackendConfig, weights_sha256
+    from sakura.edge.bundle import export_bundle
+    from sakura.edge.options import EditOptions
+    from sakura.edge.runtime import EdgeRuntime
+    from sakura.edge.server_process import ServerProcess
+
+    catalog = tmp_path / "catalog"
+    shutil.copytree(world["catalog"], catalog)
+    model, enc = world["model"], world["encoder"]
+    rt = EdgeRuntime(model, encoder=enc, runtime="native",
+                     backend_config=BackendConfig(cache_dir=tmp_path / "py-compiled"))
+    with ServerProcess(world["catalog"]) as srv:
+        template = rt.fetch_template(srv.url, TEMPLATE_ID)
+    req = rt.request(PROMPT, 3)
+    made = export_bundle(model, weights_sha256(model), template, req, BPS,
+                         cache_dir_=world["compiled"], text_encoder=True,
+                         work=tmp_path / "w", precision="int8")
+    update_catalog(catalog, {TEMPLATE_ID: {"bundle": publish_bundle(catalog, made.files,
+                                                                     made.doc)}})
+    floats, tl = {}, {}
+    with ServerProcess(catalog) as srv:
+        for p in ("fp32", "int8"):
+            out = tmp_path / p
+            out.mkdir()
+            done = run_binary(exe, edit_args(srv.url, out / "o.png") + FIXED
+                              + ["--precision", p, "--float-out", str(out / "o.npy"),
+                                 "--timeline", str(out / "tl.json")], tmp_path)
+            assert done.returncode == 0, done.stderr
+            floats[p] = np.load(out / "o.npy")
+            tl[p] = json.loads((out / "tl.json").read_text())
+        res = rt.edit(srv.url, TEMPLATE_ID, template, req, "sakura-fixed-config",
+                      options=EditOptions(local_fallback=False, precision="int8"))
+    assert tl["int8"]["precision"] == "int8" and tl["fp32"]["precision"] == "fp32"
+    assert float(np.abs(floats["int8"] - res.image.numpy()).max()) <= 1e-4
+    diff = float(np.abs(floats["int8"] - floats["fp32"]).max())
+    assert 0 < diff < 0.1, diff
 
 
 def test_an_unknown_template_is_one_line(exe, server, tmp_path):

@@ -67,11 +67,13 @@ const char* kUsage =
     "                        [--budget-rate-bps BPS]\n"
     "                        [--timeline PATH] [--float-out PATH.npy] [--token TOKEN]\n"
     "                        [--state-dir DIR | --no-state] [--cache-dir DIR] [--threads N]\n"
-    "                        [--retry-window S] [--no-local-fallback] [--truncate]\n";
+    "                        [--retry-window S] [--no-local-fallback] [--truncate]\n"
+    "                        [--precision fp32|int8]\n";
 
 struct Args {
   std::string origin, template_id, prompt, out, policy = "sakura-fixed-config";
   std::string timeline, float_out, token, state_dir, cache_dir;
+  std::string precision = "fp32";  // the shard graphs: the bundle's fp32 or int8 sets
   std::uint64_t seed = 0;
   bool have_seed = false, no_state = false, local_fallback = true, truncate = false;
   double budget_rate_bps = NAN, retry_window_s = 30.0;
@@ -118,6 +120,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--budget-rate-bps") a.budget_rate_bps = number(f, value());
     else if (f == "--retry-window") a.retry_window_s = number(f, value());
     else if (f == "--threads") a.threads = static_cast<int>(number(f, value()));
+    else if (f == "--precision") a.precision = value();
     else if (f == "--bits") {
       const double b = number(f, value());
       if (b != std::floor(b) || b < 1 || b > 16) throw UsageError("--bits takes a bit width 1-16");
@@ -160,6 +163,9 @@ Args parse(int argc, char** argv) {
                      "native`");
   }
   if (a.threads < 1) throw UsageError("--threads must be >= 1");
+  if (a.precision != "fp32" && a.precision != "int8") {
+    throw UsageError("--precision takes fp32 or int8, got '" + a.precision + "'");
+  }
   if (!(a.retry_window_s > 0)) throw UsageError("--retry-window must be > 0");
   return a;
 }
@@ -334,6 +340,26 @@ const json& graph_set(const json& bundle, const std::string& name) {
     if (gs.at("name") == name) return gs;
   }
   throw InputError("the device bundle has no '" + name + "' graph chain");
+}
+
+// A chain at a precision: fp32 is the set named `chain`, int8 the set `chain-int8` (the
+// block groups' int8 XNNPACK graphs, edge/bundle.py), which only `sakura build --int8`
+// publishes; each set records its precision.
+const json& chain_set(const json& bundle, const std::string& chain, const std::string& precision) {
+  const std::string name = precision == "fp32" ? chain : chain + "-" + precision;
+  for (const auto& gs : bundle.at("graph_sets")) {
+    if (gs.at("name") != name) continue;
+    if (gs.value("precision", std::string("fp32")) != precision) {
+      throw InputError("the device bundle's '" + name + "' graphs are " +
+                       gs.value("precision", std::string("fp32")) + ", not " + precision);
+    }
+    return gs;
+  }
+  if (precision != "fp32") {
+    throw InputError("the device bundle has no " + precision + " graphs: publish them with "
+                     "`sakura build --int8`, or edit with --precision fp32");
+  }
+  return graph_set(bundle, name);
 }
 
 std::unique_ptr<sakura::EditGraphs> load_graphs(const json& gs, const Bundle& b) {
@@ -658,7 +684,7 @@ int run(const Args& a) {
   }
 
   // graphs, text encoder
-  const json& cached_set = graph_set(bundle.doc, "cached");
+  const json& cached_set = chain_set(bundle.doc, "cached", a.precision);
   const int batch = tv.guidance != 1.0 ? 2 : 1;
   if (cached_set.at("shape").value("batch", -1) != batch) {
     throw InputError("the device bundle's graphs take a batch of " +
@@ -671,7 +697,9 @@ int run(const Args& a) {
     QuietStderr quiet;  // ExecuTorch's cpuinfo notes on x86 (harmless)
     sakura::set_graph_threads(a.threads);
     graphs = load_graphs(cached_set, bundle);
-    if (a.local_fallback && codec != "fp16") full_graphs = load_graphs(graph_set(bundle.doc, "full"), bundle);
+    if (a.local_fallback && codec != "fp16") {
+      full_graphs = load_graphs(chain_set(bundle.doc, "full", a.precision), bundle);
+    }
     const json& te = bundle.doc.at("text_encoder");
     encoder = std::make_unique<sakura::TextEncoder>(bundle.paths.at(te.at("program")).string(),
                                                     bundle.paths.at(te.at("vocab")).string());
@@ -965,6 +993,7 @@ int run(const Args& a) {
   if (!a.timeline.empty()) {
     const json doc = {{"runtime", "sakura-edge"}, {"origin", a.origin}, {"template", a.template_id},
                       {"policy", a.policy}, {"codec", codec}, {"seed", a.seed},
+                      {"precision", a.precision},
                       {"latency_s", latency}, {"bytes", bytes}, {"manifest_bytes", raw_len},
                       {"manifest_cached", from_cache}, {"startup_allowance_s", allowance},
                       {"loop_start_s", loop_start - origin}, {"predicted_exec_s", exec_s},
