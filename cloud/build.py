@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sakura.cloud.bundle import publish_bundle
 from sakura.cloud.errors import PublishError
@@ -84,11 +84,19 @@ class BuildConfig:
     ray: str | None = None
 
 
-# (engine, the device's template, blocks per shard, a work folder) -> the bundle's files
-# ((name, role, path)) and its description, or None when the engine has no device bundle;
-# an exporter may also have ``is_current(bundle_entry) -> bool``: a published bundle it
-# does not accept is exported again (has_bundle)
-BundleExporter = Callable[[Any, Any, int, Path], "tuple[list[tuple[str, str, Path]], dict] | None"]
+class BundleExporter(Protocol):
+    """What makes a template's device bundle (the edge's: ``sakura.bundle_cli``; the cloud
+    may not import the edge)."""
+
+    def export(self, engine: Any, device: Any, blocks_per_shard: int, work: Path
+               ) -> tuple[list[tuple[str, str, Path]], dict] | None:
+        """(engine, the device's template, blocks per shard, a work folder) -> the
+        bundle's files ((name, role, path)) and its description, or None when the engine
+        has no device bundle."""
+
+    def is_current(self, bundle: dict) -> bool:
+        """Whether a published bundle entry is what :meth:`export` makes now (one it does
+        not accept is exported again: :func:`has_bundle`)."""
 
 
 @dataclass
@@ -144,7 +152,7 @@ def _build(cfg: BuildConfig, log) -> BuildReport:
         content = _content_hash(cfg, spec, engine, model_files)
         packs_ok = not cfg.force and is_up_to_date(out, tid, content, codecs=cfg.codecs)
         if packs_ok and (cfg.bundle_exporter is None or has_bundle(
-                out, tid, getattr(cfg.bundle_exporter, "is_current", None))):
+                out, tid, cfg.bundle_exporter.is_current)):
             report.skipped.append(tid)
             continue
         # the device's view of the template (pixels, mask, seed, steps, guidance, prompt):
@@ -443,7 +451,7 @@ def _export_bundle(cfg: BuildConfig, engine: Any, device: Any, work: Path, log,
     """Export the template's device bundle into ``work/bundle`` (:func:`_publish_bundle`
     publishes it)."""
     assert cfg.bundle_exporter is not None
-    made = cfg.bundle_exporter(engine, device, cfg.blocks_per_shard, work / "bundle")
+    made = cfg.bundle_exporter.export(engine, device, cfg.blocks_per_shard, work / "bundle")
     if made is None:
         log(f"{template_id}: no device bundle for {getattr(engine, 'name', 'this model')} "
             "(the native runtime runs the shipped MMDiT)")

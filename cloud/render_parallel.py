@@ -26,15 +26,20 @@ unpickling and applying them; ``exchange_bytes``).
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from sakura.cloud.render import RenderEngine
 from sakura.cloud.render_api import EngineConfig, RenderRequest
 from sakura.dit.regional import RegionalConfig
-from sakura.dit.regional_bench import ImageAccumulator
+from sakura.dit.regional_bench import ImageAccumulator, eval_prompts
+from sakura.dit.templates import load_catalog
+from sakura.dit.text import TextEncoder
 
 
 def patch_parallel_bench(weights: str | None, encoder, prompts: list[str],
@@ -63,7 +68,7 @@ def patch_parallel_bench(weights: str | None, encoder, prompts: list[str],
     t0 = time.perf_counter()
     with RenderEngine(base, encoder) as one, RenderEngine(two_cfg, encoder) as two:
         engines = {"one": one, "two": two}
-        for name, eng in engines.items():  # warm-up (first calls, caches), untimed
+        for eng in engines.values():  # warm-up (first calls, caches), untimed
             eng.submit(reqs[0]).result(timeout=600)
         for rnd in range(rounds):
             for i, req in enumerate(reqs):
@@ -160,14 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m sakura.cloud.render_parallel [--requests N] [--json PATH]``: the
     ``patch_parallel`` and ``quality_mode`` keys alone, with the arguments ``sakura bench
     flashdiff --quick`` gives them."""
-    import argparse
-    import json
-    from pathlib import Path
-
-    from sakura.dit.regional_bench import eval_prompts
-    from sakura.dit.templates import load_catalog
-    from sakura.dit.text import TextEncoder
-
     ap = argparse.ArgumentParser(prog="python -m sakura.cloud.render_parallel")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--json", metavar="PATH")

@@ -12,3 +12,6 @@ timeline), :mod:`edge.runtime` (one edit end to end), :mod:`edge.bench` and
 # The device runtimes: "native" (the shard loop in C++, sakura.edge.native_runtime) and
 # "python" (the reference pipeline, sakura.edge.pipeline).
 RUNTIMES = ("native", "python")
+# The shard graphs' precisions (EditOptions.precision, edge.backends.int8): "fp32", and
+# "int8" (the bundle's int8 XNNPACK block-group graphs, native runtime only).
+PRECISIONS = ("fp32", "int8")

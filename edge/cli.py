@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from sakura.codec.cli import check_codecs
 from sakura.dit.adapters.cli import check_model_options
 from sakura.dit.cli import check_file, check_template
-from sakura.edge import RUNTIMES
+from sakura.edge import PRECISIONS, RUNTIMES
 from sakura.edge.allocator import POLICIES
 from sakura.edge.backends import BACKENDS, create_backend
 from sakura.edge.errors import EdgeError
@@ -146,7 +146,7 @@ def _edit_parser(commands: Any) -> None:
     p.add_argument("--max-inflight", type=positive_int, default=MAX_INFLIGHT,
                    metavar="N", help="requests in flight at once, one connection each "
                                      "(default %(default)s)")
-    p.add_argument("--precision", default="fp32",
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="the shard loop's graphs (native runtime): fp32 (default) or int8 "
                         "(the bundle's int8 XNNPACK variant; sakura build --int8)")
     p.add_argument("--http-version", choices=("1.1", "2"), default="1.1",

@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sakura.dit.stale import STALE_MAX_AGE
+from sakura.edge import PRECISIONS
 from sakura.edge.errors import EdgeError
 from sakura.edge.monitor import DEFAULT_STARTUP_FRACTION, check_startup_fraction
 from sakura.edge.retry import RetryPolicy
 
 #: the HTTP versions EditOptions.http_version takes (HTTP/2: the native runtime only)
 HTTP_VERSIONS = ("1.1", "2")
-#: the shard graphs' precisions EditOptions.precision takes (edge.backends.int8.PRECISIONS)
-PRECISIONS = ("fp32", "int8")
 
 
 @dataclass

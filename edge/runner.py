@@ -110,12 +110,14 @@ class Runner(Protocol):
              manifest_dict: dict[str, Any], manifest: Manifest, url: str) -> None:
         """What the loop derives from a manifest before its first request."""
 
-    def prepare_local(self, device: EdgeRuntime, template: Template, req: Any) -> None:
+    def prepare_local(self, device: EdgeRuntime, template: Template, req: Any,
+                      precision: str = "fp32") -> None:
         """Compile / load what ``local`` runs (before the clock)."""
 
     def local(self, device: EdgeRuntime, template: Template, prep: Prepared,
-              req: Any) -> torch.Tensor:
-        """The whole model on the device, no cache."""
+              req: Any, precision: str = "fp32") -> torch.Tensor:
+        """The whole model on the device, no cache (``precision``: the edit's
+        ``EditOptions.precision``, which :meth:`check` accepted)."""
 
     def stream(self, device: EdgeRuntime, job: StreamJob
                ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
@@ -164,11 +166,12 @@ class PythonRunner:
              manifest_dict: dict[str, Any], manifest: Manifest, url: str) -> None:
         return None
 
-    def prepare_local(self, device: EdgeRuntime, template: Template, req: Any) -> None:
+    def prepare_local(self, device: EdgeRuntime, template: Template, req: Any,
+                      precision: str = "fp32") -> None:
         return None
 
     def local(self, device: EdgeRuntime, template: Template, prep: Prepared,
-              req: Any) -> torch.Tensor:
+              req: Any, precision: str = "fp32") -> torch.Tensor:
         return device.engine.local_edit(prep, req)
 
     def stream(self, device: EdgeRuntime, job: StreamJob
@@ -257,14 +260,15 @@ class NativeRunner:
         self._compiled_dir = compiled_dir
         self._engine: NativeEngine | None = None
         self._engines: dict[str, NativeEngine] = {}  # other precisions than fp32
-        self._precision = "fp32"  # the current edit's EditOptions.precision
         # the templates' device bundles (edge.bundle): graphs exported in the cloud,
         # downloaded once and cached beside the compiled graphs
         self.bundles = (DeviceBundles(Path(compiled_dir) / "bundles") if compiled_dir
                         else DeviceBundles())
 
-    def engine(self, device: EdgeRuntime) -> NativeEngine:
-        """The native engine (compiled graphs of the shipped MMDiT), created on first use."""
+    def engine(self, device: EdgeRuntime, precision: str = "fp32") -> NativeEngine:
+        """The native engine (compiled graphs of the shipped MMDiT) whose shard graphs have
+        ``precision`` (an edit's ``EditOptions.precision``; the ``local`` policy and the
+        shard tables are fp32's), created on first use."""
         if self._engine is None:
             if not device.default_model:
                 raise NativeUnavailable(f"{device.engine.name} runs on the Python runtime "
@@ -273,17 +277,17 @@ class NativeRunner:
             kw = {"cache_dir": self._compiled_dir} if self._compiled_dir else {}
             self._engine = NativeEngine(device.model, device.weights_sha256
                                         or weights_sha256(device.model), **kw)
-        if self._precision == "fp32":
+        if precision == "fp32":
             return self._engine
         # EditOptions.precision "int8": the block groups' int8 graphs (edge.backends.int8),
         # the same bundled chains (the int8 sets have their own digests)
-        other = self._engines.get(self._precision)
+        other = self._engines.get(precision)
         if other is None:
             kw = {"cache_dir": self._compiled_dir} if self._compiled_dir else {}
             other = NativeEngine(device.model, self._engine.weights_sha256,
-                                 precision=self._precision, **kw)
+                                 precision=precision, **kw)
             other._bundled = self._engine._bundled
-            self._engines[self._precision] = other
+            self._engines[precision] = other
         return other
 
     def check(self, opts: EditOptions) -> None:
@@ -304,8 +308,7 @@ class NativeRunner:
         the cached manifest, or from a manifest fetched outside the device's cache (so
         that the timed edit fetches it exactly as the Python runtime does)."""
 
-        self._precision = opts.precision
-        native = self.engine(device)
+        native = self.engine(device, opts.precision)
         cached = device.manifests.get((template_id, codec))
         if cached is not None:
             doc = cached.data
@@ -365,17 +368,17 @@ class NativeRunner:
                                          int(geometry["channels"]))
         return derived[("shards", url)], derived["rope"]
 
-    def prepare_local(self, device: EdgeRuntime, template: Template, req: Any) -> None:
-        self.engine(device).prepare_full(template, req)
+    def prepare_local(self, device: EdgeRuntime, template: Template, req: Any,
+                      precision: str = "fp32") -> None:
+        self.engine(device, precision).prepare_full(template, req)
 
     def local(self, device: EdgeRuntime, template: Template, prep: Prepared,
-              req: Any) -> torch.Tensor:
-        return self.engine(device).full_edit(template, req)
+              req: Any, precision: str = "fp32") -> torch.Tensor:
+        return self.engine(device, precision).full_edit(template, req)
 
     def stream(self, device: EdgeRuntime, job: StreamJob
                ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-        self._precision = job.opts.precision
-        native = self.engine(device)
+        native = self.engine(device, job.opts.precision)
         manifest, opts, client = job.manifest, job.opts, job.client
         codec_impl = manifest.make_codec()
         where = client.pack_location(job.template_id, job.codec, job.manifest_dict)

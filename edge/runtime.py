@@ -301,9 +301,10 @@ class EdgeRuntime:
             if template.seed < 0:
                 raise EdgeError("the local policy recomputes the template trajectory and "
                                 "needs the template's seed, which its catalog entry lacks")
-            self.runner.prepare_local(self, template, req)  # compiles/loads: before the clock
+            # compiles/loads: before the clock
+            self.runner.prepare_local(self, template, req, opts.precision)
             t0 = time.monotonic()
-            image = self.runner.local(self, template, prep, req)
+            image = self.runner.local(self, template, prep, req, opts.precision)
             dt = time.monotonic() - t0
             return EditResult(image=image, policy=policy, codec=None, latency_s=dt, exec_s=dt)
         codec = opts.pack or pol.codec

@@ -3,7 +3,8 @@
 ``sakura build`` is the cloud package's command, and the cloud may not import the edge
 (``tests/test_layering.py``: the edge imports the cloud). The bundle's export is the
 edge's (``sakura.edge.bundle``: the graphs the native runtime runs), so this module, which
-may import both, hands :func:`export_for_build` to the build command as its default
+may import both, hands :data:`export_for_build` (a :class:`DeviceBundleExporter`) to the
+build command as its default
 ``bundle_exporter`` (``--no-bundle`` turns it off), and ``sakura demo`` passes it too.
 
 ``sakura bench bundle --json PATH`` measures one bundle of the shipped model's default
@@ -23,33 +24,35 @@ from sakura.output import write_json
 DEFAULT_TEMPLATE = "face-technologist"
 
 
-def export_for_build(engine: Any, device: Any, blocks_per_shard: int, work: Path
-                     ) -> tuple[list[tuple[str, str, Path]], dict] | None:
-    """``cloud.build.BundleExporter``: the device bundle of ``device`` (a
-    ``dit.editing.Template``) for the shipped MMDiT; None for other engines (the native
-    runtime runs only the shipped model). ``export_for_build.is_current`` tells the
-    build which published bundles are stale (``sakura.edge.bundle.bundle_is_current``)."""
-    from sakura.dit.adapters.engine import DefaultEngine  # lazy: torch
-    from sakura.edge.backends.base import weights_sha256  # lazy: torch
-    from sakura.edge.bundle import export_bundle  # lazy: torch, executorch
+class DeviceBundleExporter:
+    """``cloud.build.BundleExporter`` of the shipped MMDiT's device bundle."""
 
-    if not isinstance(engine, DefaultEngine):
-        return None
-    model = engine.model
-    # the shapes of a device request: the encoder's tokens, the unconditional prompt
-    req = engine.request(device.prompt or "", 0)
-    made = export_bundle(model, engine.weights_id or weights_sha256(model), device, req,
-                         min(blocks_per_shard, model.cfg.num_blocks), work=work)
-    return made.files, made.doc
+    def export(self, engine: Any, device: Any, blocks_per_shard: int, work: Path
+               ) -> tuple[list[tuple[str, str, Path]], dict] | None:
+        """The device bundle of ``device`` (a ``dit.editing.Template``) for the shipped
+        MMDiT; None for other engines (the native runtime runs only the shipped model)."""
+        from sakura.dit.adapters.engine import DefaultEngine  # lazy: torch
+        from sakura.edge.backends.base import weights_sha256  # lazy: torch
+        from sakura.edge.bundle import export_bundle  # lazy: torch, executorch
+
+        if not isinstance(engine, DefaultEngine):
+            return None
+        model = engine.model
+        # the shapes of a device request: the encoder's tokens, the unconditional prompt
+        req = engine.request(device.prompt or "", 0)
+        made = export_bundle(model, engine.weights_id or weights_sha256(model), device, req,
+                             min(blocks_per_shard, model.cfg.num_blocks), work=work)
+        return made.files, made.doc
+
+    def is_current(self, bundle: dict) -> bool:
+        """Whether a published bundle is what :meth:`export` makes now
+        (``sakura.edge.bundle.bundle_is_current``): a stale one is exported again."""
+        from sakura.edge.bundle import bundle_is_current  # lazy: torch, executorch
+
+        return bundle_is_current(bundle)
 
 
-def _is_current(bundle: dict) -> bool:
-    from sakura.edge.bundle import bundle_is_current  # lazy: torch, executorch
-
-    return bundle_is_current(bundle)
-
-
-export_for_build.is_current = _is_current  # type: ignore[attr-defined]
+export_for_build = DeviceBundleExporter()
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:

@@ -101,7 +101,7 @@ def main() -> int:
                               f"{x['bytes']} B, local {x['local_fallbacks']}")
     med = statistics.median
     summary: dict = {}
-    for link, _t, rtt, _s in links:
+    for link, _t, _rtt, _s in links:
         summary[link] = {}
         for n in args.inflight:
             xs = [x for x in runs if x["link"] == link and x["inflight"] == n]

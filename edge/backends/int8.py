@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-PRECISIONS = ("fp32", "int8")
+from sakura.edge import PRECISIONS
 
 
 def check_precision(value: Any) -> str:

@@ -15,8 +15,8 @@ import pytest
 from sakura.traces import NetnsUnavailableError, Trace, load_trace
 from sakura.traces.bench import choose_piece
 from sakura.traces.measure import measure_kernel
-from sakura.traces.tbf import PACKET_BYTES
 from sakura.traces.netns import KernelShapedLink, kernel_shaping_unavailable_reason
+from sakura.traces.tbf import PACKET_BYTES
 
 from tests.traces.common import assert_follows_the_trace
 
