@@ -419,7 +419,10 @@ def test_cli_registers_bench_flashdiff_and_render():
     assert (d.gate, d.partition, d.patches, d.no_quality_mode, d.eps) == (
         "drift", "cuts", 6, True, None)
     s = parser.parse_args(["render", "serve", "--port", "0", "--priority", "fifo"])
-    assert (s.port, s.priority) == (0, "fifo")
+    assert (s.port, s.priority, s.patch_split) == (0, "fifo", 1)
+    assert parser.parse_args(["render", "serve", "--patch-split", "2"]).patch_split == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["render", "serve", "--patch-split", "0"])
 
 
 class _SplitBackend:
