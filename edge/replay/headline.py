@@ -90,7 +90,7 @@ def headline(runs: list[dict[str, Any]], templates: dict[str, dict[str, Any]],
         per[w] = d
         wp = [r for r in points if r["workload"] == w]
         iso_per[w] = iso_views(rs, wp)
-    out: dict[str, Any] = {"networks": sorted(nets), "per_workload": per}
+    out: dict[str, Any] = {"headline_networks": sorted(nets), "per_workload": per}
     for key, (op, target) in TARGETS.items():
         vals = [d[key] for d in per.values() if not math.isnan(d[key])]
         value = float(np.median(vals)) if vals else None

@@ -7,7 +7,8 @@ with their own packs; the q ablation (``sakura-q*``) and the second-resolution v
 
 The parts, one module each: the numbers of a group of runs (percentiles with bootstrap
 intervals, PSNR means: ``stats.py``), the headline ratios and the iso-quality /
-iso-latency views (``headline.py``), the figures (``figures.py``) and the Markdown
+iso-latency views (``headline.py``), the same per network family with intervals over start
+points (``by_network.py``: the JSON's ``networks``), the figures (``figures.py``) and the Markdown
 (``sections.py``). This module loads a results folder and writes the report and the
 headline JSON.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sakura.edge.errors import EdgeError
+from sakura.edge.replay.by_network import by_network
 from sakura.edge.replay.headline import headline
 from sakura.edge.replay.results import META_FILE, ResultsFile
 from sakura.edge.replay.sections import intro, mode_section
@@ -57,6 +59,7 @@ def headlines(runs: list[dict[str, Any]], tmpl: dict[str, dict[str, Any]],
         mr = [r for r in runs if r["mode"] == mode]
         mt = {k: v for k, v in tmpl.items() if v["mode"] == mode}
         h = headline(mr, mt, nets)
+        h["networks"] = by_network(mr, mt, _trace_root(meta))
         h["mode"] = mode
         h["runs"] = len(mr)
         h["regime"] = ({"mode": "regime-matched",
@@ -91,6 +94,12 @@ def write_report(dir_: str | Path, json_path: str | Path | None = None,
         jp = Path(json_path)
         write_atomic(jp, json.dumps(_clean(heads), indent=1, allow_nan=False))
     return path
+
+
+def _trace_root(meta: dict[str, Any]) -> str | None:
+    """The replay's recorded trace folder when it is here, else the default one."""
+    root = meta.get("config", {}).get("trace_dir")
+    return root if root and Path(root).is_dir() else None
 
 
 def _clean(o: Any) -> Any:

@@ -270,9 +270,9 @@ def mode_section(mode: str, runs: list[dict[str, Any]], tmpl: dict[str, dict[str
     md += _headline_section(mode, main, t_of, head, figs, rel)
     md += _iso_section(mode, main, points, head, figs, rel)
     md += _cells_section(mode, main, figs, rel)
-    md += _rate_quality_section(mode, main, head["networks"], figs, rel)
+    md += _rate_quality_section(mode, main, head["headline_networks"], figs, rel)
     md += _storage_section(t_of)
-    md += _sensitivity(mode, runs, main, t_of, figs, rel, head["networks"])
+    md += _sensitivity(mode, runs, main, t_of, figs, rel, head["headline_networks"])
     md += _ablations(mode, runs, main, figs, rel)
     return md
 
@@ -315,7 +315,7 @@ def _headline_section(mode: str, main: list[dict[str, Any]], t_of: dict[str, dic
                       head: dict[str, Any], figs: Path, rel: str) -> list[str]:
     """The headline table (value, target, verdict, per workload), then why each missed
     target is missed, per workload, with a timeline of the run nearest the percentile."""
-    md = ["### Headline (" + ", ".join(head["networks"]) + "; median over workloads)\n"]
+    md = ["### Headline (" + ", ".join(head["headline_networks"]) + "; median over workloads)\n"]
     rows = []
     for key, t in head["targets"].items():
         if "." in key:
@@ -336,7 +336,7 @@ def _headline_section(mode: str, main: list[dict[str, Any]], t_of: dict[str, dic
             ok = (d[key] >= TARGETS[key][1]) if TARGETS[key][0] == ">=" else d[key] > TARGETS[key][1]
             if math.isnan(d[key]) or ok:
                 continue
-            wr = [r for r in main if r["workload"] == w and r["network"] in head["networks"]]
+            wr = [r for r in main if r["workload"] == w and r["network"] in head["headline_networks"]]
             md.append(f"- {w}: {_why(key, w, wr, [t_of[x] for x in d['templates'] if x in t_of])}")
             if key.startswith(("p90_", "p50_")):
                 md += _miss_timeline(mode, key, w, wr, figs, rel)
@@ -424,7 +424,7 @@ def intro(name: str, runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def _iso_section(mode: str, main: list[dict[str, Any]], points: list[dict[str, Any]],
                  head: dict[str, Any], figs: Path, rel: str) -> list[str]:
     md = ["### Equal quality and equal latency\n"]
-    hp = [r for r in points if r["network"] in head["networks"]]
+    hp = [r for r in points if r["network"] in head["headline_networks"]]
     if not hp:
         md.append("No `sakura-d<m>` operating points in these runs (config `deadlines`): "
                   "sakura's own operating point is the only one, and the views below use it "
@@ -443,7 +443,7 @@ def _iso_section(mode: str, main: list[dict[str, Any]], points: list[dict[str, A
                     "iso_latency": head["iso_latency"]["per_workload"][w][b]} for b in views}
         for b, view in full.items():
             md += [f"- {t}" for t in _iso_text(b, view)]
-        rs = [r for r in main if r["workload"] == w and r["network"] in head["networks"]]
+        rs = [r for r in main if r["workload"] == w and r["network"] in head["headline_networks"]]
         wp = [r for r in hp if r["workload"] == w]
         if rs:
             name = f"{mode}-latency-quality-{w}.png"

@@ -387,6 +387,37 @@ def test_report_json_keys_and_the_iso_sentences_follow_the_data(tmp_path):
     assert "-1.50 dB" in lat and "(worse)" in lat
 
 
+def test_report_reads_per_network_with_intervals_over_start_points(tmp_path):
+    """``networks``: every family the replay names, replayed or not, the files each name
+    holds, and for a replayed one its headline with a start-point bootstrap interval that
+    holds the point value (starts drawn with replacement, policies kept paired)."""
+    from sakura.edge.replay.by_network import REPORT_NETWORKS, by_network, start_point_ci
+
+    root = tmp_path / "traces"
+    for rel in ("lumos5g/5g/a_walking.txt", "lumos5g/4g/b.txt", "wifi/c_wifi.csv",
+                "wifi/c_cellular.csv"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("1\n")
+    rf = ResultsFile(_iso_world(tmp_path))
+    nets = by_network(rf.runs(), rf.templates(), str(root))
+    assert tuple(nets) == REPORT_NETWORKS == ("5g", "ucc5g", "lte", "wifi", "mixed")
+    five = nets["5g"]
+    assert five["replayed"] and five["starts_per_cell"] == 5
+    assert five["files"]["files"] == ["a_walking.txt"]
+    h = headline(rf.runs(), rf.templates(), ["5g"])
+    for key, (lo, hi) in five["ci95"].items():
+        assert lo <= h[key] <= hi, key
+        assert five[key] == h[key]
+    assert set(five["ci95"]) == {"p90_speedup_vs_cachegen", "p90_speedup_vs_intq",
+                                 "p50_speedup_vs_local"}
+    assert not nets["wifi"]["replayed"] and nets["wifi"]["files"]["files"] == ["c_wifi.csv"]
+    assert nets["ucc5g"]["files"]["files"] is None  # no such traces here: said, not guessed
+    assert nets["mixed"]["files"]["count"] == 2  # the 4G and 5G sets it alternates
+    # one start point: no interval
+    assert start_point_ci([r for r in rf.runs() if r.get("start_index") == 0]) == {}
+    assert start_point_ci(rf.runs()) == start_point_ci(rf.runs())  # seeded
+
+
 def test_why_sentences_follow_the_numbers_they_cite():
     from sakura.edge.replay.sections import _why
 
