@@ -167,6 +167,9 @@ class RenderActor:
         if out["kind"] == "patches":  # K/V to the object store; the engine keeps references
             for p in out["patches"]:
                 p["k_ref"], p["v_ref"] = ray.put(p["k"]), ray.put(p["v"])
+                # only the references go back: the arrays in the returned value too stored
+                # every K/V twice (the engine reads them through the references)
+                p["k"] = p["v"] = None
         return ("done", self.wid, out)
 
 
