@@ -540,3 +540,15 @@ def test_an_engine_stopped_with_requests_in_flight_answers_every_client(tmp_path
         res = again.submit(failed[0]).result(timeout=120)
     ref, _ = _reference(model, failed[0], CFG)
     assert float((res.image - ref).abs().max()) < 1e-4
+
+
+def test_a_request_queued_but_not_yet_admitted_is_failed_by_stop():
+    """The engine loop admits queued requests between placements: one still queued when
+    the engine stops is answered too (it used to wait forever)."""
+    from concurrent.futures import Future
+
+    eng = RenderEngine(EngineConfig(workers=1))  # never started: no loop to admit it
+    fut: Future = Future()
+    eng._inbox.put((0, RenderRequest(prompt="x"), fut, time.monotonic()))
+    eng.stop()
+    assert fut.done() and str(fut.exception()) == "the render engine stopped"
