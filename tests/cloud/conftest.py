@@ -54,3 +54,13 @@ def s3_endpoint():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+def ray_auth_mode_of_this_process() -> str:
+    """The RAY_AUTH_MODE a Ray cluster started from this test process must run with: the
+    one this process's Ray already uses. Ray reads the variable when it is imported, and a
+    local ``ray.init`` sets it to ``token`` in this process's environment; a cluster started
+    with another mode than the driver's accepts the driver but cancels its actors before
+    they run ("all references to the actor were removed"). Without an earlier ``ray.init``
+    here: ``disabled`` (this process imported Ray before it could ask for a token)."""
+    return os.environ.get("RAY_AUTH_MODE", "disabled")

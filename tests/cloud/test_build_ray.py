@@ -55,14 +55,15 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A one-node Ray cluster (2 CPUs) whose workers see their own, empty PSNR cache (so
-    their fitted profiles are measured, not read back from the local build's). Token
-    authentication off: this process imported Ray before it could ask for it (Ray reads
-    RAY_AUTH_MODE when it is imported)."""
+    their fitted profiles are measured, not read back from the local build's), with this
+    process's Ray authentication mode (``conftest.ray_auth_mode_of_this_process``)."""
     from sakura.cloud.render_ray import LocalCluster
+
+    from tests.cloud.conftest import ray_auth_mode_of_this_process
 
     saved = {k: os.environ.get(k) for k in ("SAKURA_CACHE", "RAY_AUTH_MODE")}
     os.environ["SAKURA_CACHE"] = str(tmp_path_factory.mktemp("ray-cache"))
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_AUTH_MODE"] = ray_auth_mode_of_this_process()
     try:
         with LocalCluster(nodes=1, cpus_per_node=2, object_store_bytes=100_000_000,
                           port=_free_port()) as c:

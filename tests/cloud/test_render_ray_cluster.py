@@ -13,6 +13,7 @@ from sakura.cloud.render import RenderEngine
 from sakura.cloud.render_api import EngineConfig, RenderRequest
 from sakura.dit.weights import save_model
 
+from tests.cloud.conftest import ray_auth_mode_of_this_process
 from tests.cloud.test_build_ray import _free_port
 from tests.cloud.test_render import CFG, GUIDANCE, SIZE, STEPS, _model
 
@@ -20,14 +21,13 @@ ray = pytest.importorskip("ray")
 
 
 @pytest.fixture
-def no_ray_auth(monkeypatch):
-    """Token authentication off: this process imported Ray before it could ask for it
-    (Ray reads RAY_AUTH_MODE when it is imported; as in test_build_ray)."""
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+def cluster_auth(monkeypatch):
+    """The cluster runs with this process's Ray authentication mode (conftest)."""
+    monkeypatch.setenv("RAY_AUTH_MODE", ray_auth_mode_of_this_process())
 
 
 def test_a_node_removed_mid_request_costs_no_request_and_no_output(tmp_path, text_encoder,
-                                                                   no_ray_auth):
+                                                                   cluster_auth):
     from sakura.cloud.render_ray import LocalCluster, nodes_of
 
     path = tmp_path / "tiny.safetensors"
