@@ -29,6 +29,8 @@ from pydantic import BaseModel, Field
 from sakura.cloud.render import RenderEngine
 from sakura.cloud.render_api import RenderError, RenderRequest, RenderResult
 
+from sakura.output import json_safe
+
 
 class RenderBody(BaseModel):
     prompt: str = Field(min_length=1, max_length=300)
@@ -63,8 +65,10 @@ def _result_json(rid: int, fut: Future) -> dict:
     if exc is not None:
         return {"id": rid, "status": "failed", "error": str(exc)}
     res: RenderResult = fut.result()
+    # stats hold NaN where a figure does not apply (a full-mode request has no partition:
+    # "explained"): null in the JSON; the NaN made every full-mode answer a 500
     out = {"id": rid, "status": "done", "mode": res.mode, "priority": res.priority,
-           "latency_s": res.latency_s, "stats": res.stats}
+           "latency_s": res.latency_s, "stats": json_safe(res.stats)}
     if res.image is not None:
         out["image"] = f"/v1/renders/{rid}/image.png"
     return out

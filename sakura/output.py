@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -20,6 +21,18 @@ from pathlib import Path
 from typing import Any
 
 STDOUT = "-"
+
+
+def json_safe(o: Any) -> Any:
+    """``o`` with every non-finite float (NaN, infinity: a ratio with a side missing, a
+    statistic of nothing) as None, so that it serialises as strict JSON (``null``)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_safe(v) for v in o]
+    return o
 
 
 def write_json(path: str | Path, doc: Any, *, indent: int | None = 2) -> Path:

@@ -16,7 +16,6 @@ headline JSON.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from sakura.edge.replay.results import META_FILE, ResultsFile
 from sakura.edge.replay.sections import intro, mode_section
 
 from sakura.atomic import write_atomic
+from sakura.output import json_safe
 
 
 def load(dir_: str | Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]],
@@ -92,7 +92,7 @@ def write_report(dir_: str | Path, json_path: str | Path | None = None,
     path.write_text("\n".join(md) + "\n")
     if json_path:
         jp = Path(json_path)
-        write_atomic(jp, json.dumps(_clean(heads), indent=1, allow_nan=False))
+        write_atomic(jp, json.dumps(json_safe(heads), indent=1, allow_nan=False))
     return path
 
 
@@ -100,14 +100,3 @@ def _trace_root(meta: dict[str, Any]) -> str | None:
     """The replay's recorded trace folder when it is here, else the default one."""
     root = meta.get("config", {}).get("trace_dir")
     return root if root and Path(root).is_dir() else None
-
-
-def _clean(o: Any) -> Any:
-    """JSON-safe: NaN (a ratio with a policy missing) -> null."""
-    if isinstance(o, float):
-        return None if math.isnan(o) or math.isinf(o) else o
-    if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o

@@ -387,6 +387,14 @@ def test_http_front_and_trace_replay(engine):
         assert bad.status_code == 400 and "size" in bad.json()["error"]
         assert httpx.post(f"{base}/v1/renders", json={"seed": 1}).status_code == 422
         assert httpx.get(f"{base}/v1/engine").json()["completed"] > 0
+        # a full-mode request: a figure that does not apply (no partition: "explained") is
+        # null, not the NaN that made every full-mode answer a 500
+        f = httpx.post(f"{base}/v1/renders", json={"prompt": "food: red apple", "seed": 2,
+                                                   "steps": 4, "size": 32, "wait": True,
+                                                   "mode": "full"}, timeout=60)
+        assert f.status_code == 200, f.text
+        assert f.json()["mode"] == "full" and f.json()["stats"]["explained"] is None
+        assert httpx.get(f"{base}/v1/renders/{f.json()['id']}").status_code == 200
 
     trace = bursty_arrivals(5, rate=20.0, prompts=["smileys: grinning face"], burst=3, seed=1)
     rep = replay(engine, trace, request_factory(RenderRequest(steps=4, size=32, guidance=GUIDANCE)))
