@@ -374,7 +374,12 @@ class RenderEngine:
         default MMDiT only."""
         return (self.cfg.patch_split >= 2 and self.view.kind == "mmdit"
                 and r.req.txt_uncond is not None and r.req.guidance != 1.0
-                and len(self._reqs) < len(self.sched.workers))
+                and self._spare_workers())
+
+    def _spare_workers(self) -> bool:
+        """Fewer open requests than live workers: a worker would otherwise idle (the one
+        condition of both splits)."""
+        return len(self._reqs) < len(self.sched.workers)
 
     def _parts(self, r: _Req, active: list[int]) -> dict[int, int]:
         """Patch parallelism: the gang a joint step's active patch belongs to. While fewer
@@ -383,19 +388,17 @@ class RenderEngine:
         each to the lightest gang); the placement rule then decides whether they really
         run apart (``cloud.render_sched``). Otherwise one gang."""
         st = r.state
-        live = len(self.sched.workers)
-        if not st.joint or len(self._reqs) >= live:
+        if not st.joint or not self._spare_workers():
             return {}
         return patch_gangs({p: len(st.partition.patches[p]) for p in active},
-                           min(self.cfg.patch_split, live))
+                           min(self.cfg.patch_split, len(self.sched.workers)))
 
     def _finish(self, r: _Req) -> None:
         img, latents = self.view.output(r.state.x, r.req)
         st = r.state
         stats = st.stats.to_dict()
         exchange_s = r.exchange_s + sum(w.sync_send_s.pop(r.rid, 0.0)
-                                        for w in self.pool.workers.values()
-                                        if hasattr(w, "sync_send_s"))
+                                        for w in self.pool.workers.values())
         stats.update(tasks=r.tasks, priority=r.req.priority, service_s=r.busy_s,
                      quality_steps=r.quality_steps, patches_searched=r.searched,
                      split_steps=r.split_steps, exchange_s=exchange_s,
@@ -487,12 +490,15 @@ class RenderEngine:
         the step boundary (process pool only: Ray ships K/V through its object store)."""
         if self.cfg.pool != "process" or r.state.cfg.context != "stale" or not patches:
             return
+        targets = [(u, w) for u, w in self.pool.workers.items()
+                   if u != wid and w.alive
+                   and self._replicas.versions.get(u, {}).get(r.rid) == step]
+        if not targets:
+            return
         parts = r.state.partition.patches
         writes = [(as_numpy(parts[p]), as_numpy(r.pending[p][0].k), as_numpy(r.pending[p][0].v))
                   for p in patches]
-        for u, w in self.pool.workers.items():
-            if u == wid or not w.alive or self._replicas.versions.get(u, {}).get(r.rid) != step:
-                continue
+        for u, w in targets:
             w.send(("ahead", r.rid, step, writes))
             self.syncs["ahead"] += 1
             r.exchange_bytes += sum(a.nbytes for _, k, v in writes for a in (k, v))
@@ -592,11 +598,10 @@ class RenderEngine:
                 refs = (p["k_ref"], p["v_ref"]) if "k_ref" in p else None
                 r.pending[p["patch"]] = (pr, w.wid, refs)
                 self.applied.append(TaskKey(r.rid, s, p["patch"]))
-        active = set(st.decide(s).active_ids())
-        if set(r.pending) != active:
+        if set(r.pending) != set(st.decide(s).active_ids()):  # other gangs still run
             self._send_ahead(r, s, w.wid, [p["patch"] for p in out["patches"]
                                            if p["patch"] in want])
-        if set(r.pending) == active:
+        else:
             results = {p: pr for p, (pr, _, _) in r.pending.items()}
             r.split_steps += int(len({wid for _, wid, _ in r.pending.values()}) > 1)
             parts = st.partition.patches

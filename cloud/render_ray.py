@@ -196,6 +196,9 @@ class RayWorker:
     alive: bool = True
     done_groups: int = 0
     node: str = ""
+    # the process pool's feeder times K/V-carrying sends (WorkerProc.sync_send_s); Ray's
+    # transfers are not timed here, so this stays empty
+    sync_send_s: dict = field(default_factory=dict)
 
     def send(self, msg) -> None:
         if not self.alive:

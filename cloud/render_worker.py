@@ -138,10 +138,10 @@ class _Worker:
         t0 = time.perf_counter()
         if p["kind"] == "full":
             branch = p.get("branch")
-            if branch is None:
-                res = be.run_full(step, p["t"], x, p["probe"], p["want_kv"])
-            else:  # one guidance branch (cloud.render: the default MMDiT only)
-                res = be.run_full(step, p["t"], x, p["probe"], p["want_kv"], branch=branch)
+            # one guidance branch: the default MMDiT only (cloud.render), so the argument
+            # goes only where it is given
+            res = be.run_full(step, p["t"], x, p["probe"], p["want_kv"],
+                              **({} if branch is None else {"branch": branch}))
             out = {"velocity": _np(res.velocity), "img_keys": res.img_keys,
                    "text_attn": None if res.text_attn is None else _np(res.text_attn),
                    "probe_macs": res.probe_macs, "k": None, "v": None}
