@@ -360,6 +360,75 @@ def test_bad_usage_exits_2(exe, tmp_path):
                                              prompt="   "), tmp_path), 2, "empty")
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
                               ["--precision", "int4"], tmp_path), 2, "--precision", "int4")
+    one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
+                              ["--http-version", "3"], tmp_path), 2, "--http-version", "'3'")
+    one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
+                              ["--pack-origin", "ftp://h"], tmp_path), 2, "--pack-origin")
+    one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
+                              ["--pack-origin", "http://h:1/packs"], tmp_path), 2,
+                   "scheme://host:port only")
+
+
+@pytest.fixture(scope="module")
+def nginx(world):
+    from sakura.cloud.origins import NginxOrigin, nginx_binary
+
+    if nginx_binary() is None:
+        pytest.skip("nginx is not installed")
+    origin = NginxOrigin(world["catalog"], http2=True, access_log=True)
+    with origin:
+        yield origin
+
+
+def test_pack_ranges_come_from_the_pack_origin_with_the_same_image(exe, server, nginx,
+                                                                   tmp_path):
+    """--pack-origin: catalog, bundle and manifest from --origin, every pack range from
+    the other listener (nginx's access log holds them all), and the same float output."""
+    outs = {}
+    for name, extra in (("alone", []), ("split", ["--pack-origin", nginx.url])):
+        before = len(nginx.access_log_lines())
+        f = tmp_path / f"{name}.npy"
+        done = run_binary(exe, edit_args(server.url, tmp_path / "e.png") + FIXED + extra +
+                          ["--float-out", str(f), "--no-state", "--budget-rate-bps", "1e12",
+                           "--timeline", str(tmp_path / "t.json")], tmp_path)
+        assert done.returncode == 0, done.stderr
+        outs[name] = (np.load(f), json.loads((tmp_path / "t.json").read_text())["configs"])
+        lines = [x.split() for x in nginx.access_log_lines()[before:]]
+        ranges = [x for x in lines if x[2] == "GET" and x[4] == "206"]
+        if name == "alone":
+            assert lines == []
+        else:
+            tl = json.loads((tmp_path / "t.json").read_text())
+            assert len(ranges) == len(tl["timeline"]) > 1
+            assert all(f"/templates/{TEMPLATE_ID}/sakura/" in x[3] for x in ranges)
+            assert not any("manifest" in x[3] or "catalog" in x[3] for x in lines)
+    assert outs["alone"][1] == outs["split"][1]
+    assert np.array_equal(outs["alone"][0], outs["split"][0])
+
+
+def test_http2_pack_ranges(exe, server, nginx, tmp_path):
+    """--http-version 2 --pack-origin (nginx's h2c listener): the ranges as HTTP/2 streams
+    of one connection, the HTTP/1.1 image; on a libcurl that cannot reuse an h2c connection
+    (Debian 12's 7.88.1, curl#10634) one clear line and no image."""
+    from tests.edge.test_http2 import H2C_REUSE_BROKEN
+
+    f = tmp_path / "h2.npy"
+    done = run_binary(exe, edit_args(server.url, tmp_path / "e.png") + FIXED +
+                      ["--http-version", "2", "--pack-origin", nginx.h2_url, "--no-state",
+                       "--budget-rate-bps", "1e12", "--float-out", str(f)], tmp_path)
+    if H2C_REUSE_BROKEN:
+        one_error_line(done, 1, "curl#10634", "use HTTP/1.1")
+        assert not (tmp_path / "e.png").exists()
+        return
+    assert done.returncode == 0, done.stderr
+    h2 = [x.split() for x in nginx.access_log_lines() if x.startswith("HTTP/2.0")]
+    assert h2 and len({x[1] for x in h2 if x[2] == "GET"}) == 1
+    ref = tmp_path / "h1.npy"
+    done = run_binary(exe, edit_args(server.url, tmp_path / "e1.png") + FIXED +
+                      ["--no-state", "--budget-rate-bps", "1e12", "--float-out", str(ref)],
+                      tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert np.array_equal(np.load(f), np.load(ref))
 
 
 def test_int8_from_a_bundle_without_int8_graphs_is_one_line(exe, server, tmp_path):

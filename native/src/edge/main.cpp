@@ -68,12 +68,16 @@ const char* kUsage =
     "                        [--timeline PATH] [--float-out PATH.npy] [--token TOKEN]\n"
     "                        [--state-dir DIR | --no-state] [--cache-dir DIR] [--threads N]\n"
     "                        [--retry-window S] [--no-local-fallback] [--truncate]\n"
-    "                        [--precision fp32|int8]\n";
+    "                        [--precision fp32|int8] [--http-version 1.1|2]\n"
+    "                        [--pack-origin URL]\n";
 
 struct Args {
   std::string origin, template_id, prompt, out, policy = "sakura-fixed-config";
   std::string timeline, float_out, token, state_dir, cache_dir;
   std::string precision = "fp32";  // the shard graphs: the bundle's fp32 or int8 sets
+  // pack ranges over HTTP/1.1 or HTTP/2 (h2c, prior knowledge), from --origin or from the
+  // same paths on --pack-origin (edge/options.py: http_version, pack_origin)
+  std::string http_version = "1.1", pack_origin;
   std::uint64_t seed = 0;
   bool have_seed = false, no_state = false, local_fallback = true, truncate = false;
   double budget_rate_bps = NAN, retry_window_s = 30.0;
@@ -121,6 +125,8 @@ Args parse(int argc, char** argv) {
     else if (f == "--retry-window") a.retry_window_s = number(f, value());
     else if (f == "--threads") a.threads = static_cast<int>(number(f, value()));
     else if (f == "--precision") a.precision = value();
+    else if (f == "--http-version") a.http_version = value();
+    else if (f == "--pack-origin") a.pack_origin = value();
     else if (f == "--bits") {
       const double b = number(f, value());
       if (b != std::floor(b) || b < 1 || b > 16) throw UsageError("--bits takes a bit width 1-16");
@@ -167,6 +173,20 @@ Args parse(int argc, char** argv) {
     throw UsageError("--precision takes fp32 or int8, got '" + a.precision + "'");
   }
   if (!(a.retry_window_s > 0)) throw UsageError("--retry-window must be > 0");
+  if (a.http_version != "1.1" && a.http_version != "2") {
+    throw UsageError("--http-version takes 1.1 or 2, got '" + a.http_version + "'");
+  }
+  if (!a.pack_origin.empty()) {
+    if (a.pack_origin.rfind("http://", 0) != 0 && a.pack_origin.rfind("https://", 0) != 0) {
+      throw UsageError("--pack-origin '" + a.pack_origin + "' is not an http(s) URL such as "
+                       "http://127.0.0.1:8081");
+    }
+    while (!a.pack_origin.empty() && a.pack_origin.back() == '/') a.pack_origin.pop_back();
+    if (a.pack_origin.find_first_of("/?#", a.pack_origin.find("://") + 3) != std::string::npos) {
+      throw UsageError("--pack-origin takes scheme://host:port only (the packs' paths are "
+                       "--origin's), got '" + a.pack_origin + "'");
+    }
+  }
   return a;
 }
 
@@ -847,8 +867,11 @@ int run(const Args& a) {
   // the shard table
   const std::string pack_file = manifest.at("pack_file");
   if (pack_file.find('/') != std::string::npos) throw InputError("manifest: pack_file is not a pack name");
-  const std::string pack_url = sakura::edge::origin_url(
+  std::string pack_url = sakura::edge::origin_url(
       a.origin, "templates/" + a.template_id + "/" + codec + "/" + pack_file);
+  if (!a.pack_origin.empty()) {  // the same path on another listener (edge/runner.py)
+    pack_url = a.pack_origin + pack_url.substr(sakura::edge::origin_of(a.origin).size());
+  }
   sakura::StreamSpec spec;
   const json& units = manifest.value("units", json::array());
   const std::int64_t pack_bytes = manifest.value("pack_bytes", static_cast<std::int64_t>(-1));
@@ -891,7 +914,9 @@ int run(const Args& a) {
   }
   spec.http = retry;
   spec.http.max_connections = 6;
-  spec.http.warm_connections = 5;
+  // HTTP/2: one connection carries every range (a hedge opens its own), as edge/runner.py
+  spec.http.http_version = a.http_version == "2" ? 2 : 1;
+  spec.http.warm_connections = spec.http.http_version == 2 ? 1 : 5;
   spec.http.headers = headers;
   spec.http.display_url = a.origin;
   spec.decode = codec == "fp16" ? sakura::DecodeKind::Fp16 : sakura::DecodeKind::LowRank;
