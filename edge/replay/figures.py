@@ -1,7 +1,8 @@
 """The replay report's figures (PNG, matplotlib on the Agg backend, imported when drawn).
 
-Latency CDFs per policy with ``n`` and a 95% Dvoretzky-Kiefer-Wolfowitz band, percentile
-bars with their 95% bootstrap intervals, bytes vs quality, latency vs quality with sakura's
+Latency CDFs per policy with ``n`` and a 95% Dvoretzky-Kiefer-Wolfowitz band (per cell, and
+one panel per network family with its run and start counts), percentile bars with their 95%
+bootstrap intervals, bytes vs quality, latency vs quality with sakura's
 operating-point curve, grouped bars; a figure from modelled time carries its provenance
 (MODELLED) in the image.
 """
@@ -100,6 +101,54 @@ def fig_latency(runs: list[dict[str, Any]], title: str, path: Path, note: str = 
     b.legend(fontsize=7)
     b.grid(axis="y", alpha=0.3)
     b.set_title("(b) p50 / p90 / p99 with 95% bootstrap intervals", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    _mark(fig, note)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def fig_network_cdfs(runs: list[dict[str, Any]], networks: dict[str, dict[str, Any]],
+                     title: str, path: Path, note: str = "") -> Path:
+    """One latency-CDF panel per network family of ``networks`` (``by_network``'s entries,
+    in their order): every policy's runs on that network, all workloads pooled, each curve
+    with its ``n``; the panel's title gives the start points per cell, and a network that
+    was not replayed gets an empty panel saying so and how many trace files it holds."""
+    plt = _plt()
+    names = list(networks)
+    cols = min(3, len(names)) or 1
+    rows = -(-len(names) // cols) or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.4 * rows), squeeze=False)
+    for ax, net in zip(axes.flat, names):
+        entry = networks[net]
+        rs = [r for r in runs if r.get("network") == net]
+        if not rs:
+            count = (entry.get("files") or {}).get("count")
+            ax.text(0.5, 0.5, f"not replayed\n({count if count is not None else '?'} trace "
+                              "files)", ha="center", va="center", transform=ax.transAxes,
+                    fontsize=9, color="#666")
+            ax.set_title(net, fontsize=9)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        by = group(rs, "policy")
+        for (pol,) in [(p,) for p in policy_order(q for (q,) in by)]:
+            lat = np.sort([r["latency_s"] for r in by[(pol,)]])
+            n = len(lat)
+            y = np.arange(1, n + 1) / n
+            ax.step(lat, y, where="post", label=f"{pol} (n={n})", color=COLORS.get(pol))
+        _log_x(ax)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="lower right")
+        ax.set_xlabel("end-to-end latency (s, log)", fontsize=8)
+        ax.set_ylabel("fraction of runs", fontsize=8)
+        ax.set_title(f"{net} ({rs[0].get('network_type', '?')}): {len(rs)} main runs, "
+                     f"{entry.get('starts_per_cell', '?')} starts per cell", fontsize=9)
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
     fig.suptitle(title, fontsize=10)
     _mark(fig, note)
     fig.tight_layout(rect=(0, 0, 1, 0.95))

@@ -1,5 +1,6 @@
 """The Markdown of the replay report: the introduction, and per regime mode its headline
 table, the reasons for each missed target, the equal-quality / equal-latency views, the
+headline per network family (intervals over start points, the latency CDFs per network), the
 per-workload tables, rate-quality, storage, sensitivity and ablations.
 
 Every sentence generated here picks its wording from the numbers it cites (:func:`_why`,
@@ -16,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sakura.edge.replay.figures import fig_bars, fig_latency, fig_latency_quality, fig_rate_quality
+from sakura.edge.replay.figures import (
+    fig_bars,
+    fig_latency,
+    fig_latency_quality,
+    fig_network_cdfs,
+    fig_rate_quality,
+)
 from sakura.edge.replay.headline import TARGETS
 from sakura.edge.replay.results import expand_timeline
 from sakura.edge.replay.stats import (
@@ -269,6 +276,7 @@ def mode_section(mode: str, runs: list[dict[str, Any]], tmpl: dict[str, dict[str
               "PSNR per configuration; `kv_error`: the importance-weighted KV error proxy).\n")
     md += _headline_section(mode, main, t_of, head, figs, rel)
     md += _iso_section(mode, main, points, head, figs, rel)
+    md += _networks_section(mode, main, head, figs, rel)
     md += _cells_section(mode, main, figs, rel)
     md += _rate_quality_section(mode, main, head["headline_networks"], figs, rel)
     md += _storage_section(t_of)
@@ -360,6 +368,46 @@ def _miss_timeline(mode: str, key: str, w: str, wr: list[dict[str, Any]], figs: 
                   note=_note(mode))
     return [f"  Timeline (receive / reconstruct / execute per shard): "
             f"![{name}]({rel}/{name})"]
+
+
+def _networks_section(mode: str, main: list[dict[str, Any]], head: dict[str, Any],
+                      figs: Path, rel: str) -> list[str]:
+    """The headline per network family (the JSON's ``networks``): ratios with their 95%
+    intervals over start points, what each name holds, and one CDF panel per network."""
+    nets = head.get("networks") or {}
+    if not nets:
+        return []
+    md = ["### Per network\n",
+          "Each network family alone (median over workloads of the per-workload ratio; in "
+          "brackets a 95% percentile bootstrap over start points, each start keeping every "
+          "policy's run at it). `files`: the trace files the name holds.\n"]
+    rows = []
+    for net, e in nets.items():
+        files = (e.get("files") or {}).get("count")
+        if not e.get("replayed"):
+            rows.append([net, "not replayed", "–", "–", "–", "–", "–", "–",
+                         "?" if files is None else str(files)])
+            continue
+        ci = e.get("ci95") or {}
+
+        def cell(key: str) -> str:
+            lo_hi = ci.get(key)
+            return _fci(e.get(key), tuple(lo_hi) if lo_hi else (math.nan, math.nan))
+
+        iso = (e.get("iso_quality") or {}).get("latency_ratio_vs_cachegen_p90")
+        rows.append([net, str(e.get("runs")), str(e.get("starts_per_cell")),
+                     cell("p90_speedup_vs_cachegen"), cell("p90_speedup_vs_intq"),
+                     cell("p50_speedup_vs_local"), _f(iso),
+                     _f(e.get("psnr_gain_db_vs_cachegen"), 1),
+                     "?" if files is None else str(files)])
+    md.append(_table(["network", "runs", "starts per cell", "p90 vs CacheGen",
+                      "p90 vs INTQ", "p50 vs local", "iso-quality p90 vs CacheGen",
+                      "PSNR gain vs CacheGen (dB)", "files"], rows) + "\n")
+    name = f"{mode}-latency-by-network.png"
+    fig_network_cdfs(main, nets, f"latency CDF per network ({mode}; all workloads pooled)",
+                     figs / name, note=_note(mode))
+    md.append(f"![{name}]({rel}/{name})\n")
+    return md
 
 
 def _cells_section(mode: str, main: list[dict[str, Any]], figs: Path, rel: str) -> list[str]:

@@ -298,6 +298,19 @@ def test_report_command_writes_report_figures_and_headline_json(handmade, tmp_pa
     for name in pngs:
         assert f"figures/{name}" in md  # every figure is linked from the report
     assert "**Resolution**" in md and "**Importance exponent q**" in md
+    # the headline per network: a row for every family the replay names, replayed or not,
+    # with the numbers of the JSON's `networks`, and the CDF panel figure
+    assert "matched-latency-by-network.png" in pngs
+    rows = {ln.split("|")[1].strip(): ln for ln in md.split("### Per network")[1]
+            .split("###")[0].splitlines() if ln.startswith("| ") and "network" not in ln}
+    assert set(rows) == set(doc["networks"]) == {"5g", "ucc5g", "lte", "wifi", "mixed"}
+    for net, e in doc["networks"].items():
+        if e["replayed"]:
+            assert f"| {e['runs']} |" in rows[net]
+            v = e["p90_speedup_vs_cachegen"]
+            assert (f"{v:.2f}" if v is not None else "| –") in rows[net]
+        else:
+            assert "not replayed" in rows[net]
 
 
 def _iso_world(tmp_path, intq_psnr_b=20.0):
