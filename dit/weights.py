@@ -1,13 +1,18 @@
 """Saving and loading model weights (safetensors with the config in the metadata).
 
-The shipped default model lives at ``dit/weights/sakura-mmdit.safetensors``.
+The shipped default model lives at ``dit/weights/sakura-mmdit.safetensors``, with its card
+``sakura-mmdit.card.json`` beside it: the measured prompt accuracy (``sakura bench model``)
+of exactly those weights (the file's sha256), which :func:`model_card` joins to what the
+weights say of themselves (architecture class, parameter count, train step) for reports.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
@@ -52,4 +57,55 @@ def metadata(path: str | Path | None = None) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-__all__ = ["DEFAULT_WEIGHTS", "WeightsError", "load_model", "save_model", "metadata", "torch"]
+def card_path(path: str | Path | None = None) -> Path:
+    """The card beside a weights file: ``NAME.card.json`` for ``NAME.safetensors``."""
+    p = Path(path) if path else DEFAULT_WEIGHTS
+    return p.with_name(p.name.removesuffix(".safetensors") + ".card.json")
+
+
+def model_card(path: str | Path | None = None) -> dict[str, Any]:
+    """One model as reports name it: ``{name, class, params, train_step, prompt_accuracy,
+    chance_level, weights_file_sha256, source}``. Class, parameter count and train step come
+    from the weights file (its config, counted on the meta device: nothing is allocated);
+    the prompt accuracy and chance level from its card, and only when the card names this
+    file's sha256 (a card of other weights, or none: both None, ``source`` says why)."""
+    p = Path(path) if path else DEFAULT_WEIGHTS
+    if not p.exists():
+        raise WeightsError(f"model weights not found at {p}")
+    meta = metadata(p)
+    try:
+        cfg = MMDiTConfig.from_dict(json.loads(meta["config"]))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise WeightsError(f"{p} is not a SAKURA MMDiT checkpoint: {exc}") from exc
+    with torch.device("meta"):
+        params = sum(t.numel() for t in MMDiT(cfg).parameters())
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    sha = h.hexdigest()
+    step = meta.get("train_step")
+    out: dict[str, Any] = {
+        "name": p.name.removesuffix(".safetensors"),
+        "class": f"{MMDiT.__module__}.{MMDiT.__qualname__}",
+        "params": int(params), "train_step": int(step) if step and step.isdigit() else step,
+        "prompt_accuracy": None, "chance_level": None, "weights_file_sha256": sha,
+        "source": None}
+    cp = card_path(p)
+    try:
+        card = json.loads(cp.read_text())
+    except FileNotFoundError:
+        out["source"] = f"no card ({cp.name}): run `sakura bench model` on these weights"
+        return out
+    except ValueError as exc:
+        raise WeightsError(f"{cp} is not JSON: {exc}") from exc
+    if card.get("weights_file_sha256") != sha:
+        out["source"] = f"{cp.name} is the card of other weights: its figures are not used"
+        return out
+    out.update({k: card.get(k) for k in ("prompt_accuracy", "chance_level")})
+    out["source"] = card.get("source")
+    return out
+
+
+__all__ = ["DEFAULT_WEIGHTS", "WeightsError", "card_path", "load_model", "metadata",
+           "model_card", "save_model", "torch"]

@@ -72,7 +72,28 @@ def headlines(runs: list[dict[str, Any]], tmpl: dict[str, dict[str, Any]],
         out[mode] = h
     top = dict(out[modes[0]])
     top["modes"] = out
+    top["models"] = replay_models(meta)
     return top
+
+
+def replay_models(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``models`` key: each model the replay ran, by name, as ``dit.weights.model_card``
+    describes it (class, parameters, train step, prompt accuracy and chance level from its
+    card). The replay records its weights file and that file's sha256; when the file is no
+    longer there, or has changed since, the entry says so and carries the sha256 only."""
+    from sakura.dit.weights import DEFAULT_WEIGHTS, WeightsError, model_card  # torch: lazily
+
+    weights = meta.get("config", {}).get("weights") or DEFAULT_WEIGHTS
+    want = meta.get("weights_sha256")
+    try:
+        card = model_card(weights)
+    except WeightsError as exc:
+        return {Path(weights).stem: {"weights_file_sha256": want, "source": str(exc)}}
+    if want and card["weights_file_sha256"] != want:
+        return {card["name"]: {"weights_file_sha256": want,
+                               "source": f"the replay ran other weights than {weights} "
+                                         "holds now"}}
+    return {card["name"]: card}
 
 
 def write_report(dir_: str | Path, json_path: str | Path | None = None,

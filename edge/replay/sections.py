@@ -389,15 +389,11 @@ def _networks_section(mode: str, main: list[dict[str, Any]], head: dict[str, Any
                          "?" if files is None else str(files)])
             continue
         ci = e.get("ci95") or {}
-
-        def cell(key: str) -> str:
-            lo_hi = ci.get(key)
-            return _fci(e.get(key), tuple(lo_hi) if lo_hi else (math.nan, math.nan))
-
+        cells = [_fci(e.get(k), tuple(ci[k]) if ci.get(k) else (math.nan, math.nan))
+                 for k in ("p90_speedup_vs_cachegen", "p90_speedup_vs_intq",
+                           "p50_speedup_vs_local")]
         iso = (e.get("iso_quality") or {}).get("latency_ratio_vs_cachegen_p90")
-        rows.append([net, str(e.get("runs")), str(e.get("starts_per_cell")),
-                     cell("p90_speedup_vs_cachegen"), cell("p90_speedup_vs_intq"),
-                     cell("p50_speedup_vs_local"), _f(iso),
+        rows.append([net, str(e.get("runs")), str(e.get("starts_per_cell")), *cells, _f(iso),
                      _f(e.get("psnr_gain_db_vs_cachegen"), 1),
                      "?" if files is None else str(files)])
     md.append(_table(["network", "runs", "starts per cell", "p90 vs CacheGen",

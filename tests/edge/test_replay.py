@@ -298,6 +298,10 @@ def test_report_command_writes_report_figures_and_headline_json(handmade, tmp_pa
     for name in pngs:
         assert f"figures/{name}" in md  # every figure is linked from the report
     assert "**Resolution**" in md and "**Importance exponent q**" in md
+    # the model the replay ran (the shipped weights: the meta names none), from its card
+    (name, model), = doc["models"].items()
+    assert name == "sakura-mmdit" and model["class"] == "sakura.dit.model.MMDiT"
+    assert model["params"] > 0 and model["prompt_accuracy"] >= 3 * model["chance_level"]
     # the headline per network: a row for every family the replay names, replayed or not,
     # with the numbers of the JSON's `networks`, and the CDF panel figure
     assert "matched-latency-by-network.png" in pngs
@@ -649,3 +653,15 @@ def test_allocation_quality_of_a_manifest():
     assert allocation_quality_of(m(30.0, 40.0)) == "psnr_profile"
     assert allocation_quality_of(m(30.0, None)) == "kv_error"
     assert allocation_quality_of({"shards": []}) == "kv_error"
+
+
+def test_report_models_say_when_the_weights_are_gone_or_changed(tmp_path):
+    from sakura.edge.replay.report import replay_models
+
+    gone = replay_models({"config": {"weights": str(tmp_path / "w.safetensors")},
+                          "weights_sha256": "ab" * 32})
+    assert gone == {"w": {"weights_file_sha256": "ab" * 32,
+                          "source": f"model weights not found at {tmp_path / 'w.safetensors'}"}}
+    changed = replay_models({"config": {}, "weights_sha256": "cd" * 32})
+    (entry,) = changed.values()
+    assert "prompt_accuracy" not in entry and "other weights" in entry["source"]
