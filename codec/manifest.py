@@ -93,12 +93,15 @@ class _Table(BaseModel):
 
 
 class ConfigParams(BaseModel):
-    """The codec's parameters of a configuration (section 3 of ``FORMAT.md``); the only
-    key a reader outside the codec uses is ``ranks`` (the low-rank codecs' per-level ranks,
-    which the native reconstruct stage reads)."""
+    """The codec's parameters of a configuration (section 3 of ``FORMAT.md``); the keys a
+    reader outside the codec uses are ``ranks`` (the low-rank codecs' per-level ranks, which
+    the native reconstruct stage reads) and ``bits`` (intq: the configuration's one bit width,
+    which the native IntQ stage reads; the low-rank codecs: the bits of the configuration's
+    top level, which ``sakura-fixed-bits`` filters on)."""
 
     model_config = ConfigDict(extra="allow")
     ranks: list[Index] | None = None
+    bits: Index | None = None
 
 
 class Config(_Table):

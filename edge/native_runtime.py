@@ -494,9 +494,11 @@ def stream_shards(manifest: Mapping[str, Any], url: str) -> list[dict[str, Any]]
             units = [(int(table[int(u)][1]), str(table[int(u)][2])) for u in c.get("units", [])]
             entry = {"id": int(c["id"]), "url": url, "offset": int(offset),
                      "length": int(length), "units": units, "pack_bytes": pack_bytes}
-            ranks = (c.get("params") or {}).get("ranks")
-            if ranks is not None:
-                entry["ranks"] = [int(r) for r in ranks]
+            params = c.get("params") or {}
+            if params.get("ranks") is not None:
+                entry["ranks"] = [int(r) for r in params["ranks"]]
+            if isinstance(params.get("bits"), int):  # intq: its one bit width
+                entry["bits"] = int(params["bits"])
             configs.append(entry)
         shards.append({"step": int(s["step"]), "blocks": [int(b) for b in s["blocks"]],
                        "configs": configs})
@@ -510,11 +512,12 @@ def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
                 decode: Callable[[int, int, bytes], np.ndarray],
                 rope: np.ndarray | None,
                 pipeline_cpus: Sequence[int] | None = None,
-                refine: bool = True) -> Any:
+                refine: bool = True, intq_group: int = 32) -> Any:
     """What ``run_stream`` needs, as a ``sakura_native.StreamSpec``: the shard table
     (``sakura_native.StreamTable`` of :func:`stream_shards`), the HTTP settings
     (``sakura_native.HttpOptions``), the pipeline's limits and the decoder ``kind``
-    (:func:`decode_kind`; ``callback``: the Python ``decode``)."""
+    (:func:`decode_kind`; ``callback``: the Python ``decode``; ``intq``: ``intq_group``
+    channels per scale)."""
     return native_module().StreamSpec(
         shards=shards, http=http, decode=kind,
         callback=decode if kind == "callback" else None,
@@ -524,16 +527,17 @@ def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
         lookahead_rtts=lookahead_rtts, max_ahead_cap=max_ahead_cap, refine=refine,
         reconstruct=reconstruct,
         pipeline_cpus=None if pipeline_cpus is None else [int(c) for c in pipeline_cpus],
-        origin=origin)
+        origin=origin, channels=int(geometry["channels"]), intq_group=int(intq_group))
 
 
 def decode_kind(codec: Any) -> str:
     """How the native reconstruct stage decodes this codec's configurations: ``lowrank``
-    (sakura, svd: the native kernels), ``fp16`` (native), else ``callback`` (the codec's
-    Python decoder, called from the reconstruct thread)."""
+    (sakura, svd: the native kernels), ``fp16`` and ``intq`` (native), else ``callback``
+    (the codec's Python decoder, called from the reconstruct thread: cachegen)."""
     if isinstance(codec, LowRankCodec):
         return "lowrank"
-    return "fp16" if getattr(codec, "name", "") == "fp16" else "callback"
+    name = getattr(codec, "name", "")
+    return name if name in ("fp16", "intq") else "callback"
 
 
 def rope_table(codec: Any, tokens: int, channels: int) -> np.ndarray | None:

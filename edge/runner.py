@@ -416,7 +416,8 @@ class NativeRunner:
             max_inflight=opts.max_inflight, lookahead_rtts=opts.lookahead_rtts,
             max_ahead_cap=opts.max_ahead_cap, reconstruct=opts.reconstruct,
             kind=decode_kind(codec_impl), decode=decode, rope=rope,
-            pipeline_cpus=opts.pipeline_cpus, refine=opts.refine)
+            pipeline_cpus=opts.pipeline_cpus, refine=opts.refine,
+            intq_group=getattr(codec_impl, "group", 32))
         prep = job.prep
         local = (native.local_steps(prep.template, prep.geometry, job.req, job.exec_s,
                                     measured_step_s=job.local_step_s,

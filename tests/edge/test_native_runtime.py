@@ -91,8 +91,8 @@ def test_streamed_edit_equals_the_python_decoder_on_the_chosen_bytes(world, runt
     """Whatever configurations the native allocator chose, the image is the Python cached
     edit over the Python decoder's tensors of exactly those configurations (native lowrank
     kernels for sakura, on the CPU or through OpenCL, with the pipeline threads on a CPU of
-    their own or not; the Python decoder called from the reconstruct thread for the
-    others)."""
+    their own or not; the native intq decoder; the Python decoder called from the
+    reconstruct thread for cachegen)."""
     req = runtime.request(PROMPT, SEED)
     opts = EditOptions(reconstruct=opencl() if stage == "opencl" else "cpu",
                        pipeline_cpus=((max(os.sched_getaffinity(0)),)

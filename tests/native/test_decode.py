@@ -201,3 +201,33 @@ def test_bad_input_is_a_clear_error_never_a_crash(native):
         codec_native.decode_lowrank(data, ranks, None, threads=0)
     with pytest.raises(TypeError):
         native.decode("not bytes", ranks, None, 1)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("group,channels", [(32, 48), (16, 16), (7, 20)])
+def test_intq_native_decode_is_the_codecs_bit_for_bit(native, bits, group, channels):
+    """``sakura_native.decode_intq`` (the streamed edit's IntQ stage, also sakura-edge's)
+    against ``IntQCodec.decode``: every bit width (codes straddling bytes at 3, 5, 6, 7),
+    partial channel groups, outliers; equal to the bit, since both round the product and the
+    sum apart."""
+    if not hasattr(native, "decode_intq"):
+        pytest.skip("the native module was built without the edit runtime")
+    from sakura.codec.intq import IntQCodec
+
+    torch.manual_seed(bits * 100 + group)
+    mats = [torch.randn(9, channels) * (1 + 20 * (torch.rand(9, 1) < 0.2)) for _ in range(4)]
+    spec = ShardSpec(index=0, step=0, blocks=(0, 1), tokens=9, channels=channels,
+                     total_blocks=2, total_steps=1)
+    codec = IntQCodec(bits=[bits], group=group)
+    enc = codec.encode_shard(ShardData(spec=spec, matrices=mats,
+                                       importance=[torch.ones(9)] * 4))
+    data = enc.units[0]
+    ref = torch.stack(codec.decode({"bits": bits}, data, spec)).reshape(-1, channels)
+    out = native.decode_intq(data, bits, group, 4 * 9, channels)
+    assert out.dtype == np.float32 and out.shape == (36, channels)
+    assert np.array_equal(out, ref.numpy())
+    for bad in (data[:-1], data + b"\0"):
+        with pytest.raises(native.FormatError, match="intq"):
+            native.decode_intq(bad, bits, group, 36, channels)
+    with pytest.raises(native.FormatError, match="bits 1-8"):
+        native.decode_intq(data, 9, group, 36, channels)

@@ -63,7 +63,8 @@ class UsageError : public std::runtime_error {
 const char* kUsage =
     "usage: sakura-edge edit --origin URL --template ID --prompt TEXT --seed N --out FILE.png\n"
     "                        [--policy sakura|svd|sakura-greedy|sakura-optimistic|sakura-floor|\n"
-    "                                  sakura-fixed-bits|sakura-fixed-config|fp16] [--bits N]\n"
+    "                                  sakura-fixed-bits|sakura-fixed-config|fp16|intq]\n"
+    "                        [--bits N]\n"
     "                        [--budget-rate-bps BPS]\n"
     "                        [--timeline PATH] [--float-out PATH.npy] [--token TOKEN]\n"
     "                        [--state-dir DIR | --no-state] [--cache-dir DIR] [--threads N]\n"
@@ -161,12 +162,12 @@ Args parse(int argc, char** argv) {
   if (a.out.empty()) throw UsageError("--out is required");
   static const std::set<std::string> kPolicies = {
       "sakura",         "svd",          "sakura-greedy",       "sakura-optimistic",
-      "sakura-floor",   "sakura-fixed-bits", "sakura-fixed-config", "fp16"};
+      "sakura-floor",   "sakura-fixed-bits", "sakura-fixed-config", "fp16", "intq"};
   if (!kPolicies.count(a.policy)) {
     throw UsageError("policy '" + a.policy + "' is not in sakura-edge (sakura, svd, "
                      "sakura-greedy, sakura-optimistic, sakura-floor, sakura-fixed-bits, "
-                     "sakura-fixed-config, fp16); the others run in `sakura edit --runtime "
-                     "native`");
+                     "sakura-fixed-config, fp16, intq); the others run in `sakura edit "
+                     "--runtime native`");
   }
   if (a.threads < 1) throw UsageError("--threads must be >= 1");
   if (a.precision != "fp32" && a.precision != "int8") {
@@ -653,7 +654,11 @@ int run(const Args& a) {
   retry.window_s = a.retry_window_s;
   std::vector<std::string> headers;
   if (!a.token.empty()) headers.push_back("Authorization: Bearer " + a.token);
-  const std::string codec = a.policy == "fp16" ? "fp16" : a.policy == "svd" ? "svd" : "sakura";
+  const std::string codec = a.policy == "fp16" || a.policy == "svd" || a.policy == "intq"
+                                ? a.policy : "sakura";
+  // the plain streaming baselines wait for their bytes (edge/allocator.py: fp16 and intq
+  // have local_fallback=False)
+  const bool baseline = codec == "fp16" || codec == "intq";
 
   // catalog entry
   const auto cat = sakura::edge::http_get(sakura::edge::origin_url(a.origin, "catalog.json"),
@@ -717,7 +722,7 @@ int run(const Args& a) {
     QuietStderr quiet;  // ExecuTorch's cpuinfo notes on x86 (harmless)
     sakura::set_graph_threads(a.threads);
     graphs = load_graphs(cached_set, bundle);
-    if (a.local_fallback && codec != "fp16") {
+    if (a.local_fallback && !baseline) {
       full_graphs = load_graphs(chain_set(bundle.doc, "full", a.precision), bundle);
     }
     const json& te = bundle.doc.at("text_encoder");
@@ -901,6 +906,7 @@ int run(const Args& a) {
       }
       const json p = c.value("params", json::object());
       if (p.contains("ranks")) src.ranks = p["ranks"].get<std::vector<int>>();
+      if (p.contains("bits") && p["bits"].is_number_integer()) src.bits = p["bits"].get<int>();
       params[{r.shard, src.request.config}] = p;
       by_id[src.request.config] = std::move(src);
     }
@@ -919,8 +925,16 @@ int run(const Args& a) {
   spec.http.warm_connections = spec.http.http_version == 2 ? 1 : 5;
   spec.http.headers = headers;
   spec.http.display_url = a.origin;
-  spec.decode = codec == "fp16" ? sakura::DecodeKind::Fp16 : sakura::DecodeKind::LowRank;
-  if (codec != "fp16") spec.rope = rope_table(manifest.value("codec_options", json::object()), U, C);
+  const json codec_options = manifest.value("codec_options", json::object());
+  spec.decode = codec == "fp16" ? sakura::DecodeKind::Fp16
+                : codec == "intq" ? sakura::DecodeKind::IntQ : sakura::DecodeKind::LowRank;
+  if (!baseline) spec.rope = rope_table(codec_options, U, C);
+  spec.channels = C;
+  if (codec == "intq") {  // codec/intq.py: channels per (scale, minimum) group, default 32
+    const json g = codec_options.value("group", json(32));
+    if (!g.is_number_integer() || g.get<int>() < 1) throw InputError("manifest: intq group is not a positive integer");
+    spec.intq_group = g.get<int>();
+  }
   spec.matrix_floats = U * C;
   spec.options.max_ahead = 4;
   spec.options.max_ready = 2;
@@ -947,7 +961,7 @@ int run(const Args& a) {
              o.params["bits"].get<int>() == bits && uniform(o.params);
     });
     allocator = adaptive(tables, exec_s, 0.8, true);
-  } else {  // fp16 (its one configuration) is the greedy rule of the baselines
+  } else {  // fp16 (its one configuration) and intq: the greedy rule of the baselines
     auto tables = option_tables(shard_docs);
     if (a.policy == "sakura-floor") {  // edge/allocator.py _floored, local_share_floor_db
       const json local = manifest.value("local_psnr_db", json());

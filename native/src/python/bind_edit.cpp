@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "sakura/edit.hpp"
 #include "sakura/graph.hpp"
@@ -357,6 +358,7 @@ struct StreamTable {
               {pair[0].cast<std::int64_t>(), sha_bytes(pair[1].cast<std::string>())});
         }
         if (cd.contains("ranks")) src.ranks = cd["ranks"].cast<std::vector<int>>();
+        if (cd.contains("bits")) src.bits = cd["bits"].cast<int>();
         by_id[src.request.config] = std::move(src);
       }
       configs.push_back(std::move(by_id));
@@ -371,7 +373,8 @@ sakura::StreamSpec make_stream(const std::shared_ptr<StreamTable>& shards,
                                std::int64_t matrix_floats, int max_ahead, int max_ready,
                                int max_inflight, double lookahead_rtts, int max_ahead_cap,
                                bool refine, std::string reconstruct,
-                               std::optional<std::vector<int>> pipeline_cpus, double origin) {
+                               std::optional<std::vector<int>> pipeline_cpus, double origin,
+                               std::int64_t channels, int intq_group) {
   sakura::StreamSpec spec;
   spec.shards = shards->shards;
   spec.configs = shards->configs;
@@ -380,6 +383,12 @@ sakura::StreamSpec make_stream(const std::shared_ptr<StreamTable>& shards,
     spec.decode = sakura::DecodeKind::LowRank;
   } else if (decode == "fp16") {
     spec.decode = sakura::DecodeKind::Fp16;
+  } else if (decode == "intq") {  // codec/intq.py's layout, decoded natively (decode_intq)
+    if (channels < 1 || matrix_floats % channels != 0 || intq_group < 1) {
+      throw py::value_error("decode=\"intq\" needs channels (dividing matrix_floats) and "
+                            "intq_group >= 1");
+    }
+    spec.decode = sakura::DecodeKind::IntQ;
   } else if (decode == "callback") {
     if (callback.is_none()) throw py::value_error("decode=\"callback\" needs a callback");
     spec.decode = sakura::DecodeKind::Callback;
@@ -403,8 +412,10 @@ sakura::StreamSpec make_stream(const std::shared_ptr<StreamTable>& shards,
       std::memcpy(out, arr.data(), count * sizeof(float));
     };
   } else {
-    throw py::value_error("decode must be lowrank, fp16 or callback");
+    throw py::value_error("decode must be lowrank, fp16, intq or callback");
   }
+  spec.channels = channels;
+  spec.intq_group = intq_group;
   if (!rope.is_none()) spec.rope = floats(rope, "rope");
   spec.matrix_floats = matrix_floats;
   spec.options.max_ahead = max_ahead;
@@ -558,7 +569,7 @@ void bind_edit(py::module_& m) {
            py::arg("lookahead_rtts") = so.lookahead_rtts,
            py::arg("max_ahead_cap") = so.max_ahead_cap, py::arg("refine") = so.refine,
            py::arg("reconstruct") = "cpu", py::arg("pipeline_cpus") = py::none(),
-           py::arg("origin") = 0.0)
+           py::arg("origin") = 0.0, py::arg("channels") = 0, py::arg("intq_group") = 32)
       .def_property_readonly("shards", [](const sakura::StreamSpec& s) { return s.shards.size(); })
       .def_property_readonly("max_inflight", [](const sakura::StreamSpec& s) { return s.options.max_inflight; })
       .def_readonly("reconstruct", &sakura::StreamSpec::reconstruct);
@@ -584,6 +595,18 @@ void bind_edit(py::module_& m) {
         py::arg("local") = static_cast<const LocalFallback*>(nullptr),
         "A streamed edit (receive -> reconstruct -> execute); returns (latent, [ShardRecord], "
         "requests). local: the LocalFallback (sakura/edit.hpp, LocalSteps), or None.");
+  m.def(
+      "decode_intq",
+      [](const py::bytes& data, int bits, int group, std::int64_t rows, std::int64_t channels) {
+        const std::string_view v(data);
+        py::array_t<float> out({rows, channels});
+        sakura::decode_intq(reinterpret_cast<const std::uint8_t*>(v.data()), v.size(), bits,
+                            group, rows, channels, out.mutable_data());
+        return out;
+      },
+      py::arg("data"), py::arg("bits"), py::arg("group"), py::arg("rows"), py::arg("channels"),
+      "One intq configuration's bytes -> [rows, channels] float32 (codec/intq.py's decode; "
+      "the streamed edit's IntQ stage)");
   m.def("set_graph_threads", &sakura::set_graph_threads, py::arg("threads"),
         "Threads of the graphs' XNNPACK work (0: unchanged); returns the count in effect. "
         "RuntimeError for a change while any program is loaded (they hold the threadpool).");

@@ -97,6 +97,40 @@ void half_to_float(const std::uint8_t* data, std::size_t count, float* out) {
   }
 }
 
+void decode_intq(const std::uint8_t* data, std::size_t size, int bits, int group,
+                 std::int64_t rows, std::int64_t channels, float* out) {
+  if (bits < 1 || bits > 8 || group < 1 || rows < 0 || channels < 1) {
+    throw FormatError("intq: " + std::to_string(bits) + " bits, group " + std::to_string(group) +
+                      " is not a layout (bits 1-8, group >= 1)");
+  }
+  const std::int64_t groups = (channels + group - 1) / group;
+  const std::int64_t code_bytes = (channels * bits + 7) / 8;
+  const std::int64_t row_bytes = 4 * groups + code_bytes;
+  if (static_cast<std::int64_t>(size) != rows * row_bytes) {
+    throw FormatError("intq " + std::to_string(bits) + "-bit: " + std::to_string(size) +
+                      " bytes, the layout needs " + std::to_string(rows * row_bytes));
+  }
+  std::vector<float> scale(static_cast<std::size_t>(groups)), lo(static_cast<std::size_t>(groups));
+  const unsigned mask = (1u << bits) - 1u;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::uint8_t* row = data + r * row_bytes;
+    half_to_float(row, static_cast<std::size_t>(groups), scale.data());
+    half_to_float(row + 2 * groups, static_cast<std::size_t>(groups), lo.data());
+    const std::uint8_t* codes = row + 4 * groups;
+    float* o = out + r * channels;
+    for (std::int64_t c = 0; c < channels; ++c) {
+      const std::int64_t bit = c * bits;  // the code's first bit, little-endian in the row
+      unsigned word = codes[bit >> 3];
+      if ((bit & 7) + bits > 8) word |= static_cast<unsigned>(codes[(bit >> 3) + 1]) << 8;
+      const unsigned code = (word >> (bit & 7)) & mask;
+      const std::int64_t g = c / group;
+      // as torch: codes.float() * scale, then + lo, rounded apart (no fused multiply-add)
+      volatile float prod = static_cast<float>(code) * scale[static_cast<std::size_t>(g)];
+      o[c] = prod + lo[static_cast<std::size_t>(g)];
+    }
+  }
+}
+
 // ------------------------------------------------------------------------- ResidentFeed
 
 ResidentFeed::ResidentFeed(std::vector<std::vector<float>> shards,
@@ -564,6 +598,11 @@ std::vector<float> StreamFeed::decode(int j, int config, const std::vector<std::
                           std::to_string(2 * out.size()));
       }
       half_to_float(data.data(), out.size(), out.data());
+      break;
+    case DecodeKind::IntQ:
+      decode_intq(data.data(), data.size(), spec_.configs[j].at(config).bits, spec_.intq_group,
+                  matrices * (spec_.matrix_floats / std::max<std::int64_t>(1, spec_.channels)),
+                  spec_.channels, out.data());
       break;
     case DecodeKind::Callback:
       spec_.callback(j, config, data, out.data(), out.size());

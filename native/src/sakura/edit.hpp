@@ -107,7 +107,7 @@ class ResidentFeed final : public ShardFeed {
   int current_ = -1;
 };
 
-enum class DecodeKind { LowRank, Fp16, Callback };
+enum class DecodeKind { LowRank, Fp16, IntQ, Callback };
 
 // Python's decoder for codecs without a native one: writes `count` (2 * blocks * U * C)
 // floats to `out`, or throws.
@@ -118,6 +118,7 @@ using DecodeCallback = std::function<void(int shard, int config,
 struct ConfigSource {
   FetchRequest request;    // shard, config, url, range, units
   std::vector<int> ranks;  // LowRank: the configuration's ranks
+  int bits = 0;            // IntQ: the configuration's bit width
 };
 
 struct StreamOptions {
@@ -147,6 +148,8 @@ struct StreamSpec {
   DecodeCallback callback;
   std::vector<float> rope;  // LowRank keys: [N, C/2, 2] cos/sin, or empty
   std::int64_t matrix_floats = 0;  // N * C
+  std::int64_t channels = 0;       // C (IntQ: rows of C channels)
+  int intq_group = 32;             // IntQ: channels per (scale, minimum) group
   StreamOptions options;
   // CPUs of the receive and reconstruct threads (empty: the caller's); on a phone they are
   // the modem's DMA and the GPU, never the execution unit, so a host with few cores gives
@@ -275,5 +278,11 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& inputs, ShardF
 
 // Float32 values of IEEE half data (the fp16 codec's payload).
 void half_to_float(const std::uint8_t* data, std::size_t count, float* out);
+// codec/intq.py IntQCodec.decode: `rows` rows of `channels` values, each row stored as
+// ceil(C / group) fp16 scales, as many fp16 minima, then the codes packed little-endian at
+// `bits` bits each (codec/quant.py pack_codes); x = code * scale + minimum. Throws
+// FormatError when `size` is not that layout's.
+void decode_intq(const std::uint8_t* data, std::size_t size, int bits, int group,
+                 std::int64_t rows, std::int64_t channels, float* out);
 
 }  // namespace sakura
