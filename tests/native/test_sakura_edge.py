@@ -367,6 +367,8 @@ def test_bad_usage_exits_2(exe, tmp_path):
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
                               ["--http-version", "3"], tmp_path), 2, "--http-version", "'3'")
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
+                              ["--reconstruct", "gpu"], tmp_path), 2, "--reconstruct", "'gpu'")
+    one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
                               ["--pack-origin", "ftp://h"], tmp_path), 2, "--pack-origin")
     one_error_line(run_binary(exe, edit_args("http://127.0.0.1:1", tmp_path / "o.png") +
                               ["--pack-origin", "http://h:1/packs"], tmp_path), 2,
@@ -408,6 +410,31 @@ def test_pack_ranges_come_from_the_pack_origin_with_the_same_image(exe, server, 
             assert not any("manifest" in x[3] or "catalog" in x[3] for x in lines)
     assert outs["alone"][1] == outs["split"][1]
     assert np.array_equal(outs["alone"][0], outs["split"][0])
+
+
+def test_opencl_reconstruction_edits_as_the_cpu_one(exe, server, tmp_path):
+    """--reconstruct opencl (the GPU path; pocl on this CPU): the same configurations and the
+    same float output as the SIMD kernels within 1e-4 (the binary against the module's
+    bound); with the smallest configuration as well as the largest."""
+    ok, why = native.opencl_available()
+    if not ok:
+        pytest.skip(f"no OpenCL device: {why}")
+    for rate in ("1e12", "1"):
+        outs = {}
+        for stage in ("cpu", "opencl"):
+            f, t = tmp_path / f"{stage}-{rate}.npy", tmp_path / f"{stage}-{rate}.json"
+            done = run_binary(exe, edit_args(server.url, tmp_path / "e.png") + FIXED +
+                              ["--no-state", "--budget-rate-bps", rate, "--reconstruct", stage,
+                               "--float-out", str(f), "--timeline", str(t)], tmp_path)
+            assert done.returncode == 0, done.stderr
+            outs[stage] = (np.load(f), json.loads(t.read_text())["configs"])
+        assert outs["cpu"][1] == outs["opencl"][1]
+        assert float(np.abs(outs["cpu"][0] - outs["opencl"][0]).max()) <= 1e-4
+    # the flag reaches the OpenCL stage: a device that is not there is named, one line
+    done = run_binary(exe, edit_args(server.url, tmp_path / "x.png") + FIXED +
+                      ["--no-state", "--reconstruct", "opencl:no-such-gpu"], tmp_path)
+    one_error_line(done, 1, "no-such-gpu")
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_http2_pack_ranges(exe, server, nginx, tmp_path):

@@ -70,7 +70,7 @@ const char* kUsage =
     "                        [--state-dir DIR | --no-state] [--cache-dir DIR] [--threads N]\n"
     "                        [--retry-window S] [--no-local-fallback] [--truncate]\n"
     "                        [--precision fp32|int8] [--http-version 1.1|2]\n"
-    "                        [--pack-origin URL]\n";
+    "                        [--pack-origin URL] [--reconstruct cpu|opencl[:DEVICE]]\n";
 
 struct Args {
   std::string origin, template_id, prompt, out, policy = "sakura-fixed-config";
@@ -79,6 +79,9 @@ struct Args {
   // pack ranges over HTTP/1.1 or HTTP/2 (h2c, prior knowledge), from --origin or from the
   // same paths on --pack-origin (edge/options.py: http_version, pack_origin)
   std::string http_version = "1.1", pack_origin;
+  // where sakura/svd shards are decoded: cpu (the SIMD kernels) or opencl[:DEVICE] (the GPU
+  // path, sakura/opencl_decode.hpp), as `sakura edit --reconstruct`
+  std::string reconstruct = "cpu";
   std::uint64_t seed = 0;
   bool have_seed = false, no_state = false, local_fallback = true, truncate = false;
   double budget_rate_bps = NAN, retry_window_s = 30.0;
@@ -128,6 +131,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--precision") a.precision = value();
     else if (f == "--http-version") a.http_version = value();
     else if (f == "--pack-origin") a.pack_origin = value();
+    else if (f == "--reconstruct") a.reconstruct = value();
     else if (f == "--bits") {
       const double b = number(f, value());
       if (b != std::floor(b) || b < 1 || b > 16) throw UsageError("--bits takes a bit width 1-16");
@@ -174,6 +178,11 @@ Args parse(int argc, char** argv) {
     throw UsageError("--precision takes fp32 or int8, got '" + a.precision + "'");
   }
   if (!(a.retry_window_s > 0)) throw UsageError("--retry-window must be > 0");
+  if (a.reconstruct != "cpu" && a.reconstruct != "opencl" &&
+      a.reconstruct.rfind("opencl:", 0) != 0) {
+    throw UsageError("--reconstruct takes cpu, opencl or opencl:DEVICE, got '" + a.reconstruct +
+                     "'");
+  }
   if (a.http_version != "1.1" && a.http_version != "2") {
     throw UsageError("--http-version takes 1.1 or 2, got '" + a.http_version + "'");
   }
@@ -942,6 +951,7 @@ int run(const Args& a) {
   spec.options.lookahead_rtts = 3.0;
   spec.options.max_ahead_cap = 16;
   spec.options.refine = true;
+  spec.reconstruct = a.reconstruct;
   spec.origin = origin;
 
   // monitor, allocator, progress
