@@ -38,7 +38,7 @@ from sakura.cloud.publish import (
 
 from sakura.cachedir import cache_dir as sakura_cache_dir
 
-BUILDER_VERSION = "sakura-build-2"
+BUILDER_VERSION = "sakura-build-3"  # 3: sakura's q per shard on the output front (issue 33)
 DEFAULT_CODECS = ("sakura", "svd", "fp16", "intq", "cachegen", "sakura-all")
 LOWRANK_CODECS = ("sakura", "svd", "sakura-all")
 
@@ -305,6 +305,16 @@ def build_unit(cfg: BuildConfig, engine: Any, job: UnitJob, work: Path, log) -> 
 
         quality_fn = OutputPSNR(engine, prep, run,
                                 profiling[: cfg.profile_psnr or cfg.psnr_fit], layout)
+    # sakura's q per shard on the output front (codec.lowrank.OUTPUT_Q_CHOICE): measured on
+    # every profiling request, with the shipped model only (it resumes an edit at the
+    # changed shard's step; the diffusers engines re-run whole edits: far too slow here)
+    q_measure = None
+    if "sakura" in cfg.codecs and profiling and _q_choice_engine(engine):
+        from sakura.cloud.psnr_profile import OutputPSNR  # lazy: torch
+
+        q_measure = (quality_fn if quality_fn is not None
+                     and len(quality_fn.requests) == len(profiling)
+                     else OutputPSNR(engine, prep, run, profiling, layout))
     psnr_stats: dict[str, dict] = {}
     # an engine may fill in its default steps / guidance
     device = replace(device, steps=run.cache.steps, guidance=float(prep.template.guidance))
@@ -315,7 +325,13 @@ def build_unit(cfg: BuildConfig, engine: Any, job: UnitJob, work: Path, log) -> 
         if name in LOWRANK_CODECS and rope is not None:
             # keys are factorised in the pre-RoPE frame (codec/README.md)
             options.setdefault("rope", rope)
+        if name == "sakura" and q_measure is not None:
+            from sakura.codec.lowrank import OUTPUT_Q_CHOICE  # lazy: torch
+
+            options = {**OUTPUT_Q_CHOICE, **options}
         codec = get_codec(name, **options)
+        if getattr(getattr(codec, "opts", None), "q_front", None) == "output":
+            codec.q_measure = q_measure
         manifest = write_pack(
             work / name,
             tid,
@@ -468,6 +484,14 @@ def _publish_bundle(out: Path, made, log, template_id: str) -> dict[str, Any] | 
     log(f"{template_id}: device bundle {entry['id']}: {len(files)} files, "
         f"{sum(f['bytes'] for f in entry['files']) / 1e6:.1f} MB")
     return entry
+
+
+def _q_choice_engine(engine: Any) -> bool:
+    """Whether ``engine`` gets sakura's per-shard q choice on the output front (the shipped
+    model; ``codec.lowrank.OUTPUT_Q_CHOICE``)."""
+    from sakura.dit.adapters.engine import DefaultEngine  # lazy: torch
+
+    return isinstance(engine, DefaultEngine)
 
 
 def _fitted_version() -> int:

@@ -120,7 +120,9 @@ def _inspect(args: argparse.Namespace) -> int:
             for q in chosen:
                 key = "default" if q is None else f"{q:g}"
                 counts[key] = counts.get(key, 0) + 1
-            print("q per shard (chosen from the measured front): "
+            front = ("output-PSNR" if manifest.codec_options.get("q_front") == "output"
+                     else "weighted-KV")
+            print(f"q per shard (chosen from the measured {front} front): "
                   + " ".join("-" if q is None else f"{q:g}" for q in chosen) + "  ("
                   + ", ".join(f"q={k}: {n}" for k, n in sorted(counts.items())) + ")")
         s0 = manifest.shards[0]

@@ -44,6 +44,13 @@ from sakura.codec.metrics import DEFAULT_FLOOR, err_to_db, normalized_importance
 from sakura.codec.quant import ProgressiveQuantizer, pack_codes, unpack_codes
 from sakura.codec.shards import ShardData, ShardSpec
 
+OUTPUT_Q_CHOICE: dict[str, Any] = {"q_candidates": (0.25, 0.5, 1.0), "q_front": "output",
+                                   "q_dominate": False}
+"""The ``sakura`` options a builder with a model adds (under any the caller gives): q chosen
+per shard among 0, 0.25, 0.5 and 1 by the best mean output PSNR over ``q_ratios`` on the
+profiling requests (issue 33; codec/README.md, "Importance weighting"). Without a model the
+codec's defaults hold (q = 0.5 everywhere)."""
+
 
 @dataclass(frozen=True)
 class LowRankOptions:
@@ -83,6 +90,17 @@ class LowRankOptions:
     choice goes into the manifest (``shards[i].q``). None: ``q`` for every shard."""
     q_ratios: tuple[float, ...] = (5.0, 15.0, 50.0)
     """Ratios versus FP16 at which the candidates' fronts are compared."""
+    q_dominate: bool = True
+    """The choice keeps only candidates no worse than q = 0 at ANY of ``q_ratios`` on the
+    measured front (:func:`choose_q_db`); False: the best mean over them (q = 0 still a
+    candidate, so never worse than plain SVD on the front's mean)."""
+    q_front: str = "kv"
+    """Which front ``q_candidates`` are compared on: ``"kv"`` (each candidate's
+    importance-weighted KV error, from the encoder, free) or ``"output"`` (per candidate and
+    ratio, the configuration the allocator would take within ``fp16 bytes / ratio`` is
+    decoded and measured by the builder's output-PSNR measure, :attr:`LowRankCodec.q_measure`:
+    the profiling requests' edits with only that shard changed; without a measure, a model,
+    the choice falls back to the kv front and says so in the shard's notes)."""
     rope: dict[str, Any] | None = None
     """Optional axial RoPE of the model (``{"heads", "axes", "theta", "positions"}``, see
     ``sakura.dit.rope.rope_option``): keys are factorized in the pre-rotation frame, where they are
@@ -117,6 +135,10 @@ class LowRankOptions:
             raise CodecError(f"q_candidates must be in [0, 4], got {self.q_candidates}")
         if not self.q_ratios or any(r <= 0 for r in self.q_ratios):
             raise CodecError(f"q_ratios must be positive, got {self.q_ratios}")
+        if not isinstance(self.q_dominate, bool):
+            raise CodecError(f"q_dominate must be true or false, got {self.q_dominate!r}")
+        if self.q_front not in ("kv", "output"):
+            raise CodecError(f"q_front must be 'kv' or 'output', got {self.q_front!r}")
         if self.rope is not None:
             check_rope(self.rope)
         if self.keep not in ("pareto", "all"):
@@ -141,6 +163,10 @@ class LowRankCodec(Codec):
         """Decode with ``sakura_native`` when it imports (``codec.native``); False: Python."""
         self.native_threads = 1
         """Threads of the native decoder (the matrices of a shard are split among them)."""
+        self.q_measure: Any = None
+        """With ``q_front="output"``: ``measure(shard, params, decoded) -> dB`` (higher is
+        better), the builder's output PSNR with only that shard decoded
+        (``cloud.psnr_profile.OutputPSNR``); set by the caller that owns the model."""
 
     @property
     def options(self) -> dict[str, Any]:
@@ -150,6 +176,10 @@ class LowRankCodec(Codec):
                 out[key] = list(out[key])
         if out["q_candidates"] is None:  # (the per-shard choice off: the options, and so
             del out["q_candidates"], out["q_ratios"]  # the manifests, are as before)
+        if out.get("q_candidates") is None or out["q_front"] == "kv":
+            del out["q_front"]  # (the kv front: manifests as before this option)
+        if out.get("q_candidates") is None or out["q_dominate"]:
+            del out["q_dominate"]
         if out["key_q"] is None:
             del out["key_q"]
         return out
@@ -205,11 +235,38 @@ class LowRankCodec(Codec):
         budgets = [fp16 / r for r in self.opts.q_ratios]
         fronts = [[(e.config_bytes(j), c.weighted_err) for j, c in enumerate(e.configs)]
                   for e in encs]
-        best = choose_q(fronts, budgets)
+        kv_db = [front_db(f, budgets) for f in fronts]
+        out_db = None
+        if self.opts.q_front == "output" and self.q_measure is not None:
+            out_db = [self._output_front(shard, e, budgets) for e in encs]
+        best = choose_q_db(out_db or kv_db, dominate=self.opts.q_dominate)
         enc = encs[best]
         enc.meta["q"] = qs[best]
-        enc.meta["q_front_db"] = {f"{q:g}": front_db(f, budgets) for q, f in zip(qs, fronts)}
+        enc.meta["q_front"] = "output" if out_db else "kv"
+        enc.meta["q_front_db"] = {f"{q:g}": d for q, d in zip(qs, kv_db)}
+        if out_db:
+            enc.meta["q_output_db"] = {f"{q:g}": d for q, d in zip(qs, out_db)}
         return enc
+
+    def _output_front(self, shard: ShardData, enc: EncodedShard, budgets: list[float]
+                      ) -> list[float | None]:
+        """Per budget, :attr:`q_measure` (dB) of the configuration the allocator would take
+        within it (the smallest weighted error that fits, as ``codec.profile`` ranks
+        configurations without an output profile); None where none fits."""
+        out: list[float | None] = []
+        seen: dict[int, float] = {}
+        for b in budgets:
+            fits = [j for j in range(len(enc.configs)) if enc.config_bytes(j) <= b]
+            if not fits:
+                out.append(None)
+                continue
+            j = min(fits, key=lambda j: (enc.configs[j].weighted_err, -enc.config_bytes(j)))
+            if j not in seen:
+                cfg = enc.configs[j]
+                decoded = self.decode(cfg.params, enc.config_data(j), shard.spec)
+                seen[j] = round(float(self.q_measure(shard.spec.index, cfg.params, decoded)), 4)
+            out.append(seen[j])
+        return out
 
     def _encode_at(self, shard: ShardData, q: float) -> EncodedShard:
         spec = shard.spec
@@ -452,16 +509,23 @@ def choose_q(fronts: list[list[tuple[int, float]]], budgets: list[float]) -> int
     best on average over ``budgets``, among those no worse than candidate 0 (q = 0, plain
     SVD) at ANY budget: the result is never worse than plain SVD on the measured front.
     Ties keep the earlier candidate (q = 0 first)."""
-    base = front_db(fronts[0], budgets)
+    return choose_q_db([front_db(f, budgets) for f in fronts])
+
+
+def choose_q_db(dbs: list[list[float | None]], dominate: bool = True) -> int:
+    """:func:`choose_q` on qualities already measured per budget (dB, higher is better;
+    None: nothing fits): the candidate with the best mean gain over candidate 0 among
+    those no worse than it at any budget (``dominate=False``: among those that reach every
+    budget candidate 0 reaches); ties keep the earlier candidate."""
+    base = dbs[0]
     best, best_gain = 0, 0.0
-    for i, f in enumerate(fronts[1:], start=1):
-        db = front_db(f, budgets)
+    for i, db in enumerate(dbs[1:], start=1):
         gains = []
         ok = True
         for d, b0 in zip(db, base):
             if b0 is None:
                 continue  # plain SVD has nothing there: any config is no worse
-            if d is None or d < b0:
+            if d is None or (dominate and d < b0):
                 ok = False
                 break
             gains.append(d - b0)

@@ -8,7 +8,9 @@ meet that budget: ``null``). The chosen configurations are decoded and measured:
 importance-weighted KV reconstruction error, and, when a model is available, PSNR/SSIM of
 edits on the template's evaluation requests against ``exact`` (the same edits with the
 FP16 cache). ``reconstruct_gbps`` is the decode throughput of ``sakura`` (FP16-equivalent
-bytes reconstructed per second, one thread).
+bytes reconstructed per second, one thread). On model caches ``sakura`` is built as the
+builder builds it with a model: q chosen per shard on the output PSNR of the template's
+profiling requests (``codec.lowrank.OUTPUT_Q_CHOICE``; explicit options win).
 
 Cache sources: the default model's catalog templates (needs ``dit`` and trained weights),
 saved caches (``--cache FILE.safetensors`` from ``TemplateCache.state_dict()``, KV metrics
@@ -42,11 +44,12 @@ from safetensors.torch import load_file
 
 from sakura.codec.base import get_codec
 from sakura.codec.errors import CodecError
+from sakura.codec.lowrank import OUTPUT_Q_CHOICE
 from sakura.codec.metrics import err_to_db, weighted_rel_error
 from sakura.codec.pack import PackReader, write_pack
 from sakura.codec.profile import select_for_ratio
 from sakura.codec.provider import DecodedProvider
-from sakura.codec.shards import shard_data
+from sakura.codec.shards import ShardLayout, shard_data
 from sakura.dit.cache import TemplateCache
 from sakura.dit.editing import cached_edit, profile_importance, region_psnr, template_run
 from sakura.dit.rope import rope_option
@@ -74,6 +77,10 @@ class BenchTemplate:
     model: dict[str, Any] | None = None
     rope: dict[str, Any] | None = None
     """The model's RoPE for the low-rank codecs (``dit.rope.rope_option``)."""
+    measure: Callable[[Any], Any] | None = None
+    """``measure(layout)``: the builder's output-PSNR measure on the template's profiling
+    requests (``cloud.psnr_profile.OutputPSNR``, one shard changed), what a low-rank codec
+    with ``q_front="output"`` chooses its per-shard q on (never the evaluation requests)."""
 
 
 # ------------------------------------------------------------------------------ sources
@@ -107,10 +114,15 @@ def synthetic_templates(quick: bool) -> list[BenchTemplate]:
 
 def model_templates(
     quick: bool, weights: str | None = None, template_ids: list[str] | None = None,
-    steps: int | None = None,
+    steps: int | None = None, edit_requests: str = "evaluation",
+    measure_requests: int | None = None,
 ) -> list[BenchTemplate]:
     """Capture caches of catalog templates with the default model (importance profiled on
-    the profiling requests; edits run on the evaluation requests)."""
+    the profiling requests; edits run on the evaluation requests, or with
+    ``edit_requests="profiling"`` on the profiling ones: what a builder can measure, for
+    probes of how well that tracks the evaluation). ``measure_requests``: how many of the
+    profiling requests the output-PSNR measure edits (None: all of them, as the builder's
+    q choice)."""
     model = load_model(weights)
     enc = TextEncoder()
     catalog = load_catalog()
@@ -133,7 +145,8 @@ def model_templates(
         run = template_run(model, tpl)
         profiling = spec.requests(enc, "profiling")[: 1 if quick else None]
         profile_importance(model, tpl, run, profiling)
-        reqs = spec.requests(enc, "evaluation")[: 2 if quick else None]
+        reqs = (spec.requests(enc, "evaluation")[: 2 if quick else None]
+                if edit_requests == "evaluation" else profiling)
         geo = run.geometry
 
         def edit(provider, tpl=tpl, geo=geo, reqs=reqs) -> list[torch.Tensor]:
@@ -149,8 +162,31 @@ def model_templates(
         meta = {"weights": str(weights or "default"), "steps": tpl.steps,
                 "config": model.cfg.to_dict(), "train_step": getattr(model, "weights_meta", {}).get("train_step")}
         out.append(BenchTemplate(template_id=tid, cache=run.cache, edit=edit, region=region,
-                                 model=meta, rope=rope))
+                                 model=meta, rope=rope,
+                                 measure=_output_measure(
+                                     model, tpl, run,
+                                     spec.requests(enc, "profiling")[:measure_requests],
+                                     spec)))
     return out
+
+
+def _output_measure(model: Any, tpl: Any, run: Any, profiling: list[Any], spec: Any
+                    ) -> Callable[[Any], Any]:
+    """``measure(layout)`` for :attr:`BenchTemplate.measure`, built on first use and kept
+    per layout (its exact edits are run once)."""
+    made: dict[Any, Any] = {}
+
+    def measure(layout: Any) -> Any:
+        key = (layout.steps, layout.blocks, layout.blocks_per_shard)
+        if key not in made:
+            from sakura.cloud.psnr_profile import OutputPSNR
+            from sakura.dit.adapters.engine import DefaultEngine, Prepared
+
+            prep = Prepared(tpl, run.geometry, spec.prompt)
+            made[key] = OutputPSNR(DefaultEngine(model), prep, run, profiling, layout)
+        return made[key]
+
+    return measure
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -197,6 +233,7 @@ def run_codec_bench(
             for r in ratios} for n in codecs
     }
     unreachable: dict[str, set[str]] = {n: set() for n in codecs}
+    used_opts: dict[str, dict[str, Any]] = dict(codecs)  # as run (the builder's additions)
     layout_acc: dict[str, dict[str, Any]] = {}
     dec_bytes, dec_secs = 0, 0.0
     t_start = time.perf_counter()
@@ -212,8 +249,16 @@ def run_codec_bench(
                 base, _, variant = name.partition("@")
                 if base in LOWRANK and bt.rope is not None and variant != "norope":
                     opts = {**opts, "rope": bt.rope}
+                if base == "sakura" and bt.measure is not None:
+                    # what the builder does with a model: q per shard on the output front
+                    opts = {**OUTPUT_Q_CHOICE, **opts}
+                used_opts[name] = {k: v for k, v in opts.items() if k != "rope"}
                 codec = get_codec(base, **opts)
                 t0 = time.perf_counter()
+                if getattr(getattr(codec, "opts", None), "q_front", "kv") == "output" \
+                        and bt.measure is not None:
+                    codec.q_measure = bt.measure(ShardLayout(cache.steps, cache.blocks,
+                                                             blocks_per_shard))
                 metas: list[dict[str, Any]] = []
                 manifest = write_pack(tmp, f"{bt.template_id}-{name.replace('@', '-')}", cache,
                                       codec, blocks_per_shard=blocks_per_shard, model=bt.model,
@@ -230,6 +275,11 @@ def run_codec_bench(
                 crec: dict[str, Any] = {"stored_bytes": manifest.stored_bytes,
                                         "pack_bytes": manifest.pack_bytes,
                                         "encode_s": round(enc_s, 3), "ratios": {}}
+                if any(s.q is not None for s in manifest.shards):  # the per-shard q choice
+                    crec["q_chosen"] = [s.q for s in manifest.shards]
+                    crec["q_front"] = sorted({m.get("q_front", "kv") for m in metas})
+                    if any("q_output_db" in m for m in metas):
+                        crec["q_output_db"] = [m.get("q_output_db") for m in metas]
                 with PackReader(Path(tmp) / manifest.pack_file) as reader:
                     for r in ratios:
                         choice = select_for_ratio(manifest, r)
@@ -261,7 +311,8 @@ def run_codec_bench(
         "ratios": [str(r) for r in ratios],
         "templates": [bt.template_id for bt in templates],
         "blocks_per_shard": blocks_per_shard,
-        "codec_options": {n: get_codec(n.split("@")[0], **o).options for n, o in codecs.items()},
+        "codec_options": {n: get_codec(n.split("@")[0], **o).options
+                          for n, o in used_opts.items()},
         "rope_frame": {n: n.split("@")[0] in LOWRANK and "@norope" not in n
                        and any(bt.rope is not None for bt in templates) for n in codecs},
         "psnr_db": {}, "ssim": {}, "kv_db": {}, "bytes": {}, "achieved_ratio": {},

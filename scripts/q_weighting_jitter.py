@@ -37,7 +37,7 @@ def main() -> int:
              "max_over_mean_max": round(float(norm.amax(-1).max()), 3),
              "share_below_0_1_mean": round(float((norm < 0.1).double().mean()), 4),
              "share_below_1e-3_mean": round(float((norm < 1e-3).double().mean()), 4)}
-    res = run_codec_bench(templates, {"svd": {}, "sakura": {}}, ratios=RATIOS,  # type: ignore[arg-type]
+    res = run_codec_bench(templates, {"svd": {}, "sakura": {"q_candidates": None}}, ratios=RATIOS,  # type: ignore[arg-type]
                           log=lambda s: print(s, flush=True))
     out: dict = {"probe": "q_weighting_jitter", "ratios": [str(r) for r in RATIOS],
                  "importance": shape, "psnr_db": res["psnr_db"], "kv_db": res["kv_db"],

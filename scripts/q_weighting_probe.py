@@ -22,24 +22,27 @@ from pathlib import Path
 
 from sakura.codec_bench import model_templates, run_codec_bench
 
+# one q for every shard: q_candidates None (the bench gives sakura the builder's per-shard
+# q choice on the output front when a model is there: codec.lowrank.OUTPUT_Q_CHOICE)
+FIXED = {"q_candidates": None}
 SETTINGS = {
     "svd": {},                                   # q = 0
-    "sakura@q025": {"q": 0.25},
-    "sakura": {},                                # q = 0.5, floor 1e-3 (the default)
-    "sakura@q1": {"q": 1.0},
-    "sakura@floor005": {"floor": 0.05},
-    "sakura@floor03": {"floor": 0.3},
+    "sakura@q025": {**FIXED, "q": 0.25},
+    "sakura": FIXED,                             # q = 0.5, floor 1e-3 (the codec's default)
+    "sakura@q1": {**FIXED, "q": 1.0},
+    "sakura@floor005": {**FIXED, "floor": 0.05},
+    "sakura@floor03": {**FIXED, "floor": 0.3},
     # the per-shard choice on the weighted-KV front (q = 0 always a candidate)
-    "sakura@qchoice": {"q_candidates": [0.25, 0.5, 1.0]},
+    "sakura@qchoice": {"q_candidates": [0.25, 0.5, 1.0], "q_front": "kv", "q_dominate": True},
 }
 
 # --keys: the importance weighting on the values only (keys at q = 0: codec option key_q)
 KEY_SETTINGS = {
     "svd": {},
-    "sakura": {},
-    "sakura@kq0": {"key_q": 0.0},
-    "sakura@kq0v1": {"key_q": 0.0, "q": 1.0},
-    "sakura@kq0f03": {"key_q": 0.0, "floor": 0.3},
+    "sakura": FIXED,
+    "sakura@kq0": {**FIXED, "key_q": 0.0},
+    "sakura@kq0v1": {**FIXED, "key_q": 0.0, "q": 1.0},
+    "sakura@kq0f03": {**FIXED, "key_q": 0.0, "floor": 0.3},
 }
 
 

@@ -5,10 +5,13 @@ field (``shards[i].q``) and ``sakura pack inspect``."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
+import pytest
 from sakura.codec import get_codec
-from sakura.codec.lowrank import choose_q, front_db
+from sakura.codec.errors import CodecError
+from sakura.codec.lowrank import choose_q, choose_q_db, front_db
 from sakura.codec.pack import Manifest, write_pack
 from sakura.codec.shards import ShardLayout, shard_data
 
@@ -87,3 +90,109 @@ def test_manifest_records_the_choice_and_round_trips(small_cache, tmp_path, pack
     d, _ = packs["sakura"]
     assert main(["pack", "inspect", str(d), "--no-verify"]) == 0
     assert "q per shard" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the output front
+def test_choose_q_db_never_worse_than_candidate_0():
+    rng = random.Random(34)
+    for _ in range(500):
+        k = rng.randint(1, 4)
+        dbs = [[None if rng.random() < 0.15 else rng.uniform(20, 80) for _ in range(3)]
+               for _ in range(k)]
+        i = choose_q_db(dbs)
+        for d, b0 in zip(dbs[i], dbs[0]):
+            assert b0 is None or (d is not None and d >= b0)
+    assert choose_q_db([[50.0, 30.0], [51.0, 29.9], [50.5, 30.5]]) == 2
+    assert choose_q_db([[50.0, 30.0], [50.0, 30.0]]) == 0  # ties keep q = 0
+
+
+def test_choose_q_db_mean_rule_never_loses_to_candidate_0_on_the_mean():
+    rng = random.Random(35)
+    for _ in range(500):
+        dbs = [[rng.uniform(20, 80) for _ in range(3)] for _ in range(rng.randint(1, 4))]
+        if len(dbs) > 1 and rng.random() < 0.3:
+            dbs[-1][rng.randrange(3)] = None  # a candidate (not q = 0) that misses a budget
+        i = choose_q_db(dbs, dominate=False)
+        assert all(d is not None for d in dbs[i])
+        assert sum(dbs[i]) >= sum(dbs[0])
+        # and it is the best mean among the candidates that reach every budget
+        assert sum(dbs[i]) == pytest.approx(max(sum(d) for d in dbs if None not in d))
+    # a candidate worse at one budget but better on the mean wins here, not with dominate
+    assert choose_q_db([[50.0, 30.0], [53.0, 29.0]], dominate=False) == 1
+    assert choose_q_db([[50.0, 30.0], [53.0, 29.0]]) == 0
+
+
+class _FakeMeasure:
+    """A seeded stand-in for the builder's output PSNR: minus the dB of an unweighted error
+    (plain SVD's objective) of the decoded shard, so q = 0 should win where it matters."""
+
+    def __init__(self, cache, layout):
+        self.cache, self.layout, self.calls = cache, layout, []
+
+    def __call__(self, shard, params, decoded):
+        sd = shard_data(self.cache, self.layout, shard)
+        num = sum(float(((x.float() - y.float()) ** 2).sum()) for x, y in zip(sd.matrices, decoded))
+        den = sum(float((x.float() ** 2).sum()) for x in sd.matrices)
+        self.calls.append((shard, json.dumps(params, sort_keys=True)))
+        return -10 * math.log10(max(num / den, 1e-20))
+
+
+def test_output_front_choice_uses_the_measure_and_never_loses_to_q0_on_it(small_cache):
+    layout = ShardLayout(small_cache.steps, small_cache.blocks, 2)
+    codec = get_codec("sakura", q_candidates=[0.5, 1.0], q_front="output")
+    codec.q_measure = measure = _FakeMeasure(small_cache, layout)
+    assert codec.options["q_front"] == "output"
+    for i in range(layout.num_shards):
+        enc = codec.encode_shard(shard_data(small_cache, layout, i))
+        assert enc.meta["q_front"] == "output"
+        fronts = enc.meta["q_output_db"]
+        assert set(fronts) == {"0", "0.5", "1"}
+        mine, base = fronts[f"{enc.meta['q']:g}"], fronts["0"]
+        for m, b in zip(mine, base):
+            assert b is None or (m is not None and m >= b)
+    # only the shard's own configurations are measured, each at most once per candidate
+    assert measure.calls and all(0 <= s < layout.num_shards for s, _ in measure.calls)
+    assert len(measure.calls) <= layout.num_shards * 3 * 3
+
+
+def test_output_front_without_a_measure_falls_back_to_the_kv_front(small_cache):
+    layout = ShardLayout(small_cache.steps, small_cache.blocks, 2)
+    out = get_codec("sakura", q_candidates=[0.5], q_front="output")
+    kv = get_codec("sakura", q_candidates=[0.5])
+    assert "q_front" not in kv.options  # the kv front: manifests as before the option
+    sd = shard_data(small_cache, layout, 0)
+    a, b = out.encode_shard(sd), kv.encode_shard(sd)
+    assert a.meta["q_front"] == "kv" and a.meta["q"] == b.meta["q"] and a.units == b.units
+
+
+def test_q_front_bad_value_is_one_clear_error():
+    with pytest.raises(CodecError, match="q_front must be 'kv' or 'output'"):
+        get_codec("sakura", q_candidates=[0.5], q_front="psnr")
+    with pytest.raises(CodecError, match="q_dominate must be true or false"):
+        get_codec("sakura", q_candidates=[0.5], q_dominate="no")
+
+
+def test_bench_gives_sakura_the_builders_output_q_choice_only_with_a_measure(small_cache):
+    from sakura.codec_bench import BenchTemplate, run_codec_bench
+
+    made = []
+
+    def factory(layout):
+        made.append(_FakeMeasure(small_cache, layout))
+        return made[-1]
+
+    with_measure = BenchTemplate("tpl-m", small_cache, measure=factory)
+    res = run_codec_bench([with_measure], {"svd": {}, "sakura": {}}, ratios=(5, 15))
+    opts = res["codec_options"]
+    assert opts["sakura"]["q_front"] == "output" and opts["sakura"]["q_candidates"] == [0.25, 0.5, 1.0]
+    assert opts["sakura"]["q_dominate"] is False
+    assert "q_candidates" not in opts["svd"]
+    rec = res["per_template"]["tpl-m"]["codecs"]
+    assert rec["sakura"]["q_front"] == ["output"] and made and made[0].calls
+    assert all(q in (0.0, 0.25, 0.5, 1.0) for q in rec["sakura"]["q_chosen"])
+    assert "q_chosen" not in rec["svd"]
+    # an explicit option wins over the builder's (q_candidates=None: q = 0.5 everywhere)
+    plain = run_codec_bench([BenchTemplate("tpl-p", small_cache, measure=factory)],
+                            {"sakura": {"q_candidates": None}}, ratios=(5,))
+    assert "q_candidates" not in plain["codec_options"]["sakura"]
+    assert "q_chosen" not in plain["per_template"]["tpl-p"]["codecs"]["sakura"]
