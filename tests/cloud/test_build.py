@@ -44,6 +44,12 @@ def test_build_publishes_every_codec_and_skips_unchanged(small_setup):
     assert set(entry["codecs"]) == {"fp16", "sakura"}
     m = Manifest.load(out / entry["codecs"]["fp16"]["manifest"])
     assert m.geometry["steps"] == 2 and m.geometry["blocks"] == 3
+    # a build with the model chooses sakura's q per shard on the output front (issue 33):
+    # recorded per shard, from q = 0 and the candidates, and named in the codec options
+    sk = Manifest.load(out / entry["codecs"]["sakura"]["manifest"])
+    assert sk.codec_options.get("q_front") == "output"
+    assert {s.q for s in sk.shards} <= {0.0, *sk.codec_options["q_candidates"]}
+    assert all(s.q is not None for s in sk.shards)
     assert m.fp16_bytes == entry["fp16_bytes"]
     image, mask = decode_assets(entry)
     assert image.shape == (3, 32, 32) and mask.shape == (32, 32) and mask.any()
