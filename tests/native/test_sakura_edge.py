@@ -139,11 +139,17 @@ def server(world):
         yield srv
 
 
-def run_binary(exe: Path, args: list[str], tmp: Path, env: dict | None = None
+def command(exe: Path | list[str]) -> list[str]:
+    """The binary, or a prefix that runs it (qemu-aarch64 and the arm64 binary: the bad-input
+    tests below run under emulation too, ``test_sakura_edge_arm64.py``)."""
+    return [str(x) for x in exe] if isinstance(exe, (list, tuple)) else [str(exe)]
+
+
+def run_binary(exe: Path | list[str], args: list[str], tmp: Path, env: dict | None = None
                ) -> subprocess.CompletedProcess:
     full = {**os.environ, "SAKURA_CACHE": str(tmp / "cache"), **(env or {})}
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=full,
-                          timeout=300)
+    return subprocess.run([*command(exe), *args], capture_output=True, text=True, env=full,
+                          timeout=900)
 
 
 def edit_args(url: str, out: Path, seed: int = 3, prompt: str = PROMPT) -> list[str]:
@@ -539,7 +545,7 @@ def test_an_over_long_prompt_is_refused_or_truncated_and_said(exe, server, tmp_p
 def test_a_non_utf8_prompt_is_one_line(exe, server, tmp_path):
     args = [a.encode() for a in edit_args(server.url, tmp_path / "o.png")]
     args[args.index(PROMPT.encode())] = b"caf\xe9 au lait"
-    done = subprocess.run([str(exe), *args], capture_output=True,
+    done = subprocess.run([*command(exe), *args], capture_output=True,
                           env={**os.environ, "SAKURA_CACHE": str(tmp_path / "cache")})
     done = subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(),
                                        done.stderr.decode(errors="replace"))

@@ -125,6 +125,30 @@ def test_through_the_paced_link_the_arm64_binary_edits_as_x86_and_the_python_run
         assert err <= 1e-4
 
 
+@pytest.mark.parametrize("case", [
+    "test_an_unknown_template_is_one_line", "test_an_unreachable_origin_is_one_line",
+    "test_an_over_long_prompt_is_refused_or_truncated_and_said",
+    "test_a_non_utf8_prompt_is_one_line",
+    "test_a_missing_or_corrupt_bundle_file_is_one_line[missing-publish_broken]",
+    "test_a_missing_or_corrupt_bundle_file_is_one_line[corrupt-pack_damaged]",
+    "test_a_corrupt_bundle_file_from_a_plain_file_origin_fails_its_checksum",
+    "test_a_bundle_for_other_weights_is_one_line"])
+def test_the_x86_bad_input_cases_under_qemu(arm_exe, world, server, tmp_path, case):
+    """Issue 31's bad input, each case of ``test_sakura_edge.py`` run again with the arm64
+    binary under qemu-aarch64 in place of the x86 one: one ``sakura-edge: error:`` line and a
+    non-zero exit (the over-long prompt: refused, then truncated and said)."""
+    import inspect
+
+    name, _, param = case.partition("[")
+    fn = getattr(x86, name)
+    qemu = arm64_edge.qemu_command(arm_exe)
+    given = {"exe": qemu, "world": world, "server": server, "tmp_path": tmp_path}
+    if param:
+        how, code = param.rstrip("]").split("-")
+        given.update(how=how, code=code)
+    fn(**{k: given[k] for k in inspect.signature(fn).parameters})
+
+
 def test_bad_input_under_qemu_is_one_line(arm_exe, server, tmp_path):
     qemu = arm64_edge.qemu_command(arm_exe)
     args = edit_args(server.url, tmp_path / "o.png")
