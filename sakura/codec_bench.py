@@ -179,8 +179,8 @@ def _output_measure(model: Any, tpl: Any, run: Any, profiling: list[Any], spec: 
     def measure(layout: Any) -> Any:
         key = (layout.steps, layout.blocks, layout.blocks_per_shard)
         if key not in made:
-            from sakura.cloud.psnr_profile import OutputPSNR
-            from sakura.dit.adapters.engine import DefaultEngine, Prepared
+            from sakura.cloud.psnr_profile import OutputPSNR  # lazy: torch (model caches only)
+            from sakura.dit.adapters.engine import DefaultEngine, Prepared  # lazy: torch
 
             prep = Prepared(tpl, run.geometry, spec.prompt)
             made[key] = OutputPSNR(DefaultEngine(model), prep, run, profiling, layout)

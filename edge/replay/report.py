@@ -81,7 +81,7 @@ def replay_models(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
     describes it (class, parameters, train step, prompt accuracy and chance level from its
     card). The replay records its weights file and that file's sha256; when the file is no
     longer there, or has changed since, the entry says so and carries the sha256 only."""
-    from sakura.dit.weights import DEFAULT_WEIGHTS, WeightsError, model_card  # torch: lazily
+    from sakura.dit.weights import DEFAULT_WEIGHTS, WeightsError, model_card  # lazy: torch
 
     weights = meta.get("config", {}).get("weights") or DEFAULT_WEIGHTS
     want = meta.get("weights_sha256")
