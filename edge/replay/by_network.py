@@ -5,7 +5,8 @@ holds.
 ``networks`` (a key of ``sakura report``'s JSON) has one entry per name of
 :data:`REPORT_NETWORKS`: ``5g`` (Lumos5G 5G), ``ucc5g``, ``lte`` (Lumos5G 4G), ``wifi`` (the
 Wi-Fi traces only) and ``mixed`` (alternating 4G / 5G pieces). Each entry says
-``replayed`` and ``files`` (the trace set's pattern and the files it matched); a replayed one
+``replayed`` and ``files`` (the trace set's patterns under the trace folder and how many
+files they match: the names stay in ``../shared/traces``, never in a report); a replayed one
 holds the headline keys of :func:`sakura.edge.replay.headline.headline` on that network
 alone, ``starts_per_cell``, and ``ci95``: for each latency ratio, a 95% percentile
 bootstrap over **start points** (:func:`start_point_ci`: start points drawn with
@@ -38,17 +39,17 @@ HEADLINE_KEYS = ("p90_speedup_vs_cachegen", "p90_speedup_vs_intq", "p50_speedup_
 
 
 def trace_files(name: str, root: str | None = None) -> dict[str, Any]:
-    """What a network name holds: its trace set's pattern(s) and the file names found
-    (``files`` None when the trace folder is not there)."""
+    """What a network name holds: its trace set's pattern(s) in the trace folder and how
+    many files they match (``count`` None when the trace folder is not there). The file
+    names are not copied out: the patterns say which they are."""
     tset = NETWORKS[name][0]
     sets = ("lte", "5g") if tset is None else (tset,)
     try:
-        names = sorted(p.name for p in network_files(name, root))
+        count: int | None = len(network_files(name, root))
     except TraceError:
-        names = None
+        count = None
     return {"trace_sets": list(sets), "patterns": [TRACE_SETS[s] for s in sets],
-            "files": names, "count": None if names is None else len(names),
-            "type": NETWORKS[name][1]}
+            "count": count, "type": NETWORKS[name][1]}
 
 
 def _median_ratio(by_w: dict[str, dict[str, dict[int, list[float]]]], starts: list[int],
