@@ -47,6 +47,24 @@ def _mark(fig: Any, note: str) -> None:
                  weight="bold")
 
 
+def _save(plt: Any, fig: Any, path: Path, note: str, top: float = 0.96) -> Path:
+    """Mark, lay out (the top ``1 - top`` left to the title), write and close a figure."""
+    _mark(fig, note)
+    fig.tight_layout(rect=(0, 0, 1, top))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _cdf(ax: Any, latencies: list[float], label: str, color: Any) -> tuple[np.ndarray, np.ndarray]:
+    """One empirical latency CDF (a step per run), labelled with its ``n``."""
+    lat = np.sort(latencies)
+    y = np.arange(1, len(lat) + 1) / len(lat)
+    ax.step(lat, y, where="post", label=f"{label} (n={len(lat)})", color=color)
+    return lat, y
+
+
 def _log_x(ax: Any) -> None:
     """A log x axis whose labels never overlap: 1-2-5 major labels only."""
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
@@ -68,11 +86,8 @@ def fig_latency(runs: list[dict[str, Any]], title: str, path: Path, note: str = 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
     pols = policy_order(p for (p,) in by)
     for p in pols:
-        lat = np.sort([r["latency_s"] for r in by[(p,)]])
-        n = len(lat)
-        y = np.arange(1, n + 1) / n
-        eps = dkw_eps(n)
-        a.step(lat, y, where="post", label=f"{p} (n={n})", color=COLORS.get(p))
+        lat, y = _cdf(a, [r["latency_s"] for r in by[(p,)]], p, COLORS.get(p))
+        eps = dkw_eps(len(lat))
         a.fill_between(lat, np.clip(y - eps, 0, 1), np.clip(y + eps, 0, 1), step="post",
                        color=COLORS.get(p), alpha=0.08, linewidth=0)
     _log_x(a)
@@ -102,12 +117,7 @@ def fig_latency(runs: list[dict[str, Any]], title: str, path: Path, note: str = 
     b.grid(axis="y", alpha=0.3)
     b.set_title("(b) p50 / p90 / p99 with 95% bootstrap intervals", fontsize=9)
     fig.suptitle(title, fontsize=10)
-    _mark(fig, note)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, note, top=0.95)
 
 
 def fig_network_cdfs(runs: list[dict[str, Any]], networks: dict[str, dict[str, Any]],
@@ -134,11 +144,8 @@ def fig_network_cdfs(runs: list[dict[str, Any]], networks: dict[str, dict[str, A
             ax.set_yticks([])
             continue
         by = group(rs, "policy")
-        for (pol,) in [(p,) for p in policy_order(q for (q,) in by)]:
-            lat = np.sort([r["latency_s"] for r in by[(pol,)]])
-            n = len(lat)
-            y = np.arange(1, n + 1) / n
-            ax.step(lat, y, where="post", label=f"{pol} (n={n})", color=COLORS.get(pol))
+        for pol in policy_order(q for (q,) in by):
+            _cdf(ax, [r["latency_s"] for r in by[(pol,)]], pol, COLORS.get(pol))
         _log_x(ax)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
@@ -150,12 +157,7 @@ def fig_network_cdfs(runs: list[dict[str, Any]], networks: dict[str, dict[str, A
     for ax in list(axes.flat)[len(names):]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=10)
-    _mark(fig, note)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, note, top=0.95)
 
 
 def fig_rate_quality(runs: list[dict[str, Any]], title: str, path: Path,
@@ -180,11 +182,7 @@ def fig_rate_quality(runs: list[dict[str, Any]], title: str, path: Path,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=10)
-    _mark(fig, note)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, note)
 
 
 def fig_latency_quality(runs: list[dict[str, Any]], points: list[dict[str, Any]],
@@ -230,12 +228,7 @@ def fig_latency_quality(runs: list[dict[str, Any]], points: list[dict[str, Any]]
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title(title, fontsize=10)
-    _mark(fig, note)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, note)
 
 
 def fig_bars(rows: dict[str, dict[str, float]], ylabel: str, title: str, path: Path,
@@ -256,9 +249,5 @@ def fig_bars(rows: dict[str, dict[str, float]], ylabel: str, title: str, path: P
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     ax.set_title(title, fontsize=10)
-    _mark(fig, note)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, note)
 
