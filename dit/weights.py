@@ -8,7 +8,6 @@ weights say of themselves (architecture class, parameter count, train step) for 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -18,6 +17,8 @@ import torch
 from safetensors.torch import load_file, safe_open, save_file
 from sakura.dit.errors import WeightsError
 from sakura.dit.model import MMDiT, MMDiTConfig
+
+from sakura.digest import file_sha256
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "sakura-mmdit.safetensors"
 
@@ -79,11 +80,7 @@ def model_card(path: str | Path | None = None) -> dict[str, Any]:
         raise WeightsError(f"{p} is not a SAKURA MMDiT checkpoint: {exc}") from exc
     with torch.device("meta"):
         params = sum(t.numel() for t in MMDiT(cfg).parameters())
-    h = hashlib.sha256()
-    with p.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    sha = h.hexdigest()
+    sha = file_sha256(p)
     step = meta.get("train_step")
     out: dict[str, Any] = {
         "name": p.name.removesuffix(".safetensors"),

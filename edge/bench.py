@@ -14,7 +14,6 @@ real server would (``edge/server_process.py``).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import subprocess
 import sys
@@ -47,18 +46,10 @@ from sakura.traces.impair import DEFAULT_RTT_MS
 from sakura.traces.linkproc import pin, split_cpus
 
 from sakura.atomic import write_atomic
+from sakura.digest import file_sha256
 
 DEFAULT_POLICIES = ("local", "fp16", "intq", "cachegen", "svd", "sakura",
                     "sakura-fixed-config", "sakura-fixed-bits")
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file, read in 1 MiB chunks (the weights' identity)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass

@@ -190,14 +190,6 @@ def _say(line: str) -> None:
     print(f"sakura: {line}", file=sys.stderr, flush=True)
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @dataclass
 class DeviceBundles:
     """The device's side of bundles (see the module docstring): one check, download and

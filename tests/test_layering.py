@@ -29,9 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SHARED = {"sakura", "sakura.errors", "sakura.output", "sakura.argtypes", "sakura.extras",
-          "sakura.cachedir", "sakura.atomic", "sakura.ids", "sakura.s3"}
+          "sakura.cachedir", "sakura.atomic", "sakura.ids", "sakura.s3", "sakura.digest"}
 """The shared ground: errors, output, argument types, the extras table (which imports
-only sakura.errors), the cache-directory rule, the atomic write, the template-id rule and
+only sakura.errors), the cache-directory rule, the atomic write, the template-id rule, a
+file's SHA-256 and
 the S3 client rule (cloud's storage and edge's s3:// origin; edge imports cloud, so cloud
 may not import edge); everything else directly under sakura/ is the app (CLI) layer."""
 

@@ -45,6 +45,7 @@ from sakura.edge.backends.delegation import XnnpackDelegation
 from sakura.edge.backends.executorch_backend import lower
 
 from sakura.atomic import publish_folder
+from sakura.digest import file_sha256
 
 TEXT_GRAPH_FORMAT = 1
 PTE_NAME = "text_encoder.pte"
@@ -101,23 +102,15 @@ class TextEncoderProgram:
         return self.folder / VOCAB_NAME
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def text_encoder_key(max_tokens: int = 16) -> dict[str, object]:
     """What the program depends on, and its digest (``key["digest"]``)."""
     from importlib.metadata import version
 
     folder = minilm_dir()
     doc: dict[str, object] = {
-        "weights_sha256": _sha256(folder / "model.safetensors"),
-        "config_sha256": _sha256(folder / "config.json"),
-        "vocab_sha256": _sha256(folder / VOCAB_NAME),
+        "weights_sha256": file_sha256(folder / "model.safetensors"),
+        "config_sha256": file_sha256(folder / "config.json"),
+        "vocab_sha256": file_sha256(folder / VOCAB_NAME),
         "max_tokens": int(max_tokens), "format": TEXT_GRAPH_FORMAT,
         "executorch": version("executorch"), "torch": torch.__version__,
         "transformers": version("transformers"), "attention": "eager", "dtype": "fp32",
