@@ -357,6 +357,9 @@ class GraphSetSpec(_Table):
     groups: list[list[Index]] = Field(min_length=1)
     dynamic: StrictBool
     takes_cache: StrictBool
+    # the groups also output every block's K/V: the template pass of the local fallback's
+    # recompute step (sakura.dit.editing.RecomputedKV)
+    emits_kv: StrictBool = False
     step_in: BundleName
     group_files: list[BundleName] = Field(min_length=1)
     step_out: BundleName

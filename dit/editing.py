@@ -241,12 +241,11 @@ def template_run(model: MMDiT, template: Template, keep_hidden: bool = False) ->
     keys, values, hidden = [], [], []
 
     def capture(s: int, t: torch.Tensor, xt: torch.Tensor) -> None:
-        hook = CaptureHook(model.cfg.attention_mode, geo.unmasked, keep_hidden)
-        model(TokenBatch(img=xt, img_pos=geo.pos, txt=template.txt, t=t.reshape(1)), hook)
-        keys.append(torch.stack([hook.keys[b] for b in range(model.cfg.num_blocks)]))
-        values.append(torch.stack([hook.values[b] for b in range(model.cfg.num_blocks)]))
+        k, v, h = _template_pass(model, template, geo, t, xt, keep_hidden)
+        keys.append(k)
+        values.append(v)
         if keep_hidden:
-            hidden.append(hook.hidden)
+            hidden.append(h)
 
     denoise(x0, EulerSteps(ts), capture, pinned=Trajectory(x0, e), integrate=False)
     k, v = torch.stack(keys), torch.stack(values)
@@ -254,6 +253,56 @@ def template_run(model: MMDiT, template: Template, keep_hidden: bool = False) ->
                           token_index=geo.unmasked, timesteps=ts[:-1].clone(),
                           num_heads=model.cfg.num_heads)
     return TemplateRun(cache, geo, hidden)
+
+
+def _template_pass(model: MMDiT, template: Template, geo: Geometry, t: torch.Tensor,
+                   xt: torch.Tensor, keep_hidden: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """One step of the template run: the whole model on the template's tokens ``xt`` at
+    ``t`` with the template prompt -> (K ``[B, U, C]``, V, image hidden states per block)."""
+    hook = CaptureHook(model.cfg.attention_mode, geo.unmasked, keep_hidden)
+    model(TokenBatch(img=xt, img_pos=geo.pos, txt=template.txt, t=t.reshape(1)), hook)
+    blocks = range(model.cfg.num_blocks)
+    return (torch.stack([hook.keys[b] for b in blocks]),
+            torch.stack([hook.values[b] for b in blocks]), hook.hidden)
+
+
+class RecomputedKV:
+    """The recompute step of the local fallback: the template's own K/V of one step,
+    computed on the device exactly as the cloud's template run computes them (the template
+    image, its noise and its prompt are public catalog data; nothing of the user's edit goes
+    in), then a cached step on them. This is CacheGen's fallback (recompute the cache from
+    its context), and it is the cached edit's own trajectory, where a step with every token
+    (``local``'s) follows another one. Measured on the shipped model (``scripts/recompute_step.py``,
+    ``docs/bench/recompute-step.json``): cheaper than a full step, since the template pass
+    has one batch row where guidance doubles the full step's, and within float error of the
+    exact edit, where full steps cost 4-15 dB."""
+
+    def __init__(self, model: MMDiT, template: Template, geo: Geometry) -> None:
+        self.model, self.template, self.geo = model, template, geo
+        self.trajectory = Trajectory(patchify(template.image[None].float(), model.cfg.patch_size),
+                                     template_noise(model, template))
+
+    @staticmethod
+    def possible(template: Template) -> bool:
+        """The template carries its prompt embeddings (a device template has none until
+        its runtime encodes the prompt)."""
+        return template.txt.shape[1] > 0
+
+    def step(self, s: int, t: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Block -> (K ``[U, C]``, V) of step ``s`` (at ``t``)."""
+        k, v, _ = _template_pass(self.model, self.template, self.geo, t, self.trajectory.at(t))
+        return {b: (k[b], v[b]) for b in range(k.shape[0])}
+
+
+class _StepKV:
+    """A provider holding one step's K/V, whatever step is asked."""
+
+    def __init__(self, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.kv = kv
+
+    def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[block]
 
 
 def _cfg_batch(x, pos, req: EditRequest, t, guidance):
@@ -294,7 +343,7 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
                 req: EditRequest, *, cache_refs: bool = True, reuse_text_kv: bool = False,
                 hook_factory=None, on_step=None, start_step: int = 0,
                 x_start: torch.Tensor | None = None, on_latent=None,
-                stale_max_age: int | None = None) -> torch.Tensor:
+                stale_max_age: int | None = None, recompute: bool = True) -> torch.Tensor:
     """The device path: only text + masked (+ reference) tokens are computed; the template
     cache of the unmasked tokens comes from ``provider``, step by step, block by block.
 
@@ -305,7 +354,9 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     an edit there (output-PSNR profiling re-runs only the steps after a changed shard).
     A step whose cache is late (``StepLate``) runs on each block's last K/V if it is at most
     ``stale_max_age`` steps old (``dit.stale``; 0: never; None: the provider's
-    ``stale_max_age``, else :data:`~dit.stale.STALE_MAX_AGE`), else with every token.
+    ``stale_max_age``, else :data:`~dit.stale.STALE_MAX_AGE`), else on its K/V recomputed
+    from the template (``recompute``, :class:`RecomputedKV`; needs ``template.txt``), else
+    with every token.
     """
     mode, heads = model.cfg.attention_mode, model.cfg.num_heads
     if start_step and (x_start is None or reuse_text_kv):
@@ -324,10 +375,21 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     kept = (StaleReuse(provider, model.cfg.num_blocks, stale_max_age)
             if stale_max_age > 0 and hook_factory is None else None)
 
+    recomputed = (RecomputedKV(model, template, geo)
+                  if recompute and RecomputedKV.possible(template) and hook_factory is None
+                  else None)
+
     def local_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Step ``s`` with every token, the unmasked ones on the template trajectory: what
-        ``full_edit`` computes at that step (the provider raised StepLate)."""
+        """Step ``s`` computed on the device (the provider raised StepLate): the template's
+        K/V recomputed, then the cached step (:class:`RecomputedKV`); without the template's
+        prompt embeddings, every token with the unmasked ones on the template trajectory
+        (what ``full_edit`` computes at that step)."""
         nonlocal trajectory
+        if recomputed is not None:
+            kv = recomputed.step(s, t)
+            if kept is not None:  # later late steps may reuse these (dit/stale.py)
+                kept.put(s, kv)
+            return cached_step(s, t, x, _StepKV(kv))
         if trajectory is None:
             trajectory = Trajectory(patchify(template.image[None].float(), model.cfg.patch_size),
                                     template_noise(model, template))

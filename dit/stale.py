@@ -3,9 +3,12 @@
 When a step's cache cannot arrive in time (the provider raises :class:`~dit.cache.StepLate`),
 the loop has two ways to go on without it:
 
-* **a local step** (``dit.editing.cached_edit``'s ``local_step``): every token computed, the
-  unmasked ones re-noised from the template image. It follows the full-token trajectory,
-  not the cached one, and costs a full step (about 3x a cached one on the demo model);
+* **a local step** (``dit.editing.cached_edit``'s ``local_step``): since 2026-12-06 a
+  recompute step (``dit.editing.RecomputedKV``: the template's own K/V recomputed, then the
+  cached step), exact but about a full step's cost (~3x a cached one on the demo model);
+  without the template's prompt embeddings, every token computed, the unmasked ones
+  re-noised from the template image, which follows the full-token trajectory, not the
+  cached one (the case the measurement below was made against);
 * **a stale step** (this module): the cached step, with each block's K/V from the last step
   that block received. Consecutive steps' K/V are close (the premise of step-caching methods
   such as FORA and DeepCache), so for a few steps this stays near the cached trajectory, at a
@@ -19,6 +22,11 @@ cases, by +0.6 to +15.0 dB (mean +5.0; e.g. try-on, steps 5-7 late: 51.3 against
 A cap of 4 has the same mean (+5.1) but lost 0.6 dB to local steps once (face swap, late
 half); 2 gains +4.5 on average, 6 less than 3, and no cap (reusing step 0's K/V for every
 later step) is worse than local steps on all three templates.
+
+Against recompute steps (exact) a stale step only saves time, and the cap stays 3: with it
+the same 18 cases give 39.4-52.4 dB (mean 48.9) where full-token steps gave 29.5-52.6
+(``scripts/recompute_step.py``, ``docs/bench/recompute-step.json``). A recomputed step's
+K/V are kept as that step's (:meth:`StaleReuse.put`), so the next late steps reuse them.
 
 The native runtime's ``run_edit`` applies the same rule with the same constant
 (``kStaleMaxAge``, ``native/src/sakura/edit.hpp``).
@@ -56,6 +64,12 @@ class StaleReuse:
             return None
         src = {b: s for b, (s, _) in self._kv.items()}
         return src if step - min(src.values()) <= self.max_age else None
+
+    def put(self, step: int, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep ``kv`` (block -> K/V) as step ``step``'s: a step whose K/V the device
+        recomputed (``dit.editing.RecomputedKV``) is a fresh source for later late steps."""
+        for b, pair in kv.items():
+            self._kv[b] = (step, pair)
 
     def kept(self, step: int) -> _Kept:
         return _Kept(self._kv)

@@ -114,14 +114,15 @@ def export_bundle(model: Any, weights_sha256: str, template: Template, req: Edit
             for name, shape, groups in native.graph_plan(template, geo, req,
                                                          blocks_per_shard)]
     for name, prec, shape, groups in plan:
-        graphs, digest = engines[prec].export(shape, groups)
+        graphs, digest = engines[prec].export(shape, groups, emit_kv=name == "template")
         group_files = [f"{name}-group{i}.pte" for i in range(len(groups))]
         files += [(f"{name}-step_in.pte", "graph", graphs.step_in),
                   *[(n, "graph", p) for n, p in zip(group_files, graphs.groups)],
                   (f"{name}-step_out.pte", "graph", graphs.step_out)]
         sets.append({"name": name, "digest": digest, "shape": shape.to_dict(),
                      "groups": [list(g) for g in groups], "dynamic": graphs.dynamic,
-                     "takes_cache": graphs.takes_cache, "precision": prec,
+                     "takes_cache": graphs.takes_cache, "emits_kv": graphs.emits_kv,
+                     "precision": prec,
                      "step_in": f"{name}-step_in.pte",
                      "group_files": group_files, "step_out": f"{name}-step_out.pte"})
     doc: dict[str, Any] = {
@@ -314,4 +315,4 @@ class DeviceBundles:
             native.add_graphs(gs.digest, GraphSet(
                 paths[gs.step_in], tuple(paths[n] for n in gs.group_files),
                 paths[gs.step_out], tuple(len(g) for g in gs.groups), gs.takes_cache,
-                gs.dynamic))
+                gs.dynamic, gs.emits_kv))

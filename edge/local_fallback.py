@@ -1,5 +1,7 @@
 """The local fallback (issue 28 item 10): a step whose shards cannot arrive in time is
-computed on the device, with every token, as ``local`` does.
+computed on the device: as a recompute step (the template's own K/V recomputed from public
+catalog data, then the cached step: ``dit.editing.RecomputedKV``), or with every token as
+``local`` does where the template's prompt embeddings are not at hand.
 
 Execution waits for a step's first shard at most one local step (``local_step_s``,
 :func:`~edge.deadlines.local_wait_s`; none while the previous step was computed locally),
@@ -9,7 +11,7 @@ start-up and not counted), or less on outage evidence (requests are out and no b
 arrived for that bound and 3 request latencies), or not at all when the rate estimate says
 the shard's smallest verifiable prefix cannot arrive within the wait. Past that,
 :meth:`~edge.pipeline.Pipeline.get` raises :class:`~dit.cache.StepLate`: the DiT loop
-computes that step with every token (or, with stale reuse, on each block's last K/V:
+computes that step on the device (or, with stale reuse, on each block's last K/V:
 :mod:`dit.stale`), the step's shards say ``local`` and are never requested (or their
 transfers dropped), and the next step's shards are waited for again. An origin in its retry
 backoff (a restart) is waited out, never computed around. The native ``run_edit``

@@ -47,6 +47,7 @@ from sakura.codec.lowrank import LowRankCodec, rope_angles, rope_phasors
 from sakura.dit.editing import (
     EditRequest,
     Geometry,
+    RecomputedKV,
     Template,
     compose,
     edit_schedule,
@@ -110,6 +111,7 @@ class GraphSet:
     group_blocks: tuple[int, ...]
     takes_cache: bool
     dynamic: bool = False  # exported with dynamic M / U: the RoPE inputs hold image rows only
+    emits_kv: bool = False  # groups also output every block's K/V (the template pass)
 
 
 def step_groups(blocks: int, blocks_per_shard: int) -> list[tuple[int, ...]]:
@@ -181,26 +183,29 @@ class NativeEngine:
                 self._supported[bounds] = False
         return bounds if self._supported[bounds] else geometry
 
-    def graphs(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]) -> Any:
-        """The loaded ``sakura_native.EditGraphs`` (compiled and cached on first use)."""
-        return self._graph_set(geometry, groups)[1]
+    def graphs(self, geometry: ShardGeometry, groups: list[tuple[int, ...]],
+               emit_kv: bool = False) -> Any:
+        """The loaded ``sakura_native.EditGraphs`` (compiled and cached on first use);
+        ``emit_kv``: the template pass's graphs (their groups also output every block's K/V)."""
+        return self._graph_set(geometry, groups, emit_kv)[1]
 
-    def _graph_set(self, geometry: ShardGeometry, groups: list[tuple[int, ...]]
-                   ) -> tuple[GraphSet, Any]:
+    def _graph_set(self, geometry: ShardGeometry, groups: list[tuple[int, ...]],
+                   emit_kv: bool = False) -> tuple[GraphSet, Any]:
         shape = self.shape_of(geometry)
-        key = (shape, tuple(groups))
+        key = (shape, tuple(groups), emit_kv)
         if key not in self._loaded:
-            gs = self._compiled(shape, groups)
+            gs = self._compiled(shape, groups, emit_kv)
             self._loaded[key] = (gs, self._call(
                 self.native.EditGraphs, str(gs.step_in), [str(p) for p in gs.groups],
                 str(gs.step_out), list(gs.group_blocks), gs.takes_cache))
         return self._loaded[key]
 
-    def _key(self, geometry: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
-             ) -> ArtifactKey:
+    def _key(self, geometry: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]],
+             emit_kv: bool = False) -> ArtifactKey:
         version = (f"{exporter_version()}-graphs{GRAPHS_FORMAT}-groups"
                    + "_".join(f"{g[0]}-{g[-1]}" for g in groups)
-                   + ("" if self.precision == "fp32" else f"-{self.precision}"))
+                   + ("" if self.precision == "fp32" else f"-{self.precision}")
+                   + ("-kv" if emit_kv else ""))
         return ArtifactKey(self.weights_sha256, self.architecture(), geometry,  # type: ignore[arg-type]
                            tuple(b for g in groups for b in g), "native", version)
 
@@ -214,28 +219,40 @@ class NativeEngine:
                    ) -> list[tuple[str, ShardGeometry | ShardBounds, list[tuple[int, ...]]]]:
         """What an edit of this template runs: ``("cached", shape, groups)`` (the streamed
         edit's chain) and, with ``full``, ``("full", ...)`` (``local`` and the local
-        fallback), as :meth:`prepare` and :meth:`prepare_full` would compile them."""
+        fallback) and ``("template", ...)`` (the recompute step's template pass, its groups
+        emitting K/V: :meth:`template_geometry`), as :meth:`prepare`, :meth:`prepare_full`
+        and :meth:`local_steps` would compile them."""
         blocks = self.model.cfg.num_blocks
         plan = [("cached", self.shape_of(self.geometry(template, geo, req)),
                  step_groups(blocks, blocks_per_shard))]
         if full:
             plan.append(("full", self.geometry(template, geo, req, full=True),
                          step_groups(blocks, blocks)))
+            plan.append(("template", self.template_geometry(geo, req),
+                         step_groups(blocks, blocks)))
         return plan
 
-    def export(self, shape: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
-               ) -> tuple[GraphSet, str]:
+    @staticmethod
+    def template_geometry(geo: Geometry, req: EditRequest) -> ShardGeometry:
+        """The template pass's: one batch row, every token, a prompt of the request's
+        text length (the template prompt is encoded to the same length)."""
+        return ShardGeometry(batch=1, txt=int(req.txt.shape[1]), img=geo.grid * geo.grid,
+                             cached=0)
+
+    def export(self, shape: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]],
+               emit_kv: bool = False) -> tuple[GraphSet, str]:
         """The graph chain of ``shape`` (exported into the artifact cache unless there) and
         its cache-key digest: what the cloud puts in a device bundle (``edge.bundle``)."""
-        return self._compiled(shape, groups), self._key(shape, groups).digest()
+        return (self._compiled(shape, groups, emit_kv),
+                self._key(shape, groups, emit_kv).digest())
 
     def add_graphs(self, digest: str, graphs: GraphSet) -> None:
         """Use ``graphs`` (a device bundle's chain, checked by ``edge.bundle``) for the
         shape and groups whose cache-key digest is ``digest``, instead of exporting."""
         self._bundled[digest] = graphs
 
-    def _compiled(self, shape: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]]
-                  ) -> GraphSet:
+    def _compiled(self, shape: ShardGeometry | ShardBounds, groups: list[tuple[int, ...]],
+                  emit_kv: bool = False) -> GraphSet:
         from sakura.edge.backends.executorch_backend import (  # lazy: executorch
             PTE_NAME,
             ExecuTorchBackend,
@@ -243,7 +260,7 @@ class NativeEngine:
         )
 
         dynamic = isinstance(shape, ShardBounds)
-        key = self._key(shape, groups)
+        key = self._key(shape, groups, emit_kv)
         bundled = self._bundled.get(key.digest())
         if bundled is not None:
             return bundled
@@ -266,7 +283,7 @@ class NativeEngine:
                 for i, blocks in enumerate(groups):
                     module = ShardModule(model, blocks, traced, backend.explicit_rms,
                                          backend.sigmoid_gelu, delegable=backend.delegable,
-                                         dynamic=dynamic)
+                                         dynamic=dynamic, emit_kv=emit_kv)
                     parts.append((f"group{i}", module,
                                   example_inputs(model, blocks, traced, dynamic=dynamic),
                                   shape.dynamic_shapes(blocks) if dynamic else None))
@@ -294,14 +311,15 @@ class NativeEngine:
         return GraphSet(folder / "step_in" / PTE_NAME,
                         tuple(folder / f"group{i}" / PTE_NAME for i in range(len(groups))),
                         folder / "step_out" / PTE_NAME, tuple(len(g) for g in groups),
-                        dynamic or shape.cached > 0, dynamic)
+                        dynamic or shape.cached > 0, dynamic, emit_kv)
 
     # ------------------------------------------------------------------ request set-up
     @torch.inference_mode()
     def inputs(self, template: Template, geo: Geometry, req: EditRequest,
-               geometry: ShardGeometry, dynamic: bool = False) -> Any:
+               geometry: ShardGeometry, dynamic: bool = False, pin_all: bool = False) -> Any:
         """The tensors of one edit as ``sakura_native.EditInputs`` (see the module
-        docstring); ``full``: every token;
+        docstring); ``full``: every token; ``pin_all``: every token pinned to the template
+        trajectory (the recompute step's template pass, ``req`` holding the template prompt);
         ``dynamic``: for dynamic graphs, whose text RoPE tables are constants (``cos`` and
         ``sin`` hold the image tokens' rows only)."""
         model = self.model
@@ -334,7 +352,8 @@ class NativeEngine:
             "guidance": float(template.guidance),
         }
         if full:
-            doc.update(pinned=[int(i) for i in geo.unmasked],
+            pinned = range(geo.grid * geo.grid) if pin_all else geo.unmasked
+            doc.update(pinned=[int(i) for i in pinned],
                        pin_x0=_f32(patchify(template.image[None].float(),
                                             model.cfg.patch_size)),
                        pin_noise=_f32(template_noise(model, template)),
@@ -360,6 +379,21 @@ class NativeEngine:
         geo = Geometry.of(self.model, template)
         self.graphs(self.geometry(template, geo, req, full=True),
                     step_groups(self.model.cfg.num_blocks, self.model.cfg.num_blocks))
+
+    def prepare_recompute(self, template: Template, geo: Geometry, req: EditRequest) -> None:
+        """Compile (first time) and load the recompute step's template-pass graphs
+        (:meth:`local_steps`), when the template carries its prompt embeddings."""
+        if self._recomputes(template, req):
+            blocks = self.model.cfg.num_blocks
+            self.graphs(self.template_geometry(geo, req), step_groups(blocks, blocks),
+                        emit_kv=True)
+
+    @staticmethod
+    def _recomputes(template: Template, req: EditRequest) -> bool:
+        """Whether the local fallback runs recompute steps for this edit: the template's
+        prompt embeddings are at hand, as long as the request's (one graph shape)."""
+        return (RecomputedKV.possible(template)
+                and int(template.txt.shape[1]) == int(req.txt.shape[1]))
 
     # ------------------------------------------------------------------ edits
     def full_edit(self, template: Template, req: EditRequest) -> torch.Tensor:
@@ -428,10 +462,22 @@ class NativeEngine:
                                                    self.model.cfg.num_blocks))
         step_s = local_wait_s(measured_step_s, exec_s, template.steps,
                               len(geo.masked) + len(geo.unmasked), len(geo.masked))
+        recompute: dict[str, Any] = {}
+        if self._recomputes(template, req):
+            # the recompute step (dit.editing.RecomputedKV): the template pass's graphs,
+            # the template prompt in the request's place
+            tmpl_geo = self.template_geometry(geo, req)
+            tmpl_req = EditRequest(txt=template.txt, txt_uncond=None, seed=0)
+            recompute = {
+                "recompute": self.graphs(tmpl_geo, step_groups(self.model.cfg.num_blocks,
+                                                               self.model.cfg.num_blocks),
+                                         emit_kv=True),
+                "recompute_inputs": self.inputs(template, geo, tmpl_req, tmpl_geo, pin_all=True),
+                "unmasked": [int(i) for i in geo.unmasked]}
         return self.native.LocalFallback(
             graphs=graphs, inputs=self.inputs(template, geo, req, full_geo),
             masked=[int(i) for i in geo.masked], step_s=float(step_s),
-            stale_max_age=int(stale_max_age))
+            stale_max_age=int(stale_max_age), **recompute)
 
     def streamed_edit(self, template: Template, geo: Geometry, req: EditRequest,
                       stream: Any, allocator: Any, monitor: Any, progress: Any,

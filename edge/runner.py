@@ -333,8 +333,9 @@ class NativeRunner:
         key = (f"{template_id}|runtime=native|bps={bps}|steps={prep.template.steps}"
                f"|cfg={uncond}|weights={native.weights_sha256[:12]}")
         native.prepare(prep.template, prep.geometry, req, bps)
-        if opts.local_fallback:  # local's graphs, for the steps computed on the device
-            native.prepare_full(prep.template, req)
+        if opts.local_fallback:  # local's graphs and the recompute step's, for the steps
+            native.prepare_full(prep.template, req)  # computed on the device
+            native.prepare_recompute(prep.template, prep.geometry, req)
         if key not in device.profiles:
             device.profiles[key] = ExecProfile(
                 native.calibrate(prep.template, prep.geometry, req, bps))

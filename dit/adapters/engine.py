@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from sakura.dit.cache import KVProvider
 from sakura.dit.editing import (
     EditRequest,
     Geometry,
+    RecomputedKV,
     Template,
     cached_edit,
     full_edit,
@@ -149,7 +150,11 @@ class DefaultEngine(EditEngine):
         return self.weights_sha256
 
     def device_prepare(self, template) -> Prepared:
-        # the device's template has no prompt embeddings: the cached edit never needs them
+        # the device's template comes without prompt embeddings: the cached edit never needs
+        # them, the local fallback's recompute step does (dit.editing.RecomputedKV), so the
+        # device encodes the template's public prompt once
+        if not RecomputedKV.possible(template) and template.prompt:
+            template = replace(template, txt=self.encoder.encode([template.prompt]))
         return Prepared(template, Geometry.of(self.model, template), template.prompt)
 
     def prepare(self, image, mask, prompt, seed, steps=None, guidance=None,

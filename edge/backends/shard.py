@@ -101,8 +101,16 @@ class ShardModule(nn.Module):
 
     def __init__(self, model: MMDiT, blocks: tuple[int, ...], geometry: ShardGeometry,
                  explicit_rms: bool = False, sigmoid_gelu: bool = False,
-                 delegable: bool = False, dynamic: bool = False):
+                 delegable: bool = False, dynamic: bool = False, emit_kv: bool = False):
         super().__init__()
+        # True: the template pass of the local fallback's recompute step
+        # (``dit.editing.RecomputedKV``): no cache inputs, batch 1, and after the text and
+        # image outputs every block's image-token K and V ``[M, C]`` (what the template run
+        # captures; the device takes the cached rows)
+        self.emit_kv = emit_kv
+        if emit_kv and (dynamic or geometry.cached or geometry.batch != 1):
+            raise ValueError("a K/V-emitting shard graph is static, batch 1, without cache")
+        self._emitted: list[torch.Tensor] = []
         self.sigmoid_gelu = sigmoid_gelu
         # True: XNNPACK-lowerable operators only (module docstring); same function
         self.delegable = delegable or dynamic
@@ -286,6 +294,12 @@ class ShardModule(nn.Module):
         mask = self.mask if self.has_mask else None
         return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
+    def _emit(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep one block's image K and V ``[1, H, M, d]`` as ``[M, H*d]`` outputs."""
+        for x in (k, v):
+            _, h, m, d = x.shape
+            self._emitted.append(x.permute(0, 2, 1, 3).contiguous().reshape(m, h * d))
+
     def _double(self, blk, txt, img, mods, cos, sin, k_cache, v_cache):
         t = txt.shape[1]
         qs, ks, vs = [], [], []
@@ -302,6 +316,8 @@ class ShardModule(nn.Module):
             qs.append(q)
             ks.append(k)
             vs.append(split_heads(v, self.heads))
+        if self.emit_kv:
+            self._emit(ks[1], vs[1])
         out = self._attend(torch.cat(qs, 2), torch.cat(ks, 2), torch.cat(vs, 2),
                            k_cache, v_cache)
         new = []
@@ -322,6 +338,8 @@ class ShardModule(nn.Module):
         q, k, v, mlp_in = self._split(blk.linear1(h), [d, d, d, blk.mlp_hidden])
         q = self._rope(self._norm(blk.qnorm, split_heads(q, self.heads)), cos, sin)
         k = self._rope(self._norm(blk.knorm, split_heads(k, self.heads)), cos, sin)
+        if self.emit_kv:
+            self._emit(k[:, :, t:], split_heads(v, self.heads)[:, :, t:])
         attn = self._attend(q, k, split_heads(v, self.heads), k_cache, v_cache)
         out = blk.linear2(torch.cat([attn, self._gelu(mlp_in)], dim=-1))
         return txt + mods["txt"][2] * out[:, :t], img + mods["img"][2] * out[:, t:]
@@ -436,9 +454,10 @@ class ShardModule(nn.Module):
 
     def forward(self, txt: torch.Tensor, img: torch.Tensor, vec_txt: torch.Tensor,
                 vec_img: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                *kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.dynamic:
             return self._forward_dynamic(txt, img, vec_txt, vec_img, cos, sin, kv)
+        self._emitted = []
         dmods = smods = None
         for i, (b, blk) in enumerate(zip(self.blocks, self.layers)):
             # geometry.cached == 0: the whole model on every token, no cache inputs
@@ -455,4 +474,7 @@ class ShardModule(nn.Module):
                     smods = {"txt": self._split(self.single_mod(vec_txt), [d] * 3),
                              "img": self._split(self.single_mod(vec_img), [d] * 3)}
                 txt, img = self._single(blk, txt, img, smods, cos, sin, k_cache, v_cache)
+        if self.emit_kv:
+            emitted, self._emitted = self._emitted, []
+            return (txt, img, *emitted)
         return txt, img

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from sakura.dit.cache import StepLate
-from sakura.dit.editing import cached_edit, template_run
+from sakura.dit.editing import RecomputedKV, cached_edit, template_run
 from sakura.dit.stale import STALE_MAX_AGE
 
 from tests.dit.common import tiny_model, tiny_request, tiny_template
@@ -45,37 +47,72 @@ def _world(steps=12):
     return model, tpl, run, tiny_request(model)
 
 
-def test_late_steps_reuse_the_last_kv_up_to_the_age_cap_then_compute_locally():
+def test_late_steps_reuse_the_last_kv_up_to_the_age_cap_then_recompute_it():
     model, tpl, run, req = _world()
     late = Late(run.cache, range(3, 10))  # steps 3-9 late; the cap allows 3 steps of age
     out = cached_edit(model, tpl, run.geometry, late, req)
-    # the same edit built by hand: steps 3-5 on step 2's K/V, 6-9 with every token
+    # the same edit built by hand: steps 3-5 on step 2's K/V; step 6 (age 4) recomputed, so
+    # on its own K/V (the recompute step is the template run's computation); 7-9 on step 6's
     want = cached_edit(model, tpl, run.geometry,
-                       Mapped(run.cache, {s: 2 for s in range(3, 6)}, local=range(6, 10)),
-                       req, stale_max_age=0)
-    assert torch.equal(out, want)
-    assert [s for s, _, _ in late.told] == [3, 4, 5]
+                       Mapped(run.cache, {3: 2, 4: 2, 5: 2, 7: 6, 8: 6, 9: 6}), req,
+                       stale_max_age=0)
+    assert (out - want).abs().max().item() <= 1e-5
+    assert [s for s, _, _ in late.told] == [3, 4, 5, 7, 8, 9]
     n = model.cfg.num_blocks
-    assert all(src == dict.fromkeys(range(n), 2) and t > 0 for _, src, t in late.told)
+    assert all(src == dict.fromkeys(range(n), 2 if s < 6 else 6) and t > 0
+               for s, src, t in late.told)
     assert STALE_MAX_AGE == 3
 
 
-def test_reuse_off_computes_every_late_step_locally():
+def test_reuse_off_recomputes_every_late_step():
     model, tpl, run, req = _world()
     late = Late(run.cache, range(3, 10))
     off = cached_edit(model, tpl, run.geometry, late, req, stale_max_age=0)
     assert late.told == []
+    exact = cached_edit(model, tpl, run.geometry, run.cache, req)
+    assert (off - exact).abs().max().item() <= 1e-5
     on = cached_edit(model, tpl, run.geometry, Late(run.cache, range(3, 10)), req)
     assert not torch.equal(off, on)
 
 
 def test_no_reuse_before_any_kv_arrived():
-    # an outage from the start: nothing to reuse, every step is computed locally
+    # an outage from the start: nothing to reuse, step 0 is recomputed, then its K/V serve
+    # steps 1-3 (ages 1-3)
     model, tpl, run, req = _world(steps=4)
     late = Late(run.cache, range(4))
     out = cached_edit(model, tpl, run.geometry, late, req)
-    assert late.told == []
-    want = cached_edit(model, tpl, run.geometry, Late(run.cache, range(4)), req,
-                       stale_max_age=0)
-    assert torch.equal(out, want)
+    assert [s for s, _, _ in late.told] == [1, 2, 3]
+    want = cached_edit(model, tpl, run.geometry, Mapped(run.cache, {1: 0, 2: 0, 3: 0}), req)
+    assert (out - want).abs().max().item() <= 1e-5
 
+
+# ------------------------------------------------------------------ the recompute step
+
+
+def test_the_recompute_step_is_the_template_runs_own_kv():
+    """RecomputedKV (dit/editing.py): the K/V of step s recomputed on the device from the
+    template's public data are those the cloud's template run captured."""
+    model, tpl, run, _req = _world(steps=4)
+    rec = RecomputedKV(model, tpl, run.geometry)
+    for s in range(4):
+        kv = rec.step(s, run.cache.timesteps[s])
+        for b in range(model.cfg.num_blocks):
+            k, v = run.cache.get(s, b)
+            assert (kv[b][0] - k.float()).abs().max().item() <= 1e-6
+            assert (kv[b][1] - v.float()).abs().max().item() <= 1e-6
+
+
+def test_without_the_template_prompt_a_late_step_runs_with_every_token():
+    """A device template has no prompt embeddings until its runtime encodes the prompt:
+    then a late step cannot be recomputed and runs with every token, as ``local`` does."""
+    model, tpl, run, req = _world(steps=4)
+    bare = replace(tpl, txt=torch.zeros(1, 0, tpl.txt.shape[-1]))
+    assert not RecomputedKV.possible(bare) and RecomputedKV.possible(tpl)
+    late = [1, 2, 3]
+    got = cached_edit(model, bare, run.geometry, Late(run.cache, late), req, stale_max_age=0)
+    full = cached_edit(model, tpl, run.geometry, Late(run.cache, late), req, stale_max_age=0,
+                       recompute=False)
+    exact = cached_edit(model, tpl, run.geometry, run.cache, req)
+    assert torch.equal(got, full)
+    # a different trajectory: far outside the recompute step's float error (1e-5 above)
+    assert (got - exact).abs().max().item() > 1e-4

@@ -67,7 +67,8 @@ def test_catalog_lists_every_file_with_its_checksum(bundled):
     catalog, entry = bundled
     names = {f["name"] for f in entry["files"]}
     assert {"cached-step_in.pte", "cached-group0.pte", "cached-step_out.pte",
-            "full-step_in.pte", "full-group0.pte", "tables.bin"} <= names
+            "full-step_in.pte", "full-group0.pte", "template-step_in.pte",
+            "template-group0.pte", "tables.bin"} <= names
     for f in entry["files"]:
         assert f["key"] == f"bundles/{f['sha256'][:16]}/{f['name']}"
         assert (catalog / f["key"]).stat().st_size == f["bytes"]

@@ -420,21 +420,56 @@ def local_step_bound(world, rt, req, opts, seconds=1.0):
 
 
 @BOTH
-def test_an_outage_from_the_start_computes_every_step_locally_as_local_does(
+def test_an_outage_from_the_start_recomputes_the_template_kv_and_never_waits_it_out(
         world, runtime, native_runtime, which):
-    """No byte can arrive: each step waits one local step at most (the first), then runs on
-    the device with every token; the image is exactly the ``local`` edit's, and the edit
-    never waits out the outage. Both runtimes."""
+    """No byte can arrive: each step waits one local step at most (the first), then runs
+    on the device: the recompute step (dit.editing.RecomputedKV, the native run_edit's
+    template pass) computes the template's own K/V, so with stale reuse off the image is
+    the exact edit's, not ``local``'s other trajectory; the edit never waits out the
+    outage. Both runtimes."""
     req = runtime.request(PROMPT, SEED)
     rt = native_runtime if which == "native" else runtime
     local = rt.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
     with Server(Outage(create_app(LocalStorage(world.catalog_dir)))) as server:
         res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
-                      options=EditOptions(initial_rate_bps=50e6))
+                      options=EditOptions(initial_rate_bps=50e6, stale_max_age=0))
     assert res.local_fallbacks == world.template.steps
     assert all(r["local"] and r["bytes"] == 0 for r in res.timeline)
-    assert (res.image - local.image).abs().max().item() <= TOL
+    exact = exact_image(world, req)
+    assert (res.image - exact).abs().max().item() <= TOL
+    assert (local.image - exact).abs().max().item() > 3 * TOL  # (so the check can fail)
     assert res.latency_s < 20.0  # (30 s outage)
+
+
+@BOTH
+def test_an_outage_from_the_start_reuses_the_recomputed_kv(world, runtime, native_runtime,
+                                                          which):
+    """With stale reuse on (the default), step 0 is recomputed and steps 1-3 run on its
+    K/V (ages 1-3, the cap): one step computed on the device, three at a cached step's
+    cost. Both runtimes."""
+    req = runtime.request(PROMPT, SEED)
+    rt = native_runtime if which == "native" else runtime
+    with Server(Outage(create_app(LocalStorage(world.catalog_dir)))) as server:
+        res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                      options=EditOptions(initial_rate_bps=50e6))
+    assert world.template.steps == 4 and STALE_MAX_AGE == 3
+    assert res.local_fallbacks == 1 and res.stale_steps == 3
+    steps = {r["step"]: (r["local"], r.get("stale_from")) for r in res.timeline}
+    assert steps == {0: (True, None), 1: (False, 0), 2: (False, 0), 3: (False, 0)}, steps
+    geo = Geometry.of(world.model, world.template)
+    want = cached_edit(world.model, world.template, geo,
+                       Mapped(world.cache.to_fp16_exact(), {1: 0, 2: 0, 3: 0}), req)
+    assert (res.image - want).abs().max().item() <= TOL
+
+
+class Mapped:
+    """A provider: the exact cache with step s's K/V taken from step ``source[s]``."""
+
+    def __init__(self, cache, source):
+        self.cache, self.source = cache, source
+
+    def get(self, step, block):
+        return self.cache.get(self.source.get(step, step), block)
 
 
 class OutageAfter(Outage):
@@ -539,12 +574,11 @@ def test_a_silent_link_ends_the_wait_before_a_local_step_a_slow_one_does_not(
     the outage starts after two shards: their bytes came before their steps ran, so the
     link had been quiet before the third shard's wait began. A link that still delivers
     bytes is never taken for an outage: its first local step comes after the whole bound,
-    unflagged, and the edit equals ``local``'s image. (The bound is set to 1 s here so that
+    unflagged, and the edit equals the ``exact`` edit (every step recomputed). (The bound is set to 1 s here so that
     it, not 3 request latencies of a loaded machine, decides. Stale reuse is off: the rule
     is the same for a stale step, which the test below covers.)"""
     req = runtime.request(PROMPT, SEED)
     rt = native_runtime if which == "native" else runtime
-    local = rt.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
     opts = EditOptions(initial_rate_bps=50e6, stale_max_age=0)
     with local_step_bound(world, rt, req, opts):
         with Server(OutageAfter(create_app(LocalStorage(world.catalog_dir)), 2)) as server:
@@ -566,7 +600,7 @@ def test_a_silent_link_ends_the_wait_before_a_local_step_a_slow_one_does_not(
     assert rec["exec_start"] >= rec["quiet_since"] + 1.0 - 0.01, silent.timeline
     assert rec["exec_start"] >= last_byte + 1.0 - 0.01, silent.timeline
     assert slow.local_fallbacks == world.template.steps
-    assert (slow.image - local.image).abs().max().item() <= TOL
+    assert (slow.image - exact_image(world, req)).abs().max().item() <= TOL
     assert not any(r["outage"] for r in slow.timeline) and slow.outage_fallbacks == 0
     assert slow.timeline[0]["stall_s"] >= 1.0 - 0.01  # the whole bound: bytes were arriving
     assert all(r["bytes"] == 0 for r in slow.timeline)  # no configuration arrived
@@ -806,16 +840,16 @@ def test_a_step_whose_shard_cannot_arrive_at_the_rate_goes_local_at_once(
     """The rate estimate says the shard's smallest verifiable prefix cannot be in within the
     wait (a link delivering 20 bytes/s, and an estimate of that rate): the step is computed
     on the device at once instead of after the wait's bound (1 s here; the same link with a
-    50 Mbit/s estimate waits the whole bound, the test above). The image is ``local``'s."""
+    50 Mbit/s estimate waits the whole bound, the test above). The image is the ``exact``
+    edit's (every step recomputed)."""
     req = runtime.request(PROMPT, SEED)
     rt = native_runtime if which == "native" else runtime
-    local = rt.edit("http://127.0.0.1:9", TEMPLATE_ID, world.template, req, "local")
     opts = EditOptions(initial_rate_bps=50e6, stale_max_age=0)
     with local_step_bound(world, rt, req, opts):
         with Server(Trickle(create_app(LocalStorage(world.catalog_dir)), 0.05)) as server:
             slow = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                            options=replace(opts, initial_rate_bps=160.0))
     assert slow.local_fallbacks == world.template.steps
-    assert (slow.image - local.image).abs().max().item() <= TOL
+    assert (slow.image - exact_image(world, req)).abs().max().item() <= TOL
     assert slow.timeline[0]["stall_s"] < 0.5, slow.timeline  # not the whole 1 s bound
     assert not any(r["outage"] for r in slow.timeline)  # bytes were arriving

@@ -439,6 +439,11 @@ struct LocalFallback {
   std::vector<std::int64_t> masked;
   double step_s = 0;
   int stale_max_age = sakura::kStaleMaxAge;
+  // the recompute step (sakura/edit.hpp): K/V-emitting template-pass graphs, their inputs
+  // (every token pinned, the template prompt) and the cached tokens' rows; or none
+  std::shared_ptr<PyEditGraphs> recompute;
+  std::optional<sakura::EditInputs> recompute_inputs;
+  std::vector<std::int64_t> unmasked;
 };
 
 py::tuple run_stream(PyEditGraphs& graphs, const sakura::EditInputs& in,
@@ -455,6 +460,11 @@ py::tuple run_stream(PyEditGraphs& graphs, const sakura::EditInputs& in,
     steps.masked = local->masked;
     steps.step_s = local->step_s;
     steps.stale_max_age = local->stale_max_age;
+    if (local->recompute) {
+      steps.recompute = &local->recompute->get();
+      steps.recompute_inputs = &*local->recompute_inputs;
+      steps.unmasked = local->unmasked;
+    }
   }
   // a StreamSpec serves one edit: the feed takes its table without a copy (a pack's
   // table of ~1000 configurations is what the edit would copy before its first request)
@@ -474,6 +484,10 @@ py::tuple run_stream(PyEditGraphs& graphs, const sakura::EditInputs& in,
           std::lock_guard<std::mutex> lock(graphs.mutex());
           std::unique_lock<std::mutex> full_lock;
           if (has_local) full_lock = std::unique_lock<std::mutex>(full_graphs->mutex());
+          std::unique_lock<std::mutex> recompute_lock;
+          if (has_local && local->recompute) {
+            recompute_lock = std::unique_lock<std::mutex>(local->recompute->mutex());
+          }
           try {
             return sakura::run_edit(graphs.get(), in, feed.get(), cancel,
                                     has_local ? &steps : nullptr);
@@ -575,13 +589,25 @@ void bind_edit(py::module_& m) {
       .def_readonly("reconstruct", &sakura::StreamSpec::reconstruct);
   py::class_<LocalFallback>(m, "LocalFallback", "The local fallback of a streamed edit.")
       .def(py::init([](std::shared_ptr<PyEditGraphs> graphs, sakura::EditInputs inputs,
-                       std::vector<std::int64_t> masked, double step_s, int stale_max_age) {
+                       std::vector<std::int64_t> masked, double step_s, int stale_max_age,
+                       std::shared_ptr<PyEditGraphs> recompute,
+                       std::optional<sakura::EditInputs> recompute_inputs,
+                       std::vector<std::int64_t> unmasked) {
              if (!graphs) throw py::value_error("the local fallback needs the full graphs");
+             if (recompute && (!recompute_inputs || unmasked.empty() ||
+                               !recompute->get().emits_kv())) {
+               throw py::value_error("a recompute step needs K/V-emitting graphs, their "
+                                     "inputs and the cached rows");
+             }
              return LocalFallback{std::move(graphs), std::move(inputs), std::move(masked),
-                                  step_s, stale_max_age};
+                                  step_s, stale_max_age, std::move(recompute),
+                                  std::move(recompute_inputs), std::move(unmasked)};
            }),
            py::kw_only(), py::arg("graphs"), py::arg("inputs"), py::arg("masked"),
-           py::arg("step_s"), py::arg("stale_max_age") = sakura::kStaleMaxAge)
+           py::arg("step_s"), py::arg("stale_max_age") = sakura::kStaleMaxAge,
+           py::arg("recompute") = nullptr, py::arg("recompute_inputs") = py::none(),
+           py::arg("unmasked") = std::vector<std::int64_t>{})
+      .def_property_readonly("recomputes", [](const LocalFallback& l) { return bool(l.recompute); })
       .def_readonly("step_s", &LocalFallback::step_s)
       .def_readonly("stale_max_age", &LocalFallback::stale_max_age);
 

@@ -809,9 +809,16 @@ void EditGraphs::check() const {
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const auto& in = groups[g]->inputs();
     const std::size_t want = 6 + (takes_cache ? 2 * group_blocks[g] : 0);
-    if (in.size() != want || groups[g]->outputs().size() != 2) {
+    const std::size_t outs =
+        2 + (emits_kv() ? 2 * static_cast<std::size_t>(group_blocks[g]) : 0);
+    if (in.size() != want || groups[g]->outputs().size() != outs) {
       throw std::runtime_error(groups[g]->path() + ": " + std::to_string(in.size()) +
-                               " inputs, expected " + std::to_string(want) + " and 2 outputs");
+                               " inputs, expected " + std::to_string(want) + " and " +
+                               std::to_string(outs) + " outputs");
+    }
+    if (emits_kv() && (takes_cache || in[0].sizes.at(0) != 1)) {
+      throw std::runtime_error(groups[g]->path() + ": K/V-emitting graphs take no cache "
+                               "and one batch row");
     }
     const auto& gi = in[1].sizes;
     if (gi.size() != 3 || gi[0] != img[0] || gi[2] != img[2] || in[0].sizes.size() != 3 ||
@@ -885,6 +892,13 @@ class StepRunner {
         if (tok < 0 || tok >= M_) throw std::invalid_argument("pinned token out of range");
       }
     }
+    if (graphs.emits_kv()) {
+      emitted_.resize(groups_);
+      for (std::size_t g = 0; g < groups_; ++g) {
+        emitted_[g].resize(2 * graphs.group_blocks[g] * M_ * D);
+      }
+    }
+    D_ = D;
     x_next_.resize(in.x.size());
     img_.resize(B * M_ * D);
     img_next_.resize(img_.size());
@@ -959,9 +973,20 @@ class StepRunner {
         }
         for (int m = 0; m < 2 * g_.group_blocks[g]; ++m) args.push_back({kv + m * n, kv_sizes_});
       }
-      g_.groups[g]->run(args, {txt_next_.data(), img_next_.data()});
+      std::vector<float*> outs{txt_next_.data(), img_next_.data()};
+      if (!emitted_.empty()) {
+        for (int m = 0; m < 2 * g_.group_blocks[g]; ++m) {
+          outs.push_back(emitted_[g].data() + m * M_ * D_);
+        }
+      }
+      g_.groups[g]->run(args, outs);
       txt_.swap(txt_next_);
       img_.swap(img_next_);
+    }
+    if (!emitted_.empty()) {  // the template pass: its K/V are the output, not a step
+      compute_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin)
+                       .count() - waited;
+      return true;
     }
     const float dt = in_.dt[s];
     const float guidance = in_.guidance;
@@ -978,6 +1003,24 @@ class StepRunner {
   // The compute time of the last step that ran (its waits for the feed left out).
   double compute_s() const { return compute_s_; }
 
+  // (emits_kv graphs, after step) The K (m = 2j) or V (m = 2j + 1) [M, D] of group g's
+  // j-th block.
+  const float* emitted(std::size_t g, int m) const { return emitted_[g].data() + m * M_ * D_; }
+  std::int64_t width() const { return D_; }
+
+  // Group g's K/V ([2 * blocks, U, C], as a shard's) as those of step s: what the next
+  // stale step of this runner reads (the recompute step's, dit.stale.StaleReuse.put).
+  void keep(std::size_t g, int s, std::vector<float> kv) {
+    if (kept_.empty()) {
+      kept_.resize(groups_);
+      kept_step_.assign(groups_, -1);
+    }
+    kept_[g] = std::move(kv);
+    kept_step_[g] = s;
+  }
+  const std::vector<std::int64_t>& kv_sizes() const { return kv_sizes_; }
+  int group_blocks(std::size_t g) const { return g_.group_blocks[g]; }
+
  private:
   EditGraphs& g_;
   const EditInputs& in_;
@@ -989,6 +1032,8 @@ class StepRunner {
   std::vector<std::int64_t> x_sizes_, img_sizes_, txt_sizes_, vec_sizes_, rope_sizes_, kv_sizes_;
   std::vector<float> x_next_, img_, img_next_, txt_, txt_next_;
   double compute_s_ = 0;
+  std::int64_t D_ = 0;
+  std::vector<std::vector<float>> emitted_;  // emits_kv graphs: per group, 2 * blocks [M, D]
   std::vector<std::vector<float>> kept_;
   std::vector<int> kept_step_;
 };
@@ -999,8 +1044,8 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed*
                             const std::atomic<bool>& cancel, LocalSteps* local) {
   StepRunner cached(graphs, in, feed,
                     /*keep=*/local != nullptr && local->stale_max_age > 0);
-  std::unique_ptr<StepRunner> full;
-  std::vector<float> xf;
+  std::unique_ptr<StepRunner> full, tmpl;
+  std::vector<float> xf, xt;
   if (local != nullptr) {
     if (local->graphs == nullptr || local->inputs == nullptr || local->graphs->takes_cache ||
         feed == nullptr || !graphs.takes_cache) {
@@ -1016,6 +1061,22 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed*
     }
     xf = local->inputs->x;
     local->steps = 0;
+    local->recomputed = 0;
+    if (local->recompute != nullptr) {
+      if (local->recompute_inputs == nullptr || !local->recompute->emits_kv()) {
+        throw std::invalid_argument("a recompute step needs K/V-emitting graphs and inputs");
+      }
+      tmpl = std::make_unique<StepRunner>(*local->recompute, *local->recompute_inputs, nullptr);
+      if (tmpl->steps() != cached.steps() || tmpl->tokens() != full->tokens() ||
+          static_cast<std::int64_t>(local->unmasked.size()) != cached.kv_sizes()[0] ||
+          tmpl->width() != cached.kv_sizes()[1]) {
+        throw std::invalid_argument("the recompute step's geometry disagrees with the edit's");
+      }
+      for (auto r : local->unmasked) {
+        if (r < 0 || r >= tmpl->tokens()) throw std::invalid_argument("cached row out of range");
+      }
+      xt = local->recompute_inputs->x;
+    }
   }
   std::vector<float> x = in.x;
   const std::int64_t P = cached.patch();
@@ -1052,6 +1113,30 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed*
           continue;
         }
         for (std::size_t g = 0; g < cached.groups(); ++g) feed->skip(first + static_cast<int>(g));
+        if (tmpl) {  // the recompute step: the template pass, then the cached step on it
+          tmpl->step(s, xt);
+          const std::int64_t U = cached.kv_sizes()[0], C = cached.kv_sizes()[1];
+          std::vector<const float*> mats;  // every block's K, V of the template pass
+          for (std::size_t g = 0; g < tmpl->groups(); ++g) {
+            for (int m = 0; m < 2 * tmpl->group_blocks(g); ++m) mats.push_back(tmpl->emitted(g, m));
+          }
+          std::size_t next = 0;
+          for (std::size_t g = 0; g < cached.groups(); ++g) {
+            const int n = 2 * cached.group_blocks(g);
+            std::vector<float> kv(static_cast<std::size_t>(n * U * C));
+            for (int m = 0; m < n; ++m, ++next) {
+              for (std::int64_t u = 0; u < U; ++u) {
+                std::copy_n(mats.at(next) + local->unmasked[u] * C, C, kv.begin() + (m * U + u) * C);
+              }
+            }
+            cached.keep(g, s, std::move(kv));
+          }
+          cached.step(s, x, -1, 0, /*stale=*/true);
+          local->steps += 1;
+          local->recomputed += 1;
+          mode = Mode::Local;
+          continue;
+        }
         for (std::size_t i = 0; i < local->masked.size(); ++i) {
           std::copy_n(x.begin() + static_cast<std::ptrdiff_t>(i) * P, P,
                       xf.begin() + local->masked[i] * P);

@@ -232,6 +232,9 @@ struct EditGraphs {
   bool takes_cache = true;                  // groups read K/V (false: full edits)
 
   void check() const;  // inputs, outputs and batch/width agree; throws std::runtime_error
+  // Groups that also output every block's image-token K and V ([M, C] each, k then v per
+  // block): the template pass of the recompute step (LocalSteps). No cache, batch 1.
+  bool emits_kv() const { return !groups.empty() && groups[0]->outputs().size() > 2; }
 };
 
 struct EditInputs {
@@ -253,7 +256,8 @@ struct EditInputs {
 // `cancel` becomes true.
 // Local fallback (issue 28 item 10): a step whose first shard is not ready within one local
 // step's time (or sooner, once the link has carried no byte for that long while requests
-// were out: outage evidence, counted from before the wait began) is computed on the device with the full graphs (every token, as `local` does:
+// were out: outage evidence, counted from before the wait began) is computed on the device:
+// as a recompute step when LocalSteps::recompute is set (below), else with the full graphs (every token, as `local` does:
 // the unmasked tokens pinned to the template trajectory, public catalog data), and so is
 // every next step until a shard is ready when its step begins (the edit rejoins the stream).
 // Stale reuse (dit/stale.py, the same rule): a step whose shards are late runs on the K/V
@@ -264,6 +268,14 @@ struct EditInputs {
 // costs a cached step's time, about a third of a local one.
 constexpr int kStaleMaxAge = 3;
 
+// The recompute step (dit/editing.py RecomputedKV, the same rule): with `recompute` set, a
+// step computed on the device runs the template pass (the template's tokens on their
+// forward-noised trajectory, the template prompt: public catalog data) through graphs
+// whose groups emit every block's K/V, takes the cached tokens' rows and runs the cached
+// step on them; those K/V are then each group's kept K/V (stale reuse). It is the cached
+// edit's own trajectory, where a full step follows the full-token one, and it costs about a
+// full step or less (one batch row where guidance gives the full step two):
+// docs/bench/recompute-step.json.
 struct LocalSteps {
   EditGraphs* graphs = nullptr;        // full graphs (takes_cache false)
   const EditInputs* inputs = nullptr;  // full inputs (pinned = the unmasked tokens)
@@ -271,6 +283,10 @@ struct LocalSteps {
   double step_s = 0;                   // predicted time of one local step (the wait bound)
   int steps = 0;                       // (out) steps computed locally
   int stale_max_age = kStaleMaxAge;    // oldest K/V a late step may reuse (steps; 0: never)
+  EditGraphs* recompute = nullptr;            // template-pass graphs (emits_kv), or null
+  const EditInputs* recompute_inputs = nullptr;  // every token pinned, the template prompt
+  std::vector<std::int64_t> unmasked;         // the cached tokens' rows in the full latent
+  int recomputed = 0;                         // (out) of `steps`, those recomputed
 };
 
 std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& inputs, ShardFeed* feed,
