@@ -48,6 +48,7 @@ from sakura.edge.client import PackClient, RetryPolicy
 from sakura.edge.errors import EdgeError, IntegrityError
 from sakura.edge.native_runtime import (
     GRAPHS_FORMAT,
+    TEMPLATE_SET,
     GraphSet,
     NativeEngine,
     exporter_version,
@@ -66,13 +67,17 @@ TABLE_ARRAYS = ("rope_txt_cos", "rope_txt_sin", "rope_img_cos", "rope_img_sin", 
 
 def bundle_is_current(bundle: dict[str, Any]) -> bool:
     """Whether a published bundle entry is what this exporter makes now: the same graphs
-    format and every table array (``sakura build`` re-exports a stale one; without this,
+    format, every table array and the recompute step's graph set (``sakura build``
+    re-exports a stale one; without this,
     a bundle from before sakura-edge was kept, and the binary refused it, telling the user
     to run the very ``sakura build`` that skipped it)."""
     tables = bundle.get("tables") or {}
     arrays = tables.get("arrays") or {}
+    sets = bundle.get("graph_sets") or []
     return (bundle.get("graphs_format") == GRAPHS_FORMAT
-            and all(name in arrays for name in TABLE_ARRAYS))
+            and all(name in arrays for name in TABLE_ARRAYS)
+            and any(isinstance(gs, dict) and gs.get("name") == TEMPLATE_SET
+                    and gs.get("emits_kv") is True for gs in sets))
 
 
 # ------------------------------------------------------------------------------ export
@@ -114,7 +119,7 @@ def export_bundle(model: Any, weights_sha256: str, template: Template, req: Edit
             for name, shape, groups in native.graph_plan(template, geo, req,
                                                          blocks_per_shard)]
     for name, prec, shape, groups in plan:
-        graphs, digest = engines[prec].export(shape, groups, emit_kv=name == "template")
+        graphs, digest = engines[prec].export(shape, groups, emit_kv=name == TEMPLATE_SET)
         group_files = [f"{name}-group{i}.pte" for i in range(len(groups))]
         files += [(f"{name}-step_in.pte", "graph", graphs.step_in),
                   *[(n, "graph", p) for n, p in zip(group_files, graphs.groups)],

@@ -73,6 +73,9 @@ from sakura.edge.native_status import native_module
 
 # Bump when the graphs' computation or their input/output contract changes (cache key).
 GRAPHS_FORMAT = 1
+# the graph set of the local fallback's recompute step (its groups emit K/V; since
+# 2026-12-06): a device bundle without it runs late steps with every token
+TEMPLATE_SET = "template"
 
 
 @contextlib.contextmanager
@@ -228,7 +231,7 @@ class NativeEngine:
         if full:
             plan.append(("full", self.geometry(template, geo, req, full=True),
                          step_groups(blocks, blocks)))
-            plan.append(("template", self.template_geometry(geo, req),
+            plan.append((TEMPLATE_SET, self.template_geometry(geo, req),
                          step_groups(blocks, blocks)))
         return plan
 

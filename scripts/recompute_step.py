@@ -52,6 +52,30 @@ def median_s(fn, n: int = 20) -> float:
     return statistics.median(times)
 
 
+def step_costs(model, template, device, geo, exact, req, ts) -> dict[str, float]:
+    """Median seconds of a full step, a template pass and a cached step at a mid step."""
+    t = ts[len(ts) // 2]
+    rec = RecomputedKV(model, device, Geometry.of(model, device))
+    xf = rec.trajectory.at(t)
+
+    def full():
+        with torch.inference_mode():
+            model(_cfg_batch(xf, geo.pos, req, t, template.guidance))
+
+    def template_pass():
+        with torch.inference_mode():
+            rec.step(0, t)
+
+    def cached():
+        cached_edit(model, template, geo, exact, req)
+
+    cached_s = median_s(cached, 5) / template.steps
+    out = {"full": round(median_s(full), 4), "template_pass": round(median_s(template_pass), 4),
+           "cached_edit_per_step": round(cached_s, 4)}
+    out["recompute"] = round(out["template_pass"] + cached_s, 4)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="docs/bench/recompute-step.json")
@@ -85,29 +109,8 @@ def main() -> None:
             rows[name] = row
             print(tid, name, row, flush=True)
         out["templates"][tid] = rows
-        # step costs at a mid step
-        ts = run.cache.timesteps
-        t = ts[len(ts) // 2]
-        rec = RecomputedKV(model, device, Geometry.of(model, device))
-        xf = rec.trajectory.at(t)
-        x = xf[:, geo.masked]
-
-        def full():
-            with torch.inference_mode():
-                model(_cfg_batch(xf, geo.pos, req, t, template.guidance))
-
-        def template_pass():
-            with torch.inference_mode():
-                rec.step(0, t)
-
-        def cached():
-            cached_edit(model, template, geo, exact, req)
-
-        cached_s = median_s(cached, 5) / template.steps
-        out["step_s"][tid] = {"full": round(median_s(full), 4),
-                              "template_pass": round(median_s(template_pass), 4),
-                              "cached_edit_per_step": round(cached_s, 4)}
-        out["step_s"][tid]["recompute"] = round(out["step_s"][tid]["template_pass"] + cached_s, 4)
+        out["step_s"][tid] = step_costs(model, template, device, geo, exact, req,
+                                        run.cache.timesteps)
         print(tid, out["step_s"][tid], flush=True)
     cells = [r for t in out["templates"].values() for r in t.values()]
     keys = list(cells[0])

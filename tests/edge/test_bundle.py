@@ -212,8 +212,8 @@ def test_files_with_the_same_bytes_are_kept_under_every_name(bundled, tmp_path):
 
 
 def test_a_stale_published_bundle_is_exported_again(bundled, tmp_path):
-    """A bundle published before the exporter wrote txt_in (or for another graphs format)
-    is not current, so ``sakura build`` re-exports it instead of skipping the template
+    """A bundle published before the exporter wrote txt_in or the recompute step's
+    ``template`` graphs (or for another graphs format) is not current, so ``sakura build`` re-exports it instead of skipping the template
     (sakura-edge refuses such a bundle and tells the user to run ``sakura build``)."""
     catalog, entry = bundled
     assert tuple(entry["tables"]["arrays"]) == TABLE_ARRAYS  # the rule names what is written
@@ -222,7 +222,11 @@ def test_a_stale_published_bundle_is_exported_again(bundled, tmp_path):
     old = copy.deepcopy(entry)
     del old["tables"]["arrays"]["txt_in_weight"], old["tables"]["arrays"]["txt_in_bias"]
     other = dict(entry, graphs_format=entry["graphs_format"] + 1)
-    assert not bundle_is_current(old) and not bundle_is_current(other)
+    # before the recompute step's graphs (2026-12-06)
+    no_template = dict(entry, graph_sets=[gs for gs in entry["graph_sets"]
+                                          if gs["name"] != "template"])
+    assert len(no_template["graph_sets"]) == len(entry["graph_sets"]) - 1
+    assert not any(bundle_is_current(e) for e in (old, other, no_template))
     out = copy_of(catalog, tmp_path)
     doc = json.loads((out / "catalog.json").read_text())
     doc["templates"][TEMPLATE_ID]["bundle"] = old

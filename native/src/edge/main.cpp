@@ -731,14 +731,26 @@ int run(const Args& a) {
                      cached_set.at("shape").at("batch").dump() + ", this edit " + std::to_string(batch));
   }
   const bool dynamic = cached_set.value("dynamic", false);
-  std::unique_ptr<sakura::EditGraphs> graphs, full_graphs;
+  std::unique_ptr<sakura::EditGraphs> graphs, full_graphs, template_graphs;
   std::unique_ptr<sakura::TextEncoder> encoder;
+  // the recompute step's template pass (sakura/edit.hpp LocalSteps): a bundle from before
+  // it has no "template" graphs, and its late steps run with every token
+  const json* template_set = nullptr;
+  for (const auto& gs : bundle.doc.at("graph_sets")) {
+    if (gs.value("name", std::string()) == "template" && gs.value("emits_kv", false)) {
+      template_set = &gs;
+    }
+  }
+  const std::string template_prompt = t.value("prompt", std::string());
   {
     QuietStderr quiet;  // ExecuTorch's cpuinfo notes on x86 (harmless)
     sakura::set_graph_threads(a.threads);
     graphs = load_graphs(cached_set, bundle);
     if (a.local_fallback && !baseline) {
       full_graphs = load_graphs(chain_set(bundle.doc, "full", a.precision), bundle);
+      if (template_set != nullptr && !template_prompt.empty()) {
+        template_graphs = load_graphs(*template_set, bundle);
+      }
     }
     const json& te = bundle.doc.at("text_encoder");
     encoder = std::make_unique<sakura::TextEncoder>(bundle.paths.at(te.at("program")).string(),
@@ -810,6 +822,17 @@ int run(const Args& a) {
     state.keep_profile(profile_key, group_s);
   }
   std::optional<double> local_step = state.local_step_s(profile_key);
+  std::unique_ptr<sakura::EditInputs> template_inputs;
+  if (template_graphs) {  // the template prompt (public catalog data), every token pinned
+    const auto temb = encoder->encode(template_prompt);
+    const auto ttxt = sakura::edge::linear(temb, tables.get("txt_in_weight", wshape),
+                                           tables.get("txt_in_bias", {wshape[0]}), wshape[1],
+                                           wshape[0]);
+    template_inputs = std::make_unique<sakura::EditInputs>(
+        sakura::edge::edit_inputs(tv, tables, ttxt, 1, T, 0, true, false));
+    template_inputs->pinned.clear();
+    for (std::int64_t i = 0; i < tv.num_tokens(); ++i) template_inputs->pinned.push_back(i);
+  }
   if (full_graphs) {
     full_inputs = std::make_unique<sakura::EditInputs>(
         sakura::edge::edit_inputs(tv, tables, txt, batch, T, a.seed, true, false));
@@ -1010,6 +1033,11 @@ int run(const Args& a) {
     local.step_s = std::max(kStallFloorS, local_step ? *local_step
                                                      : cached_step * tv.num_tokens() / tv.masked.size());
     local.stale_max_age = sakura::kStaleMaxAge;
+    if (template_graphs) {
+      local.recompute = template_graphs.get();
+      local.recompute_inputs = template_inputs.get();
+      local.unmasked = tv.unmasked;
+    }
   }
   const double loop_start = sakura::now_s();
   auto progress = sakura::ExecutionProgress::with_allowance(exec_s, origin, allowance,
