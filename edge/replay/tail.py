@@ -48,6 +48,7 @@ from sakura.edge.replay.stats import pct
 from sakura.edge.server_process import ServerProcess
 from sakura.traces import load_trace, trace_set
 
+from sakura.digest import file_sha256
 from sakura.errors import SakuraError
 
 TAIL_CONFIG = CONFIG_DIR / "tail.yaml"
@@ -262,14 +263,18 @@ def repeat_edits(packs: Path, model: Any, log: Log, windows: tuple[float, ...] =
     rate at the window as its prior. The paced link (``edge.netem.shaped``), regime-matched
     like the replay: the demo's scale rule, the 30 ms round trip time-scaled."""
     from sakura.dit.templates import load_catalog  # lazy: torch
+    from sakura.dit.weights import DEFAULT_WEIGHTS  # lazy: torch
     from sakura.edge.floor import regime_factor, resident_floor  # lazy: torch
     from sakura.edge.policy_packs import catalog_entry  # lazy: torch
     from sakura.edge.runtime import EdgeRuntime, EditOptions  # lazy: torch
     from sakura.edge.templates import template_from_entry  # lazy: torch
 
     spec = load_catalog(None)[REPEAT_TEMPLATE]
+    # the weights named by their file's sha256, as `sakura edit` and `sakura build` name them
+    # (a runtime without it hashes the state dict, and refuses the packs' device bundles)
+    weights = file_sha256(DEFAULT_WEIGHTS)
     with ServerProcess(packs) as server:
-        probe = EdgeRuntime(model, runtime="native")
+        probe = EdgeRuntime(model, runtime="native", weights_sha256=weights)
         entry = asyncio.run(catalog_entry(server.url, REPEAT_TEMPLATE))
         template = template_from_entry(REPEAT_TEMPLATE, entry)
         req = probe.request(spec.evaluation_prompts[0], 100)
@@ -294,11 +299,12 @@ def repeat_edits(packs: Path, model: Any, log: Log, windows: tuple[float, ...] =
 
         pairs = []
         for w in windows:
-            rt = EdgeRuntime(model, runtime="native")  # a device new to this origin
+            rt = EdgeRuntime(model, runtime="native", weights_sha256=weights)  # a new device
             first = one(rt, w, None)
             time.sleep(gap_s)
             second = one(rt, w, None)
-            prior = one(EdgeRuntime(model, runtime="native"), w, float(trace.rate_at(w)))
+            prior = one(EdgeRuntime(model, runtime="native", weights_sha256=weights), w,
+                        float(trace.rate_at(w)))
             pairs.append({"window_s": w, "first": first, "second": second, "prior": prior})
             log(f"repeat edit at {w:g} s: first {first['psnr_db']:.1f} dB, second "
                 f"{second['psnr_db']:.1f} dB, with the prior {prior['psnr_db']:.1f} dB")
