@@ -375,17 +375,18 @@ def cached_edit(model: MMDiT, template: Template, geo: Geometry, provider: KVPro
     kept = (StaleReuse(provider, model.cfg.num_blocks, stale_max_age)
             if stale_max_age > 0 and hook_factory is None else None)
 
-    recomputed = (RecomputedKV(model, template, geo)
-                  if recompute and RecomputedKV.possible(template) and hook_factory is None
-                  else None)
+    can_recompute = recompute and RecomputedKV.possible(template) and hook_factory is None
+    recomputed: RecomputedKV | None = None  # made at the first late step
 
     def local_step(s: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Step ``s`` computed on the device (the provider raised StepLate): the template's
         K/V recomputed, then the cached step (:class:`RecomputedKV`); without the template's
         prompt embeddings, every token with the unmasked ones on the template trajectory
         (what ``full_edit`` computes at that step)."""
-        nonlocal trajectory
-        if recomputed is not None:
+        nonlocal trajectory, recomputed
+        if can_recompute:
+            if recomputed is None:
+                recomputed = RecomputedKV(model, template, geo)
             kv = recomputed.step(s, t)
             if kept is not None:  # later late steps may reuse these (dit/stale.py)
                 kept.put(s, kv)
