@@ -8,7 +8,9 @@ that export to ``sakura build``:
   ``sakura.bundle_cli``: the cloud package may not import the edge): the graph chains an
   edit of the template runs, exactly as :class:`~edge.native_runtime.NativeEngine` would
   export them (``StepIn``, the block groups' shards, ``StepOut``; the streamed edit's
-  ``cached`` chain and the ``full`` chain of ``local`` and the local fallback), each named
+  ``cached`` chain, the ``full`` chain of ``local`` and the local fallback, and the
+  ``template`` chain of the local fallback's recompute step, whose groups also output
+  every block's K/V: ``dit.editing.RecomputedKV``), each named
   by the device's own cache-key digest; the MiniLM text encoder as an ExecuTorch program
   and its ``vocab.txt`` (``edge/backends/text_encoder.py``; for the shipped model); and one
   ``tables.bin`` of float32 tables (the RoPE angles' cos / sin of the text positions and of
