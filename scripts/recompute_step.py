@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from sakura.dit.bench_kv import median_time
 from sakura.dit.editing import (
     Geometry,
     RecomputedKV,
@@ -40,16 +41,6 @@ from sakura.edge.runtime import EdgeRuntime
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stale_reuse import TEMPLATES, Late, patterns  # noqa: E402
-
-
-def median_s(fn, n: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        b = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - b)
-    return statistics.median(times)
 
 
 def step_costs(model, template, device, geo, exact, req, ts) -> dict[str, float]:
@@ -69,8 +60,9 @@ def step_costs(model, template, device, geo, exact, req, ts) -> dict[str, float]
     def cached():
         cached_edit(model, template, geo, exact, req)
 
-    cached_s = median_s(cached, 5) / template.steps
-    out = {"full": round(median_s(full), 4), "template_pass": round(median_s(template_pass), 4),
+    cached_s = median_time(cached, 5) / template.steps
+    out = {"full": round(median_time(full, 20), 4),
+           "template_pass": round(median_time(template_pass, 20), 4),
            "cached_edit_per_step": round(cached_s, 4)}
     out["recompute"] = round(out["template_pass"] + cached_s, 4)
     return out
