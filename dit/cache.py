@@ -39,6 +39,17 @@ class StepLate(Exception):  # noqa: N818 - a signal between provider and loop, n
         self.step = step
 
 
+class ShardSkipped(StepLate):
+    """Raised by a streaming provider's ``get`` for a block whose shard the receive stage
+    chose not to fetch (``edge.stale_plan``): the block runs on the K/V it last ran on, if
+    they are recent enough (``dit.stale.StaleReuse.get``); else the step is late. A loop
+    without stale reuse treats it as :class:`StepLate`."""
+
+    def __init__(self, step: int, block: int) -> None:
+        super().__init__(step)
+        self.block = block
+
+
 class StepMemo:
     """A ``KVProvider`` that asks ``inner`` for each (step, block) once and keeps the current
     step's K/V, for models that run the guidance branches one after the other (every branch

@@ -35,6 +35,7 @@ The native runtime's ``run_edit`` applies the same rule with the same constant
 from __future__ import annotations
 
 import torch
+from sakura.dit.cache import ShardSkipped, StepLate
 
 STALE_MAX_AGE = 3
 """Oldest K/V (in steps) a late step may reuse; beyond it the step is computed locally."""
@@ -45,7 +46,11 @@ class StaleReuse:
 
     ``get`` passes through (keeping what it returns); :meth:`source` says whether step
     ``step`` may run stale (every block kept, none older than ``max_age`` steps), and
-    :meth:`kept` is the provider of that stale step.
+    :meth:`kept` is the provider of that stale step. A block whose shard the provider chose
+    not to fetch (it raises :class:`~dit.cache.ShardSkipped`: the stale plan,
+    ``edge.stale_plan``) gets its kept K/V when they are at most ``max_age`` steps old, and the
+    provider hears which step they came from (``stale_shard(step, block, source)``; source
+    None: too old or none kept, and the step is late).
     """
 
     def __init__(self, inner, num_blocks: int, max_age: int = STALE_MAX_AGE) -> None:
@@ -53,7 +58,17 @@ class StaleReuse:
         self._kv: dict[int, tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.inner.get(step, block)
+        try:
+            kv = self.inner.get(step, block)
+        except ShardSkipped:
+            kept = self._kv.get(block)
+            source = kept[0] if kept is not None and step - kept[0] <= self.max_age else None
+            told = getattr(self.inner, "stale_shard", None)
+            if told is not None:
+                told(step, block, source)
+            if source is None:
+                raise StepLate(step) from None
+            return kept[1]
         self._kv[block] = (step, kv)
         return kv
 

@@ -200,6 +200,11 @@ class Allocator(Protocol):
         (fixed bits or configuration), not by the link (``edge.quality.received_quality``)."""
         ...
 
+    def skippable(self, shard: int, config: int) -> bool:
+        """Whether the stale plan (:mod:`edge.stale_plan`) may run ``shard`` on its group's
+        kept K/V instead of fetching ``config``: the policy's smallest configuration."""
+        ...
+
 
 @dataclass
 class AdaptiveAllocator:
@@ -235,6 +240,9 @@ class AdaptiveAllocator:
     def ceiling(self, shard: int) -> int:
         return self.tables[shard].best.id
 
+    def skippable(self, shard: int, config: int) -> bool:
+        return config == self.tables[shard].smallest.id
+
 
 @dataclass
 class FixedAllocator:
@@ -251,6 +259,9 @@ class FixedAllocator:
 
     def ceiling(self, shard: int) -> int:
         return self.configs[shard]
+
+    def skippable(self, shard: int, config: int) -> bool:
+        return False  # it keeps its configuration (and stalls instead)
 
 
 def fixed_config(tables: list[ShardOptions], exec_s: list[float], budget_rate_bps: float,
@@ -340,6 +351,10 @@ class Policy:
     # runtime's local fallback): SAKURA's policies, and CacheGen, whose paper falls back to
     # recomputation; the plain streaming baselines (fp16, intq) wait for their bytes
     local_fallback: bool = True
+    # the stale plan (edge/stale_plan.py): a shard at the policy's smallest configuration
+    # runs on its group's recent K/V instead of being fetched; SAKURA's own device-side rule,
+    # so not the baselines', which keep their published streaming
+    plans_stale: bool = False
     # manifest fields the policy plans with; without one it plans as its base (``sakura``),
     # and the edit says so (:meth:`missing`)
     needs: tuple[str, ...] = ()
@@ -437,24 +452,27 @@ ABLATIONS = ("sakura-fixed-config", "sakura-fixed-bits")
 POLICIES: dict[str, Policy] = {
     p.name: p
     for p in (
-        Policy("sakura", "sakura", _adaptive, "SAKURA: adaptive rank and bits per shard"),
+        Policy("sakura", "sakura", _adaptive, "SAKURA: adaptive rank and bits per shard",
+               plans_stale=True),
         Policy("local", None, None, "whole model on the device, no cache"),
         Policy("fp16", "fp16", _greedy, "stream the raw FP16 cache", local_fallback=False),
         Policy("intq", "intq", _greedy, "uniform integer quantization, adaptive bitwidth",
                local_fallback=False),
         Policy("cachegen", "cachegen", _greedy, "CacheGen adapted to DiT, adaptive level"),
-        Policy("svd", "svd", _adaptive, "plain SVD (q = 0), adaptive rank and bits"),
+        Policy("svd", "svd", _adaptive, "plain SVD (q = 0), adaptive rank and bits",
+               plans_stale=True),
         Policy("sakura-fixed-config", "sakura", _fixed_config,
                "ablation: one (rank, bits) for all shards from the median-rate budget"),
         Policy("sakura-fixed-bits", "sakura", _fixed_bits,
-               "ablation: adaptive rank, fixed bitwidth"),
+               "ablation: adaptive rank, fixed bitwidth", plans_stale=True),
         Policy("sakura-greedy", "sakura", _greedy_sakura,
-               "ablation: the best configuration that fits each shard's own window"),
+               "ablation: the best configuration that fits each shard's own window",
+               plans_stale=True),
         Policy("sakura-optimistic", "sakura", _optimistic,
-               "variant: the plan over a budget 1.25x the estimated fit"),
+               "variant: the plan over a budget 1.25x the estimated fit", plans_stale=True),
         Policy("sakura-floor", "sakura", _floored,
                "variant: no configuration below its share of a local edit's error",
-               needs=("local_psnr_db",)),
+               needs=("local_psnr_db",), plans_stale=True),
     )
 }
 

@@ -477,7 +477,8 @@ def _print_summary(result: Any, out: Path, tl_json: Path, tl_png: Path | None) -
     w(f"stalls      {result.stalls} ({result.stall_s:.3f} s)\n")
     if result.truncations or result.hedges or result.local_fallbacks or result.stale_steps:
         w(f"deadlines   {result.truncations} shards truncated, {result.hedges} re-requested, "
-          f"{result.stale_steps} late steps on their blocks' last K/V, "
+          f"{result.stale_steps} steps on their blocks' last K/V ({result.planned_stale} "
+          f"shards not fetched by plan), "
           f"{result.local_fallbacks} steps computed on the device (nothing could arrive)\n")
     if result.refinements:
         w(f"refinements {result.refinements} shards extended by one more range before they "

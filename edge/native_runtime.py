@@ -561,12 +561,13 @@ def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
                 decode: Callable[[int, int, bytes], np.ndarray],
                 rope: np.ndarray | None,
                 pipeline_cpus: Sequence[int] | None = None,
-                refine: bool = True, intq_group: int = 32) -> Any:
+                refine: bool = True, intq_group: int = 32, stale_plan_age: int = 0) -> Any:
     """What ``run_stream`` needs, as a ``sakura_native.StreamSpec``: the shard table
     (``sakura_native.StreamTable`` of :func:`stream_shards`), the HTTP settings
     (``sakura_native.HttpOptions``), the pipeline's limits and the decoder ``kind``
     (:func:`decode_kind`; ``callback``: the Python ``decode``; ``intq``: ``intq_group``
-    channels per scale)."""
+    channels per scale); ``stale_plan_age``: the stale plan's oldest K/V (``edge.stale_plan``;
+    0: off)."""
     return native_module().StreamSpec(
         shards=shards, http=http, decode=kind,
         callback=decode if kind == "callback" else None,
@@ -576,7 +577,8 @@ def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
         lookahead_rtts=lookahead_rtts, max_ahead_cap=max_ahead_cap, refine=refine,
         reconstruct=reconstruct,
         pipeline_cpus=None if pipeline_cpus is None else [int(c) for c in pipeline_cpus],
-        origin=origin, channels=int(geometry["channels"]), intq_group=int(intq_group))
+        origin=origin, channels=int(geometry["channels"]), intq_group=int(intq_group),
+        stale_plan_age=int(stale_plan_age))
 
 
 def decode_kind(codec: Any) -> str:

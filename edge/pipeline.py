@@ -45,7 +45,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from sakura.dit.cache import StepLate
+from sakura.dit.cache import ShardSkipped, StepLate
 from sakura.dit.stale import STALE_MAX_AGE
 from sakura.edge.deadlines import (
     GRACE_FRACTION,
@@ -62,6 +62,7 @@ from sakura.edge.local_fallback import LocalFallback
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress, Window
 from sakura.edge.netloop import NetLoop, wait_event
 from sakura.edge.refinement import REFINE_MARGIN, PrefixRefinement
+from sakura.edge.stale_plan import stale_source
 from sakura.edge.shard_records import (
     STALL_EPS_S,
     InFlight,
@@ -112,6 +113,7 @@ class Pipeline(PrefixRefinement, LocalFallback):
                  local_step_s: float | None = None,
                  stale_max_age: int = STALE_MAX_AGE,
                  extensions: Fallbacks | None = None, fetch_more: FetchMore | None = None,
+                 skippable: Callable[[int, int], bool] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_ahead < 1 or max_ready < 1:
             raise ValueError("max_ahead and max_ready must be >= 1")
@@ -148,6 +150,9 @@ class Pipeline(PrefixRefinement, LocalFallback):
         # ran locally (its next step's first shard is then not waited for)
         self.local_step_s = local_step_s
         self.stale_max_age = int(stale_max_age)
+        # the stale plan (edge/stale_plan.py): ``skippable(shard, config)`` says the choice is
+        # the policy's smallest (None: off)
+        self.skippable = skippable
         self._local_mode = False
         self._stale_wait_s: float | None = None  # the wait after a stale step (ran_stale)
         # the link's last body byte and when transfers were last out again (outage
@@ -282,6 +287,12 @@ class Pipeline(PrefixRefinement, LocalFallback):
                 config = int(self.allocate(j, replace(window, window_s=window.window_s - lead),
                                            rate))
                 rec = self.records[j]
+                if self._plan_stale(j, config):
+                    rec.planned_stale = True
+                    rec.window_s, rec.carry_s, rec.rate_bps = window.window_s, window.carry_s, rate
+                    rec.lead_s, rec.deadline = lead, self._rel(window.deadline)
+                    self.progress.received(j, now)  # nothing to receive: ready at once
+                    continue
                 rec.config = config
                 rec.params = dict(self.describe(j, config)) if self.describe else {}
                 rec.window_s, rec.carry_s, rec.rate_bps = window.window_s, window.carry_s, rate
@@ -303,6 +314,13 @@ class Pipeline(PrefixRefinement, LocalFallback):
             watchdog.cancel()
             for f in list(self._inflight.values()):
                 f.task.cancel()
+
+    def _plan_stale(self, j: int, config: int) -> bool:
+        """The stale plan's rule (:mod:`edge.stale_plan`) for shard ``j`` at ``config``."""
+        if self.skippable is None or self.local_step_s is None or not self.skippable(j, config):
+            return False
+        planned = [r.planned_stale for r in self.records]
+        return stale_source(self.shard_blocks, planned, j, self.stale_max_age) is not None
 
     async def _transfer(self, entry: InFlight) -> None:
         j = entry.shard
@@ -488,12 +506,43 @@ class Pipeline(PrefixRefinement, LocalFallback):
             j, k = self._index[(step, block)]
         except KeyError:
             raise EdgeError(f"the pack has no shard for step {step} block {block}") from None
+        if self.records[j].planned_stale:  # the stale plan: its group's K/V (stale_shard)
+            raise ShardSkipped(step, block)
         with self._cond:
             current = self._executing
             tensors = self._ready.get(j) if j == current else None
         if tensors is None:
             tensors = self._enter(j, current)
         return tensors[2 * k], tensors[2 * k + 1]
+
+    def stale_shard(self, step: int, block: int, source: int | None) -> None:
+        """(From the executing thread.) Block ``block`` of a shard the stale plan did not
+        fetch runs on its K/V of step ``source`` (``dit.stale.StaleReuse.get``): the shard
+        executes from now with no wait; ``source`` None: none recent enough, and the step is
+        late (the local fallback)."""
+        j, _ = self._index[(step, block)]
+        now = self.clock()
+        with self._cond:
+            current = self._executing
+        if current == j:
+            return
+        self._end_current(current, j, now)
+        with self._cond:
+            if current >= 0:
+                self._ready.pop(current, None)
+            if source is None:
+                self._skip_step(j, now, outage=False)
+                return
+            if j == 0 or self.shard_blocks[j - 1][0] != step:
+                self._local_mode = False
+                self._stale_wait_s = None
+            rec = self.records[j]
+            rec.stale_from = source
+            rec.exec_start = self._rel(now)
+            self.progress.exec_started(j, now)
+            self._executing = j
+            self._cond.notify_all()
+        self._wake_receiver()
 
     def _end_current(self, current: int, j: int, now: float) -> None:
         rec = self.records[current] if current >= 0 and current != j else None
@@ -573,3 +622,6 @@ class ShardProvider:
 
     def ran_stale(self, step: int, sources: dict[int, int], compute_s: float) -> None:
         self._pipeline.ran_stale(step, sources, compute_s)
+
+    def stale_shard(self, step: int, block: int, source: int | None) -> None:
+        self._pipeline.stale_shard(step, block, source)

@@ -33,6 +33,9 @@ class EditResult:
     outage_fallbacks: int = 0
     # late steps run on each block's last K/V instead (stale reuse, dit/stale.py)
     stale_steps: int = 0
+    # shards never requested: the stale plan ran them on their group's recent K/V (a planned
+    # choice, counted in stale_steps too; edge/stale_plan.py)
+    planned_stale: int = 0
     # received configurations extended by one more range of the pack before their shard
     # ran (prefix refinement: the link was faster than the choice assumed)
     refinements: int = 0
@@ -100,7 +103,7 @@ class EditResult:
             "truncations": self.truncations, "hedges": self.hedges,
             "local_fallbacks": self.local_fallbacks,
             "outage_fallbacks": self.outage_fallbacks,
-            "stale_steps": self.stale_steps,
+            "stale_steps": self.stale_steps, "planned_stale": self.planned_stale,
             "refinements": self.refinements,
             "startup_allowance_s": self.startup_allowance_s,
             "exec_s": self.exec_s, "requests": self.requests,

@@ -237,7 +237,8 @@ class PythonRunner:
                         max_ahead_cap=opts.max_ahead_cap, fallbacks=fallbacks,
                         local_step_s=local_s, stale_max_age=opts.stale_max_age,
                         extensions=extensions if opts.refine else None,
-                        fetch_more=fetch_more)
+                        fetch_more=fetch_more,
+                        skippable=job.allocator.skippable if opts.stale_plan else None)
         pipe.start(job.net)
         try:
             prep = job.prep
@@ -418,7 +419,8 @@ class NativeRunner:
             max_ahead_cap=opts.max_ahead_cap, reconstruct=opts.reconstruct,
             kind=decode_kind(codec_impl), decode=decode, rope=rope,
             pipeline_cpus=opts.pipeline_cpus, refine=opts.refine,
-            intq_group=getattr(codec_impl, "group", 32))
+            intq_group=getattr(codec_impl, "group", 32),
+            stale_plan_age=opts.stale_max_age if opts.stale_plan else 0)
         prep = job.prep
         local = (native.local_steps(prep.template, prep.geometry, job.req, job.exec_s,
                                     measured_step_s=job.local_step_s,

@@ -312,6 +312,9 @@ class EdgeRuntime:
         # template trajectory can be computed (its seed is known)
         opts = replace(opts, local_fallback=(opts.local_fallback and pol.local_fallback
                                              and template.seed >= 0))
+        # the stale plan where the policy plans with it and late steps may run stale
+        opts = replace(opts, stale_plan=(opts.stale_plan and pol.plans_stale
+                                         and opts.local_fallback and opts.stale_max_age > 0))
         profile = self.runner.profile(self, server, template_id, prep, req, codec, token, opts)
         self._derive_from_cache(server, template_id, codec, prep, token, opts)
         try:
@@ -448,7 +451,8 @@ class EdgeRuntime:
             manifest_bytes=raw_len, stalls=stats.stalls, stall_s=stats.stall_s,
             truncations=stats.truncations, hedges=stats.hedges,
             local_fallbacks=stats.local_steps, outage_fallbacks=stats.outage_fallbacks,
-            stale_steps=stats.stale_steps, refinements=stats.refinements,
+            stale_steps=stats.stale_steps, planned_stale=stats.planned_stale,
+            refinements=stats.refinements,
             startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
             params=[r["params"] for r in timeline], timeline=timeline,
             predicted_exec_s=exec_s, exec_s=exec_total, requests=len(log),

@@ -56,6 +56,8 @@ class ShardRecord:
                                       # the rule counted it (its last byte, or transfers out)
     refinements: int = 0          # extensions of its received configuration (refinement)
     stale_from: int | None = None  # its step ran on this earlier step's K/V (stale reuse)
+    # never requested: the stale plan ran it on its group's kept K/V (edge/stale_plan.py)
+    planned_stale: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +104,7 @@ class PipelineStats:
     stale_steps: int = 0  # late steps run on each block's last K/V (stale reuse)
     outage_fallbacks: int = 0  # of them, begun early on outage evidence (no byte for the wait)
     refinements: int = 0  # received configurations extended before their shard ran
+    planned_stale: int = 0  # shards never requested: run on their group's K/V (stale plan)
 
 
 def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
@@ -119,4 +122,5 @@ def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
         local_steps=len({r["step"] for r in records if r.get("local")}),
         stale_steps=len({r["step"] for r in records if r.get("stale_from") is not None}),
         outage_fallbacks=len({r["step"] for r in records if r.get("outage")}),
-        refinements=sum(int(r.get("refinements") or 0) for r in records))
+        refinements=sum(int(r.get("refinements") or 0) for r in records),
+        planned_stale=sum(1 for r in records if r.get("planned_stale")))

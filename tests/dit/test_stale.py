@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from sakura.dit.cache import StepLate
+from sakura.dit.cache import ShardSkipped, StepLate
 from sakura.dit.editing import RecomputedKV, cached_edit, template_run
 from sakura.dit.stale import STALE_MAX_AGE
 
@@ -85,6 +85,73 @@ def test_no_reuse_before_any_kv_arrived():
     want = cached_edit(model, tpl, run.geometry, Mapped(run.cache, {1: 0, 2: 0, 3: 0}), req)
     assert (out - want).abs().max().item() <= 1e-5
 
+
+
+class Skipped:
+    """The exact cache, except that (step, block) pairs in ``skip`` raise ShardSkipped (the
+    stale plan did not fetch their shard); records what the provider is told."""
+
+    def __init__(self, cache, skip):
+        self.cache, self.skip, self.told = cache, set(skip), []
+
+    def get(self, step, block):
+        if (step, block) in self.skip:
+            raise ShardSkipped(step, block)
+        return self.cache.get(step, block)
+
+    def stale_shard(self, step, block, source):
+        self.told.append((step, block, source))
+
+    def ran_stale(self, step, sources, compute_s):
+        pass
+
+
+def test_a_skipped_block_runs_on_its_own_last_kv_and_the_others_on_theirs():
+    """The stale plan (edge/stale_plan.py): a block whose shard was not fetched runs on the
+    K/V it last ran on, while the step's other blocks run on their own fresh K/V; the
+    provider hears the source step of each skipped block."""
+    model, tpl, run, req = _world(steps=6)
+    n = model.cfg.num_blocks
+    skip = {(s, b) for s in (2, 3) for b in range(n // 2)}  # first half of blocks, steps 2-3
+    prov = Skipped(run.cache, skip)
+    out = cached_edit(model, tpl, run.geometry, prov, req)
+    assert sorted(prov.told) == sorted((s, b, 1) for s, b in skip)
+
+    class ByBlock:
+        def get(self, step, block):
+            return run.cache.get(1 if (step, block) in skip else step, block)
+
+    want = cached_edit(model, tpl, run.geometry, ByBlock(), req, stale_max_age=0)
+    assert (out - want).abs().max().item() <= 1e-5
+    exact = cached_edit(model, tpl, run.geometry, run.cache, req)
+    assert (out - exact).abs().max().item() > 1e-4  # (so the check can fail)
+
+
+def test_a_skipped_block_with_kv_too_old_makes_its_step_late():
+    """Kept K/V older than the cap (or none): the provider hears None and the step is late,
+    computed on the device (the recompute step: exact K/V, kept for the next steps)."""
+    model, tpl, run, req = _world(steps=6)
+    prov = Skipped(run.cache, {(s, 0) for s in range(6)})  # block 0 never fetched
+    out = cached_edit(model, tpl, run.geometry, prov, req, stale_max_age=3)
+    # step 0: nothing kept; steps 1-3 on step 0's (recomputed); step 4 (age 4) recomputed;
+    # step 5 on step 4's
+    assert prov.told == [(0, 0, None), (1, 0, 0), (2, 0, 0), (3, 0, 0), (4, 0, None),
+                         (5, 0, 4)]
+
+    class ByBlock:
+        def get(self, step, block):
+            src = {1: 0, 2: 0, 3: 0, 5: 4}.get(step, step) if block == 0 else step
+            return run.cache.get(src, block)
+
+    want = cached_edit(model, tpl, run.geometry, ByBlock(), req, stale_max_age=0)
+    assert (out - want).abs().max().item() <= 1e-5
+    told = []
+    prov2 = Skipped(run.cache, {(4, 0)})
+    prov2.stale_shard = lambda s, b, src: told.append((s, b, src))
+    off = cached_edit(model, tpl, run.geometry, prov2, req, stale_max_age=0)
+    assert told == []  # no stale reuse: a skipped block is a late step, recomputed
+    exact = cached_edit(model, tpl, run.geometry, run.cache, req)
+    assert (off - exact).abs().max().item() <= 1e-5
 
 # ------------------------------------------------------------------ the recompute step
 

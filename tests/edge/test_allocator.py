@@ -538,3 +538,26 @@ def test_a_local_step_ends_without_moving_the_execution_scale(impl):
     p.exec_ended_local(0, 0.5)  # 50x its prediction: a full step, not a cached one
     assert p.scale == pytest.approx(1.0)
     assert p.deadline(1, 0.5) == pytest.approx(0.5)  # and execution is where it ended
+
+
+def test_only_the_smallest_configuration_is_skippable_by_the_stale_plan(impl):
+    """The stale plan (edge/stale_plan.py) may leave a shard unfetched only where the
+    allocator's choice is the policy's smallest configuration; a fixed configuration never
+    (it keeps its configuration). Both runtimes' allocators."""
+    a = impl.adaptive([table(0), table(1, scale=2.0)])
+    assert a.skippable(0, 0) and a.skippable(1, 0)
+    assert not any(a.skippable(s, c) for s in (0, 1) for c in range(1, len(LADDER)))
+    # the choice when nothing fits is the smallest: skippable
+    assert a.skippable(0, a.choose(0, 0.01, 1e3))
+    import sakura_native as native
+    from sakura.edge.allocator import FixedAllocator
+
+    fixed = FixedAllocator([0, 0])
+    assert not fixed.skippable(0, 0)
+    assert not to_native(fixed, native).skippable(0, 0)
+
+
+def test_the_baselines_do_not_plan_stale_and_sakuras_policies_do():
+    assert {n for n, p in POLICIES.items() if p.plans_stale} == {
+        "sakura", "svd", "sakura-fixed-bits", "sakura-greedy", "sakura-optimistic",
+        "sakura-floor"}

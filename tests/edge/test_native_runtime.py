@@ -535,6 +535,63 @@ def test_an_outage_mid_edit_reuses_each_groups_last_kv_for_three_steps(
     assert res.stale_steps == 3 and res.local_fallbacks == 0
     assert all(r["exec_start"] <= r["exec_end"] for r in res.timeline), res.timeline
 
+async def fetch_configs(url, configs, policy="sakura"):
+    """The manifest and the bodies of shards 0.. at ``configs``, as the edit got them."""
+    async with PackClient(url) as client:
+        manifest = await client.manifest(TEMPLATE_ID, policy)
+        return manifest, [await client.fetch_config(TEMPLATE_ID, policy, j, c,
+                                                    manifest=manifest)
+                          for j, c in enumerate(configs)]
+
+
+@BOTH
+def test_the_stale_plan_leaves_smallest_choices_unfetched_while_the_group_kv_is_recent(
+        world, runtime, native_runtime, which):
+    """The stale plan (edge/stale_plan.py): with a budget that fits nothing (safety ~0) every
+    choice is the smallest configuration. Step 0's two groups have no earlier K/V and are
+    fetched; steps 1-3 are never requested and run on step 0's received K/V (ages 1-3, the
+    cap), with no wait and no step computed on the device. The image is the cached edit
+    over exactly those bytes; with the plan off every shard is fetched. Both runtimes.
+    (The local step is set to 5 s, so that no wait of a loaded machine decides.)"""
+    req = runtime.request(PROMPT, SEED)
+    rt = native_runtime if which == "native" else runtime
+    opts = EditOptions(safety=1e-12)
+    with local_step_bound(world, rt, req, opts, seconds=5.0):
+        app = RecordingApp(create_app(LocalStorage(world.catalog_dir)))
+        with Server(app) as server:
+            res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                          options=opts)
+            off = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                          options=replace(opts, stale_plan=False))
+            gets = [r for r in app.requests if r["method"] == "GET"
+                    and r["path"].endswith(".pack")]
+            manifest_d, bodies = asyncio.run(fetch_configs(server.url, res.configs[:2]))
+    assert world.template.steps == 4 and STALE_MAX_AGE == 3
+    got = [(r["shard"], r["bytes"] > 0, r["local"], r["planned_stale"], r.get("stale_from"))
+           for r in res.timeline]
+    assert got == [(0, True, False, False, None), (1, True, False, False, None)] + [
+        (j, False, False, True, 0) for j in range(2, 8)], got
+    assert res.planned_stale == 6 and res.stale_steps == 3 and res.local_fallbacks == 0
+    assert all(r["stall_s"] == 0.0 for r in res.timeline[2:]), res.timeline
+    assert all(r["exec_start"] <= r["exec_end"] for r in res.timeline), res.timeline
+    assert off.planned_stale == 0 and all(r["bytes"] > 0 for r in off.timeline)
+    assert len(gets) == 2 + 8  # (the plan's edit asked for two shards, the other for all)
+    manifest = Manifest.from_dict(manifest_d)
+    layout = manifest.layout()
+    tensors = [decode_config(manifest, j, c, b.data) for j, (c, b) in
+               enumerate(zip(res.configs[:2], bodies))]
+
+    class Step0:
+        def get(self, step, block):
+            j = layout.shard_of(0, block)
+            k = layout.blocks_of(j)[1].index(block)
+            return tensors[j][2 * k], tensors[j][2 * k + 1]
+
+    geo = Geometry.of(world.model, world.template)
+    want = cached_edit(world.model, world.template, geo, Step0(), req, stale_max_age=0)
+    assert (res.image - want).abs().max().item() <= TOL
+
+
 class Trickle:
     """ASGI wrapper: pack GETs send their real bytes one per ``gap_s`` (a link that still
     carries bytes, far too slowly for any configuration to arrive in a step)."""

@@ -647,7 +647,8 @@ json record_json(const sakura::ShardRecord& r, const json& params) {
           {"refetches", r.refetches}, {"requested", idx(r.requested)}, {"hedges", r.hedges},
           {"truncated", r.truncated}, {"damage", r.damage.empty() ? json(nullptr) : json(r.damage)},
           {"local", r.local}, {"outage", r.outage}, {"refinements", r.refinements},
-          {"stale_from", idx(r.stale_from)}, {"params", params}};
+          {"stale_from", idx(r.stale_from)}, {"planned_stale", r.planned_stale},
+          {"params", params}};
 }
 
 double median(std::vector<double> v) {
@@ -980,6 +981,10 @@ int run(const Args& a) {
   spec.options.lookahead_rtts = 3.0;
   spec.options.max_ahead_cap = 16;
   spec.options.refine = true;
+  // the stale plan (edge/stale_plan.py): SAKURA's policies, with the local fallback
+  const bool plans_stale = a.policy != "fp16" && a.policy != "intq" &&
+                           a.policy != "sakura-fixed-config";
+  spec.options.stale_plan_age = full_graphs && plans_stale ? sakura::kStaleMaxAge : 0;
   spec.reconstruct = a.reconstruct;
   spec.origin = origin;
 

@@ -115,6 +115,7 @@ void bind_allocation(py::module_& m) {
       .def("choose", &sakura::Allocator::choose, py::arg("shard"), py::arg("window_s"),
            py::arg("rate_bps"))
       .def("fallbacks", &sakura::Allocator::fallbacks, py::arg("shard"))
+      .def("skippable", &sakura::Allocator::skippable, py::arg("shard"), py::arg("config"))
       .def_property_readonly("num_shards", &sakura::Allocator::num_shards);
 
   py::class_<sakura::AdaptiveAllocator, sakura::Allocator,

@@ -89,6 +89,8 @@ const RecordField kRecordFields[] = {
     {"refinements", "int",
      [](const Record& r) -> py::object { return py::int_(r.refinements); }},
     {"stale_from", "int | None", [](const Record& r) { return none_if_negative(r.stale_from); }},
+    {"planned_stale", "bool",
+     [](const Record& r) -> py::object { return py::bool_(r.planned_stale); }},
 };
 
 // The record as a dict of every field, in the table's order (the JSON timeline's keys).
@@ -374,8 +376,10 @@ sakura::StreamSpec make_stream(const std::shared_ptr<StreamTable>& shards,
                                int max_inflight, double lookahead_rtts, int max_ahead_cap,
                                bool refine, std::string reconstruct,
                                std::optional<std::vector<int>> pipeline_cpus, double origin,
-                               std::int64_t channels, int intq_group) {
+                               std::int64_t channels, int intq_group, int stale_plan_age) {
+  if (stale_plan_age < 0) throw py::value_error("stale_plan_age must be >= 0");
   sakura::StreamSpec spec;
+  spec.options.stale_plan_age = stale_plan_age;
   spec.shards = shards->shards;
   spec.configs = shards->configs;
   spec.http = std::move(http);
@@ -583,7 +587,8 @@ void bind_edit(py::module_& m) {
            py::arg("lookahead_rtts") = so.lookahead_rtts,
            py::arg("max_ahead_cap") = so.max_ahead_cap, py::arg("refine") = so.refine,
            py::arg("reconstruct") = "cpu", py::arg("pipeline_cpus") = py::none(),
-           py::arg("origin") = 0.0, py::arg("channels") = 0, py::arg("intq_group") = 32)
+           py::arg("origin") = 0.0, py::arg("channels") = 0, py::arg("intq_group") = 32,
+           py::arg("stale_plan_age") = so.stale_plan_age)
       .def_property_readonly("shards", [](const sakura::StreamSpec& s) { return s.shards.size(); })
       .def_property_readonly("max_inflight", [](const sakura::StreamSpec& s) { return s.options.max_inflight; })
       .def_readonly("reconstruct", &sakura::StreamSpec::reconstruct);
@@ -621,6 +626,27 @@ void bind_edit(py::module_& m) {
         py::arg("local") = static_cast<const LocalFallback*>(nullptr),
         "A streamed edit (receive -> reconstruct -> execute); returns (latent, [ShardRecord], "
         "requests). local: the LocalFallback (sakura/edit.hpp, LocalSteps), or None.");
+  m.def(
+      "stale_source",
+      [](const std::vector<std::pair<int, std::vector<int>>>& shard_blocks,
+         const std::vector<bool>& planned, int shard, int max_age) -> py::object {
+        if (planned.size() != shard_blocks.size() || shard < 0 ||
+            shard >= static_cast<int>(shard_blocks.size())) {
+          throw py::value_error("planned must match shard_blocks, and shard be one of them");
+        }
+        std::vector<sakura::ShardRecord> recs(shard_blocks.size());
+        for (std::size_t i = 0; i < recs.size(); ++i) {
+          recs[i].shard = static_cast<int>(i);
+          recs[i].step = shard_blocks[i].first;
+          recs[i].blocks = shard_blocks[i].second;
+          recs[i].planned_stale = planned[i];
+        }
+        const int s = sakura::stale_source(recs, shard, max_age);
+        if (s < 0) return py::none();
+        return py::int_(s);
+      },
+      py::arg("shard_blocks"), py::arg("planned"), py::arg("shard"), py::arg("max_age"),
+      "The stale plan's source step (edge/stale_plan.py stale_source), or None.");
   m.def(
       "decode_intq",
       [](const py::bytes& data, int bits, int group, std::int64_t rows, std::int64_t channels) {

@@ -27,6 +27,9 @@ class Allocator {
   // The configurations of `shard` the policy accepts in place of its choice (a received
   // prefix at the deadline, the part before a damaged unit); none: it waits for its choice.
   virtual std::vector<int> fallbacks(int) const { return {}; }
+  // Whether the stale plan (edge/stale_plan.py) may run `shard` on its group's kept K/V
+  // instead of fetching `config`: the policy's smallest configuration.
+  virtual bool skippable(int /*shard*/, int /*config*/) const { return false; }
 };
 
 // Tail-aware choice (edge/lookahead.py, with the same arithmetic in the same order): plan
@@ -53,6 +56,7 @@ class AdaptiveAllocator final : public Allocator {
   int choose(int shard, double window_s, double rate_bps) const override;
   int num_shards() const override { return static_cast<int>(tables_.size()); }
   std::vector<int> fallbacks(int shard) const override;  // every candidate of its table
+  bool skippable(int shard, int config) const override { return config == smallest(shard); }
   int smallest(int shard) const;
   void set_lookahead(Lookahead lookahead);
   bool has_lookahead() const { return has_lookahead_; }

@@ -18,6 +18,17 @@
 
 namespace sakura {
 
+int stale_source(const std::vector<ShardRecord>& shards, int shard, int max_age) {
+  if (max_age <= 0) return -1;
+  const ShardRecord& me = shards.at(static_cast<std::size_t>(shard));
+  for (int i = shard - 1; i >= 0; --i) {
+    const ShardRecord& r = shards[static_cast<std::size_t>(i)];
+    if (me.step - r.step > max_age) return -1;
+    if (r.blocks == me.blocks && !r.planned_stale) return r.step;
+  }
+  return -1;
+}
+
 namespace {
 
 constexpr double kPollCapS = 0.05;  // longest poll while waiting for a slot or a transfer
@@ -277,6 +288,27 @@ void StreamFeed::issue(int j) {
   // the body starts after the bytes still due and after the request latency
   const double lead = std::max(due, monitor_->latency_s());
   const int config = allocator_->choose(j, window.window_s - lead, rate);
+  if (spec_.options.stale_plan_age > 0 && allocator_->skippable(j, config)) {
+    bool planned = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stale_source(records_, j, spec_.options.stale_plan_age) >= 0) {
+        // the stale plan (edge/stale_plan.py): never requested, run on its group's K/V
+        ShardRecord& rec = records_[j];
+        rec.planned_stale = planned = true;
+        rec.window_s = window.window_s;
+        rec.carry_s = window.carry_s;
+        rec.rate_bps = rate;
+        rec.lead_s = lead;
+        rec.deadline = window.deadline - spec_.origin;
+      }
+    }
+    if (planned) {
+      progress_->received(j, now);  // nothing to receive: ready at once
+      cv_.notify_all();             // execution may be waiting for it
+      return;
+    }
+  }
   auto it = spec_.configs[j].find(config);
   if (it == spec_.configs[j].end()) {
     throw std::runtime_error("the allocator chose configuration " + std::to_string(config) +
@@ -667,8 +699,9 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
   end_current(j, now);
   std::unique_lock<std::mutex> lock(mu_);
   if (executing_ >= 0 && executing_ != j) ready_.erase(executing_);
+  if (records_[j].planned_stale && !error_) return true;  // the stale plan: no wait
   const double until = now + std::max(0.0, timeout_s);
-  while (!ready_.count(j) && !error_) {
+  while (!ready_.count(j) && !records_[j].planned_stale && !error_) {
     if (cancelled_.load()) throw Cancelled();
     const double left = until - now_s();
     // an unreachable origin (a restart) is waited out within the retry window, never
@@ -706,7 +739,12 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
   waiting_until_ = std::numeric_limits<double>::infinity();
   predicted_late_ = false;
   records_[j].stall_s += now_s() - now;  // waited either way
-  return ready_.count(j) > 0;
+  return ready_.count(j) > 0 || records_[j].planned_stale;
+}
+
+bool StreamFeed::planned_stale(int j) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return records_[j].planned_stale;
 }
 
 void StreamFeed::skip(int j, int stale_from) {
@@ -723,7 +761,9 @@ void StreamFeed::skip(int j, int stale_from) {
       // locally and this output discarded, so the record says local but keeps its times.
       ended = std::isnan(rec.exec_end);
       if (ended) rec.exec_end = now - spec_.origin;
-      rec.local = true;
+      // (a group the stale plan ran on older K/V, when its step then runs stale: stale)
+      rec.local = stale_from < 0;
+      if (stale_from >= 0) rec.stale_from = stale_from;
       ready_.erase(j);
     } else {
       rec.local = stale_from < 0;
@@ -760,6 +800,10 @@ const float* StreamFeed::acquire(int j) {
     if (current >= 0 && current != j) ready_.erase(current);
     while (!ready_.count(j) && !error_) {
       if (cancelled_.load()) throw Cancelled();
+      if (records_[j].planned_stale) {
+        throw std::logic_error("shard " + std::to_string(j) + " was planned stale: the stale "
+                               "plan needs the local fallback (run_edit with LocalSteps)");
+      }
       if (waiting_ != j) {  // the receive thread enforces the deadline from now on
         waiting_ = j;
         waiting_since_ = now_s();
@@ -848,8 +892,10 @@ namespace {
 class StepRunner {
  public:
   // keep: keep each group's last K/V (stale reuse; kept_step)
-  StepRunner(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed, bool keep = false)
-      : g_(graphs), in_(in), feed_(feed), keep_(keep) {
+  // max_age: the oldest kept K/V a shard the stale plan did not fetch may run on
+  StepRunner(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed, bool keep = false,
+             int max_age = 0)
+      : g_(graphs), in_(in), feed_(feed), keep_(keep), max_age_(max_age) {
     graphs.check();
     if (graphs.takes_cache && feed == nullptr) {
       throw std::invalid_argument("cached graphs need a shard feed");
@@ -957,12 +1003,20 @@ class StepRunner {
           if (wait_s >= 0 && !feed_->ready_within(shard, bound)) {
             return false;
           }
-          kv = feed_->acquire(shard);
+          const bool planned = wait_s >= 0 && feed_->planned_stale(shard);
+          if (planned) {  // the stale plan: the group's kept K/V if recent enough
+            const int k = kept_step(g);
+            if (!keep_ || k < 0 || s - k > max_age_) return false;  // else the step is late
+            feed_->skip(shard, k);
+            kv = kept_[g].data();
+          } else {
+            kv = feed_->acquire(shard);
+          }
           const double w =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
           waited += w;
           if (s > 0 || g > 0) shared += w;
-          if (keep_) {  // acquire's matrices live until the next acquire: keep a copy
+          if (keep_ && !planned) {  // acquire's matrices live until the next acquire: keep a copy
             if (kept_.empty()) {
               kept_.resize(groups_);
               kept_step_.assign(groups_, -1);
@@ -1026,6 +1080,7 @@ class StepRunner {
   const EditInputs& in_;
   ShardFeed* feed_;
   bool keep_;  // keep each group's last K/V (stale reuse)
+  int max_age_;
   int steps_ = 0;
   std::size_t groups_ = 0;
   std::int64_t P_ = 0, M_ = 0, txt_n_ = 0, vec_n_ = 0;
@@ -1043,7 +1098,8 @@ class StepRunner {
 std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed* feed,
                             const std::atomic<bool>& cancel, LocalSteps* local) {
   StepRunner cached(graphs, in, feed,
-                    /*keep=*/local != nullptr && local->stale_max_age > 0);
+                    /*keep=*/local != nullptr && local->stale_max_age > 0,
+                    /*max_age=*/local != nullptr ? local->stale_max_age : 0);
   std::unique_ptr<StepRunner> full, tmpl;
   std::vector<float> xf, xt;
   if (local != nullptr) {

@@ -62,6 +62,7 @@ struct ShardRecord {
                                   // rule counted it: its last byte, or when transfers resumed
   int refinements = 0;     // extensions of its received configuration (prefix refinement)
   int stale_from = -1;     // its step ran on the K/V of this earlier step (stale reuse; -1 no)
+  bool planned_stale = false;  // never requested: the stale plan ran it on its group's K/V
 };
 
 // Raised when an edit is cancelled (Ctrl-C in Python).
@@ -84,6 +85,10 @@ class ShardFeed {
   // stale_from >= 0, the step runs on that earlier step's K/V (stale reuse) and the record
   // says so.
   virtual void skip(int, int /*stale_from*/ = -1) {}
+  // Whether the receive stage chose not to fetch shard j (the stale plan): it runs on its
+  // group's kept K/V when they are recent enough (run_edit), else its step is late. Known
+  // once ready_within(j, ...) returned true.
+  virtual bool planned_stale(int) const { return false; }
   // After the last shard executed: stamps its end, stops the stages.
   virtual void finish() {}
   virtual void cancel() {}
@@ -134,6 +139,10 @@ struct StreamOptions {
   // received shard whose execution is far enough away is extended by the next ranges of
   // its stream (one more single-range GET of the same pack; edit.cpp, try_refine)
   bool refine = true;
+  // the stale plan (edge/stale_plan.py): a shard whose choice the allocator calls skippable
+  // (its smallest) is not requested when its group's last fetched shard is at most this many
+  // steps before it (0: off)
+  int stale_plan_age = 0;
 };
 
 
@@ -169,6 +178,7 @@ class StreamFeed final : public ShardFeed {
   const float* acquire(int shard) override;
   bool ready_within(int shard, double timeout_s) override;
   void skip(int shard, int stale_from = -1) override;
+  bool planned_stale(int shard) const override;
   void finish() override;
   void cancel() override;
   std::vector<ShardRecord> records() const override;
@@ -267,6 +277,11 @@ struct EditInputs {
 // 18 cases, +0.6 to +15.0 dB against exact (docs/bench/stale-reuse.json); a stale step
 // costs a cached step's time, about a third of a local one.
 constexpr int kStaleMaxAge = 3;
+
+// The stale plan's source (edge/stale_plan.py, stale_source): the step of the last shard
+// before `shard` with the same blocks that is not planned stale, when at most max_age steps
+// before shard's; else -1.
+int stale_source(const std::vector<ShardRecord>& shards, int shard, int max_age);
 
 // The recompute step (dit/editing.py RecomputedKV, the same rule): with `recompute` set, a
 // step computed on the device runs the template pass (the template's tokens on their
