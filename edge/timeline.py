@@ -61,9 +61,13 @@ def setup_phases(origin: float, manifest: Any, loop_start: list[float], first_by
 def config_label(row: dict[str, Any]) -> str:
     """What a shard ran at, for the plot: ``r16 8b`` (rank, bits), ``4b``, or the
     configuration id; ``truncated`` / ``fallback`` when it was not what it asked for;
-    ``local`` when its step was computed on the device (local fallback)."""
+    ``local`` when its step was computed on the device (local fallback), ``stale (step
+    k)`` when it ran on its group's K/V of step k without its bytes (stale reuse, the stale
+    plan)."""
     if row.get("local"):
         return "local"
+    if row.get("stale_from") is not None and not row.get("bytes"):
+        return f"stale (step {row['stale_from']})"
     params = row.get("params") or {}
     if "rank" in params and "bits" in params:
         text = f"r{params['rank']} {params['bits']}b"

@@ -36,7 +36,7 @@ def test_the_result_records_the_set_up_phases(paced):
     assert phases["manifest"]["cached"] is False
     for p in paced.phases:
         assert 0.0 <= p["start"] <= p["end"] <= paced.latency_s, p
-    first_request = min(r["recv_start"] for r in paced.timeline)
+    first_request = min(r["recv_start"] for r in paced.timeline if r["recv_start"] is not None)
     assert phases["plan"]["end"] <= first_request + 1e-6  # set-up ends before shard 0 asks
     assert phases["manifest"]["end"] <= phases["plan"]["start"] + 1e-6
     if paced.startup_allowance_s > 0 and "startup allowance" in phases:
@@ -62,10 +62,15 @@ def test_the_plot_starts_at_zero_and_says_what_each_shard_got(paced, tmp_path):
     texts = {t.get_text() for t in ax.texts}
     for row in paced.timeline:
         p = row["params"]
-        assert config_label(row).startswith(f"r{p['rank']} {p['bits']}b")
+        if row["planned_stale"]:  # not fetched (edge/stale_plan.py): the K/V it ran on
+            assert config_label(row) == f"stale (step {row['stale_from']})"
+        else:
+            assert config_label(row).startswith(f"r{p['rank']} {p['bits']}b")
         assert config_label(row) in texts
     assert "rate estimate" in rate_ax.get_ylabel()
-    estimates = [r["rate_bps"] / 1e6 for r in paced.timeline if r.get("rate_bps")]
+    # (drawn at each request: a shard the stale plan left unfetched has none)
+    estimates = [r["rate_bps"] / 1e6 for r in paced.timeline
+                 if r.get("rate_bps") and r["recv_start"] is not None]
     assert estimates and max(rate_ax.get_ylim()) >= max(estimates)
     legend = {t.get_text() for t in ax.get_legend().get_texts()}
     assert {"receive", "reconstruct", "execute", "stall", "manifest", "plan"} <= legend
