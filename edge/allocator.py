@@ -40,6 +40,10 @@ policy                       codec    choice per shard
 none of its shards can arrive in time (SAKURA's policies and ``cachegen``, whose paper falls
 back to recomputation; not ``fp16`` and ``intq``, plain streaming baselines, nor ``local``).
 
+``Policy.plans_stale``: whether the receive stage leaves a shard unfetched when the choice is
+the policy's smallest configuration and the shard's group holds recent K/V
+(:mod:`edge.stale_plan`; ``Allocator.skippable``): SAKURA's policies, not the baselines.
+
 ``options["lookahead"]`` (``EditOptions.policy_options``) turns the plan on or off for any
 adaptive policy; the baselines keep their published greedy rule by default.
 
@@ -60,6 +64,7 @@ from typing import Any, Protocol
 
 from sakura.edge.errors import EdgeError
 from sakura.edge.lookahead import Lookahead, config_cost
+from sakura.edge.stale_plan import skippable as stale_skippable
 
 
 @dataclass(frozen=True)
@@ -202,7 +207,8 @@ class Allocator(Protocol):
 
     def skippable(self, shard: int, config: int) -> bool:
         """Whether the stale plan (:mod:`edge.stale_plan`) may run ``shard`` on its group's
-        kept K/V instead of fetching ``config``: the policy's smallest configuration."""
+        kept K/V instead of fetching ``config``: the policy's smallest configuration, or one
+        profiled below ``STALE_PLAN_DB``."""
         ...
 
 
@@ -241,7 +247,8 @@ class AdaptiveAllocator:
         return self.tables[shard].best.id
 
     def skippable(self, shard: int, config: int) -> bool:
-        return config == self.tables[shard].smallest.id
+        table = self.tables[shard]
+        return stale_skippable(table.by_id(config).psnr_db, config == table.smallest.id)
 
 
 @dataclass
@@ -318,6 +325,8 @@ def to_native(allocator: Allocator, native: Any) -> Any:
         if la is not None:
             out.set_lookahead([list(c) for c in la.costs], list(la.slots_s), la.horizon,
                               la.bins)
+        out.set_skippable([[o.id for o in t.options if allocator.skippable(t.shard, o.id)]
+                           for t in allocator.tables])
         return out
     if isinstance(allocator, FixedAllocator):
         return native.FixedAllocator(list(allocator.configs))

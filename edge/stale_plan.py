@@ -1,23 +1,28 @@
 """The stale plan: a shard not worth its smallest configuration's bytes is not fetched.
 
-When the allocator's choice for a shard is its policy's smallest configuration (the link
-gives that shard almost nothing), the receive stage does not request it if the shard's block
-group will hold K/V at most ``stale_max_age`` steps old when it runs: the last earlier shard
+When the allocator's choice for a shard is its policy's smallest configuration, or one whose
+profiled output PSNR is below :data:`STALE_PLAN_DB` (the link gives that shard little), the
+receive stage does not request it if the shard's block group will hold K/V at most
+``stale_max_age`` steps old when it runs: the last earlier shard
 of the same blocks that is fetched (not itself planned stale). At execution the group runs on
 the K/V it last ran on (``dit.stale.StaleReuse``: received, or recomputed by a local step),
 as a stale step does, with no wait; if those turn out older than ``stale_max_age`` (their
 shard's step was computed locally with every token), the step is late and the local fallback
 computes it (``edge.local_fallback``).
 
-Why the smallest configuration: measured on the tail bench's three templates
+Why these configurations: measured on the tail bench's three templates
 (``scripts/stale_vs_smallest.py``, ``docs/bench/stale-vs-smallest.json``), one shard run on
 the previous step's exact K/V beat the same shard at the pack's smallest configuration in 114
 of 114 shards (68-76 dB mean against 44-48), and three steps stale beat three steps at the
 smallest configuration by 12-27 dB. The tail bench's worst sakura edits were runs of
 smallest configurations on a slow link (e.g. 29.5 dB where the same start with nothing
 received, every step recomputed or stale, gave 39.4: ``docs/bench/tail.json``, 2026-12-06).
-Larger configurations are fetched: the plan's per-shard PSNR model has no term for an age,
-so the rule stays where the measurement is unambiguous.
+The first version skipped the smallest configuration only; on the tail bench the worst
+sakura edit then fetched configurations 1-3 (39-44 dB) through a rate dip and reached
+28.8 dB where ``sakura-fixed-bits``, whose smallest 4-bit configuration is larger and so
+skipped more often, reached 39.4. Better configurations are fetched: the plan's per-shard
+PSNR model has no term for an age, so the threshold stays below the worst measured stale
+run.
 
 SAKURA's policies plan stale (``Policy.plans_stale``); the baselines keep their published
 streaming, and ``sakura-fixed-config`` keeps its configuration. ``EditOptions.stale_plan``
@@ -28,6 +33,22 @@ applies the same rule through :func:`stale_source`'s twin, ``stale_source`` ther
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+STALE_PLAN_DB = 50.0
+"""A configuration whose profiled output PSNR (``quality.psnr_db``: the edit with only that
+shard at it) is below this is not worth its bytes while stale K/V are at hand. From the same
+measurement: three consecutive steps run stale (every group, ages 1-3 from the step before)
+gave 42.8-59.9 dB on the three templates, the worst on steps 1-3 (42.8 / 43.9 / 52.8 dB);
+over the six shards of such a run the plan's additive error model makes that a per-shard
+42.8 + 10 log10(6) = 50.5 dB at the worst, so a configuration below 50 dB loses to running
+stale even there. The smallest configuration is always below (44-48 dB mean measured)."""
+
+
+def skippable(psnr_db: float | None, smallest: bool) -> bool:
+    """The stale plan may leave a shard unfetched at this choice: its policy's smallest
+    configuration, or one profiled below :data:`STALE_PLAN_DB` (a configuration with no
+    output PSNR: the smallest only)."""
+    return smallest or (psnr_db is not None and psnr_db == psnr_db and psnr_db < STALE_PLAN_DB)
 
 
 def stale_source(shard_blocks: Sequence[tuple[int, Sequence[int]]],

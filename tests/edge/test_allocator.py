@@ -540,18 +540,28 @@ def test_a_local_step_ends_without_moving_the_execution_scale(impl):
     assert p.deadline(1, 0.5) == pytest.approx(0.5)  # and execution is where it ended
 
 
-def test_only_the_smallest_configuration_is_skippable_by_the_stale_plan(impl):
+def test_the_stale_plan_may_skip_the_smallest_and_configurations_below_its_threshold(impl):
     """The stale plan (edge/stale_plan.py) may leave a shard unfetched only where the
-    allocator's choice is the policy's smallest configuration; a fixed configuration never
-    (it keeps its configuration). Both runtimes' allocators."""
-    a = impl.adaptive([table(0), table(1, scale=2.0)])
-    assert a.skippable(0, 0) and a.skippable(1, 0)
-    assert not any(a.skippable(s, c) for s in (0, 1) for c in range(1, len(LADDER)))
-    # the choice when nothing fits is the smallest: skippable
-    assert a.skippable(0, a.choose(0, 0.01, 1e3))
+    allocator's choice is the policy's smallest configuration or one profiled below
+    STALE_PLAN_DB; a fixed configuration never (it keeps its configuration). Both runtimes'
+    allocators, and the C++ twin of the rule."""
     import sakura_native as native
     from sakura.edge.allocator import FixedAllocator
+    from sakura.edge.stale_plan import STALE_PLAN_DB, skippable
 
+    assert STALE_PLAN_DB == native.STALE_PLAN_DB == 50.0
+    psnrs = [62.0, 55.0, 50.0, 49.9, 44.0, 58.0]  # ids 0..5, bytes growing with the id
+    opts = [ConfigOption(id=i, nbytes=1000 * (i + 1), params={}, psnr_db=q)
+            for i, q in enumerate(psnrs)]
+    unknown = [ConfigOption(id=i, nbytes=1000 * (i + 1), params={}, weighted_err=1.0 / (i + 1))
+               for i in range(3)]
+    a = impl.adaptive([ShardOptions(0, opts), ShardOptions(1, unknown)])
+    assert [c for c in range(6) if a.skippable(0, c)] == [0, 3, 4]  # smallest; < 50 dB
+    assert [c for c in range(3) if a.skippable(1, c)] == [0]  # no PSNR: the smallest only
+    assert a.skippable(0, a.choose(0, 0.01, 1e3))  # nothing fits: the smallest
+    for q in (None, float("nan"), 10.0, 49.99, 50.0, 80.0):
+        for small in (False, True):
+            assert skippable(q, small) == native.stale_skippable(q, small), (q, small)
     fixed = FixedAllocator([0, 0])
     assert not fixed.skippable(0, 0)
     assert not to_native(fixed, native).skippable(0, 0)

@@ -520,6 +520,19 @@ std::shared_ptr<sakura::Allocator> adaptive(const std::vector<std::vector<Option
     costs.push_back(std::move(cost));
   }
   auto out = std::make_shared<sakura::AdaptiveAllocator>(t, 0.0, safety);
+  // the stale plan's configurations (edge/stale_plan.py: the smallest, or below
+  // kStalePlanDb)
+  std::vector<std::vector<int>> skip;
+  for (std::size_t s = 0; s < tables.size(); ++s) {
+    std::vector<int> ids;
+    for (const auto& o : tables[s]) {
+      if (sakura::stale_skippable(o.psnr, o.id == out->smallest(static_cast<int>(s)))) {
+        ids.push_back(o.id);
+      }
+    }
+    skip.push_back(std::move(ids));
+  }
+  out->set_skippable(std::move(skip));
   if (plan && known && !exec_s.empty()) {
     sakura::Lookahead la;
     la.costs = std::move(costs);

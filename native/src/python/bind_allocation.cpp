@@ -33,6 +33,9 @@ void bind_allocation(py::module_& m) {
       py::arg("ahead"), py::arg("max_ahead"), py::arg("max_ahead_cap"),
       py::arg("until_start_s"), py::arg("horizon_s"),
       "0: request now; t: in t seconds; None: once execution advances (the receive rule).");
+  m.attr("STALE_PLAN_DB") = sakura::kStalePlanDb;
+  m.def("stale_skippable", &sakura::stale_skippable, py::arg("psnr_db"), py::arg("smallest"),
+        "The stale plan's rule (edge/stale_plan.py skippable).");
   m.def("budget_bytes", &sakura::budget_bytes, py::arg("window_s"), py::arg("rate_bps"),
         py::arg("latency_s") = 0.0, py::arg("safety") = 1.0,
         "Bytes that fit in the window at the estimated rate after the request latency.");
@@ -133,6 +136,9 @@ void bind_allocation(py::module_& m) {
            py::arg("tables"), py::arg("latency_s") = 0.0, py::arg("safety") = 0.8,
            "tables[shard] = [(config id, bytes), ...], best quality first.")
       .def("smallest", &sakura::AdaptiveAllocator::smallest, py::arg("shard"))
+      .def("set_skippable", &sakura::AdaptiveAllocator::set_skippable, py::arg("ids"),
+           "ids[shard]: the configurations the stale plan may leave unfetched (default: "
+           "the smallest)")
       .def(
           "set_lookahead",
           [](sakura::AdaptiveAllocator& a, std::vector<std::vector<double>> costs,

@@ -46,6 +46,24 @@ std::vector<int> AdaptiveAllocator::fallbacks(int shard) const {
   return out;
 }
 
+bool stale_skippable(std::optional<double> psnr_db, bool smallest) {
+  return smallest || (psnr_db && std::isfinite(*psnr_db) && *psnr_db < kStalePlanDb);
+}
+
+bool AdaptiveAllocator::skippable(int shard, int config) const {
+  check_shard(shard, tables_.size());
+  if (skippable_.empty()) return config == smallest_[shard];
+  const auto& ids = skippable_[shard];
+  return std::find(ids.begin(), ids.end(), config) != ids.end();
+}
+
+void AdaptiveAllocator::set_skippable(std::vector<std::vector<int>> ids) {
+  if (ids.size() != tables_.size()) {
+    throw std::invalid_argument("set_skippable needs one list per shard");
+  }
+  skippable_ = std::move(ids);
+}
+
 int AdaptiveAllocator::smallest(int shard) const {
   check_shard(shard, tables_.size());
   return smallest_[shard];

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace sakura {
@@ -56,7 +57,9 @@ class AdaptiveAllocator final : public Allocator {
   int choose(int shard, double window_s, double rate_bps) const override;
   int num_shards() const override { return static_cast<int>(tables_.size()); }
   std::vector<int> fallbacks(int shard) const override;  // every candidate of its table
-  bool skippable(int shard, int config) const override { return config == smallest(shard); }
+  // the smallest configuration, or (set_skippable) those the policy lists per shard
+  bool skippable(int shard, int config) const override;
+  void set_skippable(std::vector<std::vector<int>> ids);
   int smallest(int shard) const;
   void set_lookahead(Lookahead lookahead);
   bool has_lookahead() const { return has_lookahead_; }
@@ -66,8 +69,15 @@ class AdaptiveAllocator final : public Allocator {
   Lookahead lookahead_;
   bool has_lookahead_ = false;
   std::vector<int> smallest_;
+  std::vector<std::vector<int>> skippable_;  // empty: the smallest only
   double latency_s_, safety_;
 };
+
+// The stale plan's threshold (edge/stale_plan.py STALE_PLAN_DB, the same measurement): a
+// configuration profiled below this output PSNR is not worth its bytes while recent K/V are
+// at hand; one without a PSNR is judged by whether it is the smallest.
+constexpr double kStalePlanDb = 50.0;
+bool stale_skippable(std::optional<double> psnr_db, bool smallest);
 
 // A precomputed configuration per shard, whatever the window.
 class FixedAllocator final : public Allocator {
