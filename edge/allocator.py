@@ -113,6 +113,8 @@ class ShardOptions:
         if not self.options:
             raise EdgeError(f"shard {self.shard} has no configurations in the manifest")
         self.options = rank_by_quality(self.options)
+        # fewest bytes; among equal sizes the one ranked last (as the C++ twin)
+        self._smallest = min(reversed(self.options), key=lambda o: o.nbytes)
 
     def by_id(self, config: int) -> ConfigOption:
         for o in self.options + self.dominated:
@@ -122,7 +124,7 @@ class ShardOptions:
 
     @property
     def smallest(self) -> ConfigOption:
-        return min(self.options, key=lambda o: (o.nbytes, -self.options.index(o)))
+        return self._smallest
 
     @property
     def best(self) -> ConfigOption:
@@ -325,7 +327,8 @@ def to_native(allocator: Allocator, native: Any) -> Any:
         if la is not None:
             out.set_lookahead([list(c) for c in la.costs], list(la.slots_s), la.horizon,
                               la.bins)
-        out.set_skippable([[o.id for o in t.options if allocator.skippable(t.shard, o.id)]
+        out.set_skippable([[o.id for o in t.options
+                            if stale_skippable(o.psnr_db, o is t.smallest)]
                            for t in allocator.tables])
         return out
     if isinstance(allocator, FixedAllocator):
