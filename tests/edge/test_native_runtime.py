@@ -538,6 +538,25 @@ def test_an_outage_mid_edit_reuses_each_groups_last_kv_for_three_steps(
     assert res.stale_steps == 3 and res.local_fallbacks == 0
     assert all(r["exec_start"] <= r["exec_end"] for r in res.timeline), res.timeline
 
+def shards_asked(manifest, requests):
+    """The shards whose byte spans the pack GETs among ``requests`` asked for (a range
+    anywhere in a shard's stream: a configuration, a resume or an extension)."""
+    spans = {}
+    for sh in manifest["shards"]:
+        for c in sh["configs"]:
+            for off, length in c["ranges"]:
+                lo, hi = spans.get(sh["index"], (off, off + length))
+                spans[sh["index"]] = (min(lo, off), max(hi, off + length))
+    out = set()
+    for r in requests:
+        rng = r["headers"].get("range")
+        if r["method"] != "GET" or not r["path"].endswith(".pack") or rng is None:
+            continue
+        start = int(rng.split("=", 1)[1].split("-")[0])
+        out |= {j for j, (lo, hi) in spans.items() if lo <= start < hi}
+    return out
+
+
 async def fetch_configs(url, configs, policy="sakura"):
     """The manifest and the bodies of shards 0.. at ``configs``, as the edit got them."""
     async with PackClient(url) as client:
@@ -564,10 +583,11 @@ def test_the_stale_plan_leaves_smallest_choices_unfetched_while_the_group_kv_is_
         with Server(app) as server:
             res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                           options=opts)
+            n_plan = len(app.requests)
             off = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
                           options=replace(opts, stale_plan=False))
-            gets = [r for r in app.requests if r["method"] == "GET"
-                    and r["path"].endswith(".pack")]
+            asked = [shards_asked(world.manifests["sakura"], reqs)
+                     for reqs in (app.requests[:n_plan], app.requests[n_plan:])]
             manifest_d, bodies = asyncio.run(fetch_configs(server.url, res.configs[:2]))
     assert world.template.steps == 4 and STALE_MAX_AGE == 3
     got = [(r["shard"], r["bytes"] > 0, r["local"], r["planned_stale"], r.get("stale_from"))
@@ -578,7 +598,9 @@ def test_the_stale_plan_leaves_smallest_choices_unfetched_while_the_group_kv_is_
     assert all(r["stall_s"] == 0.0 for r in res.timeline[2:]), res.timeline
     assert all(r["exec_start"] <= r["exec_end"] for r in res.timeline), res.timeline
     assert off.planned_stale == 0 and all(r["bytes"] > 0 for r in off.timeline)
-    assert len(gets) == 2 + 8  # (the plan's edit asked for two shards, the other for all)
+    # the plan's edit asked for bytes of shards 0 and 1 only (retries, hedges and
+    # refinements included), the other for every shard
+    assert asked == [{0, 1}, set(range(8))], asked
     manifest = Manifest.from_dict(manifest_d)
     layout = manifest.layout()
     tensors = [decode_config(manifest, j, c, b.data) for j, (c, b) in
