@@ -35,12 +35,10 @@ from sakura.dit.editing import (
     template_run,
 )
 from sakura.dit.stale import STALE_MAX_AGE
-from sakura.dit.templates import device_template, load_catalog, template_assets
-from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-from sakura.edge.runtime import EdgeRuntime
+from sakura.dit.templates import device_template, template_assets
 
 sys.path.insert(0, str(Path(__file__).parent))
-from stale_reuse import TEMPLATES, Late, patterns  # noqa: E402
+from stale_reuse import TEMPLATES, Late, patterns, shipped  # noqa: E402
 
 
 def step_costs(model, template, device, geo, exact, req, ts) -> dict[str, float]:
@@ -72,10 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="docs/bench/recompute-step.json")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    model = load_model(DEFAULT_WEIGHTS)
-    rt = EdgeRuntime(model)
-    specs = load_catalog()
+    model, rt, specs = shipped()
     out: dict = {"reference": "the exact edit (uncompressed template cache, no late step)",
                  "model": "the shipped MMDiT (dit/weights)", "torch_threads": 1,
                  "default_cap": STALE_MAX_AGE, "templates": {}, "step_s": {}}

@@ -11,24 +11,22 @@ cached step. Prints one line per template (the figures in ``edge/README.md``).
 
 from __future__ import annotations
 
-import torch
+import sys
+from pathlib import Path
+
 from sakura.dit.bench_kv import median_time
 from sakura.dit.editing import EditRequest, Geometry
-from sakura.dit.templates import load_catalog
-from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
+from sakura.dit.weights import DEFAULT_WEIGHTS
 from sakura.edge.native_runtime import NativeEngine, step_groups
-from sakura.edge.runtime import EdgeRuntime
 
 from sakura.digest import file_sha256
 
-TEMPLATES = ("face-technologist", "tryon-tuxedo", "edit-car-top")
+sys.path.insert(0, str(Path(__file__).parent))
+from stale_reuse import TEMPLATES, shipped  # noqa: E402
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    model = load_model(DEFAULT_WEIGHTS)
-    rt = EdgeRuntime(model)
-    specs = load_catalog()
+    model, rt, specs = shipped()
     eng = NativeEngine(model, file_sha256(DEFAULT_WEIGHTS))
     groups = step_groups(model.cfg.num_blocks, model.cfg.num_blocks)
     for tid in TEMPLATES:

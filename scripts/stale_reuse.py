@@ -25,6 +25,17 @@ from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
 from sakura.edge.runtime import EdgeRuntime
 
 TEMPLATES = ("face-technologist", "tryon-tuxedo", "edit-car-top")
+"""One template per workload (face swap, try-on, instruction): the late-step measurements'
+templates (this script's, ``recompute_step.py``, ``recompute_step_native.py``,
+``stale_vs_smallest.py``)."""
+
+
+def shipped() -> tuple:
+    """What those measurements read: the shipped model (one torch thread), a device runtime
+    on it, and the template catalog."""
+    torch.set_num_threads(1)
+    model = load_model(DEFAULT_WEIGHTS)
+    return model, EdgeRuntime(model), load_catalog()
 CAPS = (0, 1, 2, 3, 4, 6, 20)
 
 
@@ -48,10 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="docs/bench/stale-reuse.json")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    model = load_model(DEFAULT_WEIGHTS)
-    rt = EdgeRuntime(model)
-    specs = load_catalog()
+    model, rt, specs = shipped()
     out: dict = {"caps": list(CAPS), "default_cap": STALE_MAX_AGE, "templates": {},
                  "reference": "the exact edit (uncompressed template cache, no late step)",
                  "model": "the shipped MMDiT (dit/weights)", "torch_threads": 1}

@@ -21,17 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
 from sakura.codec.pack import Manifest, PackReader, decode_config
 from sakura.dit.editing import cached_edit, region_psnr, template_run
-from sakura.dit.templates import load_catalog
-from sakura.dit.weights import DEFAULT_WEIGHTS, load_model
-from sakura.edge.runtime import EdgeRuntime
 
-TEMPLATES = ("tryon-tuxedo", "face-technologist", "edit-car-top")
+sys.path.insert(0, str(Path(__file__).parent))
+from stale_reuse import TEMPLATES, shipped  # noqa: E402
 
 
 class Mixed:
@@ -110,10 +108,7 @@ def main() -> None:
     ap.add_argument("packs")
     ap.add_argument("--json", default="docs/bench/stale-vs-smallest.json")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    model = load_model(DEFAULT_WEIGHTS)
-    rt = EdgeRuntime(model)
-    specs = load_catalog()
+    model, rt, specs = shipped()
     out: dict = {"reference": "the exact edit (the template run's K/V)", "templates": {},
                  "model": "the shipped MMDiT (dit/weights)", "packs": "sakura"}
     t0 = time.monotonic()
