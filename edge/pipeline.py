@@ -62,7 +62,6 @@ from sakura.edge.local_fallback import LocalFallback
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress, Window
 from sakura.edge.netloop import NetLoop, wait_event
 from sakura.edge.refinement import REFINE_MARGIN, PrefixRefinement
-from sakura.edge.stale_plan import stale_source
 from sakura.edge.shard_records import (
     STALL_EPS_S,
     InFlight,
@@ -71,6 +70,7 @@ from sakura.edge.shard_records import (
     ShardWait,
     stats_of,
 )
+from sakura.edge.stale_plan import stale_source
 from sakura.edge.transfer import Fetched, Transfer
 
 from sakura.errors import SakuraError
@@ -151,7 +151,7 @@ class Pipeline(PrefixRefinement, LocalFallback):
         self.local_step_s = local_step_s
         self.stale_max_age = int(stale_max_age)
         # the stale plan (edge/stale_plan.py): ``skippable(shard, config)`` says the choice is
-        # the policy's smallest (None: off)
+        # not worth its bytes while recent K/V are at hand (``Allocator.skippable``; None: off)
         self.skippable = skippable
         self._local_mode = False
         self._stale_wait_s: float | None = None  # the wait after a stale step (ran_stale)

@@ -32,6 +32,7 @@ applies the same rule through :func:`stale_source`'s twin, ``stale_source`` ther
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 STALE_PLAN_DB = 50.0
@@ -48,7 +49,8 @@ def skippable(psnr_db: float | None, smallest: bool) -> bool:
     """The stale plan may leave a shard unfetched at this choice: its policy's smallest
     configuration, or one profiled below :data:`STALE_PLAN_DB` (a configuration with no
     output PSNR: the smallest only)."""
-    return smallest or (psnr_db is not None and psnr_db == psnr_db and psnr_db < STALE_PLAN_DB)
+    return smallest or (psnr_db is not None and math.isfinite(psnr_db)
+                        and psnr_db < STALE_PLAN_DB)
 
 
 def stale_source(shard_blocks: Sequence[tuple[int, Sequence[int]]],
