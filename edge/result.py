@@ -73,10 +73,16 @@ class EditResult:
         elif est is None:
             text += "; no PSNR profile in the pack"
         else:
+            # shards that ran on earlier K/V (stale reuse, the stale plan) have no profile
+            # either: the estimate is over the shards that ran on their own bytes
+            stale = sum(1 for r in self.timeline
+                        if r.get("config") is None and not r.get("local"))
+            left_out = ([f"{local} steps computed on the device"] if local else []) + (
+                [f"{stale} shards run on earlier K/V"] if stale else [])
             text += (f"; PSNR vs exact ~{'inf' if math.isinf(est) else f'{est:.1f}'} dB "
                      "(estimated from the pack's profile"
-                     + (f", over the streamed steps: {local} computed on the device are not "
-                        "in it)" if local else ")"))
+                     + (f", over the streamed shards: {' and '.join(left_out)} are not "
+                        "in it)" if left_out else ")"))
         if self.shards_below_largest:
             by_link = self.shards_below_largest - self.limited_by_policy
             why = []

@@ -145,3 +145,29 @@ def test_steps_computed_on_the_device_are_not_in_the_estimate(profiled):
     alone = received_quality(manifest, [r for r in streamed if r["shard"] % 2 == 0])
     assert some["psnr_estimate_db"] == pytest.approx(alone["psnr_estimate_db"])
     assert some["psnr_estimate_db"] > everything["psnr_estimate_db"]  # fewer errors summed
+
+
+def test_the_quality_line_says_which_shards_the_estimate_leaves_out():
+    """A step computed on the device and a shard run on earlier K/V (stale reuse, the stale
+    plan: no configuration of its own) have no profile: the line names both counts."""
+    import torch
+    from sakura.edge.result import EditResult
+
+    rows = [{"shard": 0, "step": 0, "config": 3, "local": False},
+            {"shard": 1, "step": 1, "config": None, "local": False, "stale_from": 0},
+            {"shard": 2, "step": 2, "config": None, "local": True}]
+    res = EditResult(image=torch.zeros(3, 2, 2), policy="sakura", codec="sakura",
+                     latency_s=0.1, local_fallbacks=1, timeline=rows,
+                     full_quality_byte_fraction=0.5, psnr_estimate_db=40.0)
+    line = res.quality_line()
+    assert ("~40.0 dB (estimated from the pack's profile, over the streamed shards: 1 steps "
+            "computed on the device and 1 shards run on earlier K/V are not in it)") in line
+    only_stale = EditResult(image=torch.zeros(3, 2, 2), policy="sakura", codec="sakura",
+                            latency_s=0.1, timeline=rows[:2], full_quality_byte_fraction=0.5,
+                            psnr_estimate_db=40.0)
+    assert "over the streamed shards: 1 shards run on earlier K/V are not in it" in \
+        only_stale.quality_line()
+    full = EditResult(image=torch.zeros(3, 2, 2), policy="sakura", codec="sakura",
+                      latency_s=0.1, timeline=rows[:1], full_quality_byte_fraction=1.0,
+                      psnr_estimate_db=40.0)
+    assert full.quality_line().endswith("(estimated from the pack's profile)")
