@@ -394,7 +394,10 @@ def test_a_connection_reset_mid_body_is_resumed_or_runs_on_its_prefix(world, run
         hit = [r for r in res.timeline if r["resumes"] >= 1 or r["truncated"]]
         assert hit, res.timeline[:3]
         first = hit[0]
-        if first["resumes"]:  # (sent by the client; a truncation may have cancelled it)
+        # a resume is counted as the client builds it: a truncation at the deadline may
+        # cancel it before it leaves (CI saw one), so only a shard that finished on its
+        # resume must show the narrower Range at the origin
+        if first["resumes"] and not first["truncated"]:
             resumed = [r.headers for r in log if r.url.endswith(".pack")
                        and "If-Range" in r.headers]
             assert resumed and all(h["Range"].startswith("bytes=") for h in resumed)
