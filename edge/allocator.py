@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sakura.edge.errors import EdgeError
-from sakura.edge.lookahead import Lookahead, config_cost
+from sakura.edge.lookahead import STALE, Lookahead, config_cost
 from sakura.edge.stale_plan import skippable as stale_skippable
 
 
@@ -192,7 +192,10 @@ class Allocator(Protocol):
 
     name: str
 
-    def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
+    def choose(self, shard: int, window_s: float, rate_bps: float,
+               stale: Callable[[int], bool] | None = None) -> int:
+        """``stale(m)``: shard ``m`` may run on its group's kept K/V at no bytes (the stale
+        plan; a lookahead plans with it, :mod:`edge.lookahead`)."""
         ...
 
     def fallbacks(self, shard: int) -> list[int]:
@@ -227,15 +230,20 @@ class AdaptiveAllocator:
     name: str = "adaptive"
     lookahead: Lookahead | None = None
 
-    def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
+    def choose(self, shard: int, window_s: float, rate_bps: float,
+               stale: Callable[[int], bool] | None = None) -> int:
         table = self.tables[shard]
         if self.lookahead is not None:
             budgets = [budget_bytes(w, rate_bps, self.latency_s, self.safety)
                        for w in self.lookahead.windows(shard, window_s)]
             sizes = [[o.nbytes for o in t.options]
                      for t in self.tables[shard:shard + len(budgets)]]
-            pick = self.lookahead.choose(shard, sizes, budgets)
-            return table.options[pick].id if pick is not None else table.smallest.id
+            may = ([bool(stale(shard + m)) for m in range(len(budgets))]
+                   if stale is not None else None)
+            pick = self.lookahead.choose(shard, sizes, budgets, may)
+            if pick is None or pick == STALE:  # (the smallest: the receive stage skips it)
+                return table.smallest.id
+            return table.options[pick].id
         budget = budget_bytes(window_s, rate_bps, self.latency_s, self.safety)
         for opt in table.options:  # best first
             if opt.nbytes <= budget:
@@ -260,7 +268,8 @@ class FixedAllocator:
     configs: list[int]
     name: str = "fixed"
 
-    def choose(self, shard: int, window_s: float, rate_bps: float) -> int:
+    def choose(self, shard: int, window_s: float, rate_bps: float,
+               stale: Callable[[int], bool] | None = None) -> int:
         return self.configs[shard]
 
     def fallbacks(self, shard: int) -> list[int]:

@@ -29,6 +29,17 @@ The lookahead plans the next ``horizon`` shards at once and commits only the fir
   smallest configuration there (it will be truncated or wait), and the shards after it see
   the link as full.
 
+**Stale shards** (the stale plan, :mod:`edge.stale_plan`): a shard whose block group holds
+K/V recent enough may be left unfetched and run on them. The plan offers it as one more
+option of zero bytes at the cost of :data:`~edge.stale_plan.STALE_PLAN_DB` (the per-shard
+output PSNR below which the plan already prefers running stale, from the worst measured
+three-step stale run), for every shard in the horizon the caller says may run stale
+(``stale``). Without it the plan reserved bytes for shards that were then skipped, and the
+shard that refreshes a group at its age cap got the leftovers: on the tail bench's worst
+edits, configurations 1-2 (2026-12-06). When the plan's first choice is that option,
+:meth:`Lookahead.choose` returns :data:`STALE` (the allocator answers with the smallest
+configuration, which the receive stage then leaves unfetched).
+
 When not even the smallest configuration of shard ``j`` fits its own window, the choice is
 its smallest, as the greedy rule does. The C++ twin is ``sakura::Lookahead``
 (``native/src/sakura/allocator.cpp``), with the same arithmetic in the same order;
@@ -43,6 +54,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sakura.edge.stale_plan import STALE_PLAN_DB
+
 BINS = 256
 """Resolution of the cumulative-bytes axis: 1/256 of the horizon's budget (a configuration
 is charged at most one bin more than its size)."""
@@ -50,6 +63,14 @@ is charged at most one bin more than its size)."""
 HORIZON = 8
 """Shards planned at once. Beyond about four execution slots a dip has passed or the rate
 estimate has changed; eight leaves room for the startup allowance spread over early shards."""
+
+
+STALE = -2
+""":meth:`Lookahead.choose`'s answer when the plan runs the shard on its group's kept K/V."""
+
+STALE_COST = 10.0 ** (-STALE_PLAN_DB / 10.0)
+"""The additive error the plan charges a shard run stale (:data:`STALE_PLAN_DB` as an output
+PSNR; ``kStaleCost`` in C++)."""
 
 
 def config_cost(psnr_db: float | None, weighted_err: float | None) -> float | None:
@@ -80,15 +101,18 @@ class Lookahead:
             acc += self.slots_s[m]
         return out
 
-    def choose(self, shard: int, sizes: Sequence[Sequence[int]], budgets: Sequence[float]
-               ) -> int | None:
+    def choose(self, shard: int, sizes: Sequence[Sequence[int]], budgets: Sequence[float],
+               stale: Sequence[bool] | None = None) -> int | None:
         """The index (into the table of ``shard``, best first) of its configuration under
         the plan. ``sizes[m]`` and ``budgets[m]``: the configurations' bytes of shard
         ``shard + m`` and the bytes that fit by its deadline (cumulative), for every shard
-        the horizon holds (:meth:`windows`). None when nothing fits the first budget."""
+        the horizon holds (:meth:`windows`); ``stale[m]``: that shard may run on its group's
+        kept K/V at no bytes (module docstring). :data:`STALE` when the plan runs ``shard``
+        so; None when nothing fits the first budget and it may not."""
         last = len(budgets) - 1
+        may = list(stale) if stale is not None else [False] * len(budgets)
         if budgets[0] <= 0.0:
-            return None
+            return STALE if may[0] else None
         q = budgets[last] / self.bins
         caps = [min(self.bins, math.floor(b / q)) for b in budgets]
         caps[last] = self.bins
@@ -103,6 +127,8 @@ class Lookahead:
                 g[ok] = np.minimum(g[ok], c + f[nxt[ok]])
             # nothing fits: its smallest configuration (truncated or waited for), the link
             # full for the shards after it
+            if may[m]:  # zero bytes: whatever the earlier shards took
+                g = np.minimum(g, STALE_COST + f)
             small = min(range(len(nbytes)), key=lambda i: (nbytes[i], -i))
             g[np.isinf(g)] = cost[small] + f[self.bins]
             f = g
@@ -113,4 +139,6 @@ class Lookahead:
                 v = c + f[nb]
                 if v < best:
                     best, pick = v, i
+        if may[0] and STALE_COST + f[0] < best:
+            pick = STALE
         return pick

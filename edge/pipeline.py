@@ -87,7 +87,7 @@ Fetch = Callable[[int, int, Transfer], Awaitable[Fetched]]
 Fallbacks = Callable[[int, int], list[tuple[int, int]]]
 FetchMore = Callable[[int, int, int, Transfer], Awaitable[Fetched]]
 Decode = Callable[[int, int, bytes], list[torch.Tensor]]
-Allocate = Callable[[int, Window, float], int]
+Allocate = Callable[[int, Window, float, Callable[[int], bool] | None], int]
 
 
 class Pipeline(PrefixRefinement, LocalFallback):
@@ -96,7 +96,8 @@ class Pipeline(PrefixRefinement, LocalFallback):
     ``shard_blocks[j] = (step, [blocks])`` in execution order; ``fetch(shard, config,
     transfer)`` (async, run on ``net``; fills and verifies the :class:`Transfer` as bytes
     arrive), ``decode(shard, config, data)`` -> ``2 x len(blocks)`` tensors ``[K_b0, V_b0,
-    K_b1, ...]``; ``allocate(shard, window, rate_bps)`` -> config id; ``fallbacks(shard,
+    K_b1, ...]``; ``allocate(shard, window, rate_bps, stale)`` -> config id (``stale(m)``: shard
+    ``m`` may run on its group's kept K/V, or None: ``Allocator.choose``); ``fallbacks(shard,
     config)`` -> ``(config, bytes)`` of the configurations that are prefixes of it, longest
     first (none: the shard always waits for its choice).
     """
@@ -285,7 +286,7 @@ class Pipeline(PrefixRefinement, LocalFallback):
                 # the body starts after the bytes still due and after the request latency
                 lead = max(due, self.monitor.latency_s())
                 config = int(self.allocate(j, replace(window, window_s=window.window_s - lead),
-                                           rate))
+                                           rate, self._stale_options(j)))
                 rec = self.records[j]
                 if self._plan_stale(j, config):
                     rec.planned_stale = True
@@ -314,6 +315,19 @@ class Pipeline(PrefixRefinement, LocalFallback):
             watchdog.cancel()
             for f in list(self._inflight.values()):
                 f.task.cancel()
+
+    def _stale_options(self, j: int) -> Callable[[int], bool] | None:
+        """For the allocator's plan from shard ``j``: whether shard ``m`` may run on its
+        group's kept K/V, counting every shard from ``j`` to ``m`` as unfetched (so a plan
+        never leans on a refresh it may itself skip); None with the stale plan off."""
+        if self.skippable is None or self.local_step_s is None:
+            return None
+        planned = [r.planned_stale for r in self.records]
+
+        def may(m: int) -> bool:
+            return stale_source(self.shard_blocks, planned, m, self.stale_max_age,
+                                unfetched_from=j) is not None
+        return may
 
     def _plan_stale(self, j: int, config: int) -> bool:
         """The stale plan's rule (:mod:`edge.stale_plan`) for shard ``j`` at ``config``."""

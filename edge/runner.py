@@ -217,8 +217,8 @@ class PythonRunner:
         def decode(shard: int, config: int, data: bytes) -> list[torch.Tensor]:
             return decode_config(manifest, shard, config, data, codec_impl)
 
-        def allocate(shard: int, window, rate: float) -> int:
-            return job.allocator.choose(shard, window.window_s, rate)
+        def allocate(shard: int, window, rate: float, stale=None) -> int:
+            return job.allocator.choose(shard, window.window_s, rate, stale)
 
         def config_bytes(shard: int, config: int) -> int:
             return int(manifest.shard(shard).config(config).bytes)

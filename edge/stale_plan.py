@@ -54,11 +54,13 @@ def skippable(psnr_db: float | None, smallest: bool) -> bool:
 
 
 def stale_source(shard_blocks: Sequence[tuple[int, Sequence[int]]],
-                 planned: Sequence[bool], shard: int, max_age: int) -> int | None:
+                 planned: Sequence[bool], shard: int, max_age: int,
+                 unfetched_from: int | None = None) -> int | None:
     """The step whose K/V shard ``shard`` would run on if it were not fetched: that of the
-    last earlier shard of the same blocks not planned stale (``planned[i]``), when at most
-    ``max_age`` steps before ``shard``'s; else None (no such shard, too old, or
-    ``max_age`` <= 0)."""
+    last earlier shard of the same blocks not planned stale (``planned[i]``; with
+    ``unfetched_from``, every shard from that one on counts as planned stale: the lookahead's
+    view of shards not yet decided), when at most ``max_age`` steps before ``shard``'s; else
+    None (no such shard, too old, or ``max_age`` <= 0)."""
     if max_age <= 0:
         return None
     step, blocks = shard_blocks[shard][0], list(shard_blocks[shard][1])
@@ -66,6 +68,7 @@ def stale_source(shard_blocks: Sequence[tuple[int, Sequence[int]]],
         s, b = shard_blocks[i]
         if step - s > max_age:
             return None
-        if list(b) == blocks and not planned[i]:
+        skipped = planned[i] or (unfetched_from is not None and i >= unfetched_from)
+        if list(b) == blocks and not skipped:
             return s
     return None

@@ -83,7 +83,7 @@ def scripted(behaviour, *, exec_s=0.05, fallbacks=True, initial_bps=8e6):
     def allowed(shard, config):
         return [(c, SIZES[c]) for c in (1, 0)] if fallbacks else []
 
-    pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=lambda s, w, r: CHOICE,
+    pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=lambda s, w, r, _: CHOICE,
                     monitor=BandwidthMonitor(initial_bps=initial_bps),
                     progress=ExecutionProgress.with_allowance([exec_s] * len(SHARDS), origin,
                                                               0.0, now=origin),
@@ -460,7 +460,7 @@ def refining(extend, exec_s=0.05):
         decoded[shard] = (config, data)
         return [torch.full((3, 4), float(shard)) for _ in range(4)]
 
-    pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=lambda s, w, r: 0,
+    pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=lambda s, w, r, _: 0,
                     monitor=BandwidthMonitor(initial_bps=8e6),
                     progress=ExecutionProgress.with_allowance([exec_s] * len(SHARDS), origin,
                                                               0.0, now=origin),

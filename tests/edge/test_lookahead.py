@@ -95,6 +95,26 @@ def test_nothing_fits_gives_the_smallest_as_greedy_does(build):
     assert a.choose(2, 1.0, 0.0) == 0  # no rate estimate
 
 
+def test_shards_that_may_run_stale_leave_their_bytes_to_the_one_that_may_not(build):
+    """Shard 0 must be fetched (its group's K/V are too old), shards 1-3 may run stale. The
+    plan that knows it gives shard 0 the whole budget; the one that does not reserves bytes
+    for shards the receive stage then leaves unfetched."""
+    n, slot, rate = 4, 0.005, 8e6  # 5000 bytes per slot, 21000 in shard 0's window
+    ts = tables(n)
+    a = build(ts, [slot] * n)
+    blind = a.choose(0, 0.021, rate)
+    sees = a.choose(0, 0.021, rate, lambda m: m > 0)
+    assert LADDER[blind][0] < 20000  # spread over the four
+    assert LADDER[sees][0] == 20000
+    # a shard that may run stale, with nothing better than 45 dB (below STALE_PLAN_DB) in
+    # reach and a later shard that may not: it is planned stale (the smallest is answered)
+    assert a.choose(0, 0.01, rate, lambda m: m == 0) == 0
+    # stale is an option, not a rule: with bytes to spare a shard whose best is above
+    # STALE_PLAN_DB (55 dB here) is fetched at it
+    up = tables(n, psnr_shift=[10.0] * n)
+    assert build(up, [slot] * n).choose(0, 10.0, rate, lambda m: True) == 5
+
+
 def test_a_lookahead_needs_a_cost_for_every_configuration():
     ts = [ShardOptions(0, [ConfigOption(id=0, nbytes=10, params={})])]
     assert make_lookahead(ts, [0.01]) is None
@@ -125,6 +145,9 @@ def test_native_and_python_plans_choose_the_same_on_random_tables():
             j = rng.randrange(n)
             w, r = rng.uniform(-0.01, 0.1), rng.choice([0.0, rng.uniform(1e5, 1e8)])
             assert py.choose(j, w, r) == cc.choose(j, w, r), (case, j, w, r)
+            mask = [rng.random() < 0.4 for _ in range(n)]
+            assert py.choose(j, w, r, mask.__getitem__) == cc.choose(
+                j, w, r, mask.__getitem__), (case, j, w, r, mask)
 
 
 def test_native_refuses_a_lookahead_that_does_not_match_its_tables():

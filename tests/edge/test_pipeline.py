@@ -39,7 +39,7 @@ def make(fetch_s, decode_s=0.0, max_ahead=2, fail_at=None, exec_s=0.05, latency_
         time.sleep(decode_s)
         return [torch.full((3, 4), float(shard)) for _ in range(4)]
 
-    def allocate(shard, window, rate):
+    def allocate(shard, window, rate, stale):
         decisions.append((shard, window, rate))
         return shard % 2
 

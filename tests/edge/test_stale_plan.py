@@ -18,8 +18,8 @@ def source(request):
         return stale_source
     import sakura_native as native
 
-    return lambda blocks, planned, shard, max_age: native.stale_source(
-        [(s, list(b)) for s, b in blocks], list(planned), shard, max_age)
+    return lambda blocks, planned, shard, max_age, unfetched_from=None: native.stale_source(
+        [(s, list(b)) for s, b in blocks], list(planned), shard, max_age, unfetched_from)
 
 
 def test_the_source_is_the_last_fetched_shard_of_the_same_blocks(source):
@@ -34,6 +34,18 @@ def test_the_source_is_the_last_fetched_shard_of_the_same_blocks(source):
     assert source(LAYOUT, planned, 2, 0) is None  # max_age 0: off
 
 
+def test_the_lookahead_counts_the_shards_it_has_not_decided_as_unfetched(source):
+    """From shard 4 on nothing is decided: shard 8 (step 4, group 0) may not lean on shards
+    4 or 6 (steps 2, 3), which the plan itself may skip, only on shard 2 (step 1, age 3)."""
+    planned = [False] * len(LAYOUT)
+    assert source(LAYOUT, planned, 8, 3) == 3  # decided: step 3's shard 6
+    assert source(LAYOUT, planned, 8, 3, 4) == 1  # shard 2, step 1
+    assert source(LAYOUT, planned, 8, 3, 2) is None  # step 0 is 4 steps back
+    planned[2] = True
+    assert source(LAYOUT, planned, 8, 3, 4) is None
+    assert source(LAYOUT, planned, 4, 3, 4) == 0  # the shard at hand: as decided
+
+
 def test_python_and_native_agree_on_every_plan_of_a_small_layout():
     import sakura_native as native
 
@@ -41,5 +53,7 @@ def test_python_and_native_agree_on_every_plan_of_a_small_layout():
         planned = list(bits) + [False] * (len(LAYOUT) - 6)
         for shard in range(len(LAYOUT)):
             for age in (0, 1, 3):
-                assert stale_source(LAYOUT, planned, shard, age) == native.stale_source(
-                    [(s, b) for s, b in LAYOUT], planned, shard, age), (planned, shard, age)
+                for frm in (None, 0, 3, shard):
+                    assert stale_source(LAYOUT, planned, shard, age, frm) == (
+                        native.stale_source([(s, b) for s, b in LAYOUT], planned, shard, age,
+                                            frm)), (planned, shard, age, frm)

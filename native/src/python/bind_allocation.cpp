@@ -1,6 +1,7 @@
 // Bindings of the allocation bookkeeping (sakura/monitor.hpp, sakura/allocator.hpp) with
 // the same names and arguments as sakura.edge.monitor / sakura.edge.allocator, so the same
 // unit tests run against both. NaN in C++ is None in Python.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -116,7 +117,8 @@ void bind_allocation(py::module_& m) {
 
   py::class_<sakura::Allocator, std::shared_ptr<sakura::Allocator>>(m, "Allocator")
       .def("choose", &sakura::Allocator::choose, py::arg("shard"), py::arg("window_s"),
-           py::arg("rate_bps"))
+           py::arg("rate_bps"), py::arg("stale") = py::none(),
+           "stale(m): shard m may run on its group's kept K/V at no bytes (None: never)")
       .def("fallbacks", &sakura::Allocator::fallbacks, py::arg("shard"))
       .def("skippable", &sakura::Allocator::skippable, py::arg("shard"), py::arg("config"))
       .def_property_readonly("num_shards", &sakura::Allocator::num_shards);

@@ -629,7 +629,8 @@ void bind_edit(py::module_& m) {
   m.def(
       "stale_source",
       [](const std::vector<std::pair<int, std::vector<int>>>& shard_blocks,
-         const std::vector<bool>& planned, int shard, int max_age) -> py::object {
+         const std::vector<bool>& planned, int shard, int max_age,
+         std::optional<int> unfetched_from) -> py::object {
         if (planned.size() != shard_blocks.size() || shard < 0 ||
             shard >= static_cast<int>(shard_blocks.size())) {
           throw py::value_error("planned must match shard_blocks, and shard be one of them");
@@ -641,11 +642,12 @@ void bind_edit(py::module_& m) {
           recs[i].blocks = shard_blocks[i].second;
           recs[i].planned_stale = planned[i];
         }
-        const int s = sakura::stale_source(recs, shard, max_age);
+        const int s = sakura::stale_source(recs, shard, max_age, unfetched_from.value_or(-1));
         if (s < 0) return py::none();
         return py::int_(s);
       },
       py::arg("shard_blocks"), py::arg("planned"), py::arg("shard"), py::arg("max_age"),
+      py::arg("unfetched_from") = py::none(),
       "The stale plan's source step (edge/stale_plan.py stale_source), or None.");
   m.def(
       "decode_intq",

@@ -87,9 +87,13 @@ void AdaptiveAllocator::set_lookahead(Lookahead lookahead) {
 }
 
 int Lookahead::choose(int shard, const std::vector<std::vector<AllocOption>>& tables,
-                      const std::vector<double>& budgets) const {
+                      const std::vector<double>& budgets,
+                      const std::vector<bool>& stale) const {
   const int last = static_cast<int>(budgets.size()) - 1;
-  if (last < 0 || budgets[0] <= 0.0) return -1;
+  auto may = [&](int m) { return static_cast<std::size_t>(m) < stale.size() && stale[m]; };
+  if (last < 0) return -1;
+  if (budgets[0] <= 0.0) return may(0) ? kStale : -1;
+  const double stale_err = stale_cost();
   const double q = budgets[last] / bins;
   std::vector<long long> caps;
   for (double b : budgets) caps.push_back(std::min<long long>(bins, static_cast<long long>(std::floor(b / q))));
@@ -108,6 +112,9 @@ int Lookahead::choose(int shard, const std::vector<std::vector<AllocOption>>& ta
         const double v = cost[i] + f[nxt];
         if (v < g[s]) g[s] = v;
       }
+    }
+    if (may(m)) {  // zero bytes: whatever the earlier shards took
+      for (long long s = 0; s <= bins; ++s) g[s] = std::min(g[s], stale_err + f[s]);
     }
     // nothing fits: its smallest configuration, the link full for the shards after it
     std::size_t small = 0;
@@ -131,20 +138,25 @@ int Lookahead::choose(int shard, const std::vector<std::vector<AllocOption>>& ta
       pick = static_cast<int>(i);
     }
   }
+  if (may(0) && stale_err + f[0] < best) pick = kStale;
   return pick;
 }
 
-int AdaptiveAllocator::choose(int shard, double window_s, double rate_bps) const {
+int AdaptiveAllocator::choose(int shard, double window_s, double rate_bps,
+                              const StaleOptions& stale) const {
   check_shard(shard, tables_.size());
   if (has_lookahead_) {
     std::vector<double> budgets;
+    std::vector<bool> may;
     double acc = window_s;
     const int end = std::min(num_shards(), shard + lookahead_.horizon);
     for (int m = shard; m < end; ++m) {
       budgets.push_back(budget_bytes(acc, rate_bps, latency_s_, safety_));
+      if (stale) may.push_back(stale(m));
       acc += lookahead_.slots_s[m];
     }
-    const int pick = lookahead_.choose(shard, tables_, budgets);
+    // nothing fits, or the plan runs it stale: the smallest (the receive stage skips it)
+    const int pick = lookahead_.choose(shard, tables_, budgets, may);
     return pick < 0 ? smallest_[shard] : tables_[shard][pick].id;
   }
   const double budget = budget_bytes(window_s, rate_bps, latency_s_, safety_);
@@ -156,7 +168,7 @@ int AdaptiveAllocator::choose(int shard, double window_s, double rate_bps) const
 
 FixedAllocator::FixedAllocator(std::vector<int> configs) : configs_(std::move(configs)) {}
 
-int FixedAllocator::choose(int shard, double, double) const {
+int FixedAllocator::choose(int shard, double, double, const StaleOptions&) const {
   check_shard(shard, configs_.size());
   return configs_[shard];
 }

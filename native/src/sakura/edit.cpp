@@ -18,13 +18,15 @@
 
 namespace sakura {
 
-int stale_source(const std::vector<ShardRecord>& shards, int shard, int max_age) {
+int stale_source(const std::vector<ShardRecord>& shards, int shard, int max_age,
+                 int unfetched_from) {
   if (max_age <= 0) return -1;
   const ShardRecord& me = shards.at(static_cast<std::size_t>(shard));
   for (int i = shard - 1; i >= 0; --i) {
     const ShardRecord& r = shards[static_cast<std::size_t>(i)];
     if (me.step - r.step > max_age) return -1;
-    if (r.blocks == me.blocks && !r.planned_stale) return r.step;
+    const bool skipped = r.planned_stale || (unfetched_from >= 0 && i >= unfetched_from);
+    if (r.blocks == me.blocks && !skipped) return r.step;
   }
   return -1;
 }
@@ -287,7 +289,17 @@ void StreamFeed::issue(int j) {
   const double due = rate > 0 ? static_cast<double>(http_.outstanding_bytes()) * 8.0 / rate : 0.0;
   // the body starts after the bytes still due and after the request latency
   const double lead = std::max(due, monitor_->latency_s());
-  const int config = allocator_->choose(j, window.window_s - lead, rate);
+  StaleOptions stale;  // the plan's view (edge/pipeline.py _stale_options)
+  std::vector<ShardRecord> seen;
+  if (spec_.options.stale_plan_age > 0) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      seen = records_;
+    }
+    const int age = spec_.options.stale_plan_age;
+    stale = [&seen, j, age](int m) { return stale_source(seen, m, age, j) >= 0; };
+  }
+  const int config = allocator_->choose(j, window.window_s - lead, rate, stale);
   if (spec_.options.stale_plan_age > 0 && allocator_->skippable(j, config)) {
     bool planned = false;
     {

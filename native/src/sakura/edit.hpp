@@ -279,9 +279,11 @@ struct EditInputs {
 constexpr int kStaleMaxAge = 3;
 
 // The stale plan's source (edge/stale_plan.py, stale_source): the step of the last shard
-// before `shard` with the same blocks that is not planned stale, when at most max_age steps
-// before shard's; else -1.
-int stale_source(const std::vector<ShardRecord>& shards, int shard, int max_age);
+// before `shard` with the same blocks that is not planned stale (with unfetched_from >= 0,
+// every shard from that one on counts as planned stale: the lookahead's view of shards not
+// yet decided), when at most max_age steps before shard's; else -1.
+int stale_source(const std::vector<ShardRecord>& shards, int shard, int max_age,
+                 int unfetched_from = -1);
 
 // The recompute step (dit/editing.py RecomputedKV, the same rule): with `recompute` set, a
 // step computed on the device runs the template pass (the template's tokens on their
