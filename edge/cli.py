@@ -479,7 +479,8 @@ def _print_summary(result: Any, out: Path, tl_json: Path, tl_png: Path | None) -
         w(f"deadlines   {result.truncations} shards truncated, {result.hedges} re-requested, "
           f"{result.stale_steps} steps on their blocks' last K/V ({result.planned_stale} "
           f"shards not fetched by plan), "
-          f"{result.local_fallbacks} steps computed on the device (nothing could arrive)\n")
+          f"{result.local_fallbacks} steps computed on the device ({result.planned_local} "
+          "shards by plan, the rest because nothing could arrive)\n")
     if result.refinements:
         w(f"refinements {result.refinements} shards extended by one more range before they "
           "ran (the link was faster than their choice assumed)\n")

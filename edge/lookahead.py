@@ -53,7 +53,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
 from sakura.edge.stale_plan import STALE_PLAN_DB
 
 BINS = 256

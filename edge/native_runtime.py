@@ -561,13 +561,14 @@ def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
                 decode: Callable[[int, int, bytes], np.ndarray],
                 rope: np.ndarray | None,
                 pipeline_cpus: Sequence[int] | None = None,
-                refine: bool = True, intq_group: int = 32, stale_plan_age: int = 0) -> Any:
+                refine: bool = True, intq_group: int = 32, stale_plan_age: int = 0,
+                plan_local: bool = True) -> Any:
     """What ``run_stream`` needs, as a ``sakura_native.StreamSpec``: the shard table
     (``sakura_native.StreamTable`` of :func:`stream_shards`), the HTTP settings
     (``sakura_native.HttpOptions``), the pipeline's limits and the decoder ``kind``
     (:func:`decode_kind`; ``callback``: the Python ``decode``; ``intq``: ``intq_group``
     channels per scale); ``stale_plan_age``: the stale plan's oldest K/V (``edge.stale_plan``;
-    0: off)."""
+    0: off); ``plan_local``: it may plan a step local where that step is a recompute step."""
     return native_module().StreamSpec(
         shards=shards, http=http, decode=kind,
         callback=decode if kind == "callback" else None,
@@ -578,7 +579,7 @@ def stream_spec(shards: Any, geometry: Mapping[str, Any], *,
         reconstruct=reconstruct,
         pipeline_cpus=None if pipeline_cpus is None else [int(c) for c in pipeline_cpus],
         origin=origin, channels=int(geometry["channels"]), intq_group=int(intq_group),
-        stale_plan_age=int(stale_plan_age))
+        stale_plan_age=int(stale_plan_age), plan_local=bool(plan_local))
 
 
 def decode_kind(codec: Any) -> str:

@@ -52,6 +52,10 @@ class EditOptions:
     # and stale reuse). docs/bench/stale-vs-smallest.json: stale beat the smallest
     # configuration in 114 of 114 shards
     stale_plan: bool = True
+    # ... and where such a shard's group holds no recent K/V, its step is recomputed on the
+    # device instead of fetched (where the local step is a recompute step: exact K/V, the
+    # next steps' stale source; edge/stale_plan.py, "Planned recompute")
+    stale_plan_local: bool = True
     # prefix refinement (both runtimes; issue 28 item 5): while the link is idle and no
     # shard may be requested yet, a received shard whose execution is at least twice the
     # extension's expected time away is extended to a larger configuration of its policy by

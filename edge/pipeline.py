@@ -70,7 +70,7 @@ from sakura.edge.shard_records import (
     ShardWait,
     stats_of,
 )
-from sakura.edge.stale_plan import stale_source
+from sakura.edge.stale_plan import plan_unfetched, stale_source
 from sakura.edge.transfer import Fetched, Transfer
 
 from sakura.errors import SakuraError
@@ -115,6 +115,7 @@ class Pipeline(PrefixRefinement, LocalFallback):
                  stale_max_age: int = STALE_MAX_AGE,
                  extensions: Fallbacks | None = None, fetch_more: FetchMore | None = None,
                  skippable: Callable[[int, int], bool] | None = None,
+                 plan_local: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_ahead < 1 or max_ready < 1:
             raise ValueError("max_ahead and max_ready must be >= 1")
@@ -154,6 +155,13 @@ class Pipeline(PrefixRefinement, LocalFallback):
         # the stale plan (edge/stale_plan.py): ``skippable(shard, config)`` says the choice is
         # not worth its bytes while recent K/V are at hand (``Allocator.skippable``; None: off)
         self.skippable = skippable
+        # ... and, when that shard's group holds no recent K/V, its step is recomputed on the
+        # device instead (plan_local: the local step is a recompute step, exact)
+        self.plan_local = bool(plan_local)
+        # (network loop) a body arrived since the last step planned local: a step is planned
+        # local only on a rate estimate some transfer has refreshed since (else an edit that
+        # went local would never measure the link again)
+        self._measured_since_local = True
         self._local_mode = False
         self._stale_wait_s: float | None = None  # the wait after a stale step (ran_stale)
         # the link's last body byte and when transfers were last out again (outage
@@ -280,6 +288,11 @@ class Pipeline(PrefixRefinement, LocalFallback):
                 if self.records[j].local:  # its step ran on the device: never requested
                     continue
                 now = self.clock()
+                rec = self.records[j]
+                if self._step_planned_local(j):  # its step is recomputed: never requested
+                    rec.planned_local = True
+                    self.progress.received(j, now)
+                    continue
                 window = self.progress.window(j, now)
                 rate = self.monitor.estimate_bps() or 0.0
                 due = self._outstanding() * 8.0 / rate if rate > 0 else 0.0
@@ -287,9 +300,12 @@ class Pipeline(PrefixRefinement, LocalFallback):
                 lead = max(due, self.monitor.latency_s())
                 config = int(self.allocate(j, replace(window, window_s=window.window_s - lead),
                                            rate, self._stale_options(j)))
-                rec = self.records[j]
-                if self._plan_stale(j, config):
-                    rec.planned_stale = True
+                planned = self._plan_stale(j, config)
+                if planned is not None:
+                    if planned == "stale":
+                        rec.planned_stale = True
+                    else:
+                        rec.planned_local = True
                     rec.window_s, rec.carry_s, rec.rate_bps = window.window_s, window.carry_s, rate
                     rec.lead_s, rec.deadline = lead, self._rel(window.deadline)
                     self.progress.received(j, now)  # nothing to receive: ready at once
@@ -329,12 +345,25 @@ class Pipeline(PrefixRefinement, LocalFallback):
                                 unfetched_from=j) is not None
         return may
 
-    def _plan_stale(self, j: int, config: int) -> bool:
-        """The stale plan's rule (:mod:`edge.stale_plan`) for shard ``j`` at ``config``."""
+    def _plan_stale(self, j: int, config: int) -> str | None:
+        """The stale plan's rule (:mod:`edge.stale_plan`) for shard ``j`` at ``config``:
+        "stale", "local" or None (fetch it)."""
         if self.skippable is None or self.local_step_s is None or not self.skippable(j, config):
-            return False
+            return None
         planned = [r.planned_stale for r in self.records]
-        return stale_source(self.shard_blocks, planned, j, self.stale_max_age) is not None
+        source = stale_source(self.shard_blocks, planned, j, self.stale_max_age)
+        rate = self.monitor.estimate_bps() or 0.0
+        decided = plan_unfetched(source, self.plan_local and self.stale_max_age > 0
+                                 and rate > 0 and self._measured_since_local)
+        if decided == "local":
+            self._measured_since_local = False
+        return decided
+
+    def _step_planned_local(self, j: int) -> bool:
+        """An earlier shard of shard ``j``'s step was planned local (the step is recomputed)."""
+        step = self.shard_blocks[j][0]
+        return any(self.records[i].planned_local for i in range(j - 1, -1, -1)
+                   if self.shard_blocks[i][0] == step)
 
     async def _transfer(self, entry: InFlight) -> None:
         j = entry.shard
@@ -386,6 +415,7 @@ class Pipeline(PrefixRefinement, LocalFallback):
         if got.data:
             self._last_byte = max(self._last_byte, entry.transfer.last_progress)
         self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
+        self._measured_since_local = self._measured_since_local or bool(got.data)
         self.progress.received(j, got.end)
         with self._cond:
             if rec.local:  # its step ran locally meanwhile: a rate sample only
@@ -520,8 +550,9 @@ class Pipeline(PrefixRefinement, LocalFallback):
             j, k = self._index[(step, block)]
         except KeyError:
             raise EdgeError(f"the pack has no shard for step {step} block {block}") from None
-        if self.records[j].planned_stale:  # the stale plan: its group's K/V (stale_shard)
-            raise ShardSkipped(step, block)
+        rec = self.records[j]
+        if rec.planned_stale or rec.planned_local:  # the stale plan: its group's K/V if
+            raise ShardSkipped(step, block)          # recent (stale_shard), else local
         with self._cond:
             current = self._executing
             tensors = self._ready.get(j) if j == current else None

@@ -51,6 +51,7 @@ class PrefixRefinement:
     _watch_event: asyncio.Event | None
     _busy_since: float
     _last_byte: float
+    _measured_since_local: bool
 
     def _try_refine(self) -> bool:
         """(On the network loop.) With nothing in flight, extend the lowest received shard
@@ -101,6 +102,7 @@ class PrefixRefinement:
         if got.data:
             self._last_byte = max(self._last_byte, entry.transfer.last_progress)
         self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
+        self._measured_since_local = self._measured_since_local or bool(got.data)
         with self._cond:
             base = self._refining.pop(j, None)
             if base is None or rec.local:

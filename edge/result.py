@@ -36,6 +36,9 @@ class EditResult:
     # shards never requested: the stale plan ran them on their group's recent K/V (a planned
     # choice, counted in stale_steps too; edge/stale_plan.py)
     planned_stale: int = 0
+    # shards never requested because their step was recomputed on the device instead (the
+    # stale plan with no recent K/V: counted in local_fallbacks too)
+    planned_local: int = 0
     # received configurations extended by one more range of the pack before their shard
     # ran (prefix refinement: the link was faster than the choice assumed)
     refinements: int = 0
@@ -110,6 +113,7 @@ class EditResult:
             "local_fallbacks": self.local_fallbacks,
             "outage_fallbacks": self.outage_fallbacks,
             "stale_steps": self.stale_steps, "planned_stale": self.planned_stale,
+            "planned_local": self.planned_local,
             "refinements": self.refinements,
             "startup_allowance_s": self.startup_allowance_s,
             "exec_s": self.exec_s, "requests": self.requests,

@@ -238,7 +238,9 @@ class PythonRunner:
                         local_step_s=local_s, stale_max_age=opts.stale_max_age,
                         extensions=extensions if opts.refine else None,
                         fetch_more=fetch_more,
-                        skippable=job.allocator.skippable if opts.stale_plan else None)
+                        skippable=job.allocator.skippable if opts.stale_plan else None,
+                        plan_local=(opts.stale_plan_local
+                                    and device.engine.recomputes_late_steps(job.prep)))
         pipe.start(job.net)
         try:
             prep = job.prep
@@ -420,7 +422,8 @@ class NativeRunner:
             kind=decode_kind(codec_impl), decode=decode, rope=rope,
             pipeline_cpus=opts.pipeline_cpus, refine=opts.refine,
             intq_group=getattr(codec_impl, "group", 32),
-            stale_plan_age=opts.stale_max_age if opts.stale_plan else 0)
+            stale_plan_age=opts.stale_max_age if opts.stale_plan else 0,
+            plan_local=opts.stale_plan_local)
         prep = job.prep
         local = (native.local_steps(prep.template, prep.geometry, job.req, job.exec_s,
                                     measured_step_s=job.local_step_s,

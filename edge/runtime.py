@@ -452,6 +452,7 @@ class EdgeRuntime:
             truncations=stats.truncations, hedges=stats.hedges,
             local_fallbacks=stats.local_steps, outage_fallbacks=stats.outage_fallbacks,
             stale_steps=stats.stale_steps, planned_stale=stats.planned_stale,
+            planned_local=stats.planned_local,
             refinements=stats.refinements,
             startup_s=stats.startup_s, startup_allowance_s=allowance, configs=stats.configs,
             params=[r["params"] for r in timeline], timeline=timeline,

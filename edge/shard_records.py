@@ -58,6 +58,9 @@ class ShardRecord:
     stale_from: int | None = None  # its step ran on this earlier step's K/V (stale reuse)
     # never requested: the stale plan ran it on its group's kept K/V (edge/stale_plan.py)
     planned_stale: bool = False
+    # never requested: its choice was not worth its bytes and its group held no recent K/V,
+    # so the stale plan had its step recomputed on the device (edge/stale_plan.py)
+    planned_local: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +108,7 @@ class PipelineStats:
     outage_fallbacks: int = 0  # of them, begun early on outage evidence (no byte for the wait)
     refinements: int = 0  # received configurations extended before their shard ran
     planned_stale: int = 0  # shards never requested: run on their group's K/V (stale plan)
+    planned_local: int = 0  # shards never requested: their step recomputed (stale plan)
 
 
 def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
@@ -123,4 +127,5 @@ def stats_of(records: list[dict[str, Any]]) -> PipelineStats:
         stale_steps=len({r["step"] for r in records if r.get("stale_from") is not None}),
         outage_fallbacks=len({r["step"] for r in records if r.get("outage")}),
         refinements=sum(int(r.get("refinements") or 0) for r in records),
-        planned_stale=sum(1 for r in records if r.get("planned_stale")))
+        planned_stale=sum(1 for r in records if r.get("planned_stale")),
+        planned_local=sum(1 for r in records if r.get("planned_local")))

@@ -24,6 +24,24 @@ skipped more often, reached 39.4. Better configurations are fetched: the plan's 
 PSNR model has no term for an age, so the threshold stays below the worst measured stale
 run.
 
+**Planned recompute.** A shard whose choice is skippable but whose group holds no K/V recent
+enough (the edit's first step, or a group at its age cap) used to be fetched at that
+choice, and its K/V then served the group's next stale steps: the low configuration's error
+counted up to four times. On the tail bench (2026-12-06, after the lookahead learned of
+stale shards) the sakura edits in the worst tenth had 1-7 fetched shards below 50 dB, the
+median edit none; 95 of those 145 shards had no stale source. Where the local step is a
+recompute step (exact K/V: ``dit.editing.RecomputedKV``, about a full step's cost), the
+receive stage plans that step local instead (:func:`plan_unfetched`): the shard and its
+step's later shards are never requested, execution reaches the step with no wait and
+computes it on the device, and its exact K/V are the next steps' stale source. The record
+says ``planned_local``. It trades one recompute step's time for the quality of a step and
+of the stale steps after it; where the device would compute every token instead (no
+template prompt embeddings) the shard is fetched as before. A step is planned local only on
+a rate estimate (none: the smallest choice says nothing about the link) that a transfer has
+refreshed since the last step planned local: a plan that went local on a stale estimate
+would otherwise never measure the link again (its groups would be recomputed every
+``stale_max_age + 1`` steps however fast the link became).
+
 SAKURA's policies plan stale (``Policy.plans_stale``); the baselines keep their published
 streaming, and ``sakura-fixed-config`` keeps its configuration. ``EditOptions.stale_plan``
 turns it off. The native receive stage (``StreamFeed::issue``, ``native/src/sakura/edit.cpp``)
@@ -51,6 +69,18 @@ def skippable(psnr_db: float | None, smallest: bool) -> bool:
     output PSNR: the smallest only)."""
     return smallest or (psnr_db is not None and math.isfinite(psnr_db)
                         and psnr_db < STALE_PLAN_DB)
+
+
+def plan_unfetched(source: int | None, recompute: bool) -> str | None:
+    """For a shard whose choice is :func:`skippable`: "stale" when its group holds K/V at
+    most the cap old (``source``, :func:`stale_source`), else "local" where the local step is
+    a recompute step (``recompute``: exact K/V, which then serve the next steps as a source;
+    the caller also requires a rate estimate refreshed by a transfer since its last planned
+    local step), else None (it is fetched at its choice). See "Planned recompute" in the
+    module docstring."""
+    if source is not None:
+        return "stale"
+    return "local" if recompute else None
 
 
 def stale_source(shard_blocks: Sequence[tuple[int, Sequence[int]]],

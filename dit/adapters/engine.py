@@ -78,6 +78,11 @@ class EditEngine(ABC):
     # dit.cache.StepLate (the device's local fallback; dit.editing.cached_edit does)
     computes_late_steps: bool = False
 
+    def recomputes_late_steps(self, prep: Prepared) -> bool:
+        """Whether that step is a recompute step for this template (exact K/V: the
+        template's own, recomputed; ``dit.editing.RecomputedKV``)."""
+        return False
+
     @abstractmethod
     def prepare(self, image: torch.Tensor, mask: torch.Tensor, prompt: str, seed: int,
                 steps: int | None = None, guidance: float | None = None,
@@ -134,6 +139,9 @@ class DefaultEngine(EditEngine):
 
     name = "sakura-mmdit"
     computes_late_steps = True
+
+    def recomputes_late_steps(self, prep: Prepared) -> bool:
+        return RecomputedKV.possible(prep.template)
 
     def __init__(self, model, encoder=None, weights_sha256: str | None = None):
         self.model, self._encoder = model, encoder

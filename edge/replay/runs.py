@@ -94,7 +94,7 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
         "truncations": res.truncations, "hedges": res.hedges,
         "local_fallbacks": res.local_fallbacks,
         "outage_fallbacks": res.outage_fallbacks, "stale_steps": res.stale_steps,
-        "planned_stale": res.planned_stale,
+        "planned_stale": res.planned_stale, "planned_local": res.planned_local,
         "refinements": res.refinements,
         # the set-up before the shard loop (open, manifest, plan: edge/timeline.py), so a
         # late start can be told apart from a slow stream

@@ -21,7 +21,8 @@ every run of a policy at that loss; ``max_stall_s`` is the largest total stall o
 ``max_latency_over_local`` the largest ratio of sakura's latency to ``local``'s at the same
 (template, start). ``local_fallbacks`` counts steps computed on the device, ``stale_steps``
 late steps run on their blocks' last K/V (``dit.stale``), ``planned_stale`` the shards
-the stale plan never requested (``edge.stale_plan``),
+the stale plan never requested (``edge.stale_plan``), ``planned_local`` those it had
+recomputed on the device instead,
 ``refinements`` the received configurations extended by one more range before their shard
 ran (prefix refinement). ``psnr_p10_gain_db_vs_fixed_bits_cached`` is the p10 gain over the
 starts where neither policy computed a step locally (:func:`_p10_gain_cached`).
@@ -62,9 +63,9 @@ REPEAT_WINDOWS = (20.0, 110.0, 200.0)
 REPEAT_GAP_S = 30.0
 #: events the runtime counts per edit (``EditResult``)
 COUNTED_EVENTS = ("truncations", "hedges", "refinements", "local_fallbacks",
-                  "outage_fallbacks", "stale_steps", "planned_stale")
+                  "outage_fallbacks", "stale_steps", "planned_stale", "planned_local")
 EVENTS = ("truncations", "hedges", "refinements", "local_fallbacks", "outage_fallbacks",
-          "stale_steps", "planned_stale")
+          "stale_steps", "planned_stale", "planned_local")
 #: a start where CacheGen computed at least this share of its steps locally is an outage
 #: start for :func:`p90_bound_vs_cachegen` (docs/replay-kernel: of CacheGen's 42 runs, 28
 #: computed 0-6 of their 20 steps locally, 5 computed 11-14, and 10 computed 15-20)

@@ -120,7 +120,7 @@ def test_sakura_edit_writes_image_timeline_and_plot(text_world, tmp_path, capsys
     assert len(doc["timeline"]) == 3 * 1  # 3 steps x 1 shard
     # every shard fetched in its own request, but those the stale plan ran on their
     # group's last K/V (edge/stale_plan.py)
-    assert doc["requests"] - 1 == 3 - doc["planned_stale"]
+    assert doc["requests"] - 1 == 3 - doc["planned_stale"] - doc["planned_local"]
     assert doc["planned_stale"] == sum(r["planned_stale"] for r in doc["timeline"])
     assert doc["psnr_db"] is not None and doc["ssim"] is not None
     assert doc["prompt_tokens_kept"] == doc["prompt_tokens_total"] == 6  # CLS 4 words SEP

@@ -40,7 +40,8 @@ def check_timeline(result, max_ahead=EditOptions.max_ahead_cap, max_ready=EditOp
     for r in tl:
         stages = [r["recv_start"], r["recv_first_byte"], r["recv_end"], r["recon_start"],
                   r["recon_end"], r["exec_start"], r["exec_end"]]
-        if r.get("planned_stale"):  # never requested (the stale plan): it only executed
+        if r.get("planned_stale") or r.get("planned_local"):  # never requested (the stale
+            # plan): it only executed
             assert stages[:5] == [None] * 5 and r["bytes"] == 0, r
             assert r["local"] or (r["stale_from"] is not None and r["stale_from"] < r["step"])
             assert None not in stages[5:] and stages[5] <= stages[6], r
@@ -97,7 +98,9 @@ def test_every_policy_runs_and_fp16_equals_exact(world):
     for policy in ("sakura", "svd", "sakura-fixed-bits", "sakura-fixed-config"):
         assert results[policy].bytes < fp16_bytes / 2
     fb = results["sakura-fixed-bits"]  # (a shard the stale plan left unfetched has none)
-    assert {p["bits"] for p, r in zip(fb.params, fb.timeline) if not r["planned_stale"]} == {4}
+    # (the tiny model's windows are short: the plan may recompute or run stale every shard)
+    assert {p["bits"] for p, r in zip(fb.params, fb.timeline)
+            if not (r["planned_stale"] or r["planned_local"])} <= {4}
     fixed = results["sakura-fixed-config"].params
     assert all(p == fixed[0] for p in fixed)
     # outside the mask every policy returns the template
@@ -129,7 +132,7 @@ def test_the_server_sees_only_template_codec_shard_config(world):
     secrets = [PROMPT, str(SEED), "secret", "portrait", "pirate", "captain"]
     # one request per shard (but those the stale plan left unfetched), and the resumes or
     # hedges of a stalled one (deadline rules)
-    fetched = [r for r in res.timeline if not r["planned_stale"]]
+    fetched = [r for r in res.timeline if not (r["planned_stale"] or r["planned_local"])]
     assert len(recorder.requests) == len(client_log) >= 1 + len(fetched)
     ends = {int(r.split("-")[1]): key for r, key in by_range.items()}
     shards, resumed = [], []

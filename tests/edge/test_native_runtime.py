@@ -21,6 +21,7 @@ import torch
 from sakura.cloud.server import create_app
 from sakura.cloud.storage import LocalStorage
 from sakura.codec.pack import Manifest, decode_config
+from sakura.dit.cache import StepLate
 from sakura.dit.editing import Geometry, cached_edit
 from sakura.dit.stale import STALE_MAX_AGE
 from sakura.edge.client import PackClient, RetryPolicy
@@ -241,7 +242,8 @@ def test_the_server_sees_only_public_names(world, runtime, native_runtime):
     heads = [e for e in requests if e["method"] == "HEAD"]
     gets = [e for e in requests if e["method"] == "GET"]
     assert len(heads) == EditOptions().max_inflight - 1
-    fetched = [r for r in res.timeline if not r["planned_stale"]]  # (edge/stale_plan.py)
+    fetched = [r for r in res.timeline  # (edge/stale_plan.py)
+               if not (r["planned_stale"] or r["planned_local"])]
     assert len(requests) == len(log) == 1 + len(fetched) + len(heads)
     assert sorted((e["method"], e["path"]) for e in requests) == sorted(
         (r.method, r.url.split(server.url, 1)[-1]) for r in log)
@@ -574,10 +576,11 @@ def test_the_stale_plan_leaves_smallest_choices_unfetched_while_the_group_kv_is_
     fetched; steps 1-3 are never requested and run on step 0's received K/V (ages 1-3, the
     cap), with no wait and no step computed on the device. The image is the cached edit
     over exactly those bytes; with the plan off every shard is fetched. Both runtimes.
-    (The local step is set to 5 s, so that no wait of a loaded machine decides.)"""
+    (The local step is set to 5 s, so that no wait of a loaded machine decides; planned
+    recompute, which would compute step 0 on the device instead, is off here: the next test.)"""
     req = runtime.request(PROMPT, SEED)
     rt = native_runtime if which == "native" else runtime
-    opts = EditOptions(safety=1e-12)
+    opts = EditOptions(safety=1e-12, stale_plan_local=False)
     with local_step_bound(world, rt, req, opts, seconds=5.0):
         app = RecordingApp(create_app(LocalStorage(world.catalog_dir)))
         with Server(app) as server:
@@ -614,6 +617,42 @@ def test_the_stale_plan_leaves_smallest_choices_unfetched_while_the_group_kv_is_
 
     geo = Geometry.of(world.model, world.template)
     want = cached_edit(world.model, world.template, geo, Step0(), req, stale_max_age=0)
+    assert (res.image - want).abs().max().item() <= TOL
+
+
+class AlwaysLate:
+    """A provider with nothing in time: every step is late (the local fallback decides)."""
+
+    def get(self, step, block):
+        raise StepLate(step)
+
+
+@BOTH
+def test_planned_recompute_computes_a_step_whose_groups_hold_no_recent_kv(
+        world, runtime, native_runtime, which):
+    """Planned recompute (edge/stale_plan.py): with a budget that fits nothing, step 0's
+    smallest choices have no earlier K/V to run on, so step 0 is recomputed on the device
+    (exact K/V) and steps 1-3 run stale on those: no pack byte is asked for, no shard waits,
+    and the image is the edit with every step late (recomputed, then stale). Both
+    runtimes."""
+    req = runtime.request(PROMPT, SEED)
+    rt = native_runtime if which == "native" else runtime
+    opts = EditOptions(safety=1e-12)
+    with local_step_bound(world, rt, req, opts, seconds=5.0):
+        app = RecordingApp(create_app(LocalStorage(world.catalog_dir)))
+        with Server(app) as server:
+            res = rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura",
+                          options=opts)
+    assert shards_asked(world.manifests["sakura"], app.requests) == set()
+    got = [(r["shard"], r["bytes"], r["local"], r["planned_local"], r["planned_stale"],
+            r.get("stale_from")) for r in res.timeline]
+    assert got == [(0, 0, True, True, False, None), (1, 0, True, True, False, None)] + [
+        (j, 0, False, False, True, 0) for j in range(2, 8)], got
+    assert res.planned_local == 2 and res.planned_stale == 6
+    assert res.local_fallbacks == 1 and res.stale_steps == 3
+    assert all(r["stall_s"] == 0.0 for r in res.timeline[1:]), res.timeline
+    geo = Geometry.of(world.model, world.template)
+    want = cached_edit(world.model, world.template, geo, AlwaysLate(), req)
     assert (res.image - want).abs().max().item() <= TOL
 
 

@@ -661,6 +661,7 @@ json record_json(const sakura::ShardRecord& r, const json& params) {
           {"truncated", r.truncated}, {"damage", r.damage.empty() ? json(nullptr) : json(r.damage)},
           {"local", r.local}, {"outage", r.outage}, {"refinements", r.refinements},
           {"stale_from", idx(r.stale_from)}, {"planned_stale", r.planned_stale},
+          {"planned_local", r.planned_local},
           {"params", params}};
 }
 

@@ -91,6 +91,8 @@ const RecordField kRecordFields[] = {
     {"stale_from", "int | None", [](const Record& r) { return none_if_negative(r.stale_from); }},
     {"planned_stale", "bool",
      [](const Record& r) -> py::object { return py::bool_(r.planned_stale); }},
+    {"planned_local", "bool",
+     [](const Record& r) -> py::object { return py::bool_(r.planned_local); }},
 };
 
 // The record as a dict of every field, in the table's order (the JSON timeline's keys).
@@ -376,10 +378,12 @@ sakura::StreamSpec make_stream(const std::shared_ptr<StreamTable>& shards,
                                int max_inflight, double lookahead_rtts, int max_ahead_cap,
                                bool refine, std::string reconstruct,
                                std::optional<std::vector<int>> pipeline_cpus, double origin,
-                               std::int64_t channels, int intq_group, int stale_plan_age) {
+                               std::int64_t channels, int intq_group, int stale_plan_age,
+                               bool plan_local) {
   if (stale_plan_age < 0) throw py::value_error("stale_plan_age must be >= 0");
   sakura::StreamSpec spec;
   spec.options.stale_plan_age = stale_plan_age;
+  spec.options.plan_local = plan_local;
   spec.shards = shards->shards;
   spec.configs = shards->configs;
   spec.http = std::move(http);
@@ -588,7 +592,7 @@ void bind_edit(py::module_& m) {
            py::arg("max_ahead_cap") = so.max_ahead_cap, py::arg("refine") = so.refine,
            py::arg("reconstruct") = "cpu", py::arg("pipeline_cpus") = py::none(),
            py::arg("origin") = 0.0, py::arg("channels") = 0, py::arg("intq_group") = 32,
-           py::arg("stale_plan_age") = so.stale_plan_age)
+           py::arg("stale_plan_age") = so.stale_plan_age, py::arg("plan_local") = so.plan_local)
       .def_property_readonly("shards", [](const sakura::StreamSpec& s) { return s.shards.size(); })
       .def_property_readonly("max_inflight", [](const sakura::StreamSpec& s) { return s.options.max_inflight; })
       .def_readonly("reconstruct", &sakura::StreamSpec::reconstruct);

@@ -281,6 +281,16 @@ void StreamFeed::issue(int j) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (records_[j].local) return;  // computed on the device: never requested
+    bool step_local = false;  // an earlier shard of its step was planned local
+    for (int i = j - 1; i >= 0 && records_[i].step == records_[j].step; --i) {
+      step_local = step_local || records_[i].planned_local;
+    }
+    records_[j].planned_local = step_local;  // its step is recomputed: never requested
+  }
+  if (records_[j].planned_local) {
+    progress_->received(j, now_s());
+    cv_.notify_all();
+    return;
   }
   const double now = now_s();
   const Window window = progress_->window(j, now);
@@ -304,10 +314,14 @@ void StreamFeed::issue(int j) {
     bool planned = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stale_source(records_, j, spec_.options.stale_plan_age) >= 0) {
-        // the stale plan (edge/stale_plan.py): never requested, run on its group's K/V
+      // the stale plan (edge/stale_plan.py, plan_unfetched): never requested, run on its
+      // group's K/V when they are recent enough, else (a recompute step) its step local
+      const bool recent = stale_source(records_, j, spec_.options.stale_plan_age) >= 0;
+      if (recent || (plan_local_.load() && rate > 0 && measured_since_local_)) {
         ShardRecord& rec = records_[j];
-        rec.planned_stale = planned = true;
+        planned = true;
+        (recent ? rec.planned_stale : rec.planned_local) = true;
+        if (!recent) measured_since_local_ = false;
         rec.window_s = window.window_s;
         rec.carry_s = window.carry_s;
         rec.rate_bps = rate;
@@ -443,6 +457,7 @@ void StreamFeed::complete(FetchDone&& done) {
   // counts from when the connection was open (the first requests of an edit open theirs)
   monitor_->record(j, static_cast<std::int64_t>(done.data.size()), done.start + done.connect_s,
                    done.first_byte, done.end);
+  if (!done.data.empty()) measured_since_local_ = true;
   progress_->received(j, done.end);
   std::lock_guard<std::mutex> lock(mu_);
   ShardRecord& rec = records_[j];
@@ -711,9 +726,10 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
   end_current(j, now);
   std::unique_lock<std::mutex> lock(mu_);
   if (executing_ >= 0 && executing_ != j) ready_.erase(executing_);
-  if (records_[j].planned_stale && !error_) return true;  // the stale plan: no wait
+  auto unplanned = [&] { return !records_[j].planned_stale && !records_[j].planned_local; };
+  if (!unplanned() && !error_) return true;  // the stale plan: no wait
   const double until = now + std::max(0.0, timeout_s);
-  while (!ready_.count(j) && !records_[j].planned_stale && !error_) {
+  while (!ready_.count(j) && unplanned() && !error_) {
     if (cancelled_.load()) throw Cancelled();
     const double left = until - now_s();
     // an unreachable origin (a restart) is waited out within the retry window, never
@@ -751,12 +767,12 @@ bool StreamFeed::ready_within(int j, double timeout_s) {
   waiting_until_ = std::numeric_limits<double>::infinity();
   predicted_late_ = false;
   records_[j].stall_s += now_s() - now;  // waited either way
-  return ready_.count(j) > 0 || records_[j].planned_stale;
+  return ready_.count(j) > 0 || !unplanned();
 }
 
-bool StreamFeed::planned_stale(int j) const {
+bool StreamFeed::unfetched(int j) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return records_[j].planned_stale;
+  return records_[j].planned_stale || records_[j].planned_local;
 }
 
 void StreamFeed::skip(int j, int stale_from) {
@@ -812,8 +828,8 @@ const float* StreamFeed::acquire(int j) {
     if (current >= 0 && current != j) ready_.erase(current);
     while (!ready_.count(j) && !error_) {
       if (cancelled_.load()) throw Cancelled();
-      if (records_[j].planned_stale) {
-        throw std::logic_error("shard " + std::to_string(j) + " was planned stale: the stale "
+      if (records_[j].planned_stale || records_[j].planned_local) {
+        throw std::logic_error("shard " + std::to_string(j) + " was not fetched: the stale "
                                "plan needs the local fallback (run_edit with LocalSteps)");
       }
       if (waiting_ != j) {  // the receive thread enforces the deadline from now on
@@ -1015,7 +1031,7 @@ class StepRunner {
           if (wait_s >= 0 && !feed_->ready_within(shard, bound)) {
             return false;
           }
-          const bool planned = wait_s >= 0 && feed_->planned_stale(shard);
+          const bool planned = wait_s >= 0 && feed_->unfetched(shard);
           if (planned) {  // the stale plan: the group's kept K/V if recent enough
             const int k = kept_step(g);
             if (!keep_ || k < 0 || s - k > max_age_) return false;  // else the step is late
@@ -1151,7 +1167,12 @@ std::vector<float> run_edit(EditGraphs& graphs, const EditInputs& in, ShardFeed*
   enum class Mode { OnTime, Stale, Local } mode = Mode::OnTime;
   double cached_step_s = 0;  // the last cached step's time (a stale step costs as much)
   try {
-    if (feed) feed->start();
+    if (feed) {
+      // the stale plan may plan a step local where that step is a recompute step
+      feed->plan_local(local != nullptr && local->recompute != nullptr &&
+                       local->stale_max_age > 0);
+      feed->start();
+    }
     for (int s = 0; s < cached.steps(); ++s) {
       if (cancel.load()) throw Cancelled();
       const int first = static_cast<int>(s * cached.groups());

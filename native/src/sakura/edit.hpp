@@ -63,6 +63,9 @@ struct ShardRecord {
   int refinements = 0;     // extensions of its received configuration (prefix refinement)
   int stale_from = -1;     // its step ran on the K/V of this earlier step (stale reuse; -1 no)
   bool planned_stale = false;  // never requested: the stale plan ran it on its group's K/V
+  // never requested: its group held no recent K/V, so the stale plan had its step
+  // recomputed on the device (edge/stale_plan.py, plan_unfetched)
+  bool planned_local = false;
 };
 
 // Raised when an edit is cancelled (Ctrl-C in Python).
@@ -85,10 +88,13 @@ class ShardFeed {
   // stale_from >= 0, the step runs on that earlier step's K/V (stale reuse) and the record
   // says so.
   virtual void skip(int, int /*stale_from*/ = -1) {}
-  // Whether the receive stage chose not to fetch shard j (the stale plan): it runs on its
-  // group's kept K/V when they are recent enough (run_edit), else its step is late. Known
-  // once ready_within(j, ...) returned true.
-  virtual bool planned_stale(int) const { return false; }
+  // Whether the receive stage chose not to fetch shard j (the stale plan: planned stale or
+  // planned local): it runs on its group's kept K/V when they are recent enough (run_edit),
+  // else its step is late. Known once ready_within(j, ...) returned true.
+  virtual bool unfetched(int) const { return false; }
+  // Set by run_edit before start(): the local step is a recompute step, so the stale plan
+  // may plan a step local where a skippable shard's group holds no recent K/V.
+  virtual void plan_local(bool) {}
   // After the last shard executed: stamps its end, stops the stages.
   virtual void finish() {}
   virtual void cancel() {}
@@ -143,6 +149,9 @@ struct StreamOptions {
   // (its smallest) is not requested when its group's last fetched shard is at most this many
   // steps before it (0: off)
   int stale_plan_age = 0;
+  // ... and where such a shard's group holds no recent K/V, its step is computed on the
+  // device (when run_edit's local step is a recompute step: plan_local())
+  bool plan_local = true;
 };
 
 
@@ -178,7 +187,8 @@ class StreamFeed final : public ShardFeed {
   const float* acquire(int shard) override;
   bool ready_within(int shard, double timeout_s) override;
   void skip(int shard, int stale_from = -1) override;
-  bool planned_stale(int shard) const override;
+  bool unfetched(int shard) const override;
+  void plan_local(bool on) override { plan_local_ = on && spec_.options.plan_local; }
   void finish() override;
   void cancel() override;
   std::vector<ShardRecord> records() const override;
@@ -227,6 +237,10 @@ class StreamFeed final : public ShardFeed {
   std::exception_ptr error_;
   bool closing_ = false;
   std::atomic<bool> cancelled_{false};
+  std::atomic<bool> plan_local_{false};
+  // (receive thread) a body arrived since the last step planned local (Pipeline's
+  // _measured_since_local: a step is planned local only on a refreshed estimate)
+  bool measured_since_local_ = true;
   std::thread receive_thread_, reconstruct_thread_;
   std::shared_ptr<void> gpu_;  // the reconstruct thread's OpenCL decoder (when used)
 };
