@@ -359,6 +359,41 @@ class Pipeline(PrefixRefinement, LocalFallback):
             self._measured_since_local = False
         return decided
 
+    def _unfetched_at_deadline(self, j: int, config: int) -> str | None:
+        """A prefix cut at its deadline that the stale plan would not have fetched (its
+        configuration is skippable): "stale" or "local" as :meth:`_plan_stale` decides, with
+        no rate condition (the cut transfer was a sample); None: it runs on the prefix. On the
+        tail bench the worst edits ran such prefixes (a 32 dB configuration of step 2 whose
+        K/V then served three stale steps, 2026-12-06)."""
+        if self.skippable is None or self.local_step_s is None or not self.skippable(j, config):
+            return None
+        planned = [r.planned_stale for r in self.records]
+        source = stale_source(self.shard_blocks, planned, j, self.stale_max_age)
+        return plan_unfetched(source, self.plan_local and self.stale_max_age > 0)
+
+    def _cut_unfetched(self, entry: InFlight, got: Fetched, decided: str) -> None:
+        """(Network loop.) Shard ``entry.shard``'s prefix at its deadline is not used: the
+        shard runs stale (or its step locally); the bytes were a rate sample."""
+        j = entry.shard
+        if got.data:
+            self._last_byte = max(self._last_byte, entry.transfer.last_progress)
+        self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
+        self._measured_since_local = self._measured_since_local or bool(got.data)
+        self.progress.received(j, got.end)
+        with self._cond:
+            rec = self.records[j]
+            rec.recv_start, rec.recv_first_byte = self._rel(got.start), self._rel(got.first_byte)
+            rec.recv_end, rec.bytes = self._rel(got.end), len(got.data)
+            rec.attempts, rec.resumes, rec.refetches = got.attempts, got.resumes, got.refetches
+            rec.hedges = max(got.hedges, entry.transfer.hedges)
+            rec.requested, rec.truncated = entry.config, True
+            rec.config, rec.params = None, {}
+            if decided == "stale":
+                rec.planned_stale = True
+            else:
+                rec.planned_local = True
+            self._cond.notify_all()
+
     def _step_planned_local(self, j: int) -> bool:
         """An earlier shard of shard ``j``'s step was planned local (the step is recomputed)."""
         step = self.shard_blocks[j][0]
@@ -479,7 +514,12 @@ class Pipeline(PrefixRefinement, LocalFallback):
         if fallback is not None:  # truncation: the longest verified prefix, now
             del self._inflight[j]
             entry.task.cancel()
-            self._complete(entry, t.result(fallback), truncated=True)
+            got = t.result(fallback)
+            decided = self._unfetched_at_deadline(j, fallback[0])
+            if decided is None:
+                self._complete(entry, got, truncated=True)
+            else:
+                self._cut_unfetched(entry, got, decided)
             self._wake_receiver()
             return WATCH_CAP_S
         if entry.base is not None:  # a late extension: the shard runs on what it had, now
@@ -558,6 +598,8 @@ class Pipeline(PrefixRefinement, LocalFallback):
             tensors = self._ready.get(j) if j == current else None
         if tensors is None:
             tensors = self._enter(j, current)
+        if tensors is None:  # cut at its deadline: its group's K/V (stale_shard), or local
+            raise ShardSkipped(step, block)
         return tensors[2 * k], tensors[2 * k + 1]
 
     def stale_shard(self, step: int, block: int, source: int | None) -> None:
@@ -599,7 +641,7 @@ class Pipeline(PrefixRefinement, LocalFallback):
         else:
             self.progress.exec_ended(current, now)
 
-    def _enter(self, j: int, current: int) -> list[torch.Tensor]:
+    def _enter(self, j: int, current: int) -> list[torch.Tensor] | None:
         now = self.clock()
         self._end_current(current, j, now)
         bound = self._wait_bound(j)
@@ -610,7 +652,8 @@ class Pipeline(PrefixRefinement, LocalFallback):
                 self._waiting = ShardWait(j, now)  # the deadline rule watches this wait
                 self._wake(self._watch_event)
             late = outage = False
-            while j not in self._ready and self._error is None:
+            while (j not in self._ready and self._error is None
+                   and not (self.records[j].planned_stale or self.records[j].planned_local)):
                 if bound is None:
                     self._cond.wait(0.5)
                     continue
@@ -637,6 +680,9 @@ class Pipeline(PrefixRefinement, LocalFallback):
                 self.records[j].stall_s += self.clock() - now  # waited either way
                 self._skip_step(j, self.clock(), outage)
                 raise StepLate(self.shard_blocks[j][0])
+            if j not in self._ready:  # cut at its deadline and not used (the stale plan)
+                self.records[j].stall_s += self.clock() - now
+                return None
             first = j == 0 or self.shard_blocks[j - 1][0] != self.shard_blocks[j][0]
             if first:
                 self._local_mode = False

@@ -41,8 +41,13 @@ def check_timeline(result, max_ahead=EditOptions.max_ahead_cap, max_ready=EditOp
         stages = [r["recv_start"], r["recv_first_byte"], r["recv_end"], r["recon_start"],
                   r["recon_end"], r["exec_start"], r["exec_end"]]
         if r.get("planned_stale") or r.get("planned_local"):  # never requested (the stale
-            # plan): it only executed
-            assert stages[:5] == [None] * 5 and r["bytes"] == 0, r
+            # plan): it only executed; or cut at its deadline to a prefix the plan would not
+            # have fetched (received, never reconstructed)
+            if r.get("truncated"):
+                assert None not in stages[:3] and stages[:3] == sorted(stages[:3]), r
+                assert stages[3:5] == [None] * 2 and r["config"] is None, r
+            else:
+                assert stages[:5] == [None] * 5 and r["bytes"] == 0, r
             assert r["local"] or (r["stale_from"] is not None and r["stale_from"] < r["step"])
             assert None not in stages[5:] and stages[5] <= stages[6], r
             continue

@@ -491,6 +491,18 @@ void StreamFeed::complete(FetchDone&& done) {
   rec.hedges = done.hedges;
   rec.truncated = done.truncated;
   rec.damage = done.damage;
+  // a prefix cut at the deadline that the stale plan would not have fetched: the shard runs
+  // on its group's recent K/V, or (none) its step is recomputed (edge/pipeline.py,
+  // _unfetched_at_deadline; the received bytes were a rate sample)
+  if (done.truncated && spec_.options.stale_plan_age > 0 && allocator_->skippable(j, done.config)) {
+    const bool recent = stale_source(records_, j, spec_.options.stale_plan_age) >= 0;
+    if (recent || plan_local_.load()) {
+      (recent ? rec.planned_stale : rec.planned_local) = true;
+      rec.config = -1;
+      cv_.notify_all();
+      return;
+    }
+  }
   pending_[j] = {done.config, std::move(done.data)};
   cv_.notify_all();
 }
