@@ -42,6 +42,14 @@ refreshed since the last step planned local: a plan that went local on a stale e
 would otherwise never measure the link again (its groups would be recomputed every
 ``stale_max_age + 1`` steps however fast the link became).
 
+**Cut prefixes.** The same rule holds at a shard's deadline: a prefix cut there whose
+configuration is skippable is not used; the shard runs stale, or its step is recomputed
+(``Pipeline._unfetched_at_deadline``, the native ``StreamFeed::complete``). The worst tail
+edits had run such prefixes (a 32 dB prefix of step 2 reused by three stale steps); with it,
+sakura's tail p10 rose from 33.2 / 30.3 / 33.7 to 37.3 / 37.4 / 37.0 dB at loss 0 / 1 / 3%
+(``docs/bench/tail.json``, 2026-12-06 afternoon; the two changes above alone moved nothing
+beyond run-to-run noise, ``docs/RESULTS.md``).
+
 SAKURA's policies plan stale (``Policy.plans_stale``); the baselines keep their published
 streaming, and ``sakura-fixed-config`` keeps its configuration. ``EditOptions.stale_plan``
 turns it off. The native receive stage (``StreamFeed::issue``, ``native/src/sakura/edit.cpp``)

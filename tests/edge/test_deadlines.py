@@ -24,6 +24,7 @@ import pytest
 import torch
 from sakura.cloud.server import create_app
 from sakura.cloud.storage import LocalStorage
+from sakura.dit.stale import StaleReuse
 from sakura.edge.client import BodySpec, Fetched, PackClient, Transfer, prefix_fallbacks
 from sakura.edge.errors import IntegrityError
 from sakura.edge.monitor import BandwidthMonitor, ExecutionProgress
@@ -61,7 +62,7 @@ def spec_of(shard: int, config: int) -> BodySpec:
     return BodySpec(len(data), units, offset=10_000 * shard)
 
 
-def scripted(behaviour, *, exec_s=0.05, fallbacks=True, initial_bps=8e6):
+def scripted(behaviour, *, exec_s=0.05, fallbacks=True, initial_bps=8e6, **pipe_kw):
     """A pipeline over scripted transfers: ``behaviour(shard, transfer, spec)`` (async)
     fills the transfer; a shard it returns None for is sent whole at once. Every shard asks
     for configuration 2; its fallbacks are configurations 1 and 0 (prefixes of it)."""
@@ -88,7 +89,7 @@ def scripted(behaviour, *, exec_s=0.05, fallbacks=True, initial_bps=8e6):
                     progress=ExecutionProgress.with_allowance([exec_s] * len(SHARDS), origin,
                                                               0.0, now=origin),
                     origin=origin, max_ahead=4, describe=lambda s, c: {"level": c},
-                    config_bytes=lambda s, c: SIZES[c], fallbacks=allowed)
+                    config_bytes=lambda s, c: SIZES[c], fallbacks=allowed, **pipe_kw)
     return pipe, decoded
 
 
@@ -156,6 +157,46 @@ def test_a_verified_prefix_runs_at_the_deadline():
     assert stats.truncations == 1 and stats.configs == [2, 1, 2, 2]
     assert all(not r.truncated and r.config == r.requested == CHOICE
                for r in pipe.records if r.shard != 1)
+    assert took < BOUND_S
+
+
+def test_a_prefix_the_stale_plan_would_not_fetch_runs_stale_at_the_deadline():
+    """The stale plan at the deadline: shard 2 (step 1, blocks 0-1) sends configuration 0's
+    1000 bytes and then nothing. At its deadline that prefix is one the plan would not have
+    fetched (skippable here: configuration 0), and step 0's K/V of the same blocks are one
+    step old, so the shard runs on those instead of the prefix: its record says truncated
+    and planned_stale, with the bytes it received, no configuration and no decode."""
+    async def behaviour(shard, transfer, spec):
+        if shard != 2:
+            return None
+
+        async def stall():
+            await send(transfer, SIZES[0] + UNIT // 2)
+            await asyncio.sleep(FOREVER_S)
+
+        while not await transfer.run_attempt(stall()):
+            transfer.take_fresh()
+
+    with NetLoop() as net:
+        pipe, decoded = scripted(behaviour, skippable=lambda s, c: c == 0,
+                                 local_step_s=FOREVER_S, stale_max_age=3)
+        pipe.start(net)
+        kept = StaleReuse(pipe.provider, num_blocks=4, max_age=3)
+        t0 = time.monotonic()
+        seen = []
+        for step in range(2):
+            for block in range(4):
+                k, _v = kept.get(step, block)
+                seen.append(int(k[0, 0]))
+                time.sleep(0.025)
+        took = time.monotonic() - t0
+        stats = pipe.finish()
+    assert seen == [0, 0, 1, 1, 0, 0, 3, 3]  # step 1's blocks 0-1 on step 0's K/V
+    rec = pipe.records[2]
+    assert rec.truncated and rec.planned_stale and not rec.local
+    assert (rec.config, rec.requested, rec.stale_from) == (None, CHOICE, 0)
+    assert rec.bytes == SIZES[0] and 2 not in decoded  # (the prefix, as a truncation counts)
+    assert stats.configs == [2, 2, None, 2] and stats.planned_stale == 1
     assert took < BOUND_S
 
 
