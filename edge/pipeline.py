@@ -374,20 +374,9 @@ class Pipeline(PrefixRefinement, LocalFallback):
     def _cut_unfetched(self, entry: InFlight, got: Fetched, decided: str) -> None:
         """(Network loop.) Shard ``entry.shard``'s prefix at its deadline is not used: the
         shard runs stale (or its step locally); the bytes were a rate sample."""
-        j = entry.shard
-        if got.data:
-            self._last_byte = max(self._last_byte, entry.transfer.last_progress)
-        self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
-        self._measured_since_local = self._measured_since_local or bool(got.data)
-        self.progress.received(j, got.end)
+        rec = self._received(entry, got, None, truncated=True)
         with self._cond:
-            rec = self.records[j]
-            rec.recv_start, rec.recv_first_byte = self._rel(got.start), self._rel(got.first_byte)
-            rec.recv_end, rec.bytes = self._rel(got.end), len(got.data)
-            rec.attempts, rec.resumes, rec.refetches = got.attempts, got.resumes, got.refetches
-            rec.hedges = max(got.hedges, entry.transfer.hedges)
-            rec.requested, rec.truncated = entry.config, True
-            rec.config, rec.params = None, {}
+            rec.params = {}
             if decided == "stale":
                 rec.planned_stale = True
             else:
@@ -433,10 +422,24 @@ class Pipeline(PrefixRefinement, LocalFallback):
         """Shard ``entry.shard``'s bytes are in (its choice, or a fallback: ``got.config``)."""
         j = entry.shard
         config = entry.config if got.config is None else int(got.config)
-        rec = self.records[j]
         if entry.base is not None:  # an extension of what the shard had
             self._extended(entry, got, config)
             return
+        rec = self._received(entry, got, config, truncated)
+        if config != entry.config and self.describe:
+            rec.params = dict(self.describe(j, config))
+        with self._cond:
+            if rec.local:  # its step ran locally meanwhile: a rate sample only
+                return
+            self._pending[j] = (config, got.data)
+            self._cond.notify_all()
+
+    def _received(self, entry: InFlight, got: Fetched, config: int | None,
+                  truncated: bool) -> ShardRecord:
+        """(Network loop.) A transfer's end in the shard's record (``config`` the one it runs
+        at, None: not used), and its bytes as a rate sample."""
+        j = entry.shard
+        rec = self.records[j]
         rec.recv_start = self._rel(got.start)
         rec.recv_first_byte = self._rel(got.first_byte)
         rec.recv_end = self._rel(got.end)
@@ -445,18 +448,12 @@ class Pipeline(PrefixRefinement, LocalFallback):
         rec.requested, rec.config = entry.config, config
         rec.hedges = max(got.hedges, entry.transfer.hedges)
         rec.truncated, rec.damage = truncated, got.damage
-        if config != entry.config and self.describe:
-            rec.params = dict(self.describe(j, config))
         if got.data:
             self._last_byte = max(self._last_byte, entry.transfer.last_progress)
         self.monitor.record(j, len(got.data), got.start, got.first_byte, got.end)
         self._measured_since_local = self._measured_since_local or bool(got.data)
         self.progress.received(j, got.end)
-        with self._cond:
-            if rec.local:  # its step ran locally meanwhile: a rate sample only
-                return
-            self._pending[j] = (config, got.data)
-            self._cond.notify_all()
+        return rec
 
     # ------------------------------------------------------------------ deadlines
     async def _watch_loop(self) -> None:
