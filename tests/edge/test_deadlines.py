@@ -24,6 +24,7 @@ import pytest
 import torch
 from sakura.cloud.server import create_app
 from sakura.cloud.storage import LocalStorage
+from sakura.dit.cache import StepLate
 from sakura.dit.stale import StaleReuse
 from sakura.edge.client import BodySpec, Fetched, PackClient, Transfer, prefix_fallbacks
 from sakura.edge.errors import IntegrityError
@@ -62,7 +63,8 @@ def spec_of(shard: int, config: int) -> BodySpec:
     return BodySpec(len(data), units, offset=10_000 * shard)
 
 
-def scripted(behaviour, *, exec_s=0.05, fallbacks=True, initial_bps=8e6, **pipe_kw):
+def scripted(behaviour, *, exec_s=0.05, fallbacks=True, initial_bps=8e6, shards=SHARDS,
+             **pipe_kw):
     """A pipeline over scripted transfers: ``behaviour(shard, transfer, spec)`` (async)
     fills the transfer; a shard it returns None for is sent whole at once. Every shard asks
     for configuration 2; its fallbacks are configurations 1 and 0 (prefixes of it)."""
@@ -79,14 +81,14 @@ def scripted(behaviour, *, exec_s=0.05, fallbacks=True, initial_bps=8e6, **pipe_
 
     def decode(shard, config, data):
         decoded[shard] = (config, data)
-        return [torch.full((3, 4), float(shard)) for _ in range(4)]
+        return [torch.full((3, 4), float(shard)) for _ in range(2 * len(shards[shard][1]))]
 
     def allowed(shard, config):
         return [(c, SIZES[c]) for c in (1, 0)] if fallbacks else []
 
-    pipe = Pipeline(SHARDS, fetch=fetch, decode=decode, allocate=lambda s, w, r, _: CHOICE,
+    pipe = Pipeline(shards, fetch=fetch, decode=decode, allocate=lambda s, w, r, _: CHOICE,
                     monitor=BandwidthMonitor(initial_bps=initial_bps),
-                    progress=ExecutionProgress.with_allowance([exec_s] * len(SHARDS), origin,
+                    progress=ExecutionProgress.with_allowance([exec_s] * len(shards), origin,
                                                               0.0, now=origin),
                     origin=origin, max_ahead=4, describe=lambda s, c: {"level": c},
                     config_bytes=lambda s, c: SIZES[c], fallbacks=allowed, **pipe_kw)
@@ -198,6 +200,41 @@ def test_a_prefix_the_stale_plan_would_not_fetch_runs_stale_at_the_deadline():
     assert rec.bytes == SIZES[0] and 2 not in decoded  # (the prefix, as a truncation counts)
     assert stats.configs == [2, 2, None, 2] and stats.planned_stale == 1
     assert took < BOUND_S
+
+
+def test_a_step_is_planned_local_only_after_a_body_has_measured_the_link():
+    """Planned recompute's guard: eight steps of one shard each, every choice skippable and
+    K/V at most one step old reusable, so without the guard the plan would alternate
+    recomputed and stale steps and never request a byte (an edit that went local would never
+    measure the link again). With it, a step is planned local only on a rate some body has
+    refreshed since the last one: a fetched shard with bytes lies between any two."""
+    async def whole(shard, transfer, spec):
+        return None
+
+    shards = [(s, [0, 1, 2, 3]) for s in range(8)]
+    with NetLoop() as net:
+        pipe, decoded = scripted(whole, shards=shards, skippable=lambda s, c: True,
+                                 plan_local=True, local_step_s=0.01, stale_max_age=1)
+        pipe.start(net)
+        kept = StaleReuse(pipe.provider, num_blocks=4, max_age=1)
+        for step in range(8):
+            try:
+                for block in range(4):
+                    kept.get(step, block)
+            except StepLate:  # computed on the device: exact K/V of every block
+                kept.put(step, {b: (torch.zeros(3, 4), torch.zeros(3, 4)) for b in range(4)})
+            time.sleep(0.02)
+        pipe.finish()
+    recs = pipe.records
+    local = [r.shard for r in recs if r.planned_local]
+    measured = [r.shard for r in recs if r.bytes > 0]  # (a body: a rate sample)
+    assert local and local[0] == 0  # step 0: no K/V at all, a measured rate: recomputed
+    assert recs[1].planned_stale and recs[1].stale_from == 0
+    assert measured and set(decoded) <= set(measured)
+    for a, b in zip(local, local[1:]):
+        assert any(a < m < b for m in measured), (local, measured)
+    assert all(r.planned_local or r.planned_stale or r.local or r.shard in measured
+               for r in recs)
 
 
 def test_without_a_verified_prefix_a_silent_transfer_is_hedged_once():
