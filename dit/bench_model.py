@@ -87,13 +87,24 @@ def accuracy(clf: EmojiClassifier, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((clf(x).argmax(-1) == y).float().mean())
 
 
+def load_arch(arch: str, weights: str | None = None) -> nn.Module:
+    """``mmdit``: the shipped model (``weights``: its file); ``flux2``: the second model
+    (``dit.flux2_pixel``; ``weights``: its folder)."""
+    if arch == "flux2":
+        from sakura.dit.flux2_pixel import load_flux2  # lazy: diffusers, for this arch only
+
+        return load_flux2(weights)
+    return load_model(weights)
+
+
 def run_bench(per_category: int = 8, steps: int = 20, guidance: float = 3.0,
-              weights: str | None = None, grid: str | None = None, quick: bool = False) -> dict:
+              weights: str | None = None, grid: str | None = None, quick: bool = False,
+              arch: str = "mmdit") -> dict:
     t0 = time.perf_counter()
     ds = EmojiDataset.load()
     clf = train_classifier(ds, epochs=4 if quick else 12)
     xh, yh = _labelled(ds, held_out=True)
-    model = load_model(weights)
+    model = load_arch(arch, weights)
     enc = TextEncoder()
     unc = enc.encode([""])
     prompts = [category_prompt(c) for c in CATEGORIES for _ in range(per_category)]
@@ -108,14 +119,18 @@ def run_bench(per_category: int = 8, steps: int = 20, guidance: float = 3.0,
         "generated_images": len(labels),
         "chance_level": 1.0 / len(CATEGORIES),
         "categories": list(CATEGORIES),
-        "steps": steps, "guidance": guidance,
+        "steps": steps, "guidance": guidance, "arch": arch,
+        "model_class": type(getattr(model, "transformer", model)).__name__,
+        "params": sum(p.numel() for p in model.parameters()),
         "weights_train_step": getattr(model, "weights_meta", {}).get("train_step"),
     }
     out["ratio_to_chance"] = out["prompt_accuracy_generated"] / out["chance_level"]
     per_cat = (clf(imgs).argmax(-1) == labels).float().view(len(CATEGORIES), -1).mean(-1)
     out["per_category_generated_accuracy"] = {c: float(a) for c, a in zip(CATEGORIES, per_cat)}
     out["denoise_x0_psnr_db_by_t"] = denoise_by_t(model, enc, ds)
-    out["masked_self_edit"] = masked_self_edit(model, enc, seeds=(0,) if quick else (0, 1))
+    # (the MMDiT's own cached edit; the FLUX.2 model's edits run through dit.adapters)
+    if arch == "mmdit":
+        out["masked_self_edit"] = masked_self_edit(model, enc, seeds=(0,) if quick else (0, 1))
     if grid:
         out["grid"] = write_grid(model, enc, ds, grid, steps, guidance)
     out["seconds"] = time.perf_counter() - t0
@@ -201,8 +216,10 @@ def write_grid(model, enc, ds: EmojiDataset, path: str, steps: int, guidance: fl
     return path
 
 
-def main(json_path: str | None, quick: bool, grid: str | None, weights: str | None) -> int:
-    result = run_bench(per_category=4 if quick else 8, weights=weights, grid=grid, quick=quick)
+def main(json_path: str | None, quick: bool, grid: str | None, weights: str | None,
+         arch: str = "mmdit") -> int:
+    result = run_bench(per_category=4 if quick else 8, weights=weights, grid=grid, quick=quick,
+                       arch=arch)
     text = json.dumps(result, indent=2)
     print(text)
     if json_path:

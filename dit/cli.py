@@ -86,7 +86,8 @@ def check_file(path: str | None, option: str) -> None:
 def _train(args: argparse.Namespace) -> int:
     from sakura.dit.train import TrainConfig, train  # lazy: torch
 
-    cfg = TrainConfig(steps=args.steps, out_dir=args.out_dir, weights_out=args.weights_out,
+    cfg = TrainConfig(arch=args.arch, steps=args.steps, out_dir=args.out_dir,
+                      weights_out=args.weights_out,
                       threads=args.threads, batch_size=args.batch_size,
                       t_uniform=args.t_uniform, variant_power=args.variant_power)
     train(cfg)
@@ -103,10 +104,14 @@ def _bench_kv(args: argparse.Namespace) -> int:
 
 
 def _bench_model(args: argparse.Namespace) -> int:
-    check_file(args.weights, "--weights")
+    if args.arch == "flux2":
+        if args.weights is not None and not Path(args.weights).is_dir():
+            raise SakuraError(f"--weights: no such folder: {args.weights}")
+    else:
+        check_file(args.weights, "--weights")
     from sakura.dit.bench_model import main  # lazy: torch
 
-    return main(args.json, args.quick, args.grid, args.weights)
+    return main(args.json, args.quick, args.grid, args.weights, args.arch)
 
 
 def register(commands, bench) -> None:
@@ -117,7 +122,11 @@ def register(commands, bench) -> None:
                    help="also write the result JSON here (- for stdout)")
     m.add_argument("--quick", action="store_true", help="4 samples per category, fewer steps")
     m.add_argument("--grid", metavar="PNG", help="also write a held-out sample grid")
-    m.add_argument("--weights", metavar="FILE", help="weights file (default: shipped)")
+    m.add_argument("--weights", metavar="PATH",
+                   help="weights file, or folder for --arch flux2 (default: shipped)")
+    m.add_argument("--arch", choices=("mmdit", "flux2"), default="mmdit",
+                   help="mmdit: the shipped model; flux2: the second model "
+                        "(dit/weights/sakura-flux2) (default %(default)s)")
     m.set_defaults(func=_bench_model)
 
     b = bench.add_parser("kv", help="KV reuse: masked vs full, reference cache, text KV, offload",
@@ -140,10 +149,16 @@ def register(commands, bench) -> None:
                    help="optimizer steps (default %(default)s)")
     p.add_argument("--batch-size", type=positive_int, default=32, metavar="N",
                    help="images per step (default %(default)s)")
-    p.add_argument("--out-dir", default=DEFAULT_TRAIN_DIR, metavar="DIR",
-                   help="checkpoints and loss log (default %(default)s)")
-    p.add_argument("--weights-out", default="dit/weights/sakura-mmdit.safetensors",
-                   metavar="FILE", help="where the trained weights go (default %(default)s)")
+    p.add_argument("--arch", choices=("mmdit", "flux2"), default="mmdit",
+                   help="mmdit: the shipped model; flux2: the second model, diffusers' "
+                        "Flux2Transformer2DModel on the same pixel patches (default %(default)s)")
+    p.add_argument("--out-dir", default=None, metavar="DIR",
+                   help=f"checkpoints and loss log (default {DEFAULT_TRAIN_DIR}, "
+                        f"{DEFAULT_TRAIN_DIR}-flux2 for --arch flux2)")
+    p.add_argument("--weights-out", default=None, metavar="PATH",
+                   help="where the trained weights go (default "
+                        "dit/weights/sakura-mmdit.safetensors, or the folder "
+                        "dit/weights/sakura-flux2 for --arch flux2)")
     p.add_argument("--threads", type=nonnegative_int, default=0, metavar="N",
                    help="torch threads (0 = torch's default)")
     p.add_argument("--t-uniform", type=fraction, default=0.5, metavar="FRACTION",

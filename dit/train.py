@@ -1,4 +1,6 @@
-"""Training of the default MMDiT on captioned emoji (rectified flow, resumable).
+"""Training on captioned emoji (rectified flow, resumable): the default MMDiT, or the second
+model (``arch="flux2"``: diffusers' ``Flux2Transformer2DModel`` on the same pixel patches,
+:mod:`dit.flux2_pixel`), with one recipe.
 
 Multi-resolution (32/48/64 px, all patch 4, positions normalized so they share one
 coordinate frame), caption dropout for classifier-free guidance, category-only prompts,
@@ -26,13 +28,25 @@ from sakura.dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, pat
 from sakura.dit.sampler import renoise
 from sakura.dit.text import TextEncoder
 from sakura.dit.weights import load_model, metadata, save_model
+from torch import nn
+
+_CACHE = Path.home() / ".cache" / "sakura"
+#: per architecture: (checkpoint folder, exported weights). Outside the work tree by default
+#: so a fresh checkout keeps resuming on this machine.
+ARCH_DEFAULTS = {
+    "mmdit": (str(_CACHE / "train"), "dit/weights/sakura-mmdit.safetensors"),
+    "flux2": (str(_CACHE / "train-flux2"), "dit/weights/sakura-flux2"),
+}
 
 
 @dataclass
 class TrainConfig:
-    # Outside the work tree by default so a fresh checkout keeps resuming on this machine.
-    out_dir: str = str(Path.home() / ".cache" / "sakura" / "train")
-    weights_out: str = "dit/weights/sakura-mmdit.safetensors"
+    # "mmdit" (the shipped dit.model.MMDiT) or "flux2" (dit.flux2_pixel.PixelFlux2, the
+    # second model: diffusers' Flux2Transformer2DModel on the same pixel patches)
+    arch: str = "mmdit"
+    # None: the architecture's own (ARCH_DEFAULTS), so one arch never resumes the other's run
+    out_dir: str | None = None
+    weights_out: str | None = None
     steps: int = 20000
     batch_size: int = 32
     lr: float = 4e-4
@@ -40,7 +54,7 @@ class TrainConfig:
     ema_decay: float = 0.999
     resolutions: tuple[int, ...] = (32, 48, 64)
     resolution_probs: tuple[float, ...] = (0.3, 0.2, 0.5)
-    ref_prob: float = 0.1
+    ref_prob: float | None = None  # None: 0.1 (mmdit), 0 (flux2: no reference training)
     drop_text: float = 0.1
     category_only: float = 0.2
     checkpoint_every: int = 100
@@ -62,6 +76,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        if self.arch not in ARCH_DEFAULTS:
+            problems.append(f"unknown arch {self.arch!r}; choose one of {sorted(ARCH_DEFAULTS)}")
+        else:
+            out_dir, weights_out = ARCH_DEFAULTS[self.arch]
+            self.out_dir = self.out_dir or out_dir
+            self.weights_out = self.weights_out or weights_out
+        if self.ref_prob is None:
+            self.ref_prob = 0.0 if self.arch == "flux2" else 0.1
+        if self.arch == "flux2" and self.ref_prob > 0:
+            problems.append("the flux2 arch trains without reference images (ref_prob 0)")
         if self.steps < 1 or self.batch_size < 1:
             problems.append(f"steps and batch size must be >= 1 (got {self.steps}, "
                             f"{self.batch_size})")
@@ -121,7 +145,7 @@ def make_batch(ds: EmojiDataset, text: TextTable, idx: list[int], size: int, rng
     return patchify(x0, patch), torch.stack(txt).float(), ref, ref_pos
 
 
-def _restore(cfg: TrainConfig, ckpt_path: Path, model: MMDiT, ema: MMDiT,
+def _restore(cfg: TrainConfig, ckpt_path: Path, model: nn.Module, ema: nn.Module,
              opt: torch.optim.Optimizer, rng: random.Random, log) -> int:
     """Resume from ``ckpt_path`` (model, EMA, optimizer, both RNGs), else warm-start from the
     exported weights (optimizer state afresh), else nothing; returns the step to go on from."""
@@ -136,16 +160,57 @@ def _restore(cfg: TrainConfig, ckpt_path: Path, model: MMDiT, ema: MMDiT,
         torch.set_rng_state(state["torch_rng"])
         log(f"resumed from {ckpt_path} at step {step}")
         return step
-    if Path(cfg.weights_out).exists():
+    if _exported(cfg):
         # Warm start from the committed EMA weights (optimizer state starts afresh).
-        shipped = load_model(cfg.weights_out)
+        shipped, meta = _load_exported(cfg)
         model.load_state_dict(shipped.state_dict())
         ema.load_state_dict(shipped.state_dict())
-        step = int(metadata(cfg.weights_out).get("train_step", 0))
+        step = int(meta.get("train_step", 0))
         rng.seed(cfg.seed + step)
         log(f"warm start from {cfg.weights_out} at step {step}")
         return step
     return 0
+
+
+def _model_config(cfg: TrainConfig, model_cfg: MMDiTConfig) -> dict:
+    if cfg.arch == "flux2":
+        from sakura.dit.flux2_pixel import FLUX2_CONFIG  # lazy: diffusers, for this arch only
+
+        return {"class": "Flux2Transformer2DModel", **FLUX2_CONFIG}
+    return model_cfg.to_dict()
+
+
+def _new_model(cfg: TrainConfig, model_cfg: MMDiTConfig) -> nn.Module:
+    if cfg.arch == "flux2":
+        from sakura.dit.flux2_pixel import PixelFlux2  # lazy: diffusers, for this arch only
+
+        return PixelFlux2()
+    return MMDiT(model_cfg)
+
+
+def _exported(cfg: TrainConfig) -> bool:
+    if cfg.arch == "flux2":
+        from sakura.dit.flux2_pixel import WEIGHTS_FILE  # lazy: diffusers, for this arch only
+
+        return (Path(cfg.weights_out) / WEIGHTS_FILE).is_file()
+    return Path(cfg.weights_out).exists()
+
+
+def _load_exported(cfg: TrainConfig) -> tuple[nn.Module, dict[str, str]]:
+    if cfg.arch == "flux2":
+        from sakura.dit.flux2_pixel import flux2_metadata, load_flux2  # lazy: diffusers
+
+        return load_flux2(cfg.weights_out), flux2_metadata(cfg.weights_out)
+    return load_model(cfg.weights_out), metadata(cfg.weights_out)
+
+
+def _export(cfg: TrainConfig, ema: nn.Module, step: int) -> None:
+    if cfg.arch == "flux2":
+        from sakura.dit.flux2_pixel import save_flux2  # lazy: diffusers, for this arch only
+
+        save_flux2(ema, cfg.weights_out, {"train_step": str(step)})
+        return
+    save_model(ema, cfg.weights_out, {"train_step": str(step)})
 
 
 def _lr_at(cfg: TrainConfig, step: int) -> float:
@@ -154,7 +219,7 @@ def _lr_at(cfg: TrainConfig, step: int) -> float:
     return lr * (0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps))) * 0.9 + 0.1)
 
 
-def _ema_update(ema: MMDiT, model: MMDiT, ema_decay: float, step: int) -> None:
+def _ema_update(ema: nn.Module, model: nn.Module, ema_decay: float, step: int) -> None:
     """EMA with warm-up (as in common diffusion training): a plain 0.999 decay keeps
     0.999**step of the random initialisation, still 9% at step 2400."""
     decay = min(ema_decay, (1 + step) / (10 + step))
@@ -163,7 +228,7 @@ def _ema_update(ema: MMDiT, model: MMDiT, ema_decay: float, step: int) -> None:
             pe.lerp_(pm, 1 - decay)
 
 
-def _checkpoint(ckpt_path: Path, model: MMDiT, ema: MMDiT, opt: torch.optim.Optimizer,
+def _checkpoint(ckpt_path: Path, model: nn.Module, ema: nn.Module, opt: torch.optim.Optimizer,
                 step: int, rng: random.Random) -> None:
     """Everything a resume needs, replaced whole (temporary file, then rename)."""
     tmp = ckpt_path.with_suffix(".tmp")
@@ -194,17 +259,18 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
 
     model_cfg = model_cfg or MMDiTConfig()
     torch.manual_seed(cfg.seed)  # before the model: its initialisation is part of the run
-    model = MMDiT(model_cfg)
-    ema = MMDiT(model_cfg).requires_grad_(False)
+    model = _new_model(cfg, model_cfg)
+    ema = _new_model(cfg, model_cfg).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
     rng = random.Random(cfg.seed)
     step = _restore(cfg, ckpt_path, model, ema, opt, rng, log)
     (out / "train_config.json").write_text(json.dumps(
-        {"train": asdict(cfg), "model": model_cfg.to_dict(), "train_items": len(train_idx)},
+        {"train": asdict(cfg), "model": _model_config(cfg, model_cfg),
+         "train_items": len(train_idx)},
         indent=2))
     loss_log = (out / "loss.csv").open("a")
-    p, span = model_cfg.patch_size, model_cfg.pos_span
+    p, span = model_cfg.patch_size, model_cfg.pos_span  # (PixelFlux2: the same 4x4 patches)
 
     from tqdm import tqdm
 
@@ -250,7 +316,7 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
             loss_log.flush()
             _checkpoint(ckpt_path, model, ema, opt, step, rng)
         if step % cfg.export_every == 0 or step == cfg.steps:
-            save_model(ema, cfg.weights_out, {"train_step": str(step)})
+            _export(cfg, ema, step)
             log(f"step {step}: exported EMA weights to {cfg.weights_out} "
                 f"({time.time() - t_last:.0f}s since last export)")
             t_last = time.time()

@@ -104,3 +104,69 @@ def test_variant_weights_share_one_emoji_between_its_skin_tones():
     w = item_weights([0, 1, 2, 3, 4], siblings, 0.5)
     assert w == [0.5] * 4 + [1.0]  # the emoji with 4 tones: 2/3 of draws instead of 4/5
     assert item_weights([0, 4], siblings, 1.0) == [0.25, 1.0]
+
+
+# ------------------------------------------------------------- the second model (flux2)
+
+
+def test_flux2_arch_resumes_bit_exactly_and_exports_a_diffusers_folder(tmp_path):
+    """``arch="flux2"``: the same recipe on diffusers' Flux2Transformer2DModel; a killed run
+    resumes bit-exactly, and the export is a transformer folder with its train step."""
+    from sakura.dit.flux2_pixel import FLUX2_CONFIG, WEIGHTS_FILE, flux2_metadata
+
+    ds = _dataset()
+    kw = dict(arch="flux2", ref_prob=None, steps=4)
+    straight = train(_cfg(tmp_path / "a", weights_out=str(tmp_path / "a" / "w"), **kw),
+                     log=lambda m: None, dataset=ds)
+
+    def die_at_export(msg: str) -> None:
+        if "step 2: exported" in msg:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(_cfg(tmp_path / "b", weights_out=str(tmp_path / "b" / "w"), export_every=2,
+                   **kw), log=die_at_export, dataset=ds)
+    logs: list[str] = []
+    resumed = train(_cfg(tmp_path / "b", weights_out=str(tmp_path / "b" / "w"), **kw),
+                    log=logs.append, dataset=ds)
+    assert any("resumed" in m and "at step 2" in m for m in logs)
+    a, b = load_file(straight / WEIGHTS_FILE), load_file(resumed / WEIGHTS_FILE)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert flux2_metadata(resumed)["train_step"] == "4"
+    import json
+
+    config = json.loads((resumed / "config.json").read_text())
+    assert config["_class_name"] == "Flux2Transformer2DModel"
+    assert {k: config[k] for k in FLUX2_CONFIG} == {
+        k: list(v) if isinstance(v, tuple) else v for k, v in FLUX2_CONFIG.items()}
+
+
+def test_the_flux2_export_runs_through_the_adapter_as_trained(tmp_path):
+    """The exported folder loads as ``--model flux2`` (dit.adapters), and the adapter's
+    velocity of a 64 px grid equals the training forward's: one model, one token layout."""
+    from sakura.dit.adapters import load_adapter
+    from sakura.dit.adapters.inputs import Conditioning
+    from sakura.dit.adapters.processors import Branch
+    from sakura.dit.attention import AttentionHook
+    from sakura.dit.flux2_pixel import PixelFlux2, load_flux2, save_flux2
+    from sakura.dit.model import TokenBatch
+
+    torch.manual_seed(0)
+    save_flux2(PixelFlux2(), tmp_path / "w", {"train_step": "0"})
+    net = load_flux2(tmp_path / "w")
+    adapter = load_adapter("flux2", tmp_path / "w")
+    x, txt = torch.randn(1, 256, 48), torch.randn(1, 16, 384)
+    t = torch.tensor([0.7])
+    with torch.no_grad():
+        ref = net(TokenBatch(img=x, img_pos=torch.zeros(256, 3), txt=txt, t=t))
+    got = adapter.velocity(x, torch.arange(256), (16, 16), t * 1000,
+                           Branch(Conditioning(txt)), AttentionHook())
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+
+
+def test_flux2_arch_refuses_reference_training():
+    with pytest.raises(TrainConfigError, match="reference"):
+        TrainConfig(arch="flux2", ref_prob=0.1)
+    with pytest.raises(TrainConfigError, match="arch"):
+        TrainConfig(arch="unet")
+    assert TrainConfig(arch="flux2").out_dir != TrainConfig().out_dir
