@@ -40,17 +40,17 @@ from diffusers import Flux2Transformer2DModel
 from safetensors import safe_open
 from safetensors.torch import save_file
 from sakura.dit.adapters.flux2 import image_ids, text_ids
+from sakura.dit.adapters.inputs import Conditioning, LatentImage
+from sakura.dit.adapters.registry import SAKURA_FLUX2, SAKURA_FLUX2_DIR
 from sakura.dit.errors import WeightsError
-from sakura.dit.model import TokenBatch
+from sakura.dit.model import TokenBatch, patchify, unpatchify
+from sakura.dit.text import TextEncoder
 from torch import nn
 
-FLUX2_CONFIG: dict[str, Any] = dict(
-    patch_size=1, in_channels=48, num_layers=2, num_single_layers=6, attention_head_dim=32,
-    num_attention_heads=6, joint_attention_dim=384, timestep_guidance_channels=256,
-    mlp_ratio=3.0, axes_dims_rope=(8, 8, 8, 8), rope_theta=100, guidance_embeds=False)
+FLUX2_CONFIG: dict[str, Any] = SAKURA_FLUX2  # ``--model sakura-flux2`` checks it
 PIXEL_PATCH = 4
 CHANNELS = 3
-DEFAULT_DIR = Path(__file__).parent / "weights" / "sakura-flux2"
+DEFAULT_DIR = SAKURA_FLUX2_DIR
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 SIDECAR = "sakura.json"
 
@@ -96,6 +96,36 @@ class PixelFlux2(nn.Module):
                                 txt_ids=text_ids(batch.txt.shape[1]), return_dict=False)[0]
 
 
+class PixelLatents:
+    """The identity "VAE" of the adapter path (``dit.adapters.engine.DiffusersEngine``): an
+    image ``[3, H, W]`` in [-1, 1] is its 4x4 patches on a row-major grid, and back."""
+
+    def encode(self, image: torch.Tensor) -> LatentImage:
+        h, w = image.shape[-2:]
+        if h != w or h % PIXEL_PATCH:
+            raise ValueError(f"image {h}x{w}: the pixel FLUX.2 model takes square images "
+                             f"whose side is a multiple of {PIXEL_PATCH}")
+        return LatentImage(patchify(image[None].float(), PIXEL_PATCH)[0],
+                           (h // PIXEL_PATCH, w // PIXEL_PATCH))
+
+    def decode(self, tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        return unpatchify(tokens.float().reshape(1, grid[0] * grid[1], -1), PIXEL_PATCH,
+                          CHANNELS, grid[0] * PIXEL_PATCH)[0].clamp(-1, 1)
+
+
+class MiniLMPrompts:
+    """Prompt -> :class:`Conditioning` with the MMDiT's text encoder (16 MiniLM tokens);
+    loaded on the first prompt."""
+
+    def __init__(self) -> None:
+        self._encoder: TextEncoder | None = None
+
+    def __call__(self, text: str) -> Conditioning:
+        if self._encoder is None:
+            self._encoder = TextEncoder()
+        return Conditioning(self._encoder.encode([text]).float())
+
+
 def save_flux2(model: PixelFlux2, folder: str | Path, meta: dict[str, str] | None = None) -> None:
     """The weights folder (each file replaced whole: temporary file, then rename)."""
     folder = Path(folder)
@@ -137,5 +167,6 @@ def flux2_metadata(folder: str | Path | None = None) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-__all__ = ["CHANNELS", "DEFAULT_DIR", "FLUX2_CONFIG", "PIXEL_PATCH", "PixelFlux2", "PixelGeometry",
+__all__ = ["CHANNELS", "DEFAULT_DIR", "FLUX2_CONFIG", "MiniLMPrompts", "PIXEL_PATCH", "PixelFlux2",
+           "PixelGeometry", "PixelLatents",
            "flux2_metadata", "load_flux2", "save_flux2"]

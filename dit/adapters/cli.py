@@ -36,15 +36,19 @@ def check_model_options(model: str | None, model_path: str | None,
     if weights:
         raise UsageError("--weights is the shipped model's; a --model checkpoint is given by "
                          "--model-path")
-    if model_path is None:
-        raise UsageError(f"--model {model} needs --model-path (a local checkpoint folder)")
-
     require("diffusers", what="--model")
     from sakura.dit.adapters.registry import MODELS, read_checkpoint  # lazy: torch
 
     if model not in MODELS:
         raise UsageError(f"--model: unknown model {model!r}; choose one of "
                          f"{', '.join(sorted(MODELS))}")
+    if model_path is None:
+        if MODELS[model].default_path is None:
+            raise UsageError(f"--model {model} needs --model-path (a local checkpoint folder)")
+        model_path = str(MODELS[model].default_path)
+        if not Path(model_path).is_dir():
+            raise SakuraError(f"--model {model}: no weights at {model_path} (sakura train "
+                              f"--arch flux2 writes them)")
     if not Path(model_path).expanduser().is_dir():
         raise SakuraError(f"--model-path: no such folder: {model_path}")
     # the checkpoint's own config says whether it is that model (no weights read yet)

@@ -215,7 +215,7 @@ class DefaultEngine(EditEngine):
 class DiffusersEngine(EditEngine):
     """A diffusers adapter with its checkpoint's VAE and text encoding (``encode``)."""
 
-    def __init__(self, adapter: ModelAdapter, latents: ImageLatents,
+    def __init__(self, adapter: ModelAdapter, latents: ImageLatents,  # (or PixelLatents)
                  encode: Callable[[str], Any], default_steps: int = 28,
                  default_guidance: float = 1.0, fingerprint: str | None = None):
         self.adapter, self.latents = adapter, latents
@@ -303,6 +303,14 @@ def load_engine(model: str | None = None, model_path: str | Path | None = None, 
         return DefaultEngine(net, TextEncoder(net.cfg.text_tokens), _sha256(path))
     from functools import partial
 
+    spec = MODELS.get(model)
+    if spec is not None and spec.pixels_per_token:  # SAKURA's own FLUX.2 (dit/flux2_pixel.py)
+        from sakura.dit.flux2_pixel import MiniLMPrompts, PixelLatents  # lazy: this model only
+
+        model_path = model_path if model_path is not None else spec.default_path
+        adapter = load_adapter(model, model_path, dtype=dtype, device=device)
+        return DiffusersEngine(adapter, PixelLatents(), MiniLMPrompts(), spec.default_steps,
+                               spec.default_guidance, checkpoint_fingerprint(model_path))
     if model_path is None:
         raise ModelPathError(f"--model {model} needs --model-path (a local checkpoint folder)")
     adapter = load_adapter(model, model_path, dtype=dtype, device=device)

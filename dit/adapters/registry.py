@@ -31,6 +31,12 @@ class ModelSpec:
     config: dict[str, Any] = field(default_factory=dict)
     default_steps: int = 28
     default_guidance: float = 1.0  # true-CFG scale of the model's pipeline (1 = off)
+    # pixel-space models (SAKURA's own FLUX.2, dit/flux2_pixel.py): pixels a token covers a
+    # side, the image is its patches and prompts are MiniLM's; None: the checkpoint's VAE and
+    # text encoders (dit/adapters/latents.py)
+    pixels_per_token: int | None = None
+    # where the weights are when --model-path is not given (None: it must be given)
+    default_path: Path | None = None
 
 
 FLUX2_KLEIN_4B = {"num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24,
@@ -51,6 +57,16 @@ SD35_LARGE = {"num_layers": 38, "num_attention_heads": 38, "attention_head_dim":
 QWENIMAGE_20B = {"num_layers": 60, "num_attention_heads": 24, "attention_head_dim": 128,
                  "in_channels": 64, "patch_size": 2, "joint_attention_dim": 3584}
 
+#: SAKURA's second model (dit/flux2_pixel.py): a FLUX.2 transformer trained here on the emoji's
+#: 4x4 pixel patches (48 channels) with MiniLM text (384), the MMDiT's layout of 2 double and 6
+#: single blocks, 6 heads of 32
+SAKURA_FLUX2 = {"patch_size": 1, "in_channels": 48, "num_layers": 2, "num_single_layers": 6,
+                "attention_head_dim": 32, "num_attention_heads": 6, "joint_attention_dim": 384,
+                "timestep_guidance_channels": 256, "mlp_ratio": 3.0,
+                "axes_dims_rope": (8, 8, 8, 8), "rope_theta": 100, "guidance_embeds": False}
+
+SAKURA_FLUX2_DIR = Path(__file__).resolve().parents[1] / "weights" / "sakura-flux2"
+
 _F2, _SD3 = "Flux2Transformer2DModel", "SD3Transformer2DModel"
 _QI, _QI21 = "QwenImageTransformer2DModel", "QwenImage21Transformer2DModel"
 _A_F2, _A_SD3 = "sakura.dit.adapters.flux2:Flux2Adapter", "sakura.dit.adapters.sd3:SD3Adapter"
@@ -66,6 +82,8 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (
     ModelSpec("flux2-klein-9b", _F2, _A_F2, "FLUX.2 [klein] 9B (step-distilled)", FLUX2_KLEIN_9B, 4),
     ModelSpec("flux2-klein-9b-kv", _F2, _A_F2, "FLUX.2 [klein] 9B, KV reference variant",
               FLUX2_KLEIN_9B, 4),
+    ModelSpec("sakura-flux2", _F2, _A_F2, "SAKURA's FLUX.2 model (pixel space, MiniLM text)",
+              SAKURA_FLUX2, 20, 3.0, pixels_per_token=4, default_path=SAKURA_FLUX2_DIR),
     ModelSpec("sd3", _SD3, _A_SD3, "any SD3Transformer2DModel checkpoint", default_guidance=4.5),
     ModelSpec("sd3.5-medium", _SD3, _A_SD3, "Stable Diffusion 3.5 Medium (dual attention)",
               SD35_MEDIUM, 40, 4.5),
@@ -170,7 +188,8 @@ def load_adapter(name: str, path: str | Path, *, dtype: torch.dtype | None = Non
                 f"the weights in {tdir} do not match its config.json ({first})") from None
         raise ModelPathError(f"cannot load {spec.model_class} weights from {tdir}: {first}") from None
     model = model.to(device)
-    return adapter_class(spec)(model, sched, name=name)
+    kw = {"pixels_per_token": spec.pixels_per_token} if spec.pixels_per_token else {}
+    return adapter_class(spec)(model, sched, name=name, **kw)
 
 
 __all__ = ["MODELS", "CheckpointConfig", "ModelSpec", "adapter_class", "check_checkpoint",

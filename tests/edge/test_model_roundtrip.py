@@ -142,3 +142,44 @@ def test_bad_model_arguments_are_clear_errors(tmp_path, checkpoints, capsys):
         err = capsys.readouterr().err
         assert err.startswith("usage: sakura build") and needle in err, (argv, err)
     assert not (tmp_path / "packs" / "catalog.json").exists()
+
+
+def test_sakura_flux2_builds_serves_and_edits_through_the_adapter(tmp_path, capsys):
+    """SAKURA's second model (``--model sakura-flux2``, dit/flux2_pixel.py) on the adapter
+    path: pixel patches for latents, MiniLM for prompts, the shipped 64 px catalog entry.
+    Here with seeded random weights of its config (the product path loads the trained folder
+    by default); the FP16 cache reproduces the exact edit and sakura's compressed one is
+    close to it."""
+    from sakura.dit.flux2_pixel import PixelFlux2, save_flux2
+    from sakura.dit.templates import DEFAULT_CATALOG
+
+    torch.manual_seed(0)
+    ck = tmp_path / "sakura-flux2"
+    save_flux2(PixelFlux2(), ck, {"train_step": "0"})
+    doc = json.loads(DEFAULT_CATALOG.read_text())
+    entry = dict(doc["templates"][TEMPLATE])
+    for key in ("image", "mask"):
+        entry[key] = str(DEFAULT_CATALOG.parent / entry[key])
+    entry.update(steps=4, profiling_prompts=entry["profiling_prompts"][:2])
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(json.dumps({**doc, "templates": {TEMPLATE: entry}}))
+    packs = tmp_path / "packs"
+    assert main(["build", str(catalog), "--model", "sakura-flux2", "--model-path", str(ck),
+                 "--templates", TEMPLATE, "--codecs", "sakura,fp16", "--out", str(packs),
+                 "--blocks-per-shard", "2"]) == 0
+    manifest = json.loads((packs / "templates" / TEMPLATE / "fp16" / "manifest.json").read_text())
+    assert manifest["model"]["name"] == "sakura-flux2"
+    with ServerProcess(packs) as server:
+        out = tmp_path / "edit.png"
+        for policy in ("fp16", "sakura"):
+            capsys.readouterr()
+            assert main(["edit", "--server", server.url, "--template", TEMPLATE, "--prompt",
+                         "a green leaf", "--seed", "5", "--policy", policy, "--model",
+                         "sakura-flux2", "--model-path", str(ck), "--no-state", "--out",
+                         str(out), "--compare-exact"]) == 0
+            doc = json.loads(out.with_name("edit.timeline.json").read_text())
+            assert doc["policy"] == policy and not doc["warnings"]
+            if policy == "fp16":
+                assert doc["psnr_db"] == "inf"
+            else:
+                assert doc["bytes"] > 0 and doc["psnr_db"] > 25
