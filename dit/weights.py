@@ -59,9 +59,38 @@ def metadata(path: str | Path | None = None) -> dict[str, str]:
 
 
 def card_path(path: str | Path | None = None) -> Path:
-    """The card beside a weights file: ``NAME.card.json`` for ``NAME.safetensors``."""
+    """The card beside a weights file: ``NAME.card.json`` for ``NAME.safetensors`` (or for
+    the weights folder ``NAME`` of the second model, dit/flux2_pixel.py)."""
     p = Path(path) if path else DEFAULT_WEIGHTS
     return p.with_name(p.name.removesuffix(".safetensors") + ".card.json")
+
+
+#: the weights file inside a diffusers transformer folder (the second model's)
+FOLDER_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def _describe(p: Path) -> tuple[str, int, dict[str, str], Path]:
+    """(class, parameters, metadata, the weights file) of a weights file or folder, without
+    loading a tensor."""
+    if p.is_dir():  # a diffusers transformer folder: the class from its config.json
+        f = p / FOLDER_WEIGHTS
+        try:
+            cls = json.loads((p / "config.json").read_text())["_class_name"]
+            with safe_open(str(f), "pt") as st:
+                params = sum(int(torch.Size(st.get_slice(k).get_shape()).numel())
+                             for k in st.keys())
+                meta = dict(st.metadata() or {})
+        except (OSError, KeyError, ValueError) as exc:
+            raise WeightsError(f"{p} is not a diffusers transformer folder: {exc}") from exc
+        return f"diffusers.{cls}", params, meta, f
+    meta = metadata(p)
+    try:
+        cfg = MMDiTConfig.from_dict(json.loads(meta["config"]))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise WeightsError(f"{p} is not a SAKURA MMDiT checkpoint: {exc}") from exc
+    with torch.device("meta"):
+        params = sum(t.numel() for t in MMDiT(cfg).parameters())
+    return f"{MMDiT.__module__}.{MMDiT.__qualname__}", int(params), meta, p
 
 
 def model_card(path: str | Path | None = None) -> dict[str, Any]:
@@ -73,18 +102,11 @@ def model_card(path: str | Path | None = None) -> dict[str, Any]:
     p = Path(path) if path else DEFAULT_WEIGHTS
     if not p.exists():
         raise WeightsError(f"model weights not found at {p}")
-    meta = metadata(p)
-    try:
-        cfg = MMDiTConfig.from_dict(json.loads(meta["config"]))
-    except (KeyError, ValueError, TypeError) as exc:
-        raise WeightsError(f"{p} is not a SAKURA MMDiT checkpoint: {exc}") from exc
-    with torch.device("meta"):
-        params = sum(t.numel() for t in MMDiT(cfg).parameters())
-    sha = file_sha256(p)
+    cls, params, meta, weights_file = _describe(p)
+    sha = file_sha256(weights_file)
     step = meta.get("train_step")
     out: dict[str, Any] = {
-        "name": p.name.removesuffix(".safetensors"),
-        "class": f"{MMDiT.__module__}.{MMDiT.__qualname__}",
+        "name": p.name.removesuffix(".safetensors"), "class": cls,
         "params": int(params), "train_step": int(step) if step and step.isdigit() else step,
         "prompt_accuracy": None, "chance_level": None, "weights_file_sha256": sha,
         "source": None}
@@ -104,5 +126,5 @@ def model_card(path: str | Path | None = None) -> dict[str, Any]:
     return out
 
 
-__all__ = ["DEFAULT_WEIGHTS", "WeightsError", "card_path", "load_model", "metadata",
+__all__ = ["DEFAULT_WEIGHTS", "FOLDER_WEIGHTS", "WeightsError", "card_path", "load_model", "metadata",
            "model_card", "save_model", "torch"]

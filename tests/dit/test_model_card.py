@@ -45,3 +45,24 @@ def test_a_card_is_used_only_for_the_weights_it_names(tmp_path):
         model_card(w)
     with pytest.raises(WeightsError, match="not found"):
         model_card(tmp_path / "none.safetensors")
+
+
+def test_the_second_models_folder_has_a_card_too(tmp_path):
+    """The FLUX.2 model's weights are a diffusers transformer folder: class from its
+    config.json, parameters from the safetensors header, its card beside the folder."""
+    import torch
+    from sakura.dit.flux2_pixel import PixelFlux2, save_flux2
+
+    torch.manual_seed(0)
+    net = PixelFlux2()
+    w = tmp_path / "sakura-flux2"
+    save_flux2(net, w, {"train_step": "12"})
+    card = model_card(w)
+    assert card["name"] == "sakura-flux2"
+    assert card["class"] == "diffusers.Flux2Transformer2DModel"
+    assert card["params"] == sum(p.numel() for p in net.parameters()) == 5_597_824
+    assert card["train_step"] == 12 and "no card" in card["source"]
+    assert card_path(w) == tmp_path / "sakura-flux2.card.json"
+    card_path(w).write_text(json.dumps({"weights_file_sha256": card["weights_file_sha256"],
+                                        "prompt_accuracy": 0.4, "chance_level": 0.1111}))
+    assert model_card(w)["prompt_accuracy"] == 0.4
