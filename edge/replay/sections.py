@@ -161,8 +161,14 @@ def _why(key: str, w: str, runs: list[dict[str, Any]], tmpl: list[dict[str, Any]
                          "transfers behind the same model's execution.")
             else:
                 text += (f"{other} stalls {_f(o.get('stall_s'))} s on mean and sakura "
-                         f"{_f(s.get('stall_s'))} s; the lead is what sakura's smaller "
-                         f"transfers ({_f(s.get('mb'))} vs {_f(o.get('mb'))} MB) save.")
+                         f"{_f(s.get('stall_s'))} s")
+                if s.get("mb", math.inf) < o.get("mb", -math.inf):
+                    text += (f"; the lead is what sakura's smaller transfers "
+                             f"({_f(s.get('mb'))} vs {_f(o.get('mb'))} MB) save.")
+                else:  # (more bytes, fewer stalls: the lead is the deadline rules', not size)
+                    text += (f", though sakura moves as many bytes or more ({_f(s.get('mb'))} "
+                             f"vs {_f(o.get('mb'))} MB): the lead is in the stalls, not "
+                             "the transfer size.")
         return text + " The timeline below is sakura's run at its p90."
     if key == "storage_ratio_vs_fp16":
         return ("the stored sakura pack holds every (rank, bits) prefix up to r_max; its size "
