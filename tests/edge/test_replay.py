@@ -440,14 +440,15 @@ def test_report_reads_per_network_with_intervals_over_start_points(tmp_path):
 def test_why_sentences_follow_the_numbers_they_cite():
     from sakura.edge.replay.sections import _why
 
-    def world(s_stall, s_exec, s_mb, s_lat):
+    def world(s_stall, s_exec, s_mb, s_lat, cg_stall=0.0):
         runs = []
         for i in range(5):
             runs.append(_run("face-swap", "fa", "sakura", s_lat + 0.1 * i, 30.0, start=i,
                              stalls=2 if s_stall else 0, stall_s=s_stall, exec_s=s_exec,
                              bytes=int(s_mb * 1e6)))
             runs.append(_run("face-swap", "fa", "cachegen", 1.0 + 0.1 * i, 31.0, start=i,
-                             stalls=0, stall_s=0.0, exec_s=0.5, bytes=2_000_000))
+                             stalls=3 if cg_stall else 0, stall_s=cg_stall, exec_s=0.5,
+                             bytes=2_000_000))
         return runs
 
     # slower, but with no stalls and fewer bytes: the text must not blame stalls or bytes
@@ -464,6 +465,11 @@ def test_why_sentences_follow_the_numbers_they_cite():
     # and when sakura is faster, it says so
     text = _why("p90_speedup_vs_cachegen", "face-swap", world(0.0, 0.5, 1.0, 0.8), [])
     assert "sakura is faster at p90" in text and "slower" not in text
+    # faster where CacheGen stalls: smaller transfers are credited only when they are smaller
+    text = _why("p90_speedup_vs_cachegen", "face-swap", world(0.0, 0.5, 1.0, 0.8, 0.4), [])
+    assert "smaller transfers (1.00 vs 2.00 MB)" in text
+    text = _why("p90_speedup_vs_cachegen", "face-swap", world(0.0, 0.5, 3.0, 0.8, 0.4), [])
+    assert "smaller" not in text and "not the transfer size" in text
     # PSNR miss: who moved more bytes decides the sentence
     text = _why("psnr_gain_db_vs_cachegen", "face-swap", world(0.0, 0.5, 1.0, 0.8), [])
     assert "cachegen streamed more bytes" in text
