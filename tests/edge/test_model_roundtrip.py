@@ -183,3 +183,31 @@ def test_sakura_flux2_builds_serves_and_edits_through_the_adapter(tmp_path, caps
                 assert doc["psnr_db"] == "inf"
             else:
                 assert doc["bytes"] > 0 and doc["psnr_db"] > 25
+
+
+def test_sakura_flux2_needs_no_model_path(monkeypatch, tmp_path):
+    """``--model sakura-flux2`` alone uses the weights folder that ships with the project;
+    a missing folder is one error naming the command that writes it; other models still
+    need ``--model-path``."""
+    from dataclasses import replace
+
+    from sakura.dit.adapters import registry
+    from sakura.dit.adapters.cli import check_model_options
+    from sakura.dit.flux2_pixel import PixelFlux2, save_flux2
+
+    from sakura.errors import SakuraError, UsageError
+
+    spec = registry.MODELS["sakura-flux2"]
+    assert spec.default_path == registry.SAKURA_FLUX2_DIR
+    monkeypatch.setitem(registry.MODELS, "sakura-flux2",
+                        replace(spec, default_path=tmp_path / "none"))
+    with pytest.raises(SakuraError, match="sakura train --arch flux2"):
+        check_model_options("sakura-flux2", None, None)
+    save_flux2(PixelFlux2(), tmp_path / "w", {"train_step": "0"})
+    monkeypatch.setitem(registry.MODELS, "sakura-flux2",
+                        replace(spec, default_path=tmp_path / "w"))
+    check_model_options("sakura-flux2", None, None)  # no error: its folder is there
+    engine = load_engine("sakura-flux2")
+    assert engine.name == "sakura-flux2" and engine.adapter.pixels_per_token == 4
+    with pytest.raises(UsageError, match="needs --model-path"):
+        check_model_options("flux2", None, None)
