@@ -79,6 +79,27 @@ def test_the_p90_bound_takes_local_at_outage_starts_and_the_floor_elsewhere():
     assert "p90_bound_vs_cachegen" not in summarize({"0": runs})  # no template records
 
 
+def test_the_starved_estimate_runs_the_no_byte_schedule_where_neither_got_bytes():
+    # 10 starts; at 3 of them neither system got 1% of the 1 MB FP16 cache (starved): there
+    # the fastest edit computes 5 of 20 steps locally (1.2 s / 20 each) and runs 15 masked
+    # (0.4 s / 20 each) = 0.6 s; elsewhere the masked execution, 0.4 s
+    runs = []
+    for s in range(10):
+        starved = s in (2, 5, 8)
+        runs.append(rec("cachegen", "a", s, 1.0 if starved else 0.7, 30.0,
+                        bytes=5_000 if starved else 600_000))
+        runs.append(rec("sakura", "a", s, 0.7 if starved else 0.45, 33.0,
+                        bytes=0 if starved else 800_000))
+    tpl = {"a": {"steps": 20, "masked_exec_s": 0.4, "local_s": 1.2, "fp16_bytes": 1_000_000}}
+    est = summarize({"0": runs}, tpl)["p90_starved_estimate_vs_cachegen"]["0"]
+    assert est["starved_start_share"] == pytest.approx(0.3)
+    assert est["ratio"] == pytest.approx(1.0 / 0.6, rel=1e-3)  # both p90s at starved starts
+    # one system with megabytes at a start: not starved there
+    runs[4]["bytes"] = 900_000  # start 2's CacheGen record
+    est = summarize({"0": runs}, tpl)["p90_starved_estimate_vs_cachegen"]["0"]
+    assert est["starved_start_share"] == pytest.approx(0.2)
+
+
 def test_the_cached_p10_gain_leaves_out_starts_with_local_steps():
     runs = []
     for s in range(10):
