@@ -152,6 +152,13 @@ class ReplayConfig(_Settings):
                                                     "built when missing)")
     weights: str | None = Field(None, description="model weights (default: the shipped "
                                                   "model)")
+    model: str | None = Field(None, description="a --model of the diffusers adapters instead "
+                                                "of the shipped MMDiT, e.g. sakura-flux2 (the "
+                                                "second model); needs runtime python and the "
+                                                "matched regime")
+    model_path: str | None = Field(None, description="that model's checkpoint folder "
+                                                     "(default: the model's own, e.g. "
+                                                     "dit/weights/sakura-flux2)")
     catalog: str | None = Field(None, description="template catalog.json (default: the "
                                                   "shipped dit/catalog)")
     trace_dir: str | None = Field(None, description="the real-trace folder (default: "
@@ -249,6 +256,17 @@ class ReplayConfig(_Settings):
             raise bad(f"ablation.starts must be >= 0, got {self.ablation.starts}")
         if self.regime not in REGIMES:
             raise bad(f"regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
+        if self.model_path is not None and self.model is None:
+            raise bad("model_path needs model (a --model name)")
+        if self.model is not None:
+            if self.weights is not None:
+                raise bad("weights is the shipped MMDiT's; a model's checkpoint is model_path")
+            # the native runtime exports the MMDiT's graphs only; the profile regime computes
+            # its edits with the MMDiT's own cached_edit (edge/replay/runs.py)
+            if self.runtime != "python":
+                raise bad(f"model {self.model} runs on the python runtime: set runtime: python")
+            if self.regime != "matched":
+                raise bad(f"model {self.model} replays in the matched regime only")
         if self.link not in LINKS:
             raise bad(f"link must be one of {', '.join(LINKS)}, got {self.link!r}")
         if not (0 <= self.rtt_ms <= 10_000):

@@ -29,6 +29,8 @@ class BuildJob:
     resolution: int | None = None
     codecs: tuple[str, ...] | None = None
     q: float | None = None
+    model: str | None = None  # a --model (dit/adapters) instead of the MMDiT ``weights``
+    model_path: str | None = None
 
 
 def _run_build(job: BuildJob) -> str:
@@ -40,8 +42,11 @@ def _run_build(job: BuildJob) -> str:
         kw["codecs"] = job.codecs
     if job.q is not None:
         kw["codec_options"] = {"sakura": {"q": job.q}}
+    if job.model is not None:
+        kw.update(model=job.model, model_path=job.model_path)
+    else:
+        kw["weights"] = job.weights
     build(BuildConfig(catalog=job.catalog, out_dir=job.out_dir, templates=job.templates,
-                      weights=job.weights,
                       resolution=job.resolution, **kw), log=lambda m: None)
     return job.out_dir
 
@@ -55,12 +60,14 @@ def build_jobs(cfg: ReplayConfig, packs: Path, weights: Path, runs: list[Planned
     jobs = []
     for (variant, res), bases in sorted(need.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         tids = tuple(sorted(bases))
+        model = {"model": cfg.model, "model_path": str(weights)} if cfg.model else {}
         if variant == "main":
-            jobs.append(BuildJob(str(packs / "main"), tids, str(weights), cfg.catalog, res))
+            jobs.append(BuildJob(str(packs / "main"), tids, str(weights), cfg.catalog, res,
+                                 **model))
         else:
             q = float(variant[1:])
             jobs.append(BuildJob(str(packs / variant), tids, str(weights), cfg.catalog, res,
-                                 codecs=("sakura",), q=q))
+                                 codecs=("sakura",), q=q, **model))
     return jobs
 
 

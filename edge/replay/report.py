@@ -83,8 +83,11 @@ def replay_models(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
     longer there, or has changed since, the entry says so and carries the sha256 only."""
     from sakura.dit.weights import DEFAULT_WEIGHTS, WeightsError, model_card  # lazy: torch
 
-    weights = meta.get("config", {}).get("weights") or DEFAULT_WEIGHTS
+    config = meta.get("config", {})
     want = meta.get("weights_sha256")
+    if config.get("model"):  # an adapter model: identified by its checkpoint fingerprint
+        return {config["model"]: _adapter_card(config["model"], config.get("model_path"), want)}
+    weights = config.get("weights") or DEFAULT_WEIGHTS
     try:
         card = model_card(weights)
     except WeightsError as exc:
@@ -94,6 +97,27 @@ def replay_models(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
                                "source": f"the replay ran other weights than {weights} "
                                          "holds now"}}
     return {card["name"]: card}
+
+
+def _adapter_card(name: str, path: str | None, want: str | None) -> dict[str, Any]:
+    """The ``models`` entry of an adapter model: its folder's card where it has one (the
+    second model, ``sakura-flux2``), while the folder still has the fingerprint the replay
+    ran; else what is known and why."""
+    from sakura.dit.adapters.engine import checkpoint_fingerprint  # lazy: torch
+    from sakura.dit.adapters.registry import MODELS  # lazy: torch
+    from sakura.dit.weights import WeightsError, model_card  # lazy: torch
+
+    spec = MODELS.get(name)
+    folder = path or (spec.default_path if spec else None)
+    base = {"weights_fingerprint": want}
+    if folder is None or not Path(folder).is_dir():
+        return {**base, "source": f"the checkpoint folder of {name} is not here"}
+    if want and checkpoint_fingerprint(folder) != want:
+        return {**base, "source": f"the replay ran another checkpoint than {folder} holds now"}
+    try:
+        return {**model_card(folder), **base}
+    except WeightsError as exc:
+        return {**base, "source": str(exc)}
 
 
 def write_report(dir_: str | Path, json_path: str | Path | None = None,

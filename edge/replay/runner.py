@@ -61,6 +61,26 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
         bar.close()
 
 
+def _adapter_model(cfg: ReplayConfig) -> tuple[Path, str, Any]:
+    """``(checkpoint folder, its fingerprint, the engine)`` of ``cfg.model``: the identity a
+    resume checks and the report names is the adapter path's own checkpoint fingerprint
+    (``dit.adapters.engine.checkpoint_fingerprint``), as in every manifest it builds."""
+    from sakura.dit.adapters.engine import load_engine  # lazy: torch, diffusers
+    from sakura.dit.adapters.registry import MODELS  # lazy: torch
+
+    spec = MODELS.get(cfg.model)
+    if spec is None:
+        raise ReplayConfigError(f"{cfg.source}: unknown model {cfg.model!r}; choose one of "
+                                f"{', '.join(sorted(MODELS))}")
+    path = cfg.model_path or spec.default_path
+    if path is None:
+        raise ReplayConfigError(f"{cfg.source}: model {cfg.model} needs model_path")
+    if not Path(path).is_dir():
+        raise ReplayConfigError(f"{cfg.source}: model_path {path} is not a folder")
+    engine = load_engine(cfg.model, path)
+    return Path(path), str(engine.weights_id), engine
+
+
 def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
                progress: bool = True, model: Any = None) -> dict[str, Any]:
     """Run (or resume) the replay into ``out``; returns a summary."""
@@ -74,10 +94,14 @@ def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
         raise ReplayConfigError(f"trace_dir {root} is not a folder")
     catalog = load_catalog(cfg.catalog)
     cfg.validate(catalog)
-    weights = Path(cfg.weights) if cfg.weights else DEFAULT_WEIGHTS
-    if not weights.exists():
-        raise ReplayConfigError(f"model weights {weights} do not exist")
-    weights_sha = file_sha256(weights)
+    if cfg.model is not None:  # a diffusers adapter model (e.g. sakura-flux2, the second)
+        weights, weights_sha, engine = _adapter_model(cfg)
+        model = model if model is not None else engine
+    else:
+        weights = Path(cfg.weights) if cfg.weights else DEFAULT_WEIGHTS
+        if not weights.exists():
+            raise ReplayConfigError(f"model weights {weights} do not exist")
+        weights_sha = file_sha256(weights)
     runs = plan(cfg, root)  # bad or missing traces fail here, before anything is written
     check_meta(out, cfg, weights_sha)
     results = ResultsFile(out)

@@ -68,7 +68,8 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
     runtimes = {}
     main = EdgeRuntime(model, weights_sha256=weights_sha, runtime=cfg.runtime)
     for v in variants:
-        rt = main if v == "main" else EdgeRuntime(model, encoder=main.encoder,
+        rt = main if v == "main" else EdgeRuntime(model, encoder=main.encoder
+                                                  if main.default_model else None,
                                                   weights_sha256=weights_sha,
                                                   runtime=cfg.runtime)
         rt.profiles = main.profiles  # one calibration per template (same model)

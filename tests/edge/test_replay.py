@@ -674,3 +674,45 @@ def test_report_models_say_when_the_weights_are_gone_or_changed(tmp_path):
     changed = replay_models({"config": {}, "weights_sha256": "cd" * 32})
     (entry,) = changed.values()
     assert "prompt_accuracy" not in entry and "other weights" in entry["source"]
+
+
+def test_replay_runs_the_second_model_through_the_adapter_path(tiny_catalog, tmp_path):
+    """``model: sakura-flux2``: the replay builds, streams and edits with the FLUX.2 model
+    through dit/adapters (here seeded random weights of its config in a folder), on the
+    Python runtime; the report's ``models`` names it by its card. A config asking the native
+    runtime for it is one clear error."""
+    from sakura.dit.flux2_pixel import PixelFlux2, save_flux2
+    from sakura.edge.replay.report import headlines, load
+    from sakura.edge.replay.runner import run_replay
+
+    root, tid = tiny_catalog
+    torch.manual_seed(0)
+    ck = tmp_path / "sakura-flux2"
+    save_flux2(PixelFlux2(), ck, {"train_step": "3"})
+    text = (f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\n"
+            "policies: [local, fp16, sakura, cachegen]\nstarts: 1\ndeadlines: []\n"
+            "ablation: {q: [], resolutions: [], resolution_templates: []}\n"
+            f"model: sakura-flux2\nmodel_path: {ck}\ncatalog: {root / 'catalog.json'}\n"
+            f"packs_dir: {tmp_path / 'packs'}\n")
+    bad = tmp_path / "native.yaml"
+    bad.write_text(text)
+    with pytest.raises(ReplayConfigError, match="runs on the python runtime"):
+        load_config(bad).validate()
+    cfg_path = tmp_path / "flux2.yaml"
+    cfg_path.write_text(text + "runtime: python\n")
+    out = tmp_path / "out"
+    s = run_replay(load_config(cfg_path), out, log=lambda m: None, progress=False)
+    assert s == {"planned": 4, "skipped": 0, "ran": 4}
+    runs = ResultsFile(out).runs()
+    by = {r["policy"]: r for r in runs}
+    assert by["fp16"]["psnr_exact"] == "inf" and by["local"]["bytes"] == 0
+    assert 0 <= by["sakura"]["bytes"] < by["fp16"]["bytes"]
+    manifest = json.loads((tmp_path / "packs" / "main" / "templates" / tid / "fp16" /
+                           "manifest.json").read_text())
+    assert manifest["model"]["name"] == "sakura-flux2"
+    runs_, tmpl, meta = load(out)
+    models = headlines(runs_, tmpl, meta)["models"]
+    assert list(models) == ["sakura-flux2"]
+    card = models["sakura-flux2"]
+    assert card["class"] == "diffusers.Flux2Transformer2DModel" and card["train_step"] == 3
+    assert card["weights_fingerprint"] == meta["weights_sha256"]
