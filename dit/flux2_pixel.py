@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 from diffusers import Flux2Transformer2DModel
-from safetensors import safe_open
 from safetensors.torch import save_file
 from sakura.dit.adapters.flux2 import image_ids, text_ids
 from sakura.dit.adapters.inputs import Conditioning, LatentImage
@@ -45,13 +44,14 @@ from sakura.dit.adapters.registry import SAKURA_FLUX2, SAKURA_FLUX2_DIR
 from sakura.dit.errors import WeightsError
 from sakura.dit.model import TokenBatch, patchify, unpatchify
 from sakura.dit.text import TextEncoder
+from sakura.dit.weights import FOLDER_WEIGHTS, metadata
 from torch import nn
 
 FLUX2_CONFIG: dict[str, Any] = SAKURA_FLUX2  # ``--model sakura-flux2`` checks it
 PIXEL_PATCH = 4
 CHANNELS = 3
 DEFAULT_DIR = SAKURA_FLUX2_DIR
-WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
+WEIGHTS_FILE = FOLDER_WEIGHTS
 SIDECAR = "sakura.json"
 
 
@@ -162,9 +162,7 @@ def load_flux2(folder: str | Path | None = None) -> PixelFlux2:
 
 
 def flux2_metadata(folder: str | Path | None = None) -> dict[str, str]:
-    folder = Path(folder) if folder is not None else DEFAULT_DIR
-    with safe_open(str(folder / WEIGHTS_FILE), "pt") as f:
-        return dict(f.metadata() or {})
+    return metadata(Path(folder if folder is not None else DEFAULT_DIR) / WEIGHTS_FILE)
 
 
 __all__ = ["CHANNELS", "DEFAULT_DIR", "FLUX2_CONFIG", "MiniLMPrompts", "PIXEL_PATCH", "PixelFlux2",
