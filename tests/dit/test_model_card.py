@@ -66,3 +66,14 @@ def test_the_second_models_folder_has_a_card_too(tmp_path):
     card_path(w).write_text(json.dumps({"weights_file_sha256": card["weights_file_sha256"],
                                         "prompt_accuracy": 0.4, "chance_level": 0.1111}))
     assert model_card(w)["prompt_accuracy"] == 0.4
+
+
+def test_the_second_models_card_belongs_to_its_committed_weights():
+    from sakura.dit.flux2_pixel import DEFAULT_DIR, load_flux2
+
+    card = model_card(DEFAULT_DIR)
+    model = load_flux2()
+    assert card["class"] == "diffusers.Flux2Transformer2DModel" != model_card()["class"]
+    assert card["params"] == sum(p.numel() for p in model.parameters())
+    assert str(card["train_step"]) == model.weights_meta["train_step"]
+    assert card["prompt_accuracy"] >= 3 * card["chance_level"] > 0
