@@ -30,14 +30,13 @@ Weights: a diffusers transformer folder (``config.json``,
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import Flux2Transformer2DModel
-from safetensors.torch import save_file
+from safetensors.torch import save
 from sakura.dit.adapters.flux2 import image_ids, text_ids
 from sakura.dit.adapters.inputs import Conditioning, LatentImage
 from sakura.dit.adapters.registry import SAKURA_FLUX2, SAKURA_FLUX2_DIR
@@ -46,6 +45,8 @@ from sakura.dit.model import TokenBatch, patchify, unpatchify
 from sakura.dit.text import TextEncoder
 from sakura.dit.weights import FOLDER_WEIGHTS, metadata
 from torch import nn
+
+from sakura.atomic import write_atomic
 
 FLUX2_CONFIG: dict[str, Any] = SAKURA_FLUX2  # ``--model sakura-flux2`` checks it
 PIXEL_PATCH = 4
@@ -127,13 +128,12 @@ class MiniLMPrompts:
 
 
 def save_flux2(model: PixelFlux2, folder: str | Path, meta: dict[str, str] | None = None) -> None:
-    """The weights folder (each file replaced whole: temporary file, then rename)."""
+    """The weights folder, each file replaced whole (``sakura.atomic.write_atomic``; the
+    safetensors bytes are built in memory: 22 MB)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.transformer.state_dict().items()}
-    tmp = folder / (WEIGHTS_FILE + ".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", **(meta or {})})
-    os.replace(tmp, folder / WEIGHTS_FILE)
+    write_atomic(folder / WEIGHTS_FILE, save(state, metadata={"format": "pt", **(meta or {})}))
     config = dict(model.transformer.config)
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()
               if not k.startswith("_")}
@@ -142,9 +142,7 @@ def save_flux2(model: PixelFlux2, folder: str | Path, meta: dict[str, str] | Non
                       (SIDECAR, {"pixel_patch": PIXEL_PATCH, "channels": CHANNELS,
                                  "text_encoder": "all-MiniLM-L6-v2", "text_tokens": 16,
                                  "positions": "flux2 integer ids"})):
-        tmp = folder / (name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, folder / name)
+        write_atomic(folder / name, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 def load_flux2(folder: str | Path | None = None) -> PixelFlux2:
