@@ -159,6 +159,10 @@ class ReplayConfig(_Settings):
     model_path: str | None = Field(None, description="that model's checkpoint folder "
                                                      "(default: the model's own, e.g. "
                                                      "dit/weights/sakura-flux2)")
+    models: Strs = Field((), description="after the shipped MMDiT, replay each of these "
+                                         "adapter models (e.g. sakura-flux2) with the same "
+                                         "runs into <out>/<name> on the python runtime; "
+                                         "sakura report <out> reads them as per_model")
     catalog: str | None = Field(None, description="template catalog.json (default: the "
                                                   "shipped dit/catalog)")
     trace_dir: str | None = Field(None, description="the real-trace folder (default: "
@@ -202,6 +206,14 @@ class ReplayConfig(_Settings):
                 networks=self.ablation.networks[:1],
                 resolution_templates=self.ablation.resolution_templates[:1],
                 starts=min(n, QUICK_OTHER_STARTS)))
+
+    def for_model(self, name: str) -> ReplayConfig:
+        """The replay of ``models`` entry ``name``: the same runs, that model on the python
+        runtime (the native one exports the MMDiT's graphs only), its packs in a folder of
+        its own."""
+        return self.replace(model=name, models=(), weights=None, runtime="python",
+                            packs_dir=str(Path(self.packs_dir) / name) if self.packs_dir
+                            else None)
 
     def to_dict(self) -> dict[str, Any]:
         d = self.model_dump()
@@ -256,6 +268,20 @@ class ReplayConfig(_Settings):
             raise bad(f"ablation.starts must be >= 0, got {self.ablation.starts}")
         if self.regime not in REGIMES:
             raise bad(f"regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
+        if self.models:
+            from sakura.dit.adapters.registry import MODELS  # lazy: torch
+
+            if self.model is not None:
+                raise bad("models lists the models replayed after the shipped MMDiT; a "
+                          "replay of one adapter model sets model instead")
+            for name in self.models:
+                if name not in MODELS:
+                    raise bad(f"models: unknown model {name!r}; choose from "
+                              f"{', '.join(MODELS)}")
+            if len(set(self.models)) != len(self.models):
+                raise bad(f"models lists a model twice: {', '.join(self.models)}")
+            if self.regime != "matched":
+                raise bad("models replay in the matched regime only")
         if self.model_path is not None and self.model is None:
             raise bad("model_path needs model (a --model name)")
         if self.model is not None:

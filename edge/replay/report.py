@@ -128,17 +128,78 @@ def write_report(dir_: str | Path, json_path: str | Path | None = None,
     figs = out / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     heads = headlines(runs, tmpl, meta)
+    subs = [(name, *load(d)) for name, d in model_replays(Path(dir_), meta)]
+    sub_heads = [(name, headlines(r, t, m)) for name, r, t, m in subs]
+    heads = with_models(heads, sub_heads)
     md = ["# SAKURA replay report\n", intro(Path(dir_).name, runs, meta)]
-    for mode, head in heads["modes"].items():
-        mr = [r for r in runs if r["mode"] == mode]
-        mt = {k: v for k, v in tmpl.items() if v["mode"] == mode}
-        md += mode_section(mode, mr, mt, meta, figs, "figures", head)
+    if sub_heads:
+        md.append(_models_text(heads, meta))
+    md += _sections(runs, tmpl, meta, heads, figs, "figures")
+    for (name, r, t, m), (_, head) in zip(subs, sub_heads):
+        md += [f"# Model {name}\n", intro(f"{Path(dir_).name}/{name}", r, m)]
+        md += _sections(r, t, m, head, figs / name, f"figures/{name}")
     path = out / "report.md"
     path.write_text("\n".join(md) + "\n")
     if json_path:
         jp = Path(json_path)
         write_atomic(jp, json.dumps(json_safe(heads), indent=1, allow_nan=False))
     return path
+
+
+def _sections(runs: list[dict[str, Any]], tmpl: dict[str, dict[str, Any]],
+              meta: dict[str, Any], heads: dict[str, Any], figs: Path, rel: str) -> list[str]:
+    figs.mkdir(parents=True, exist_ok=True)
+    md: list[str] = []
+    for mode, head in heads["modes"].items():
+        mr = [r for r in runs if r["mode"] == mode]
+        mt = {k: v for k, v in tmpl.items() if v["mode"] == mode}
+        md += mode_section(mode, mr, mt, meta, figs, rel, head)
+    return md
+
+
+def model_replays(dir_: Path, meta: dict[str, Any]) -> list[tuple[str, Path]]:
+    """The replays of the configuration's ``models`` (``ReplayConfig.models``: the same
+    runs of another model, in ``DIR/<name>``) that have finished runs."""
+    names = meta.get("config", {}).get("models") or ()
+    return [(n, dir_ / n) for n in names if ResultsFile(dir_ / n).runs()]
+
+
+def with_models(top: dict[str, Any], subs: list[tuple[str, dict[str, Any]]]
+                ) -> dict[str, Any]:
+    """The headline with the other models' replays: ``models`` holds every model's card,
+    ``per_model`` every model's headline (its own ``networks``, ratios, intervals and
+    conditions; the top level stays the first model's, the shipped one). Without other
+    models the headline is unchanged."""
+    if not subs:
+        return top
+    def own(h: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in h.items() if k not in ("modes", "models", "per_model")}
+
+    models = dict(top["models"])
+    per_model = {name: own(top) for name in models}
+    for name, h in subs:
+        models.update(h["models"])
+        per_model[name] = own(h)
+    return {**top, "models": models, "per_model": per_model}
+
+
+def _models_text(heads: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The report's paragraph on its models: which ran where, and their cards."""
+    runtime = meta.get("config", {}).get("runtime", "?")
+    parts = []
+    for i, (name, card) in enumerate(heads["models"].items()):
+        where = (f"this folder, {runtime} runtime" if i == 0 else
+                 f"`{name}/`, python runtime, section *Model {name}* below")
+        cls = str(card.get("class", "?")).rsplit(".", 1)[-1]
+        params = card.get("params")
+        acc, chance = card.get("prompt_accuracy"), card.get("chance_level")
+        parts.append(f"`{name}` ({cls}, "
+                     + (f"{params / 1e6:.2f}M parameters" if params else "parameters ?")
+                     + (f", prompt accuracy {acc:.1%} at chance {chance:.1%}"
+                        if acc is not None and chance else "")
+                     + f"; {where})")
+    return ("Models: " + "; ".join(parts) + ". Each model's ratios compare its own "
+            "policies on its own runtime; the JSON's `per_model` holds each headline.\n")
 
 
 def _trace_root(meta: dict[str, Any]) -> str | None:

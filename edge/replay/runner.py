@@ -61,11 +61,8 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
         bar.close()
 
 
-def _adapter_model(cfg: ReplayConfig) -> tuple[Path, str, Any]:
-    """``(checkpoint folder, its fingerprint, the engine)`` of ``cfg.model``: the identity a
-    resume checks and the report names is the adapter path's own checkpoint fingerprint
-    (``dit.adapters.engine.checkpoint_fingerprint``), as in every manifest it builds."""
-    from sakura.dit.adapters.engine import load_engine  # lazy: torch, diffusers
+def _model_folder(cfg: ReplayConfig) -> Path:
+    """The checkpoint folder of ``cfg.model`` (an adapter model), or one clear error."""
     from sakura.dit.adapters.registry import MODELS  # lazy: torch
 
     spec = MODELS.get(cfg.model)
@@ -77,23 +74,53 @@ def _adapter_model(cfg: ReplayConfig) -> tuple[Path, str, Any]:
         raise ReplayConfigError(f"{cfg.source}: model {cfg.model} needs model_path")
     if not Path(path).is_dir():
         raise ReplayConfigError(f"{cfg.source}: model_path {path} is not a folder")
+    return Path(path)
+
+
+def _adapter_model(cfg: ReplayConfig) -> tuple[Path, str, Any]:
+    """``(checkpoint folder, its fingerprint, the engine)`` of ``cfg.model``: the identity a
+    resume checks and the report names is the adapter path's own checkpoint fingerprint
+    (``dit.adapters.engine.checkpoint_fingerprint``), as in every manifest it builds."""
+    from sakura.dit.adapters.engine import load_engine  # lazy: torch, diffusers
+
+    path = _model_folder(cfg)
     engine = load_engine(cfg.model, path)
-    return Path(path), str(engine.weights_id), engine
+    return path, str(engine.weights_id), engine
 
 
 def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
                progress: bool = True, model: Any = None) -> dict[str, Any]:
-    """Run (or resume) the replay into ``out``; returns a summary."""
+    """Run (or resume) the replay into ``out``, then the same runs of each of
+    ``cfg.models`` into ``out/<name>`` (``ReplayConfig.for_model``); returns a summary with
+    every model's runs counted in and their failures named ``<model>:<run>``. Every
+    model's configuration is checked before the first run."""
     from sakura.dit.templates import load_catalog  # lazy: torch
+
+    catalog = load_catalog(cfg.catalog)
+    cfg.validate(catalog)
+    subs = [(name, cfg.for_model(name).validate(catalog)) for name in cfg.models]
+    for _, sub in subs:
+        _model_folder(sub)
+    summary = _run_one(cfg, Path(out), log, progress, model, catalog)
+    for name, sub in subs:
+        log(f"replay: model {name} into {Path(out) / name} (python runtime)")
+        done = _run_one(sub, Path(out) / name, log, progress, None, catalog)
+        for k in ("planned", "skipped", "ran"):
+            summary[k] += done[k]
+        if done.get("failed"):
+            summary.setdefault("failed", []).extend(f"{name}:{k}" for k in done["failed"])
+    return summary
+
+
+def _run_one(cfg: ReplayConfig, out: Path, log: Log, progress: bool, model: Any,
+             catalog: Any) -> dict[str, Any]:
+    """One model's replay into ``out`` (``cfg`` validated)."""
     from sakura.dit.weights import DEFAULT_WEIGHTS, load_model  # lazy: torch
     from sakura.edge.bench import file_sha256  # lazy: torch
 
-    out = Path(out)
     root = cfg.trace_dir or str(require_trace_dir())
     if not Path(root).is_dir():
         raise ReplayConfigError(f"trace_dir {root} is not a folder")
-    catalog = load_catalog(cfg.catalog)
-    cfg.validate(catalog)
     if cfg.model is not None:  # a diffusers adapter model (e.g. sakura-flux2, the second)
         weights, weights_sha, engine = _adapter_model(cfg)
         model = model if model is not None else engine

@@ -716,3 +716,56 @@ def test_replay_runs_the_second_model_through_the_adapter_path(tiny_catalog, tmp
     card = models["sakura-flux2"]
     assert card["class"] == "diffusers.Flux2Transformer2DModel" and card["train_step"] == 3
     assert card["weights_fingerprint"] == meta["weights_sha256"]
+
+
+def test_one_replay_of_two_models_and_its_report(tiny_catalog, tmp_path):
+    """``models: [sakura-flux2]``: after the MMDiT, the same runs of the second model (its
+    shipped weights) land in ``<out>/sakura-flux2``; the report's ``models`` names both
+    classes and ``per_model`` holds each one's headline; a rerun resumes both."""
+    from sakura.edge.replay.report import write_report
+    from sakura.edge.replay.runner import run_replay
+
+    root, tid = tiny_catalog
+    cfg_path = tmp_path / "two.yaml"
+    cfg_path.write_text(
+        f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\npolicies: [local, fp16, sakura]\n"
+        "starts: 1\ndeadlines: []\nablation: {q: [], resolutions: [], "
+        "resolution_templates: []}\nmodels: [sakura-flux2]\nruntime: python\n"
+        f"weights: {root / 'model.safetensors'}\ncatalog: {root / 'catalog.json'}\n"
+        f"packs_dir: {tmp_path / 'packs'}\n")
+    out = tmp_path / "out"
+    cfg = load_config(cfg_path)
+    assert run_replay(cfg, out, log=lambda m: None, progress=False) == {
+        "planned": 6, "skipped": 0, "ran": 6}
+    for folder in (out, out / "sakura-flux2"):
+        assert {r["policy"] for r in ResultsFile(folder).runs()} == {"local", "fp16", "sakura"}
+    assert (tmp_path / "packs" / "sakura-flux2" / "main" / "catalog.json").exists()
+    assert run_replay(cfg, out, log=lambda m: None, progress=False) == {
+        "planned": 6, "skipped": 6, "ran": 0}
+
+    doc = tmp_path / "h.json"
+    report = write_report(out, json_path=doc).read_text()
+    head = json.loads(doc.read_text())
+    assert list(head["models"]) == ["model", "sakura-flux2"]
+    assert head["models"]["sakura-flux2"]["class"] == "diffusers.Flux2Transformer2DModel"
+    assert head["models"]["sakura-flux2"]["prompt_accuracy"] > 0.5
+    assert set(head["per_model"]) == {"model", "sakura-flux2"}
+    for h in head["per_model"].values():
+        assert h["runs"] == 3 and set(h["networks"]) >= {"5g"}
+        assert "p50_speedup_vs_local" in h and "modes" not in h
+    assert head["per_model"]["model"]["p50_speedup_vs_local"] == head["p50_speedup_vs_local"]
+    assert "# Model sakura-flux2" in report and "Models: `model`" in report
+    assert (out / "figures" / "sakura-flux2").is_dir()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("models: [sakura-flux2]\nmodel: sakura-flux2\nruntime: python\n", "sets model instead"),
+    ("models: [no-such-model]\n", "unknown model 'no-such-model'"),
+    ("models: [sakura-flux2, sakura-flux2]\n", "lists a model twice"),
+    ("models: [sakura-flux2]\nregime: profile\n", "matched regime only"),
+])
+def test_models_config_errors(tmp_path, extra, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(extra)
+    with pytest.raises(ReplayConfigError, match=message):
+        load_config(path).validate()
