@@ -17,6 +17,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -160,9 +161,10 @@ def _restore(cfg: TrainConfig, ckpt_path: Path, model: nn.Module, ema: nn.Module
         torch.set_rng_state(state["torch_rng"])
         log(f"resumed from {ckpt_path} at step {step}")
         return step
-    if _exported(cfg):
+    arch = ARCHS[cfg.arch]()
+    if arch.exported(cfg.weights_out):
         # Warm start from the committed EMA weights (optimizer state starts afresh).
-        shipped, meta = _load_exported(cfg)
+        shipped, meta = arch.load(cfg.weights_out)
         model.load_state_dict(shipped.state_dict())
         ema.load_state_dict(shipped.state_dict())
         step = int(meta.get("train_step", 0))
@@ -172,45 +174,36 @@ def _restore(cfg: TrainConfig, ckpt_path: Path, model: nn.Module, ema: nn.Module
     return 0
 
 
-def _model_config(cfg: TrainConfig, model_cfg: MMDiTConfig) -> dict:
-    if cfg.arch == "flux2":
-        from sakura.dit.flux2_pixel import FLUX2_CONFIG  # lazy: diffusers, for this arch only
+@dataclass(frozen=True)
+class Arch:
+    """What training needs to know of one architecture: its config as the checkpoint
+    records it, a fresh model, and how its exported weights are found, read and written."""
 
-        return {"class": "Flux2Transformer2DModel", **FLUX2_CONFIG}
-    return model_cfg.to_dict()
-
-
-def _new_model(cfg: TrainConfig, model_cfg: MMDiTConfig) -> nn.Module:
-    if cfg.arch == "flux2":
-        from sakura.dit.flux2_pixel import PixelFlux2  # lazy: diffusers, for this arch only
-
-        return PixelFlux2()
-    return MMDiT(model_cfg)
+    config: Callable[[MMDiTConfig], dict]
+    new: Callable[[MMDiTConfig], nn.Module]
+    exported: Callable[[str], bool]
+    load: Callable[[str], tuple[nn.Module, dict[str, str]]]
+    save: Callable[[nn.Module, str, dict[str, str]], None]
 
 
-def _exported(cfg: TrainConfig) -> bool:
-    if cfg.arch == "flux2":
-        from sakura.dit.flux2_pixel import WEIGHTS_FILE  # lazy: diffusers, for this arch only
-
-        return (Path(cfg.weights_out) / WEIGHTS_FILE).is_file()
-    return Path(cfg.weights_out).exists()
+def _mmdit() -> Arch:
+    return Arch(config=lambda c: c.to_dict(), new=MMDiT,
+                exported=lambda path: Path(path).exists(),
+                load=lambda path: (load_model(path), metadata(path)), save=save_model)
 
 
-def _load_exported(cfg: TrainConfig) -> tuple[nn.Module, dict[str, str]]:
-    if cfg.arch == "flux2":
-        from sakura.dit.flux2_pixel import flux2_metadata, load_flux2  # lazy: diffusers
+def _flux2() -> Arch:
+    from sakura.dit import flux2_pixel as f  # lazy: diffusers, for this arch only
 
-        return load_flux2(cfg.weights_out), flux2_metadata(cfg.weights_out)
-    return load_model(cfg.weights_out), metadata(cfg.weights_out)
+    return Arch(config=lambda c: {"class": "Flux2Transformer2DModel", **f.FLUX2_CONFIG},
+                new=lambda c: f.PixelFlux2(),
+                exported=lambda path: (Path(path) / f.WEIGHTS_FILE).is_file(),
+                load=lambda path: (f.load_flux2(path), f.flux2_metadata(path)),
+                save=f.save_flux2)
 
 
-def _export(cfg: TrainConfig, ema: nn.Module, step: int) -> None:
-    if cfg.arch == "flux2":
-        from sakura.dit.flux2_pixel import save_flux2  # lazy: diffusers, for this arch only
-
-        save_flux2(ema, cfg.weights_out, {"train_step": str(step)})
-        return
-    save_model(ema, cfg.weights_out, {"train_step": str(step)})
+#: the architectures by ``TrainConfig.arch`` (built on use: flux2's imports diffusers)
+ARCHS: dict[str, Callable[[], Arch]] = {"mmdit": _mmdit, "flux2": _flux2}
 
 
 def _lr_at(cfg: TrainConfig, step: int) -> float:
@@ -259,14 +252,15 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
 
     model_cfg = model_cfg or MMDiTConfig()
     torch.manual_seed(cfg.seed)  # before the model: its initialisation is part of the run
-    model = _new_model(cfg, model_cfg)
-    ema = _new_model(cfg, model_cfg).requires_grad_(False)
+    arch = ARCHS[cfg.arch]()
+    model = arch.new(model_cfg)
+    ema = arch.new(model_cfg).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
     rng = random.Random(cfg.seed)
     step = _restore(cfg, ckpt_path, model, ema, opt, rng, log)
     (out / "train_config.json").write_text(json.dumps(
-        {"train": asdict(cfg), "model": _model_config(cfg, model_cfg),
+        {"train": asdict(cfg), "model": arch.config(model_cfg),
          "train_items": len(train_idx)},
         indent=2))
     loss_log = (out / "loss.csv").open("a")
@@ -316,7 +310,7 @@ def train(cfg: TrainConfig, model_cfg: MMDiTConfig | None = None, log=print,
             loss_log.flush()
             _checkpoint(ckpt_path, model, ema, opt, step, rng)
         if step % cfg.export_every == 0 or step == cfg.steps:
-            _export(cfg, ema, step)
+            arch.save(ema, cfg.weights_out, {"train_step": str(step)})
             log(f"step {step}: exported EMA weights to {cfg.weights_out} "
                 f"({time.time() - t_last:.0f}s since last export)")
             t_last = time.time()
