@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from sakura.dit.attention import CACHE, AttentionHook, KVSegment, Layout, cache_mass
 from sakura.dit.cache import KVProvider, StepLate, TemplateCache
-from sakura.dit.model import MMDiT, TokenBatch, grid_positions, patchify, unpatchify
+from sakura.dit.model import MMDiT, TokenBatch, patchify, unpatchify
 from sakura.dit.refcache import ReferenceKV, reference_tokens, text_kv_segments
 from sakura.dit.sampler import EulerSteps, Trajectory, denoise, noise_like, renoise, schedule
 from sakura.dit.stale import STALE_MAX_AGE, StaleReuse
@@ -97,7 +97,7 @@ class Geometry:
         p = model.cfg.patch_size
         grid = template.size // p
         tm = token_mask(template.mask, p)
-        return cls(grid, grid_positions(grid, model.cfg.pos_span),
+        return cls(grid, model.image_positions(grid),
                    tm.nonzero().flatten(), (~tm).nonzero().flatten())
 
 

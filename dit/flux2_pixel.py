@@ -25,6 +25,11 @@ the shipped MMDiT, trained from scratch on the same captioned emoji with the sam
 Weights: a diffusers transformer folder (``config.json``,
 ``diffusion_pytorch_model.safetensors`` with ``train_step`` in its metadata) plus
 ``sakura.json`` (pixel patch, channels, text encoder), at :data:`DEFAULT_DIR`.
+
+Where it runs: ``--model sakura-flux2`` loads the folder through the adapter registry's
+checks and converts it exactly into the MMDiT's form (``dit.flux2_native``), so build, edit
+and replay run it as they run the shipped model, on either runtime; ``PixelFlux2`` is its
+training and sampling form.
 """
 
 from __future__ import annotations
@@ -38,11 +43,9 @@ import torch
 from diffusers import Flux2Transformer2DModel
 from safetensors.torch import save
 from sakura.dit.adapters.flux2 import image_ids, text_ids
-from sakura.dit.adapters.inputs import Conditioning, LatentImage
 from sakura.dit.adapters.registry import SAKURA_FLUX2, SAKURA_FLUX2_DIR
 from sakura.dit.errors import WeightsError
-from sakura.dit.model import TokenBatch, patchify, unpatchify
-from sakura.dit.text import TextEncoder
+from sakura.dit.model import TokenBatch, grid_positions
 from sakura.dit.weights import FOLDER_WEIGHTS, metadata
 from torch import nn
 
@@ -81,6 +84,11 @@ class PixelFlux2(nn.Module):
         super().__init__()
         self.transformer = transformer or Flux2Transformer2DModel(**FLUX2_CONFIG)
 
+    def image_positions(self, grid: int) -> torch.Tensor:
+        """``TokenBatch.img_pos`` as ``dit.sampler`` asks the MMDiT for it; unused here (the
+        transformer builds FLUX's integer ids itself, ``image_ids``)."""
+        return grid_positions(grid, self.cfg.pos_span)
+
     def forward(self, batch: TokenBatch, hook=None) -> torch.Tensor:
         if hook is not None:
             raise ValueError("the pixel FLUX.2 model takes SAKURA's hooks through "
@@ -95,36 +103,6 @@ class PixelFlux2(nn.Module):
         return self.transformer(hidden_states=batch.img, encoder_hidden_states=batch.txt.to(dt),
                                 timestep=batch.t.to(dt), img_ids=image_ids((side, side)),
                                 txt_ids=text_ids(batch.txt.shape[1]), return_dict=False)[0]
-
-
-class PixelLatents:
-    """The identity "VAE" of the adapter path (``dit.adapters.engine.DiffusersEngine``): an
-    image ``[3, H, W]`` in [-1, 1] is its 4x4 patches on a row-major grid, and back."""
-
-    def encode(self, image: torch.Tensor) -> LatentImage:
-        h, w = image.shape[-2:]
-        if h != w or h % PIXEL_PATCH:
-            raise ValueError(f"image {h}x{w}: the pixel FLUX.2 model takes square images "
-                             f"whose side is a multiple of {PIXEL_PATCH}")
-        return LatentImage(patchify(image[None].float(), PIXEL_PATCH)[0],
-                           (h // PIXEL_PATCH, w // PIXEL_PATCH))
-
-    def decode(self, tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        return unpatchify(tokens.float().reshape(1, grid[0] * grid[1], -1), PIXEL_PATCH,
-                          CHANNELS, grid[0] * PIXEL_PATCH)[0].clamp(-1, 1)
-
-
-class MiniLMPrompts:
-    """Prompt -> :class:`Conditioning` with the MMDiT's text encoder (16 MiniLM tokens);
-    loaded on the first prompt."""
-
-    def __init__(self) -> None:
-        self._encoder: TextEncoder | None = None
-
-    def __call__(self, text: str) -> Conditioning:
-        if self._encoder is None:
-            self._encoder = TextEncoder()
-        return Conditioning(self._encoder.encode([text]).float())
 
 
 def save_flux2(model: PixelFlux2, folder: str | Path, meta: dict[str, str] | None = None) -> None:
@@ -163,6 +141,5 @@ def flux2_metadata(folder: str | Path | None = None) -> dict[str, str]:
     return metadata(Path(folder if folder is not None else DEFAULT_DIR) / WEIGHTS_FILE)
 
 
-__all__ = ["CHANNELS", "DEFAULT_DIR", "FLUX2_CONFIG", "MiniLMPrompts", "PIXEL_PATCH", "PixelFlux2",
-           "PixelGeometry", "PixelLatents",
-           "flux2_metadata", "load_flux2", "save_flux2"]
+__all__ = ["CHANNELS", "DEFAULT_DIR", "FLUX2_CONFIG", "PIXEL_PATCH", "PixelFlux2",
+           "PixelGeometry", "flux2_metadata", "load_flux2", "save_flux2"]

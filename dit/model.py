@@ -14,6 +14,10 @@ Token layout of one forward call: ``[text (T), image (N), reference (R)]``. Refe
 tokens carry a fixed timestep (``t = 0``) and attend only to themselves (Flux.2-klein KV
 semantics); in ``block_causal`` mode the text+reference prefix follows QwenImage 2.1's
 block-causal rule instead (see ``dit.prefix``).
+
+``MMDiTConfig``'s conversion options (SwiGLU MLPs, LayerNorm eps, no biases, FLUX integer
+position ids) let the same modules hold other trained models of this family: the pixel
+FLUX.2 (``dit.flux2_native``). At their defaults the shipped model is computed as before.
 """
 
 from __future__ import annotations
@@ -47,6 +51,19 @@ class MMDiTConfig:
     # "joint" (Flux.2: references attend to themselves) or "block_causal" (QwenImage 2.1).
     attention_mode: str = "joint"
     extra: dict = field(default_factory=dict)
+    # Arithmetic options of models converted into this form (``dit.flux2_native``: the
+    # trained FLUX.2 transformer). The defaults are the shipped MMDiT's arithmetic, and
+    # ``to_dict`` leaves a field out while it holds its default, so the shipped config (the
+    # weights file's metadata, the compiled-graph cache keys) is byte-for-byte what it was.
+    # "gelu_tanh": Linear(d, m) -> tanh-GELU; "swiglu" (FLUX.2): Linear(d, 2m) -> silu(a) * b.
+    mlp_act: str = "gelu_tanh"
+    # eps of the affine-free LayerNorms (torch's default; FLUX.2: 1e-6). RMS QK-norms: 1e-6.
+    layer_norm_eps: float = 1e-5
+    # Biases of img_in / txt_in / time_in / the modulations / final (FLUX.2 has none).
+    bias: bool = True
+    # "normalized": ``grid_positions`` (segment, row, col) spanning ``pos_span``, text at 0;
+    # "flux_ids": FLUX's integer ids, image (0, row, col, 0), text (0, 0, 0, index).
+    positions: str = "normalized"
 
     @property
     def head_dim(self) -> int:
@@ -63,6 +80,9 @@ class MMDiTConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rope_axes"] = list(self.rope_axes)
+        for name, default in _CONVERSION_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
@@ -79,6 +99,18 @@ class MMDiTConfig:
             raise ValueError("rope_axes must be even and sum to head_dim")
         if self.attention_mode not in ("joint", "block_causal"):
             raise ValueError("attention_mode must be 'joint' or 'block_causal'")
+        if self.mlp_act not in ("gelu_tanh", "swiglu"):
+            raise ValueError("mlp_act must be 'gelu_tanh' or 'swiglu'")
+        if self.positions not in ("normalized", "flux_ids"):
+            raise ValueError("positions must be 'normalized' or 'flux_ids'")
+        if len(self.rope_axes) != (4 if self.positions == "flux_ids" else 3):
+            raise ValueError("rope_axes needs one entry per position axis (3 normalized, "
+                             "4 flux_ids)")
+
+
+# The conversion options (see MMDiTConfig) at their shipped values: left out of to_dict.
+_CONVERSION_DEFAULTS = {"mlp_act": "gelu_tanh", "layer_norm_eps": 1e-5, "bias": True,
+                        "positions": "normalized"}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -123,6 +155,24 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
+class SwiGLU(nn.Module):
+    """``silu(a) * b`` of the two halves ``[a, b]`` of the last dim (FLUX.2's MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=-1)
+        return F.silu(a) * b
+
+
+def mlp_activation(cfg: MMDiTConfig) -> nn.Module:
+    return SwiGLU() if cfg.mlp_act == "swiglu" else nn.GELU(approximate="tanh")
+
+
+def mlp_in_width(cfg: MMDiTConfig) -> int:
+    """Width of the MLP's input projection (twice the hidden width for SwiGLU)."""
+    mlp = int(cfg.hidden_size * cfg.mlp_ratio)
+    return 2 * mlp if cfg.mlp_act == "swiglu" else mlp
+
+
 def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """``[B, T, H*D] -> [B, H, T, D]`` (a view when ``x`` allows one)."""
     b, t, c = x.shape
@@ -156,7 +206,7 @@ class DoubleStreamBlock(nn.Module):
     def __init__(self, cfg: MMDiTConfig):
         super().__init__()
         d, mlp = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
-        self.heads = cfg.num_heads
+        self.heads, self.eps = cfg.num_heads, cfg.layer_norm_eps
         for s in ("img", "txt"):
             setattr(self, f"{s}_qkv", nn.Linear(d, 3 * d, bias=False))
             setattr(self, f"{s}_qnorm", RMSNorm(cfg.head_dim))
@@ -165,13 +215,13 @@ class DoubleStreamBlock(nn.Module):
             setattr(
                 self,
                 f"{s}_mlp",
-                nn.Sequential(nn.Linear(d, mlp, bias=False), nn.GELU(approximate="tanh"),
+                nn.Sequential(nn.Linear(d, mlp_in_width(cfg), bias=False), mlp_activation(cfg),
                               nn.Linear(mlp, d, bias=False)),
             )
 
     def _qkv(self, stream: str, x: torch.Tensor, mod: torch.Tensor, angles: torch.Tensor):
         shift, scale = mod[0], mod[1]
-        h = modulate(F.layer_norm(x, (x.shape[-1],)), shift, scale)
+        h = modulate(F.layer_norm(x, (x.shape[-1],), eps=self.eps), shift, scale)
         q, k, v = getattr(self, f"{stream}_qkv")(h).chunk(3, dim=-1)
         q = getattr(self, f"{stream}_qnorm")(split_heads(q, self.heads))
         k = getattr(self, f"{stream}_knorm")(split_heads(k, self.heads))
@@ -180,7 +230,7 @@ class DoubleStreamBlock(nn.Module):
 
     def _post(self, stream: str, x, attn, mod):
         x = x + mod[2] * getattr(self, f"{stream}_proj")(attn)
-        h = modulate(F.layer_norm(x, (x.shape[-1],)), mod[3], mod[4])
+        h = modulate(F.layer_norm(x, (x.shape[-1],), eps=self.eps), mod[3], mod[4])
         return x + mod[5] * getattr(self, f"{stream}_mlp")(h)
 
     def forward(self, seg: Segments, mods: dict, angles: dict, hook: AttentionHook,
@@ -205,17 +255,20 @@ class SingleStreamBlock(nn.Module):
     def __init__(self, cfg: MMDiTConfig):
         super().__init__()
         d, mlp = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
-        self.heads, self.mlp_hidden = cfg.num_heads, mlp
-        self.linear1 = nn.Linear(d, 3 * d + mlp, bias=False)
+        # mlp_hidden: the MLP part of linear1's output (2 * mlp for SwiGLU)
+        self.heads, self.mlp_hidden = cfg.num_heads, mlp_in_width(cfg)
+        self.eps = cfg.layer_norm_eps
+        self.linear1 = nn.Linear(d, 3 * d + self.mlp_hidden, bias=False)
         self.linear2 = nn.Linear(d + mlp, d, bias=False)
         self.qnorm = RMSNorm(cfg.head_dim)
         self.knorm = RMSNorm(cfg.head_dim)
+        self.act = mlp_activation(cfg)
 
     def forward(self, seg: Segments, mods: dict, angles: dict, hook: AttentionHook,
                 block: int, layout: Layout) -> Segments:
         xs = [seg.txt, seg.img, seg.ref]
         names = ("txt", "img", "ref")
-        hs = [modulate(F.layer_norm(x, (x.shape[-1],)), mods[n][0], mods[n][1])
+        hs = [modulate(F.layer_norm(x, (x.shape[-1],), eps=self.eps), mods[n][0], mods[n][1])
               for x, n in zip(xs, names)]
         h = torch.cat(hs, dim=1)
         qkv, mlp_in = self.linear1(h).split([3 * h.shape[-1], self.mlp_hidden], dim=-1)
@@ -225,7 +278,7 @@ class SingleStreamBlock(nn.Module):
         k = apply_rope(self.knorm(split_heads(k, self.heads)), ang)
         v = split_heads(v, self.heads)
         attn = merge_heads(hook.attend(block, q, k, v, layout))
-        out = self.linear2(torch.cat([attn, F.gelu(mlp_in, approximate="tanh")], dim=-1))
+        out = self.linear2(torch.cat([attn, self.act(mlp_in)], dim=-1))
         sizes = [x.shape[1] for x in xs]
         new = [x + mods[n][2] * o for x, n, o in zip(xs, names, out.split(sizes, dim=1))]
         return Segments(new[0], new[1], new[2], seg.vec_txt, seg.vec_img, seg.vec_ref)
@@ -263,18 +316,19 @@ class MMDiT(nn.Module):
         cfg = cfg or MMDiTConfig()
         cfg.validate()
         self.cfg = cfg
-        d = cfg.hidden_size
-        self.img_in = nn.Linear(cfg.patch_dim, d)
-        self.txt_in = nn.Linear(cfg.text_dim, d)
-        self.time_in = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
+        d, bias = cfg.hidden_size, cfg.bias
+        self.img_in = nn.Linear(cfg.patch_dim, d, bias=bias)
+        self.txt_in = nn.Linear(cfg.text_dim, d, bias=bias)
+        self.time_in = nn.Sequential(nn.Linear(256, d, bias=bias), nn.SiLU(),
+                                     nn.Linear(d, d, bias=bias))
         # Shared modulation (Flux.2): one projection per stream kind, used by every block.
-        self.double_mod_img = nn.Linear(d, 6 * d)
-        self.double_mod_txt = nn.Linear(d, 6 * d)
-        self.single_mod = nn.Linear(d, 3 * d)
-        self.final_mod = nn.Linear(d, 2 * d)
+        self.double_mod_img = nn.Linear(d, 6 * d, bias=bias)
+        self.double_mod_txt = nn.Linear(d, 6 * d, bias=bias)
+        self.single_mod = nn.Linear(d, 3 * d, bias=bias)
+        self.final_mod = nn.Linear(d, 2 * d, bias=bias)
         self.double_stream = nn.ModuleList(DoubleStreamBlock(cfg) for _ in range(cfg.double_blocks))
         self.single_stream = nn.ModuleList(SingleStreamBlock(cfg) for _ in range(cfg.single_blocks))
-        self.final = nn.Linear(d, cfg.patch_dim)
+        self.final = nn.Linear(d, cfg.patch_dim, bias=bias)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -286,7 +340,8 @@ class MMDiT(nn.Module):
         for lin in (self.double_mod_img, self.double_mod_txt, self.single_mod, self.final_mod,
                     self.final):
             nn.init.zeros_(lin.weight)
-            nn.init.zeros_(lin.bias)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
 
     # -- conditioning -------------------------------------------------------------------
 
@@ -314,7 +369,20 @@ class MMDiT(nn.Module):
         return rope_angles(pos, self.cfg.rope_axes, self.cfg.rope_theta)
 
     def text_positions(self, n: int) -> torch.Tensor:
+        if self.cfg.positions == "flux_ids":  # (0, 0, 0, index)
+            pos = torch.zeros(n, 4)
+            pos[:, 3] = torch.arange(n, dtype=torch.float32)
+            return pos
         return torch.zeros(n, 3)
+
+    def image_positions(self, grid: int) -> torch.Tensor:
+        """Positions ``[grid*grid, len(rope_axes)]`` of a square token grid (row-major)."""
+        if self.cfg.positions == "flux_ids":  # (0, row, col, 0), integers at any resolution
+            rows, cols = torch.meshgrid(torch.arange(grid, dtype=torch.float32),
+                                        torch.arange(grid, dtype=torch.float32), indexing="ij")
+            zero = torch.zeros_like(rows)
+            return torch.stack([zero, rows, cols, zero], dim=-1).reshape(-1, 4)
+        return grid_positions(grid, self.cfg.pos_span)
 
     # -- the forward pass ---------------------------------------------------------------
 
@@ -353,14 +421,16 @@ class MMDiT(nn.Module):
 
     def head(self, seg: Segments) -> torch.Tensor:
         shift, scale = self.final_mod(seg.vec_img).chunk(2, dim=-1)
-        return self.final(modulate(F.layer_norm(seg.img, (seg.img.shape[-1],)), shift, scale))
+        norm = F.layer_norm(seg.img, (seg.img.shape[-1],), eps=self.cfg.layer_norm_eps)
+        return self.final(modulate(norm, shift, scale))
 
     def forward(self, batch: TokenBatch, hook: AttentionHook | None = None,
                 text_t: torch.Tensor | None = None) -> torch.Tensor:
         """Velocity for the computed image tokens ``[B, N, patch_dim]``."""
         hook = hook or PlainAttention(self.cfg.attention_mode)
         seg = self.embed(batch, text_t)
-        ref_pos = batch.ref_pos if batch.ref_pos is not None else torch.zeros(0, 3)
+        ref_pos = (batch.ref_pos if batch.ref_pos is not None
+                   else torch.zeros(0, len(self.cfg.rope_axes)))
         angles = {
             "txt": self.angles(self.text_positions(seg.txt.shape[1])),
             "img": self.angles(batch.img_pos),

@@ -38,7 +38,7 @@ from sakura.dit.editing import (
     edit_schedule,
     edit_start,
 )
-from sakura.dit.model import MMDiT, MMDiTConfig, TokenBatch, grid_positions, unpatchify
+from sakura.dit.model import MMDiT, MMDiTConfig, TokenBatch, unpatchify
 from sakura.dit.regional import (
     FullResult,
     KVStore,
@@ -374,7 +374,7 @@ def generation_backend(model: MMDiT, txt, txt_uncond, size: int, guidance: float
                        probe_blocks=None) -> MMDiTRegional:
     grid = size // model.cfg.patch_size
     return MMDiTRegional(model, txt, txt_uncond, guidance,
-                         grid_positions(grid, model.cfg.pos_span), grid_coords(grid),
+                         model.image_positions(grid), grid_coords(grid),
                          probe_blocks=probe_blocks)
 
 

@@ -195,7 +195,7 @@ def generate(model: MMDiT, txt: torch.Tensor, txt_uncond: torch.Tensor | None, s
     cfg = model.cfg
     b = txt.shape[0]
     grid = size // cfg.patch_size
-    pos = grid_positions(grid, cfg.pos_span)
+    pos = model.image_positions(grid)
     x = noise_like((b, grid * grid, cfg.patch_dim), seed)
     ref = ref_pos = None
     if ref_images is not None:

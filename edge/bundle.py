@@ -180,7 +180,10 @@ def write_tables(model: Any, template: Template, geo: Geometry, txt_tokens: int,
               "vec_txt": torch.stack(vt),
               # the text stream's input projection (prompt embeddings -> the DiT's width):
               # a device without the model in Python applies it to the encoder's output
-              "txt_in_weight": model.txt_in.weight, "txt_in_bias": model.txt_in.bias}
+              # (zeros for a model without biases, the converted FLUX.2: one device format)
+              "txt_in_weight": model.txt_in.weight,
+              "txt_in_bias": (model.txt_in.bias if model.txt_in.bias is not None
+                              else model.txt_in.weight.new_zeros(model.cfg.hidden_size))}
     index: dict[str, Any] = {}
     offset = 0
     with open(path, "wb") as f:

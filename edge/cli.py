@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sakura.codec.cli import check_codecs
-from sakura.dit.adapters.cli import check_model_options
+from sakura.dit.adapters.cli import check_model_options, runs_native
 from sakura.dit.cli import check_file, check_template
 from sakura.edge import PRECISIONS, RUNTIMES
 from sakura.edge.allocator import POLICIES
@@ -304,7 +304,8 @@ def check_edit_args(args: argparse.Namespace) -> None:
         create_backend(args.backend, _backend_config(args))  # raises if it cannot run here
     if args.pack:
         check_codecs([args.pack], "--pack")
-    needs = [what for what, asked in (("--model", args.model), ("--reference", args.reference),
+    needs = [what for what, asked in ((f"--model {args.model}", not runs_native(args.model)),
+                                      ("--reference", args.reference),
                                       (f"--backend {args.backend}", args.backend != "torch"))
              if asked]
     args.runtime = resolve_runtime(args, needs)
@@ -399,7 +400,8 @@ def _edit(args: argparse.Namespace) -> int:
     save_image(result.image, out)
     stem = out.with_suffix("")
     doc = {"template": args.template, "link": link_info, "server": args.server,
-           **tokens, **result.to_json()}
+           "runtime": runtime.runtime, "model": runtime.engine.name, **tokens,
+           **result.to_json()}
     tl_json = write_json(stem.with_name(stem.name + ".timeline.json"), doc)
     if args.json:
         write_json(Path(args.json), doc)

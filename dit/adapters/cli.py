@@ -24,6 +24,17 @@ def model_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def runs_native(model: str | None) -> bool:
+    """Whether ``--model`` runs on the native runtime: the shipped model, and a model
+    converted into its form (``ModelSpec.mmdit_form``, e.g. sakura-flux2); the other
+    diffusers models run the Python shard loop through their adapters."""
+    if model is None:
+        return True
+    from sakura.dit.adapters.registry import MODELS  # lazy: torch
+
+    return model in MODELS and MODELS[model].mmdit_form
+
+
 def check_model_options(model: str | None, model_path: str | None,
                         weights: str | None) -> None:
     """``--model`` / ``--model-path`` / ``--weights`` of ``build`` and ``edit``, checked before

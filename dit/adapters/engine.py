@@ -37,7 +37,7 @@ from sakura.dit.adapters.latents import (
     load_image_latents,
     load_pipeline,
 )
-from sakura.dit.adapters.registry import MODELS, load_adapter
+from sakura.dit.adapters.registry import MODELS, load_adapter, read_checkpoint
 from sakura.dit.cache import KVProvider
 from sakura.dit.editing import (
     EditRequest,
@@ -143,9 +143,12 @@ class DefaultEngine(EditEngine):
     def recomputes_late_steps(self, prep: Prepared) -> bool:
         return RecomputedKV.possible(prep.template)
 
-    def __init__(self, model, encoder=None, weights_sha256: str | None = None):
+    def __init__(self, model, encoder=None, weights_sha256: str | None = None,
+                 name: str | None = None):
         self.model, self._encoder = model, encoder
         self.weights_sha256 = weights_sha256
+        if name is not None:  # a trained model of another class in the MMDiT's form
+            self.name = name
 
     @property
     def encoder(self):
@@ -289,6 +292,22 @@ class DiffusersEngine(EditEngine):
         return self.adapter.rope_option(prep.geometry)
 
 
+def _mmdit_form_engine(spec: Any, model_path: str | Path) -> DefaultEngine:
+    """SAKURA's trained FLUX.2 (``sakura-flux2``): its diffusers checkpoint folder, checked
+    against the registry's config like any adapter checkpoint, converted exactly into the
+    MMDiT's form (``dit.flux2_native``: velocity within 2.2e-6 of diffusers' forward), so
+    that every path of the shipped model runs it, the native runtime's compiled shard
+    graphs included, with the MMDiT's sampler it was trained and evaluated with. Its
+    identity in manifests is the checkpoint fingerprint, its name the registry's."""
+    from sakura.dit.flux2_native import mmdit_form  # lazy: diffusers, this model only
+    from sakura.dit.flux2_pixel import load_flux2  # lazy: diffusers, this model only
+
+    read_checkpoint(spec.name, model_path)  # the registry's checks of the folder's config
+    net = mmdit_form(load_flux2(model_path))
+    return DefaultEngine(net, TextEncoder(net.cfg.text_tokens),
+                         checkpoint_fingerprint(model_path), name=spec.name)
+
+
 def load_engine(model: str | None = None, model_path: str | Path | None = None, *,
                 weights: str | Path | None = None, dtype: torch.dtype | None = None,
                 device: str | torch.device = "cpu") -> EditEngine:
@@ -304,13 +323,9 @@ def load_engine(model: str | None = None, model_path: str | Path | None = None, 
     from functools import partial
 
     spec = MODELS.get(model)
-    if spec is not None and spec.pixels_per_token:  # SAKURA's own FLUX.2 (dit/flux2_pixel.py)
-        from sakura.dit.flux2_pixel import MiniLMPrompts, PixelLatents  # lazy: this model only
-
-        model_path = model_path if model_path is not None else spec.default_path
-        adapter = load_adapter(model, model_path, dtype=dtype, device=device)
-        return DiffusersEngine(adapter, PixelLatents(), MiniLMPrompts(), spec.default_steps,
-                               spec.default_guidance, checkpoint_fingerprint(model_path))
+    if spec is not None and spec.mmdit_form:  # SAKURA's own FLUX.2 (dit/flux2_pixel.py)
+        return _mmdit_form_engine(spec, model_path if model_path is not None
+                                  else spec.default_path)
     if model_path is None:
         raise ModelPathError(f"--model {model} needs --model-path (a local checkpoint folder)")
     adapter = load_adapter(model, model_path, dtype=dtype, device=device)

@@ -13,6 +13,17 @@ The code mirrors ``dit.model.DoubleStreamBlock`` / ``SingleStreamBlock`` with th
 ``dit.editing.cached_edit``. References and the text-KV approximation are not part of a
 shard graph (they need the torch path).
 
+The model's arithmetic options (``MMDiTConfig``: ``mlp_act``, ``layer_norm_eps``, ``bias``;
+the converted FLUX.2 of ``dit.flux2_native``) are computed by every form: the layer norms
+at the model's eps (``F.layer_norm``'s argument, the delegable ``ln_eps`` constant);
+SwiGLU as ``silu(a) * b`` of the first linear's two halves in the plain form (the model's
+own ops), as ``a * sigmoid(a) * b`` of two slices (``_chunks``) in the delegable one
+(XNNPACK has no ``silu``) and, in the dynamic form, with the MLP's first linear split into
+gate and up linears (``linear1`` into ``[d, d, d, m, m]``) so that nothing dynamic is
+sliced; a model without biases has linears with ``bias=None``, which every form takes as
+they are. At the defaults every graph has the ops it had: the compiled-artifact keys
+change only through the config's digest, which holds an option only off its default.
+
 ``delegable=True`` writes the same function with only the operators XNNPACK's partitioner
 lowers (ExecuTorch 1.4.1, ``executorch/backends/xnnpack/partition/config``), so that the
 whole shard runs inside the delegate (tested with ExecuTorch's delegation info). What the
@@ -86,6 +97,7 @@ from sakura.edge.backends.shard_ops import (
     _rope_matrices,
     _sigmoid_gelu,
     _split_linear,
+    _swiglu,
     free_shape,
 )
 from torch import nn
@@ -120,6 +132,10 @@ class ShardModule(nn.Module):
         # False: the model's own RMSNorm (bit-exact with dit); True: see _explicit_rms_norm
         self.explicit_rms = explicit_rms
         cfg = model.cfg
+        # the model's arithmetic options (``MMDiTConfig``): the MLP activation (tanh-GELU,
+        # or SwiGLU over the two halves of the first linear's output) and LayerNorm eps
+        self.swiglu = cfg.mlp_act == "swiglu"
+        self.layer_norm_eps = cfg.layer_norm_eps
         if not blocks or list(blocks) != list(range(blocks[0], blocks[0] + len(blocks))):
             raise ValueError(f"a shard is a run of consecutive blocks, got {blocks}")
         if blocks[-1] >= cfg.num_blocks:
@@ -156,7 +172,7 @@ class ShardModule(nn.Module):
         """Constant tensors of the delegable graph (scalars, RoPE matrices, mask bias)."""
         e, r = _rope_matrices(cfg.head_dim)
         consts = {"rope_e": e.t().contiguous(), "rope_r": r.t().contiguous(),
-                  "one": torch.ones(1), "ln_eps": torch.full((1,), 1e-5),
+                  "one": torch.ones(1), "ln_eps": torch.full((1,), cfg.layer_norm_eps),
                   "attn_scale": torch.full((1,), cfg.head_dim ** -0.5),
                   "gelu_c": torch.full((1,), 0.044715),
                   "gelu_k": torch.full((1,), 2.0 * math.sqrt(2.0 / math.pi))}
@@ -177,11 +193,20 @@ class ShardModule(nn.Module):
             for s in ("txt", "img"):
                 for name, lin in zip("qkv", _split_linear(getattr(blk, f"{s}_qkv"), [d] * 3)):
                     parts[f"{s}_{name}"] = lin
-                for name in ("qnorm", "knorm", "proj", "mlp"):
+                for name in ("qnorm", "knorm", "proj"):
                     parts[f"{s}_{name}"] = getattr(blk, f"{s}_{name}")
+                mlp = getattr(blk, f"{s}_mlp")
+                if self.swiglu:  # gate and up as two linears: the [B, M, 2m] is not sliced
+                    sizes = self._mlp_sizes(mlp[0].out_features)
+                    for name, lin in zip(self._mlp_names(), _split_linear(mlp[0], sizes)):
+                        parts[f"{s}_{name}"] = lin
+                    parts[f"{s}_mlp_out"] = mlp[2]
+                else:
+                    parts[f"{s}_mlp"] = mlp
         else:
-            sizes = [d, d, d, blk.mlp_hidden]
-            for name, lin in zip(("q", "k", "v", "mlp_in"), _split_linear(blk.linear1, sizes)):
+            sizes = [d, d, d, *self._mlp_sizes(blk.mlp_hidden)]
+            names = ("q", "k", "v", *self._mlp_names())
+            for name, lin in zip(names, _split_linear(blk.linear1, sizes)):
                 parts[name] = lin
             for name in ("qnorm", "knorm", "linear2"):
                 parts[name] = getattr(blk, name)
@@ -211,6 +236,27 @@ class ShardModule(nn.Module):
         bias = torch.zeros(t, t).masked_fill(~txt_rows[:, :t], float("-inf"))
         self.register_buffer("txt_bias", bias, persistent=False)
 
+    def _mlp_sizes(self, width: int) -> list[int]:
+        """The MLP part (``width`` wide) of a first linear's output as the activation takes
+        it: one tensor (GELU), or the SwiGLU halves ``[a, b]``."""
+        return [width // 2, width // 2] if self.swiglu else [width]
+
+    def _mlp_names(self) -> tuple[str, ...]:
+        """The dynamic form's linears of those parts (``_mlp_sizes``)."""
+        return ("mlp_gate", "mlp_up") if self.swiglu else ("mlp_in",)
+
+    def _act(self, *parts: torch.Tensor) -> torch.Tensor:
+        """The MLP activation of the first linear's output parts (``_mlp_sizes``)."""
+        if self.swiglu:
+            return _swiglu(*parts, explicit=self.delegable)
+        return self._gelu(*parts)
+
+    def _mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """A double block's ``Linear -> activation -> Linear``."""
+        x = mlp[0](h)
+        parts = self._split(x, self._mlp_sizes(x.shape[-1])) if self.swiglu else [x]
+        return mlp[2](self._act(*parts))
+
     def _gelu(self, x: torch.Tensor) -> torch.Tensor:
         if self.delegable:  # tanh-GELU as x * sigmoid(2y), constants as tensors
             y = x + self.gelu_c * x * x * x
@@ -226,7 +272,7 @@ class ShardModule(nn.Module):
         if self.delegable:
             xc = x - _mean_last(x)
             return xc * torch.rsqrt(_mean_last(xc * xc) + self.ln_eps)
-        return _layer_norm(x)
+        return _layer_norm(x, self.layer_norm_eps)
 
     def _modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
                   ) -> torch.Tensor:
@@ -325,8 +371,7 @@ class ShardModule(nn.Module):
             mod = mods[name]
             x = x + mod[2] * getattr(blk, f"{name}_proj")(attn)
             h = self._modulate(self._layer_norm(x), mod[3], mod[4])
-            mlp = getattr(blk, f"{name}_mlp")
-            new.append(x + mod[5] * mlp[2](self._gelu(mlp[0](h))))
+            new.append(x + mod[5] * self._mlp(getattr(blk, f"{name}_mlp"), h))
         return new[0], new[1]
 
     def _single(self, blk, txt, img, mods, cos, sin, k_cache, v_cache):
@@ -335,13 +380,14 @@ class ShardModule(nn.Module):
             self._modulate(self._layer_norm(txt), mods["txt"][0], mods["txt"][1]),
             self._modulate(self._layer_norm(img), mods["img"][0], mods["img"][1])], dim=1)
         d = h.shape[-1]
-        q, k, v, mlp_in = self._split(blk.linear1(h), [d, d, d, blk.mlp_hidden])
+        q, k, v, *mlp_in = self._split(blk.linear1(h), [d, d, d,
+                                                        *self._mlp_sizes(blk.mlp_hidden)])
         q = self._rope(self._norm(blk.qnorm, split_heads(q, self.heads)), cos, sin)
         k = self._rope(self._norm(blk.knorm, split_heads(k, self.heads)), cos, sin)
         if self.emit_kv:
             self._emit(k[:, :, t:], split_heads(v, self.heads)[:, :, t:])
         attn = self._attend(q, k, split_heads(v, self.heads), k_cache, v_cache)
-        out = blk.linear2(torch.cat([attn, self._gelu(mlp_in)], dim=-1))
+        out = blk.linear2(torch.cat([attn, self._act(*mlp_in)], dim=-1))
         return txt + mods["txt"][2] * out[:, :t], img + mods["img"][2] * out[:, t:]
 
     # -- the dynamic form (module docstring): text and image tokens as separate groups --
@@ -408,10 +454,15 @@ class ShardModule(nn.Module):
         attn = self._attend_groups(q, k, v, k_cache, v_cache)
         new = {}
         for g in ("txt", "img"):
-            mod, mlp = mods[g], parts[f"{g}_mlp"]
+            mod = mods[g]
             y = x[g] + mod[2] * parts[f"{g}_proj"](self._merge_batch_heads(attn[g], batch))
             h = self._modulate(self._layer_norm(y), mod[3], mod[4])
-            new[g] = y + mod[5] * mlp[2](self._gelu(mlp[0](h)))
+            if self.swiglu:
+                mlp = self._act(parts[f"{g}_mlp_gate"](h), parts[f"{g}_mlp_up"](h))
+                new[g] = y + mod[5] * parts[f"{g}_mlp_out"](mlp)
+            else:
+                mlp = parts[f"{g}_mlp"]
+                new[g] = y + mod[5] * mlp[2](self._gelu(mlp[0](h)))
         return new
 
     def _single_groups(self, parts, x: dict, mods: dict, tables: dict, k_cache, v_cache
@@ -423,10 +474,10 @@ class ShardModule(nn.Module):
             q[g] = self._qk(parts["q"], parts["qnorm"], h, tables[g])
             k[g] = self._qk(parts["k"], parts["knorm"], h, tables[g])
             v[g] = self._batch_heads(self._token_heads(parts["v"](h)))
-            mlp_in[g] = parts["mlp_in"](h)
+            mlp_in[g] = [parts[name](h) for name in self._mlp_names()]
         attn = self._attend_groups(q, k, v, k_cache, v_cache)
         return {g: x[g] + mods[g][2] * parts["linear2"](torch.cat(
-                    [self._merge_batch_heads(attn[g], batch), self._gelu(mlp_in[g])], dim=-1))
+                    [self._merge_batch_heads(attn[g], batch), self._act(*mlp_in[g])], dim=-1))
                 for g in ("txt", "img")}
 
     def _forward_dynamic(self, txt, img, vec_txt, vec_img, cos, sin, kv):

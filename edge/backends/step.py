@@ -14,7 +14,10 @@ What does not depend on the latent is computed once per edit on the host and pas
 inputs: the text tokens after ``txt_in`` and the per-step modulation vectors ``MMDiT.vec(t)``
 (functions of the prompt embeddings and of the schedule only), and the RoPE tables.
 Layer norms are written as ``mean`` over the last dims of a 4-D view with constant-tensor
-scalars, as in the delegable shard graph, so XNNPACK takes them.
+scalars, as in the delegable shard graph, so XNNPACK takes them; their eps is the model's
+(``MMDiTConfig.layer_norm_eps``), and a model without biases (``bias=False``, the converted
+FLUX.2) has ``img_in`` / ``final_mod`` / ``final`` without them, which the graphs take as
+they are (``nn.Linear`` with ``bias=None``).
 
 Both graphs export with a dynamic M as well (:func:`step_dynamic_shapes`): one compile
 serves every template geometry. For that they slice nothing and reshape with the one
@@ -65,7 +68,9 @@ class StepOut(nn.Module):
         self.final_mod = model.final_mod
         self.final = model.final
         self.batch = batch
-        self.register_buffer("eps", torch.tensor([1e-5]), persistent=False)
+        # the model's LayerNorm eps (``MMDiTConfig.layer_norm_eps``: 1e-5, FLUX.2's 1e-6)
+        self.register_buffer("eps", torch.tensor([model.cfg.layer_norm_eps]),
+                             persistent=False)
         self.register_buffer("one", torch.tensor([1.0]), persistent=False)
         # row 0 (conditional) and row 1 (unconditional) of v as one-hot linear maps
         self.register_buffer("cond", torch.tensor([[1.0, 0.0]]), persistent=False)

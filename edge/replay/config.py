@@ -154,14 +154,16 @@ class ReplayConfig(_Settings):
                                                   "model)")
     model: str | None = Field(None, description="a --model of the diffusers adapters instead "
                                                 "of the shipped MMDiT, e.g. sakura-flux2 (the "
-                                                "second model); needs runtime python and the "
-                                                "matched regime")
+                                                "second model), in the matched regime; a "
+                                                "model not in the MMDiT's form needs runtime "
+                                                "python")
     model_path: str | None = Field(None, description="that model's checkpoint folder "
                                                      "(default: the model's own, e.g. "
                                                      "dit/weights/sakura-flux2)")
     models: Strs = Field((), description="after the shipped MMDiT, replay each of these "
                                          "adapter models (e.g. sakura-flux2) with the same "
-                                         "runs into <out>/<name> on the python runtime; "
+                                         "runs into <out>/<name> (on the python runtime "
+                                         "unless it runs natively, as sakura-flux2 does); "
                                          "sakura report <out> reads them as per_model")
     catalog: str | None = Field(None, description="template catalog.json (default: the "
                                                   "shipped dit/catalog)")
@@ -208,10 +210,14 @@ class ReplayConfig(_Settings):
                 starts=min(n, QUICK_OTHER_STARTS)))
 
     def for_model(self, name: str) -> ReplayConfig:
-        """The replay of ``models`` entry ``name``: the same runs, that model on the python
-        runtime (the native one exports the MMDiT's graphs only), its packs in a folder of
-        its own."""
-        return self.replace(model=name, models=(), weights=None, runtime="python",
+        """The replay of ``models`` entry ``name``: the same runs of that model, on this
+        runtime where the model runs natively (``dit.adapters.cli.runs_native``: the shipped
+        model's form, as sakura-flux2), else on the python one; its packs in a folder of its
+        own."""
+        from sakura.dit.adapters.cli import runs_native  # lazy: torch on use
+
+        runtime = self.runtime if runs_native(name) else "python"
+        return self.replace(model=name, models=(), weights=None, runtime=runtime,
                             packs_dir=str(Path(self.packs_dir) / name) if self.packs_dir
                             else None)
 
@@ -287,9 +293,12 @@ class ReplayConfig(_Settings):
         if self.model is not None:
             if self.weights is not None:
                 raise bad("weights is the shipped MMDiT's; a model's checkpoint is model_path")
-            # the native runtime exports the MMDiT's graphs only; the profile regime computes
-            # its edits with the MMDiT's own cached_edit (edge/replay/runs.py)
-            if self.runtime != "python":
+            from sakura.dit.adapters.cli import runs_native  # lazy: torch on use
+
+            # the native runtime's graphs are the MMDiT's (and its converted forms'); the
+            # profile regime computes its edits with the MMDiT's own cached_edit
+            # (edge/replay/runs.py)
+            if self.runtime != "python" and not runs_native(self.model):
                 raise bad(f"model {self.model} runs on the python runtime: set runtime: python")
             if self.regime != "matched":
                 raise bad(f"model {self.model} replays in the matched regime only")

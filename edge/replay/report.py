@@ -189,7 +189,7 @@ def _models_text(heads: dict[str, Any], meta: dict[str, Any]) -> str:
     parts = []
     for i, (name, card) in enumerate(heads["models"].items()):
         where = (f"this folder, {runtime} runtime" if i == 0 else
-                 f"`{name}/`, python runtime, section *Model {name}* below")
+                 f"`{name}/`, section *Model {name}* below")
         cls = str(card.get("class", "?")).rsplit(".", 1)[-1]
         params = card.get("params")
         acc, chance = card.get("prompt_accuracy"), card.get("chance_level")

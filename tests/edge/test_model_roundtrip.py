@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from sakura.cloud.build import BuildConfig, build
 from sakura.dit.adapters.engine import checkpoint_fingerprint, load_engine
 from sakura.dit.adapters.tiny import save_tiny_pipeline
@@ -144,12 +146,13 @@ def test_bad_model_arguments_are_clear_errors(tmp_path, checkpoints, capsys):
     assert not (tmp_path / "packs" / "catalog.json").exists()
 
 
-def test_sakura_flux2_builds_serves_and_edits_through_the_adapter(tmp_path, capsys):
-    """SAKURA's second model (``--model sakura-flux2``, dit/flux2_pixel.py) on the adapter
-    path: pixel patches for latents, MiniLM for prompts, the shipped 64 px catalog entry.
-    Here with seeded random weights of its config (the product path loads the trained folder
-    by default); the FP16 cache reproduces the exact edit and sakura's compressed one is
-    close to it."""
+def test_sakura_flux2_builds_serves_and_edits_on_both_runtimes(tmp_path, capsys):
+    """SAKURA's second model (``--model sakura-flux2``, dit/flux2_pixel.py), converted into
+    the MMDiT's form (dit/flux2_native.py): build, serve, and edit on the native runtime's
+    compiled shard graphs (the default) and on the Python one, the shipped 64 px catalog
+    entry. Here with seeded random weights of its config (the product path loads the
+    trained folder by default); the FP16 cache reproduces the exact edit on both runtimes,
+    sakura's compressed one is close to it, and the two runtimes give the same image."""
     from sakura.dit.flux2_pixel import PixelFlux2, save_flux2
     from sakura.dit.templates import DEFAULT_CATALOG
 
@@ -170,19 +173,25 @@ def test_sakura_flux2_builds_serves_and_edits_through_the_adapter(tmp_path, caps
     manifest = json.loads((packs / "templates" / TEMPLATE / "fp16" / "manifest.json").read_text())
     assert manifest["model"]["name"] == "sakura-flux2"
     with ServerProcess(packs) as server:
-        out = tmp_path / "edit.png"
-        for policy in ("fp16", "sakura"):
-            capsys.readouterr()
-            assert main(["edit", "--server", server.url, "--template", TEMPLATE, "--prompt",
-                         "a green leaf", "--seed", "5", "--policy", policy, "--model",
-                         "sakura-flux2", "--model-path", str(ck), "--no-state", "--out",
-                         str(out), "--compare-exact"]) == 0
-            doc = json.loads(out.with_name("edit.timeline.json").read_text())
-            assert doc["policy"] == policy and not doc["warnings"]
-            if policy == "fp16":
-                assert doc["psnr_db"] == "inf"
-            else:
-                assert doc["bytes"] > 0 and doc["psnr_db"] > 25
+        images = {}
+        for runtime in ("native", "python"):
+            out = tmp_path / f"edit-{runtime}.png"
+            for policy in ("fp16", "sakura"):
+                capsys.readouterr()
+                assert main(["edit", "--server", server.url, "--template", TEMPLATE,
+                             "--prompt", "a green leaf", "--seed", "5", "--policy", policy,
+                             "--model", "sakura-flux2", "--model-path", str(ck), "--no-state",
+                             "--runtime", runtime, "--out", str(out), "--compare-exact"]) == 0
+                doc = json.loads(out.with_name(f"edit-{runtime}.timeline.json").read_text())
+                assert doc["policy"] == policy and not doc["warnings"], doc["warnings"]
+                assert doc["runtime"] == runtime
+                if policy == "fp16":
+                    assert doc["psnr_db"] == "inf"
+                    images[runtime] = np.asarray(Image.open(out), dtype=np.float64)
+                else:
+                    assert doc["bytes"] > 0 and doc["psnr_db"] > 25
+        # the same edit on both runtimes: the compiled graphs' float path, at most 1 level
+        assert np.abs(images["native"] - images["python"]).max() <= 1.0
 
 
 def test_sakura_flux2_needs_no_model_path(monkeypatch, tmp_path):
@@ -208,6 +217,6 @@ def test_sakura_flux2_needs_no_model_path(monkeypatch, tmp_path):
                         replace(spec, default_path=tmp_path / "w"))
     check_model_options("sakura-flux2", None, None)  # no error: its folder is there
     engine = load_engine("sakura-flux2")
-    assert engine.name == "sakura-flux2" and engine.adapter.pixels_per_token == 4
+    assert engine.name == "sakura-flux2" and engine.model.cfg.mlp_act == "swiglu"
     with pytest.raises(UsageError, match="needs --model-path"):
         check_model_options("flux2", None, None)
