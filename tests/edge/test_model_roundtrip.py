@@ -151,8 +151,10 @@ def test_sakura_flux2_builds_serves_and_edits_on_both_runtimes(tmp_path, capsys)
     the MMDiT's form (dit/flux2_native.py): build, serve, and edit on the native runtime's
     compiled shard graphs (the default) and on the Python one, the shipped 64 px catalog
     entry. Here with seeded random weights of its config (the product path loads the
-    trained folder by default); the FP16 cache reproduces the exact edit on both runtimes,
-    sakura's compressed one is close to it, and the two runtimes give the same image."""
+    trained folder by default); the FP16 cache reproduces the exact edit on both runtimes
+    and the two give the same image; sakura's compressed one is close to it. The build
+    publishes no device bundle, so the native edit compiles its own graphs (the bundle's
+    export is the shipped model's tests' business: minutes for this model here)."""
     from sakura.dit.flux2_pixel import PixelFlux2, save_flux2
     from sakura.dit.templates import DEFAULT_CATALOG
 
@@ -169,27 +171,26 @@ def test_sakura_flux2_builds_serves_and_edits_on_both_runtimes(tmp_path, capsys)
     packs = tmp_path / "packs"
     assert main(["build", str(catalog), "--model", "sakura-flux2", "--model-path", str(ck),
                  "--templates", TEMPLATE, "--codecs", "sakura,fp16", "--out", str(packs),
-                 "--blocks-per-shard", "2"]) == 0
+                 "--blocks-per-shard", "8", "--no-bundle"]) == 0
     manifest = json.loads((packs / "templates" / TEMPLATE / "fp16" / "manifest.json").read_text())
     assert manifest["model"]["name"] == "sakura-flux2"
     with ServerProcess(packs) as server:
         images = {}
-        for runtime in ("native", "python"):
-            out = tmp_path / f"edit-{runtime}.png"
-            for policy in ("fp16", "sakura"):
-                capsys.readouterr()
-                assert main(["edit", "--server", server.url, "--template", TEMPLATE,
-                             "--prompt", "a green leaf", "--seed", "5", "--policy", policy,
-                             "--model", "sakura-flux2", "--model-path", str(ck), "--no-state",
-                             "--runtime", runtime, "--out", str(out), "--compare-exact"]) == 0
-                doc = json.loads(out.with_name(f"edit-{runtime}.timeline.json").read_text())
-                assert doc["policy"] == policy and not doc["warnings"], doc["warnings"]
-                assert doc["runtime"] == runtime
-                if policy == "fp16":
-                    assert doc["psnr_db"] == "inf"
-                    images[runtime] = np.asarray(Image.open(out), dtype=np.float64)
-                else:
-                    assert doc["bytes"] > 0 and doc["psnr_db"] > 25
+        for runtime, policy in (("native", "fp16"), ("python", "fp16"), ("python", "sakura")):
+            out = tmp_path / f"edit-{runtime}-{policy}.png"
+            capsys.readouterr()
+            assert main(["edit", "--server", server.url, "--template", TEMPLATE,
+                         "--prompt", "a green leaf", "--seed", "5", "--policy", policy,
+                         "--model", "sakura-flux2", "--model-path", str(ck), "--no-state",
+                         "--runtime", runtime, "--out", str(out), "--compare-exact"]) == 0
+            doc = json.loads(out.with_name(out.stem + ".timeline.json").read_text())
+            assert doc["policy"] == policy and not doc["warnings"], doc["warnings"]
+            assert doc["runtime"] == runtime and doc["model"] == "sakura-flux2"
+            if policy == "fp16":
+                assert doc["psnr_db"] == "inf"
+                images[runtime] = np.asarray(Image.open(out), dtype=np.float64)
+            else:
+                assert doc["bytes"] > 0 and doc["psnr_db"] > 25
         # the same edit on both runtimes: the compiled graphs' float path, at most 1 level
         assert np.abs(images["native"] - images["python"]).max() <= 1.0
 

@@ -676,11 +676,13 @@ def test_report_models_say_when_the_weights_are_gone_or_changed(tmp_path):
     assert "prompt_accuracy" not in entry and "other weights" in entry["source"]
 
 
-def test_replay_runs_the_second_model_through_the_adapter_path(tiny_catalog, tmp_path):
+def test_replay_runs_the_second_model(tiny_catalog, tmp_path):
     """``model: sakura-flux2``: the replay builds, streams and edits with the FLUX.2 model
-    through dit/adapters (here seeded random weights of its config in a folder), on the
-    Python runtime; the report's ``models`` names it by its card. A config asking the native
-    runtime for it is one clear error."""
+    (here seeded random weights of its config in a folder) in the MMDiT's form; the
+    report's ``models`` names it by its card (its diffusers class). It may run on the native
+    runtime (its compiled graphs: tests/edge/test_model_roundtrip.py; here the Python one,
+    seconds instead of minutes of graph export); a config asking the native runtime for an
+    adapter model without that form is one clear error."""
     from sakura.dit.flux2_pixel import PixelFlux2, save_flux2
     from sakura.edge.replay.report import headlines, load
     from sakura.edge.replay.runner import run_replay
@@ -695,9 +697,12 @@ def test_replay_runs_the_second_model_through_the_adapter_path(tiny_catalog, tmp
             f"model: sakura-flux2\nmodel_path: {ck}\ncatalog: {root / 'catalog.json'}\n"
             f"packs_dir: {tmp_path / 'packs'}\n")
     bad = tmp_path / "native.yaml"
-    bad.write_text(text)
+    bad.write_text(text.replace("model: sakura-flux2", "model: flux2"))
     with pytest.raises(ReplayConfigError, match="runs on the python runtime"):
         load_config(bad).validate()
+    native = tmp_path / "flux2-native.yaml"
+    native.write_text(text)
+    assert load_config(native).validate().runtime == "native"
     cfg_path = tmp_path / "flux2.yaml"
     cfg_path.write_text(text + "runtime: python\n")
     out = tmp_path / "out"
