@@ -129,7 +129,10 @@ def load_flux2(folder: str | Path | None = None) -> PixelFlux2:
         raise WeightsError(f"no pixel FLUX.2 weights in {folder} (train them: sakura train "
                            f"--arch flux2)")
     try:
-        net = Flux2Transformer2DModel.from_pretrained(folder, local_files_only=True)
+        # low_cpu_mem_usage=False: a 22 MB model needs no accelerate, and diffusers would
+        # otherwise print a paragraph recommending it on every load (every sakura edit)
+        net = Flux2Transformer2DModel.from_pretrained(folder, local_files_only=True,
+                                                      low_cpu_mem_usage=False)
     except (OSError, ValueError, RuntimeError) as exc:
         raise WeightsError(f"cannot load the pixel FLUX.2 weights in {folder}: {exc}") from None
     model = PixelFlux2(net.eval())
