@@ -103,7 +103,7 @@ def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
         _model_folder(sub)
     summary = _run_one(cfg, Path(out), log, progress, model, catalog)
     for name, sub in subs:
-        log(f"replay: model {name} into {Path(out) / name} (python runtime)")
+        log(f"replay: model {name} into {Path(out) / name} ({sub.runtime} runtime)")
         done = _run_one(sub, Path(out) / name, log, progress, None, catalog)
         for k in ("planned", "skipped", "ran"):
             summary[k] += done[k]
