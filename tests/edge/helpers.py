@@ -265,3 +265,30 @@ class FaultyApp:
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
         await self.app(scope, receive, hold)
+
+
+def check_dynamic_step_graphs(model: Any, tokens: int, tmp_path: Path, bound: float) -> None:
+    """StepIn / StepOut of ``model`` exported once with a dynamic M (up to ``tokens``) give
+    the torch modules' outputs at M = 1, ``tokens`` and 30, with every compute op inside
+    the XNNPACK delegate (one subgraph, no portable kernels)."""
+    from executorch.runtime import Runtime
+    from sakura.edge.backends.delegation import pte_kernel_calls
+    from sakura.edge.backends.executorch_backend import export_dynamic
+    from sakura.edge.backends.step import StepIn, StepOut, step_dynamic_shapes, step_examples
+
+    shapes = step_dynamic_shapes(tokens)
+    modules = {"step_in": StepIn(model, 2).eval(), "step_out": StepOut(model, 2).eval()}
+    example = step_examples(model, 2, 13)
+    for name, module in modules.items():
+        path = tmp_path / f"{name}.pte"
+        info = export_dynamic(module, example[name], shapes[name], path)
+        assert info.outside == {} and info.subgraphs == 1, (name, info.outside)
+        assert pte_kernel_calls(path.read_bytes()).kernels == {}
+        method = Runtime.get().load_program(str(path)).load_method("forward")
+        for m in (1, tokens, 30):
+            xs = step_examples(model, 2, m)[name]
+            with torch.no_grad():
+                want = module(*xs)
+            got = method.execute(list(xs))[0]
+            assert got.shape == want.shape
+            assert float((got - want).abs().max()) < bound, (name, m)

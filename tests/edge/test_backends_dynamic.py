@@ -17,10 +17,10 @@ from sakura.edge.backends.shard import (
     example_inputs,
     free_shape,
 )
-from sakura.edge.backends.step import StepIn, StepOut, step_dynamic_shapes, step_examples
+from sakura.edge.backends.step import StepOut, step_examples
 
 from tests.dit.common import tiny_model as tiny_model_mode
-from tests.edge.helpers import tiny_model
+from tests.edge.helpers import check_dynamic_step_graphs, tiny_model
 
 BLOCKS = (1, 2)  # a double-stream and a single-stream block of the tiny model
 TOKENS = 64      # N: every (M, U) with M + U <= N, M, U >= 1
@@ -109,27 +109,7 @@ def test_one_dynamic_pte_serves_every_geometry(dynamic_pte):
 def test_dynamic_step_graphs(tmp_path):
     """StepIn / StepOut exported once with a dynamic M give the torch modules' outputs at
     any M, with every compute op inside the delegate."""
-    from executorch.runtime import Runtime
-    from sakura.edge.backends.delegation import pte_kernel_calls
-    from sakura.edge.backends.executorch_backend import export_dynamic
-
-    model = tiny_model()
-    shapes = step_dynamic_shapes(TOKENS)
-    modules = {"step_in": StepIn(model, 2).eval(), "step_out": StepOut(model, 2).eval()}
-    example = step_examples(model, 2, 13)
-    for name, module in modules.items():
-        path = tmp_path / f"{name}.pte"
-        info = export_dynamic(module, example[name], shapes[name], path)
-        assert info.outside == {} and info.subgraphs == 1, (name, info.outside)
-        assert pte_kernel_calls(path.read_bytes()).kernels == {}
-        method = Runtime.get().load_program(str(path)).load_method("forward")
-        for m in (1, TOKENS, 30):
-            xs = step_examples(model, 2, m)[name]
-            with torch.no_grad():
-                want = module(*xs)
-            got = method.execute(list(xs))[0]
-            assert got.shape == want.shape
-            assert float((got - want).abs().max()) < PTE_BOUND, (name, m)
+    check_dynamic_step_graphs(tiny_model(), TOKENS, tmp_path, PTE_BOUND)
 
 
 def test_the_dynamic_step_out_is_the_guided_euler_step():

@@ -28,7 +28,9 @@ from sakura.edge.backends.shard import (
     ShardModule,
     example_inputs,
 )
-from sakura.edge.backends.step import StepIn, StepOut, step_dynamic_shapes, step_examples
+from sakura.edge.backends.step import StepIn, StepOut
+
+from tests.edge.helpers import check_dynamic_step_graphs
 
 BATCH, TXT, GRID = 2, 5, 8          # N = 64 image tokens
 GROUPS = [(0, 1), (2, 3), (1, 2), (0, 1, 2, 3)]
@@ -336,19 +338,4 @@ def test_dynamic_shard_and_step_graphs_lower_fully_and_run(model, tmp_path):
         err = max_err(got, reference(model, blocks, x, pos, kv))
         assert err < PTE_BOUND, (m, err)
 
-    shapes = step_dynamic_shapes(GRID * GRID)
-    modules = {"step_in": StepIn(model, 2).eval(), "step_out": StepOut(model, 2).eval()}
-    example = step_examples(model, 2, 13)
-    for name, module in modules.items():
-        path = tmp_path / f"{name}.pte"
-        info = export_dynamic(module, example[name], shapes[name], path)
-        assert info.outside == {} and info.subgraphs == 1, (name, info.outside)
-        assert pte_kernel_calls(path.read_bytes()).kernels == {}
-        method = Runtime.get().load_program(str(path)).load_method("forward")
-        for m in (1, GRID * GRID, 30):
-            xs = step_examples(model, 2, m)[name]
-            with torch.no_grad():
-                want = module(*xs)
-            got = method.execute(list(xs))[0]
-            assert got.shape == want.shape
-            assert float((got - want).abs().max()) < PTE_BOUND, (name, m)
+    check_dynamic_step_graphs(model, GRID * GRID, tmp_path, PTE_BOUND)
