@@ -1,6 +1,6 @@
 """Loaders for the real trace formats, with auto-detection.
 
-Supported formats (see ``traces/README.md`` for the exact conversion rules):
+Supported formats (see ``traces/LINK.md`` for the exact conversion rules):
 
 ``mahimahi``
     One line per 1500-byte delivery opportunity, integer timestamp in ms; repeated
