@@ -37,7 +37,7 @@ from sakura.dit.adapters.latents import (
     load_image_latents,
     load_pipeline,
 )
-from sakura.dit.adapters.registry import MODELS, load_adapter, read_checkpoint
+from sakura.dit.adapters.registry import MODELS, ModelSpec, load_adapter, read_checkpoint
 from sakura.dit.cache import KVProvider
 from sakura.dit.editing import (
     EditRequest,
@@ -292,7 +292,7 @@ class DiffusersEngine(EditEngine):
         return self.adapter.rope_option(prep.geometry)
 
 
-def _mmdit_form_engine(spec: Any, model_path: str | Path) -> DefaultEngine:
+def _mmdit_form_engine(spec: ModelSpec, model_path: str | Path) -> DefaultEngine:
     """SAKURA's trained FLUX.2 (``sakura-flux2``): its diffusers checkpoint folder, checked
     against the registry's config like any adapter checkpoint, converted exactly into the
     MMDiT's form (``dit.flux2_native``: velocity within 2.2e-6 of diffusers' forward), so

@@ -275,26 +275,24 @@ class ReplayConfig(_Settings):
         if self.regime not in REGIMES:
             raise bad(f"regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
         if self.models:
-            from sakura.dit.adapters.registry import MODELS  # lazy: torch
-
             if self.model is not None:
                 raise bad("models lists the models replayed after the shipped MMDiT; a "
                           "replay of one adapter model sets model instead")
-            for name in self.models:
-                if name not in MODELS:
-                    raise bad(f"models: unknown model {name!r}; choose from "
-                              f"{', '.join(MODELS)}")
             if len(set(self.models)) != len(self.models):
                 raise bad(f"models lists a model twice: {', '.join(self.models)}")
-            if self.regime != "matched":
-                raise bad("models replay in the matched regime only")
+            for name in self.models:  # each as its own replay checks it (model, below)
+                self.for_model(name).validate(catalog)
         if self.model_path is not None and self.model is None:
             raise bad("model_path needs model (a --model name)")
         if self.model is not None:
             if self.weights is not None:
                 raise bad("weights is the shipped MMDiT's; a model's checkpoint is model_path")
             from sakura.dit.adapters.cli import runs_native  # lazy: torch on use
+            from sakura.dit.adapters.registry import MODELS  # lazy: torch
 
+            if self.model not in MODELS:
+                raise bad(f"unknown model {self.model!r}; choose one of "
+                          f"{', '.join(sorted(MODELS))}")
             # the native runtime's graphs are the MMDiT's (and its converted forms'); the
             # profile regime computes its edits with the MMDiT's own cached_edit
             # (edge/replay/runs.py)

@@ -172,11 +172,12 @@ def with_models(top: dict[str, Any], subs: list[tuple[str, dict[str, Any]]]
     models the headline is unchanged."""
     if not subs:
         return top
+
     def own(h: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in h.items() if k not in ("modes", "models", "per_model")}
 
-    models = dict(top["models"])
-    per_model = {name: own(top) for name in models}
+    (first,) = top["models"]  # a replay folder runs one model (replay_models)
+    models, per_model = dict(top["models"]), {first: own(top)}
     for name, h in subs:
         models.update(h["models"])
         per_model[name] = own(h)

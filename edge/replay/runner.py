@@ -62,13 +62,11 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
 
 
 def _model_folder(cfg: ReplayConfig) -> Path:
-    """The checkpoint folder of ``cfg.model`` (an adapter model), or one clear error."""
+    """The checkpoint folder of ``cfg.model`` (an adapter model, ``cfg`` validated), or one
+    clear error."""
     from sakura.dit.adapters.registry import MODELS  # lazy: torch
 
-    spec = MODELS.get(cfg.model)
-    if spec is None:
-        raise ReplayConfigError(f"{cfg.source}: unknown model {cfg.model!r}; choose one of "
-                                f"{', '.join(sorted(MODELS))}")
+    spec = MODELS[cfg.model]
     path = cfg.model_path or spec.default_path
     if path is None:
         raise ReplayConfigError(f"{cfg.source}: model {cfg.model} needs model_path")
@@ -98,7 +96,7 @@ def run_replay(cfg: ReplayConfig, out: str | Path, log: Log = print,
 
     catalog = load_catalog(cfg.catalog)
     cfg.validate(catalog)
-    subs = [(name, cfg.for_model(name).validate(catalog)) for name in cfg.models]
+    subs = [(name, cfg.for_model(name)) for name in cfg.models]  # validated with cfg
     for _, sub in subs:
         _model_folder(sub)
     summary = _run_one(cfg, Path(out), log, progress, model, catalog)
