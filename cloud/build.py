@@ -172,8 +172,9 @@ def _build(cfg: BuildConfig, log) -> BuildReport:
         jobs.append(UnitJob(tid, spec, device, content))
     units = (_ray_units(cfg, jobs, out, log) if cfg.ray
              else _local_units(cfg, engine, jobs, out, log))
-    # in catalog order, each in its own transaction, whichever way the units were made
-    for unit in tqdm(units, desc="build", unit="template", total=len(jobs)):
+    # in catalog order, each in its own transaction, whichever way the units were made; the
+    # bar only on a terminal (a replay's log file got one empty bar per model and codec set)
+    for unit in tqdm(units, desc="build", unit="template", total=len(jobs), disable=None):
         t0 = time.perf_counter()
         bundle_id = _publish_unit(out, unit, log)
         if bundle_id:

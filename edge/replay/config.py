@@ -172,6 +172,11 @@ class ReplayConfig(_Settings):
                                   json_schema_extra={"env": "SAKURA_TRACES"})
     build_workers: Int = Field(1, description="pack builds in parallel (processes); timed "
                                               "runs are always sequential")
+    max_load: Float = Field(1.5, description="matched regime: a timed run (and a template's "
+                                             "setup) waits until the 1-minute load average "
+                                             "is at most this; a run that ends above it is "
+                                             "taken again, and a resume retakes such "
+                                             "records; 0: no gate")
     timelines: str = Field("all", description="all or first (per-shard timelines of every "
                                               "run or start 0 only)")
     profile: ProfileSpec = Field(ProfileSpec(), description="the phone of the profile "
@@ -331,6 +336,8 @@ class ReplayConfig(_Settings):
             raise bad(f"timelines must be 'all' or 'first', got {self.timelines!r}")
         if self.build_workers < 1:
             raise bad("build_workers must be >= 1")
+        if not self.max_load >= 0:
+            raise bad(f"max_load must be >= 0 (0: no gate), got {self.max_load}")
         p = self.profile
         if min(p.local_s, p.masked_s, p.masked_ratio, p.fp16_gib) <= 0 or p.request_latency_s < 0:
             raise bad("profile times, masked_ratio and fp16_gib must be > 0")

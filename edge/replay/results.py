@@ -78,8 +78,17 @@ class ResultsFile:
                 if isinstance(rec, dict) and "key" in rec:
                     yield rec
 
-    def done(self) -> set[str]:
-        return {str(r["key"]) for r in self.records()}
+    def latest(self) -> dict[str, dict[str, Any]]:
+        """The last record of each key: a retaken run (``edge.replay.runner``) replaces the
+        one before it."""
+        return {str(r["key"]): r for r in self.records()}
+
+    def done(self, max_load: float = 0.0) -> set[str]:
+        """The keys to skip on resume: with ``max_load`` > 0, not a run whose latest record
+        was taken above that load average (it is taken again)."""
+        return {k for k, r in self.latest().items()
+                if not (max_load > 0 and r.get("kind") == "run"
+                        and float(r.get("load1") or 0.0) > max_load)}
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record durably; a torn tail left by a killed writer is cut first."""
@@ -99,10 +108,10 @@ class ResultsFile:
             os.fsync(f.fileno())
 
     def runs(self) -> list[dict[str, Any]]:
-        return [r for r in self.records() if r.get("kind") == "run"]
+        return [r for r in self.latest().values() if r.get("kind") == "run"]
 
     def templates(self) -> dict[str, dict[str, Any]]:
-        return {str(r["key"]): r for r in self.records() if r.get("kind") == "template"}
+        return {k: r for k, r in self.latest().items() if r.get("kind") == "template"}
 
 
 def compact_timeline(timeline: list[dict[str, Any]]) -> dict[str, Any]:

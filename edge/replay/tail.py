@@ -36,7 +36,6 @@ tighter estimate at the starts where the link starved both systems
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import statistics
@@ -48,6 +47,7 @@ from typing import Any
 
 from sakura.edge.netem import matched_rtt_ms, shaped
 from sakura.edge.replay.config import CONFIG_DIR, load_config
+from sakura.edge.replay.results import ResultsFile
 from sakura.edge.replay.runner import run_replay
 from sakura.edge.replay.stats import pct
 from sakura.edge.server_process import ServerProcess
@@ -107,19 +107,10 @@ def tail_configs(quick: bool = False, starts: int | None = None,
 
 
 def read_runs(folder: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
-    runs, templates = [], {}
-    path = folder / "runs.jsonl"
-    if not path.exists():
-        return runs, templates
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if rec.get("kind") == "run":
-            runs.append(rec)
-        elif rec.get("kind") == "template":
-            templates[rec["template"]] = rec
-    return runs, templates
+    """One loss folder's runs (the latest record of each key) and template records by
+    template id."""
+    results = ResultsFile(folder)
+    return results.runs(), {r["template"]: r for r in results.templates().values()}
 
 
 def _start(rec: dict[str, Any]) -> tuple:

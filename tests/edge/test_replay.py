@@ -13,6 +13,7 @@ from sakura.edge.replay.config import ReplayConfigError, default_config, load_co
 from sakura.edge.replay.headline import headline
 from sakura.edge.replay.report import write_report
 from sakura.edge.replay.results import ResultsFile
+from sakura.edge.replay.runner import RETAKES, _timed_run, wait_for_quiet
 
 from sakura.cli import main
 
@@ -201,6 +202,50 @@ def test_results_file_is_append_only_and_survives_a_torn_write(tmp_path):
     rf.append({"kind": "run", "key": "d", "latency_s": 4.0})
     assert [r["key"] for r in rf.runs()] == ["a", "b", "d"]
     assert rf.path.read_bytes().count(b"\n") == 3
+
+
+def test_a_run_taken_above_the_load_gate_is_retaken_and_its_retake_replaces_it(tmp_path):
+    """Issue 33: every record carries its load average, and a record taken above max_load is
+    taken again, at once (bounded) and on resume; the latest record of a key is the one
+    read."""
+    rf = ResultsFile(tmp_path)
+    rf.append({"kind": "template", "key": "t", "load1": 3.0})  # setups are not retaken
+    rf.append({"kind": "run", "key": "a", "latency_s": 9.0, "load1": 2.0})
+    rf.append({"kind": "run", "key": "b", "latency_s": 2.0, "load1": 0.5})
+    rf.append({"kind": "run", "key": "c", "latency_s": 3.0})  # from before load1 existed
+    assert rf.done() == {"t", "a", "b", "c"}
+    assert rf.done(max_load=1.5) == {"t", "b", "c"}
+    rf.append({"kind": "run", "key": "a", "latency_s": 1.0, "load1": 0.9})
+    assert rf.done(max_load=1.5) == {"t", "a", "b", "c"}
+    assert [(r["key"], r["latency_s"]) for r in rf.runs()] == [("a", 1.0), ("b", 2.0),
+                                                               ("c", 3.0)]
+
+    # the gate waits for the load to fall, saying so once
+    loads, slept, said = iter([3.0, 2.0, 1.4]), [], []
+    assert wait_for_quiet(1.5, said.append, load=lambda: next(loads), sleep=slept.append,
+                          poll_s=5.0) == 1.4
+    assert slept == [5.0, 5.0] and len(said) == 2 and "waiting" in said[0]
+    assert wait_for_quiet(0.0, said.append, load=lambda: 9.0) == 9.0  # 0: no gate
+
+    # a run that ends above the gate is kept and taken again, at most RETAKES times
+    def retake(ends: list[float], gate: float = 1.5) -> tuple[dict, list[float]]:
+        it, rf2 = iter(ends), ResultsFile(tmp_path / str(len(ends)) / str(gate))
+        rec = _timed_run(lambda *_: {"kind": "run", "key": "z", "load1": next(it)},
+                         _Key("z"), None, None, None, "", gate, rf2, said.append,
+                         load=lambda: 0.1)
+        return rec, [r["load1"] for r in rf2.records()]
+
+    assert retake([2.5, 0.4]) == ({"kind": "run", "key": "z", "load1": 0.4,
+                                   "load1_before": 0.1}, [2.5])
+    bounded = [2.5 + i for i in range(RETAKES + 1)]
+    rec, kept = retake(bounded)
+    assert rec["load1"] == bounded[-1] and kept == bounded[:-1]  # the caller appends the last
+    assert retake([2.5], gate=0.0)[1] == []  # no gate: taken once
+
+
+class _Key:
+    def __init__(self, key: str) -> None:
+        self.key = key
 
 
 # ---------------------------------------------------------------------------- report
