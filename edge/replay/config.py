@@ -109,6 +109,10 @@ class ReplayConfig(_Settings):
                                          "for every policy")
     network_starts: dict[str, Int] = Field({}, description="start points of one network "
                                                            "instead of starts")
+    policy_networks: dict[str, Strs] = Field({}, description="a policy that runs on these "
+                                                             "networks only (e.g. fp16: "
+                                                             "[5g], the slowest reference, "
+                                                             "minutes an edit on wifi)")
     seed: Int = Field(0, description="seeds the start points")
     span_s: Float = Field(60.0, description="a start point leaves at least this much trace "
                                             "after it (s)")
@@ -191,6 +195,11 @@ class ReplayConfig(_Settings):
         """The main templates, workload by workload."""
         return [t for ts in self.workloads.values() for t in ts]
 
+    def runs_on(self, policy: str, network: str) -> bool:
+        """Whether the main runs of ``policy`` include ``network`` (``policy_networks``)."""
+        nets = self.policy_networks.get(policy)
+        return nets is None or network in nets
+
     def starts_of(self, network: str) -> int:
         """Start points per (template, network) cell of the main runs on ``network``."""
         return int(self.network_starts.get(network, self.starts))
@@ -204,10 +213,14 @@ class ReplayConfig(_Settings):
         nets = self.networks[:2]
         other = {net: min(n, QUICK_OTHER_STARTS) for net in nets
                  if net not in self.headline_networks}
+        # a policy kept to networks that --quick leaves out does not run
+        only = {p: tuple(x for x in ns if x in nets) for p, ns in self.policy_networks.items()}
         return self.replace(
             quick=True,
             workloads={w: ts[:1] for w, ts in self.workloads.items()},
             networks=nets, starts=n, network_starts=other,
+            policies=tuple(p for p in self.policies if only.get(p, True)),
+            policy_networks={p: ns for p, ns in only.items() if ns},
             deadlines=tuple(dict.fromkeys(self.deadlines[:1] + self.deadlines[-1:])),
             ablation=self.ablation.replace(
                 networks=self.ablation.networks[:1],
@@ -272,6 +285,12 @@ class ReplayConfig(_Settings):
                 raise bad(f"network_starts: unknown network {n!r}")
             if int(k) < 1:
                 raise bad(f"network_starts.{n} must be >= 1, got {k}")
+        for p, nets in self.policy_networks.items():
+            if p not in self.policies:
+                raise bad(f"policy_networks: {p!r} is not in policies")
+            if not nets or any(n not in self.networks for n in nets):
+                raise bad(f"policy_networks.{p} must name some of networks "
+                          f"({', '.join(self.networks)}), got {list(nets)}")
         for m in self.deadlines:
             if not 1.0 <= m <= 100.0:
                 raise bad(f"deadlines are multiples of T in [1, 100], got {m}")
@@ -410,7 +429,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 _KINDS = {"int": "int", "float": "float", "string": "str", "bool": "bool"}
 _MAPS = {"workloads": "map a workload to template ids",
-         "network_starts": "map a network to a number of start points"}
+         "network_starts": "map a network to a number of start points",
+         "policy_networks": "map a policy to a list of networks"}
 
 
 def _error_line(exc: ValidationError, doc: dict[str, Any], source: str) -> ReplayConfigError:

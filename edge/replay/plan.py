@@ -58,6 +58,8 @@ def plan(cfg: ReplayConfig, root: str | None = None) -> list[PlannedRun]:
             k = (cfg.ablation.starts or cfg.starts_of(net)) if ablation else cfg.starts_of(net)
             for sp in starts[net][:k]:
                 for name, variant, policy in policies:
+                    if not cfg.runs_on(name, net):
+                        continue
                     key = RunKey(mode, tid, net, sp.trace, sp.start_s, sp.index, name)
                     out.append(PlannedRun(key, tid, base, variant, policy, sp))
 

@@ -63,6 +63,37 @@ def test_plan_has_start_points_per_network_and_sakura_operating_points():
     assert {sp.index for sp in q} == {0, 1, 2} and q <= set(main5)
 
 
+def test_the_breadth_replay_runs_every_network_at_equal_ablation_counts_and_reuses_quick():
+    """breadth.yaml (issue 33 item 2): every network, >= 30 starts on 5g and wifi and >= 10
+    elsewhere, fp16/local on the cellular 5g and mixed only, the q / fixed-config / fixed-bits ablations at the
+    same count as sakura; and the runs of two-models.yaml --quick are a subset (same keys),
+    so a breadth replay into that folder reuses them."""
+    from sakura.edge.replay.config import CONFIG_DIR
+    from sakura.edge.replay.plan import plan
+    from sakura.traces import default_trace_dir
+
+    if default_trace_dir() is None:
+        pytest.skip("real traces not found")
+    root = str(default_trace_dir())
+    cfg = load_config(CONFIG_DIR / "breadth.yaml")
+    runs = plan(cfg, root)
+    cells: dict = {}
+    for r in runs:
+        cells.setdefault((r.template, r.key.network, r.key.policy), set()).add(r.start.index)
+    nets = {n for (_, n, _) in cells}
+    assert nets == {"5g", "wifi", "ucc5g", "lte", "mixed"} and cfg.models == ("sakura-flux2",)
+    for (t, n, p), starts in cells.items():
+        assert len(starts) >= (30 if n in ("5g", "wifi") else 10), (t, n, p)
+        assert p not in ("fp16", "local") or n in ("5g", "mixed")
+    ablation = ("svd", "sakura-q0.25", "sakura", "sakura-q1", "sakura-fixed-config",
+                "sakura-fixed-bits")
+    for t in cfg.templates:
+        assert {len(cells[(t, "5g", p)]) for p in ablation} == {30}
+    quick = {str(r.key) for r in plan(load_config(CONFIG_DIR / "two-models.yaml", quick=True),
+                                      root) if not r.template.endswith("-32")}
+    assert quick <= {str(r.key) for r in runs}
+
+
 def test_config_file_overrides_and_merges(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("starts: 7\nnetworks: [lte]\nablation: {q: [1.0]}\nprofile: {local_s: 9}\n")
@@ -124,6 +155,11 @@ def test_replace_validates_like_a_file():
     ("profile: {colour: red}\n", r"unknown key\(s\) profile.colour"),
     ("source: elsewhere\n", "unknown key"),
     ("network_starts: {mixed: x}\n", "network_starts.mixed must be a int"),
+    ("policy_networks: {fp16: [5g, moon]}\n", "policy_networks.fp16 must name some of networks"),
+    ("policy_networks: {fp16: []}\n", "policy_networks.fp16 must name some of networks"),
+    ("policy_networks: {tea: [5g]}\n", "policy_networks: 'tea' is not in policies"),
+    ("policy_networks: [fp16]\n", "policy_networks must map a policy to a list of netw"),
+    ("max_load: -1\n", "max_load must be >= 0"),
 ])
 def test_bad_configs_are_clear_errors(tmp_path, text, message):
     p = tmp_path / "bad.yaml"
