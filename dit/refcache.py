@@ -17,7 +17,13 @@ from sakura.dit.model import MMDiT, Segments, TokenBatch, grid_positions, patchi
 
 
 def reference_tokens(model: MMDiT, images: torch.Tensor):
-    """Patchify reference images ``[K, 3, h, w]`` -> tokens ``[1, sum, P]``, positions, sizes."""
+    """Patchify reference images ``[K, 3, h, w]`` -> tokens ``[1, sum, P]``, positions, sizes.
+    Only a model with the normalized (segment, row, col) positions places references (a
+    segment each); one with FLUX's integer ids (the converted sakura-flux2) was trained
+    without them."""
+    if model.cfg.positions != "normalized":
+        raise ValueError(f"reference images need a model with normalized positions; this "
+                         f"one has {model.cfg.positions!r} (trained without references)")
     p, span = model.cfg.patch_size, model.cfg.pos_span
     toks, pos, sizes = [], [], []
     for i, img in enumerate(images):

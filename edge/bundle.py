@@ -230,9 +230,12 @@ class DeviceBundles:
                 entry = net.run(get())
         doc = entry.get("bundle")
         if doc is None:
-            self.say(f"note: {server} publishes no device bundle for {template_id} (packs "
-                     "built before bundles, or with --no-bundle): this device exports the "
-                     "graphs itself, once per geometry")
+            # said when the device does export (a warm edit, its graphs in the cache, says
+            # nothing: it printed on every `sakura edit` of a bundle-less catalog)
+            line = (f"note: {server} publishes no device bundle for {template_id} (packs "
+                    "built before bundles, or with --no-bundle): this device exports the "
+                    "graphs itself, once per geometry")
+            native.when_exporting(lambda: self.say(line))
             self._done[key] = None
             return None
         bundle = self.check(doc, native, template_id)

@@ -292,7 +292,8 @@ def save_image(img: Any, path: Path) -> None:
 def check_edit_args(args: argparse.Namespace) -> None:
     """Everything about ``sakura edit``'s arguments that can be checked without the model or
     the network: exit 2 for a bad argument, 1 for a missing file."""
-    check_model_options(args.model, args.model_path, args.weights)
+    check_model_options(args.model, args.model_path, args.weights,
+                        reference=bool(args.reference))
     check_file(args.weights, "--weights")
     check_file(args.reference, "--reference")
     check_file(args.trace, "--trace")

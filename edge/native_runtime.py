@@ -149,6 +149,14 @@ class NativeEngine:
     # graph chains of device bundles made in the cloud (``edge.bundle``), by cache-key
     # digest: used instead of exporting on the device (``compiles`` stays 0)
     _bundled: dict[str, GraphSet] = field(default_factory=dict, init=False, repr=False)
+    # said once, when graphs are first exported here (not on an edit whose graphs are in
+    # the cache already): why the device exports (``edge.bundle.DeviceBundles``)
+    _export_note: Callable[[], None] | None = field(default=None, init=False, repr=False)
+
+    def when_exporting(self, note: Callable[[], None]) -> None:
+        """Call ``note`` once, before the next export of graphs on this device (a cache
+        miss); an edit served from the compiled-graph cache calls nothing."""
+        self._export_note = note
 
     def __post_init__(self) -> None:
         from sakura.edge.backends.int8 import check_precision  # lazy: keeps torchao optional
@@ -269,6 +277,9 @@ class NativeEngine:
             return bundled
         folder = self.cache.lookup(key)
         if folder is None:
+            note, self._export_note = self._export_note, None
+            if note is not None:
+                note()
             backend = ExecuTorchBackend()
             backend.check_available()
             model = self.model

@@ -36,10 +36,11 @@ def runs_native(model: str | None) -> bool:
 
 
 def check_model_options(model: str | None, model_path: str | None,
-                        weights: str | None) -> None:
-    """``--model`` / ``--model-path`` / ``--weights`` of ``build`` and ``edit``, checked before
-    anything loads: a usage error (exit 2) for a bad combination or an unknown model name, a
-    :class:`SakuraError` (exit 1) for a checkpoint folder that is not there."""
+                        weights: str | None, reference: bool = False) -> None:
+    """``--model`` / ``--model-path`` / ``--weights`` (and ``edit``'s ``--reference``) of
+    ``build`` and ``edit``, checked before anything loads: a usage error (exit 2) for a bad
+    combination or an unknown model name, a :class:`SakuraError` (exit 1) for a checkpoint
+    folder that is not there."""
     if model is None:
         if model_path is not None:
             raise UsageError("--model-path needs --model (the checkpoint's model name)")
@@ -53,6 +54,10 @@ def check_model_options(model: str | None, model_path: str | None,
     if model not in MODELS:
         raise UsageError(f"--model: unknown model {model!r}; choose one of "
                          f"{', '.join(sorted(MODELS))}")
+    if reference and not MODELS[model].references:
+        raise UsageError(f"--reference: {model} was trained without reference images; "
+                         "reference edits need the shipped model (no --model) or a diffusers "
+                         "model that takes them")
     if model_path is None:
         if MODELS[model].default_path is None:
             raise UsageError(f"--model {model} needs --model-path (a local checkpoint folder)")

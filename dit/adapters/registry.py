@@ -41,6 +41,9 @@ class ModelSpec:
     # into the MMDiT's form (dit/flux2_native.py): it loads as that form and runs wherever
     # the shipped model runs, the native runtime's compiled graphs included
     mmdit_form: bool = False
+    # whether an edit may carry reference images: not a model trained here without them
+    # (sakura train --arch flux2 refuses references, dit/train.py)
+    references: bool = True
 
 
 FLUX2_KLEIN_4B = {"num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24,
@@ -88,7 +91,7 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (
               FLUX2_KLEIN_9B, 4),
     ModelSpec("sakura-flux2", _F2, _A_F2, "SAKURA's FLUX.2 model (pixel space, MiniLM text)",
               SAKURA_FLUX2, 20, 3.0, pixels_per_token=4, default_path=SAKURA_FLUX2_DIR,
-              mmdit_form=True),
+              mmdit_form=True, references=False),
     ModelSpec("sd3", _SD3, _A_SD3, "any SD3Transformer2DModel checkpoint", default_guidance=4.5),
     ModelSpec("sd3.5-medium", _SD3, _A_SD3, "Stable Diffusion 3.5 Medium (dual attention)",
               SD35_MEDIUM, 40, 4.5),

@@ -154,3 +154,13 @@ def test_config_options(models):
         p.numel() for p in flux2.transformer.parameters())
     assert conv.text_positions(3).tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]]
     assert torch.equal(conv.image_positions(4), image_ids((4, 4)))
+
+
+def test_references_are_refused_by_a_model_trained_without_them():
+    """The converted sakura-flux2 (FLUX's integer ids, trained without references) cannot
+    place reference tokens: one clear error, not a shape error inside attention."""
+    from sakura.dit.refcache import reference_tokens
+
+    model = mmdit.MMDiT(mmdit.MMDiTConfig(positions="flux_ids", rope_axes=(8, 8, 8, 8)))
+    with pytest.raises(ValueError, match="trained without references"):
+        reference_tokens(model, torch.zeros(1, 3, 16, 16))

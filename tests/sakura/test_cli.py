@@ -76,6 +76,8 @@ USAGE_ERRORS = [
     ([*EDIT, "--out", "{tmp}/o.png", "--start", "-1"], "--start: must be >= 0"),
     ([*EDIT, "--out", "{tmp}/o.png", "--policy", "best"], "invalid choice"),
     ([*EDIT, "--out", "{tmp}/o.png", "--model-path", "{tmp}"], "--model-path needs --model"),
+    ([*EDIT, "--out", "{tmp}/o.png", "--model", "sakura-flux2", "--reference", "r.png"],
+     "--reference: sakura-flux2 was trained without reference images"),
     ([*EDIT, "--out", "{tmp}/o.png", "--pack", "zip"], "unknown codec 'zip'"),
     (["edit", "--server", SERVER, "--prompt", "p", "--out", "o.png"], "--template"),
     (["traces", "stats", "--window", "0", "x"], "--window: must be > 0"),
