@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from sakura.codec.pack import Manifest, decode_config
+from sakura.dit.cache import ShardSkipped
 from sakura.dit.editing import EditRequest, Template
 from sakura.edge.client import PackClient
 from sakura.edge.runtime import EdgeRuntime
@@ -35,17 +36,23 @@ async def _fetch_all(server: str, template_id: str, codec: str) -> tuple[dict, l
 
 
 class ResidentCache:
-    """The whole decoded cache in memory (``get`` never waits)."""
+    """The whole decoded cache in memory (``get`` never waits). A shard given as None was
+    not fetched (the stale plan, ``edge.stale_plan``): its blocks raise
+    :class:`~dit.cache.ShardSkipped`, as the streaming provider's do, so the edit runs them
+    on their group's last K/V or computes the step."""
 
-    def __init__(self, manifest: Manifest, shards: list[list[torch.Tensor]]) -> None:
+    def __init__(self, manifest: Manifest, shards: list[list[torch.Tensor] | None]) -> None:
         self.layout = manifest.layout()
         self.shards = shards
 
     def get(self, step: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         shard = self.layout.shard_of(step, block)
+        tensors = self.shards[shard]
+        if tensors is None:
+            raise ShardSkipped(step, block)
         _s, blocks = self.layout.blocks_of(shard)
         j = blocks.index(block)
-        return self.shards[shard][2 * j], self.shards[shard][2 * j + 1]
+        return tensors[2 * j], tensors[2 * j + 1]
 
 
 @dataclass

@@ -24,7 +24,15 @@ FP16 cache per 512x512 template) instead of this host. What is **modelled**:
   :class:`~edge.monitor.ExecutionProgress` driven by this simulated clock, at most
   ``max_ahead`` shards ahead of execution, with the runtime's startup allowance
   (``startup_fraction`` of the modelled execution time, counted from t = 0: no manifest
-  transfer is modelled); execution starts as soon as shard 0 is in.
+  transfer is modelled); execution starts as soon as shard 0 is in;
+* the stale plan and planned recompute (:mod:`edge.stale_plan`, for the policies that plan
+  stale): the receive stage's rule, with the runtime's own functions (``skippable``,
+  ``stale_source``, ``plan_unfetched``; a step planned local only on a rate a transfer
+  refreshed since the last one). A shard planned stale is not fetched and executes at no
+  wait on its group's last K/V; a step planned local is not fetched and takes the
+  profile's local step, ``local_s / steps`` (a recompute step costs about a full step).
+  The timed runs of the matched regime planned 8 of ~40 shards stale per sakura edit
+  (``docs/replay-kernel``): without it this model fetched shards the runtime does not.
 
 What is **measured**: the configurations the allocator picks decide the bytes; the edit
 is then computed for real with exactly those configurations (fetched over HTTP, decoded,
@@ -36,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sakura.dit.stale import STALE_MAX_AGE
 from sakura.edge.allocator import PolicyContext, ShardOptions, get_policy
 from sakura.edge.monitor import (
     DEFAULT_STARTUP_FRACTION,
@@ -43,6 +52,7 @@ from sakura.edge.monitor import (
     ExecutionProgress,
     startup_allowance_s,
 )
+from sakura.edge.stale_plan import plan_unfetched, stale_source
 from sakura.traces import Trace
 
 GIB = float(1 << 30)
@@ -83,6 +93,16 @@ class SimResult:
     startup_s: float
     exec_s: float
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    # the stale plan: per shard None (fetched at ``configs[j]``), "stale" or "local"
+    unfetched: list[str | None] = field(default_factory=list)
+
+    @property
+    def planned_stale(self) -> int:
+        return self.unfetched.count("stale")
+
+    @property
+    def planned_local(self) -> int:
+        return self.unfetched.count("local")
 
 
 def scaled_tables(tables: list[ShardOptions], k: float) -> list[ShardOptions]:
@@ -97,13 +117,23 @@ def simulate(policy: str, tables: list[ShardOptions], exec_s: list[float], trace
              start_s: float, prior_bps: float, profile: DeviceProfile, k: float,
              safety: float = 0.8, max_ahead: int = 4,
              startup_fraction: float = DEFAULT_STARTUP_FRACTION,
-             deadline_s: float | None = None) -> SimResult:
+             deadline_s: float | None = None,
+             shard_blocks: list[tuple[int, list[int]]] | None = None,
+             stale_max_age: int = STALE_MAX_AGE, recompute: bool = True) -> SimResult:
     """One streamed edit on the simulated clock (t = 0: the edit starts). ``deadline_s``
-    replaces the startup allowance by ``deadline - execution`` (as the runtime does)."""
+    replaces the startup allowance by ``deadline - execution`` (as the runtime does).
+    ``shard_blocks`` (``(step, blocks)`` per shard, the pack's layout): the stale plan
+    applies to a policy that plans stale (None: every shard is fetched); ``recompute``: a
+    step may be planned local (the template's prompt embeddings are at hand)."""
+    pol = get_policy(policy)
     big = scaled_tables(tables, k)
     real = {(t.shard, o.id): o.nbytes for t in tables for o in t.options + t.dominated}
-    allocator = get_policy(policy).build(PolicyContext(
+    allocator = pol.build(PolicyContext(
         tables=big, exec_s=exec_s, latency_s=0.0, budget_rate_bps=prior_bps, safety=safety))
+    plan = StalePlan(shard_blocks, stale_max_age, recompute) if (
+        shard_blocks is not None and pol.plans_stale) else None
+    steps = 1 + max((s for s, _ in shard_blocks), default=0) if shard_blocks else 1
+    local_step_s = profile.local_s / steps
     monitor = BandwidthMonitor(5, prior_bps)
     allowance = (startup_allowance_s(exec_s, startup_fraction) if deadline_s is None
                  else max(0.0, deadline_s - sum(exec_s)))
@@ -128,18 +158,45 @@ def simulate(policy: str, tables: list[ShardOptions], exec_s: list[float], trace
             else:
                 break
 
+    unfetched: list[str | None] = []
     for j in range(n):
         gate = ex_start[j - max_ahead] if j >= max_ahead else 0.0
         now = max(link_free, gate)
         report_until(now)
         window = progress.window(j, now)
         rate = monitor.estimate_bps() or prior_bps
-        cfg = allocator.choose(j, window.window_s, rate)
+        in_local_step = plan.step_local(j) if plan is not None else None
+        decided = in_local_step
+        cfg = None
+        if decided is None:
+            cfg = allocator.choose(j, window.window_s, rate,
+                                   plan.may_skip(j) if plan is not None else None)
+            if plan is not None and allocator.skippable(j, cfg):
+                decided = plan.decide(j, monitor.estimate_bps() or 0.0)
+        unfetched.append(decided)
+        if plan is not None:
+            plan.record(j, decided)
+        if decided is not None:  # not fetched: no bytes, no wait for the link
+            start = ex_end[-1] if ex_end else 0.0
+            # a step planned local costs one local step, on its first shard planned local
+            run_s = (exec_s[j] if decided == "stale" else
+                     0.0 if in_local_step else local_step_s)
+            progress.received(j, now)
+            progress.reconstructed(j, now, now)
+            ex_start.append(start)
+            ex_end.append(start + run_s)
+            configs.append(None)
+            timeline.append({"shard": j, "bytes": 0, "recv_start": now, "recv_end": now,
+                             "recon_start": now, "recon_end": now, "exec_start": start,
+                             "exec_end": start + run_s, "stall_s": 0.0, "unfetched": decided})
+            continue
         size = big[j].by_id(cfg).nbytes
         first = now + (profile.request_latency_s if j == 0 else 0.0)
         end = trace.time_to_deliver(float(size), t0=start_s + first) - start_s \
             if size else first
         monitor.record(j, size, now, first, end)
+        if plan is not None:
+            plan.measured = plan.measured or size > 0
         progress.received(j, end)
         progress.reconstructed(j, end, end)
         link_free = end
@@ -160,4 +217,45 @@ def simulate(policy: str, tables: list[ShardOptions], exec_s: list[float], trace
                          "exec_end": start + exec_s[j], "stall_s": wait})
     return SimResult(latency_s=ex_end[-1], configs=configs, bytes=nbytes, real_bytes=rbytes,
                      stalls=stalls, stall_s=stall_s, startup_s=ex_start[0],
-                     exec_s=sum(exec_s), timeline=timeline)
+                     exec_s=sum(e - s for s, e in zip(ex_start, ex_end)), timeline=timeline,
+                     unfetched=unfetched)
+
+
+@dataclass
+class StalePlan:
+    """The receive stage's stale plan on the simulated clock (``edge.pipeline.Pipeline``'s
+    ``_plan_stale`` / ``_stale_options`` / ``_step_planned_local``, through the same
+    :mod:`edge.stale_plan` functions)."""
+
+    shard_blocks: list[tuple[int, list[int]]]
+    max_age: int
+    recompute: bool
+    measured: bool = True  # a transfer refreshed the rate since the last step planned local
+    stale: list[bool] = field(default_factory=list)
+    local: list[bool] = field(default_factory=list)
+
+    def record(self, j: int, decided: str | None) -> None:
+        self.stale.append(decided == "stale")
+        self.local.append(decided == "local")
+
+    def step_local(self, j: int) -> str | None:
+        """"local" when an earlier shard of ``j``'s step was planned local."""
+        step = self.shard_blocks[j][0]
+        return "local" if any(self.local[i] for i in range(j) if self.shard_blocks[i][0] == step
+                              ) else None
+
+    def may_skip(self, j: int):
+        """For the allocator's plan from ``j``: whether shard ``m`` may run stale, counting
+        every shard from ``j`` on as unfetched."""
+        planned = self.stale + [False] * (len(self.shard_blocks) - len(self.stale))
+        return lambda m: stale_source(self.shard_blocks, planned, m, self.max_age,
+                                      unfetched_from=j) is not None
+
+    def decide(self, j: int, rate_bps: float) -> str | None:
+        planned = self.stale + [False] * (len(self.shard_blocks) - len(self.stale))
+        source = stale_source(self.shard_blocks, planned, j, self.max_age)
+        decided = plan_unfetched(source, self.recompute and self.max_age > 0
+                                 and rate_bps > 0 and self.measured)
+        if decided == "local":
+            self.measured = False
+        return decided

@@ -113,6 +113,8 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
 
 def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links,
                 root: str | None) -> dict[str, Any]:
+    from sakura.codec.pack import Manifest  # lazy: torch
+
     prof = DeviceProfile(**{k: v for k, v in vars(cfg.profile).items()})
     rec = _base_record(r, st, cfg, links)
     rec["profile"] = prof.name
@@ -132,14 +134,18 @@ def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
     prior = past_median_bps(trace, r.start.start_s)
     exec_s = prof.shard_exec_s(st.record["shard_exec_s"], st.record["token_mask_ratio"])
     k = prof.byte_scale(int(st.record["fp16_bytes"]))
+    layout = Manifest.from_dict(manifest).layout()
     sim = simulate(r.policy, tables, exec_s, trace, r.start.start_s, prior, prof, k,
-                   startup_fraction=cfg.startup_fraction, deadline_s=rec["deadline_s"])
+                   startup_fraction=cfg.startup_fraction, deadline_s=rec["deadline_s"],
+                   shard_blocks=[layout.blocks_of(i) for i in range(layout.num_shards)],
+                   recompute=_recomputes(rt, r.template, st.template))
     image = _configured_edit(rt, links.direct(r.variant), r.template, pack, manifest,
                              sim.configs, st)
     rec.update({
         "latency_s": sim.latency_s, "bytes": sim.bytes, "real_bytes": sim.real_bytes,
         "stalls": sim.stalls, "stall_s": sim.stall_s, "startup_s": sim.startup_s,
         "exec_s": sim.exec_s, "configs": sim.configs, "prior_mbps": prior / 1e6,
+        "planned_stale": sim.planned_stale, "planned_local": sim.planned_local,
         "byte_scale": k, **_quality(image, st), "time": time.time(),
     })
     if cfg.timelines == "all" or r.start.index == 0:
@@ -148,23 +154,36 @@ def run_profile(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
 
 
 def _configured_edit(rt: Any, server: str, tid: str, pack: str, manifest_d: dict[str, Any],
-                     configs: list[int], st: TemplateState) -> Any:
-    """The real edit with exactly these configurations (fetched, decoded, resident)."""
+                     configs: list[int | None], st: TemplateState) -> Any:
+    """The real edit with exactly these configurations (fetched, decoded, resident; None:
+    not fetched)."""
     from sakura.codec.pack import Manifest, decode_config  # lazy: torch
     from sakura.edge.client import PackClient  # lazy: aiohttp
     from sakura.edge.floor import ResidentCache  # lazy: torch
 
-    async def fetch() -> list[bytes]:
+    async def fetch() -> list[bytes | None]:
         async with PackClient(server) as client:
-            return [(await client.fetch_config(tid, pack, j, c, manifest=manifest_d)).data
+            return [None if c is None else
+                    (await client.fetch_config(tid, pack, j, c, manifest=manifest_d)).data
                     for j, c in enumerate(configs)]
 
     bodies = asyncio.run(fetch())
     manifest = Manifest.from_dict(manifest_d)
     codec = manifest.make_codec()
-    shards = [decode_config(manifest, j, c, b, codec)
+    # a shard the stale plan did not fetch (None) runs stale or its step locally, as streamed
+    shards = [None if c is None else decode_config(manifest, j, c, b, codec)
               for j, (c, b) in enumerate(zip(configs, bodies))]
     return _resident_edit(rt, tid, st.template, ResidentCache(manifest, shards), st.req)
+
+
+def _recomputes(runtime: Any, tid: str, template: Any) -> bool:
+    """Whether a step the stale plan leaves local is a recompute step on this runtime (the
+    streamed runtime's ``plan_local`` condition, ``edge.runner``)."""
+    if hasattr(runtime, "prepared"):
+        return bool(runtime.engine.recomputes_late_steps(runtime.prepared(tid, template)))
+    from sakura.dit.editing import RecomputedKV  # lazy: torch
+
+    return RecomputedKV.possible(template)
 
 
 def _resident_edit(runtime: Any, tid: str, template: Any, provider: Any, req: Any) -> Any:
