@@ -21,7 +21,9 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 from sakura import __version__
@@ -52,6 +54,33 @@ command's machine-readable result to PATH (`-`: standard output)."""
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process ended by it
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread (:func:`sigterm_unwinds`) so that every ``with``
+    and ``finally`` on the way out runs: a ``sakura replay`` stopped by ``kill`` (or a
+    supervisor) left its ``sakura serve`` children and network namespaces behind. A
+    ``BaseException``: no ``except Exception`` on the way swallows it."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While inside (and in the main thread): SIGTERM raises :class:`Terminated`; the
+    previous handler is restored on the way out. A command that installs its own handler
+    (uvicorn's graceful stop in ``sakura serve``) replaces it for its own time."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -121,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         return EXIT_USAGE
     try:
-        with json_to_stdout(args):
+        with sigterm_unwinds(), json_to_stdout(args):
             code = int(args.func(args) or 0)
         sys.stdout.flush()  # inside the handlers: a closed pipe shows up here
         return code
@@ -145,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sakura: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("sakura: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
 
 
 def _error(message: str) -> int:

@@ -862,3 +862,58 @@ def test_models_config_errors(tmp_path, extra, message):
     path.write_text(extra)
     with pytest.raises(ReplayConfigError, match=message):
         load_config(path).validate()
+
+
+def test_a_replay_stopped_by_sigterm_leaves_no_server_behind(tiny_catalog, tmp_path):
+    """`kill` (or a supervisor's stop) of a running replay: one line, exit 143, and its
+    `sakura serve` children and links are gone (they outlived it: SIGTERM ended Python
+    without running its `with` blocks); what it finished stays for the resume."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root, tid = tiny_catalog
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(
+        f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\npolicies: [fp16, sakura]\n"
+        "starts: 50\ndeadlines: []\nmax_load: 0\n"
+        "ablation: {q: [], resolutions: [], resolution_templates: []}\n"
+        f"weights: {root / 'model.safetensors'}\ncatalog: {root / 'catalog.json'}\n"
+        f"packs_dir: {root / 'packs'}\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "sakura.cli", "replay", str(cfg_path),
+                             "--out", str(out), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def children() -> set[int]:
+        found = set()
+        for p in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                        found.add(int(p))
+            except (OSError, ValueError, IndexError):
+                continue
+        return found
+
+    try:
+        deadline = time.monotonic() + 300
+        rf = ResultsFile(out)
+        while not rf.runs() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)  # a run finished: its servers are up
+        kids = children()
+        assert rf.runs() and kids, "the replay did not reach its runs"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err.decode()[-2000:]
+    assert err.decode().strip().splitlines()[-1] == "sakura: terminated"
+    time.sleep(1.0)
+    alive = [k for k in kids if os.path.exists(f"/proc/{k}")
+             and open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert alive == []
+    assert len(ResultsFile(out).runs()) >= 1  # kept for the resume
