@@ -12,7 +12,7 @@ from typing import Any
 from sakura.dit.cli import check_file
 from sakura.edge.cli import _set_threads, runtime_arg, startup_fraction
 
-from sakura.argtypes import json_out, positive_int
+from sakura.argtypes import json_out, nonnegative_float, positive_int
 from sakura.output import write_json
 
 
@@ -44,6 +44,10 @@ def register(commands: Any, bench: Any) -> None:
     r.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     r.add_argument("--threads", type=positive_int, default=1, metavar="N",
                    help="torch threads of the device (default 1)")
+    r.add_argument("--max-load", type=nonnegative_float, metavar="L",
+                   help="timed runs wait for the 1-minute load average to be at most L, and "
+                        "one ending above it is taken again (the config's max_load, default "
+                        "1.5; 0: no gate)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--report", action="store_true", help="write the report when done")
     r.set_defaults(func=_replay)
@@ -93,7 +97,7 @@ def _replay(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, quick=args.quick, starts=args.starts, regime=args.regime,
                       link=args.link, loss=args.loss, packs_dir=args.packs_dir,
                       weights=args.weights, startup_fraction=args.startup_fraction,
-                      runtime=args.runtime)
+                      runtime=args.runtime, max_load=args.max_load)
     summary = run_replay(cfg, args.out, log=_log, progress=not args.no_progress)
     print(f"replay: {summary['ran']} runs done, {summary['skipped']} skipped (already in "
           f"{args.out}/runs.jsonl)")

@@ -111,6 +111,7 @@ USAGE_ERRORS = [
     (["render", "serve", "--port", "70000"], "is not a TCP port"),
     (["replay", "--out", "o", "--startup-fraction", "1.5"], "must be a number in [0, 1]"),
     (["replay", "--out", "o", "--starts", "0"], "--starts: must be >= 1"),
+    (["replay", "--out", "o", "--max-load", "-1"], "--max-load: must be >= 0"),
     (["replay", "--regime", "fast", "--out", "o"], "invalid choice"),
     (["report"], "the following arguments are required: DIR"),
     (["train", "--t-uniform", "2"], "--t-uniform: must be a number in [0, 1]"),
