@@ -13,6 +13,8 @@ key, never a traceback.
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,6 +27,8 @@ from sakura.edge.replay.networks import NETWORKS
 from sakura.errors import SakuraError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+LOAD_ENV = "SAKURA_REPLAY_MAX_LOAD"
+DEFAULT_MAX_LOAD = 1.5  # issue 33's rule; the replay alone stays under 1.1 (edge.replay.load_gate)
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
 REGIMES = ("matched", "profile")
 #: ``--quick``: start points per cell on the headline (5G) networks, and elsewhere
@@ -176,11 +180,14 @@ class ReplayConfig(_Settings):
                                   json_schema_extra={"env": "SAKURA_TRACES"})
     build_workers: Int = Field(1, description="pack builds in parallel (processes); timed "
                                               "runs are always sequential")
-    max_load: Float = Field(1.5, description="matched regime: a timed run (and a template's "
-                                             "setup) waits until the 1-minute load average "
-                                             "is at most this; a run that ends above it is "
-                                             "taken again, and a resume retakes such "
-                                             "records; 0: no gate")
+    max_load: Float | None = Field(None, description="matched regime: a timed run (and a "
+                                                     "template's setup) waits until the "
+                                                     "1-minute load average is at most "
+                                                     "this; one that ends above it is taken "
+                                                     "again, and a resume retakes such "
+                                                     "records; 0: no gate; unset: the "
+                                                     "environment variable, else 1.5",
+                                   json_schema_extra={"env": LOAD_ENV})
     timelines: str = Field("all", description="all or first (per-shard timelines of every "
                                               "run or start 0 only)")
     profile: ProfileSpec = Field(ProfileSpec(), description="the phone of the profile "
@@ -194,6 +201,22 @@ class ReplayConfig(_Settings):
     def templates(self) -> list[str]:
         """The main templates, workload by workload."""
         return [t for ts in self.workloads.values() for t in ts]
+
+    @property
+    def load_gate(self) -> float:
+        """``max_load``, else ``$SAKURA_REPLAY_MAX_LOAD``, else :data:`DEFAULT_MAX_LOAD`."""
+        if self.max_load is not None:
+            return float(self.max_load)
+        text = os.environ.get(LOAD_ENV)
+        if text is None:
+            return DEFAULT_MAX_LOAD
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not value >= 0:
+            raise ReplayConfigError(f"${LOAD_ENV} must be a load average >= 0, got {text!r}")
+        return value
 
     def runs_on(self, policy: str, network: str) -> bool:
         """Whether the main runs of ``policy`` include ``network`` (``policy_networks``)."""
@@ -355,8 +378,9 @@ class ReplayConfig(_Settings):
             raise bad(f"timelines must be 'all' or 'first', got {self.timelines!r}")
         if self.build_workers < 1:
             raise bad("build_workers must be >= 1")
-        if not self.max_load >= 0:
+        if self.max_load is not None and not self.max_load >= 0:
             raise bad(f"max_load must be >= 0 (0: no gate), got {self.max_load}")
+        self.load_gate  # noqa: B018 - a bad environment variable fails here, before any run
         p = self.profile
         if min(p.local_s, p.masked_s, p.masked_ratio, p.fp16_gib) <= 0 or p.request_latency_s < 0:
             raise bad("profile times, masked_ratio and fp16_gib must be > 0")

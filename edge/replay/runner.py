@@ -19,8 +19,10 @@ configuration (``edge.replay.resume``). Then, for each template (one setup, then
    edit runs through it. A timed run waits until the host's 1-minute load average is at
    most ``max_load`` (1.5, issue 33's rule: the replay alone measured 0.5 median, 1.07 at
    most, over 417 runs of ``docs/replay-kernel``), and a run that ends above it is taken
-   again (:func:`_timed_run`); a resume retakes such records. So a test suite or a build
-   started beside a long replay pauses it instead of skewing it.
+   again (:func:`_timed_run`, ``edge.replay.load_gate``); a resume retakes such records, and
+   a template's setup (its ``T`` sets the regime factor of all its runs) is measured again
+   the same way. So a test suite or a build started beside a long replay pauses it instead
+   of skewing it.
 
 Regime ``matched``: one factor per template scales every network's traces (see
 ``edge.replay.template_setup``). Regime ``profile``: see :mod:`edge.replay.profile`. The
@@ -30,9 +32,7 @@ device state a run starts from: see ``edge.replay.runs``.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from typing import Any
 from sakura.edge.errors import EdgeError
 from sakura.edge.replay.config import ReplayConfig, ReplayConfigError
 from sakura.edge.replay.links import Links
+from sakura.edge.replay.load_gate import RETAKES, wait_for_quiet
 from sakura.edge.replay.networks import pooled_median_bps
 from sakura.edge.replay.packs import build_all, build_jobs
 from sakura.edge.replay.plan import plan
@@ -53,28 +54,6 @@ from sakura.errors import SakuraError
 
 Log = Callable[[str], None]
 MAX_FAILURES = 5  # consecutive failed runs that end a replay (something systematic)
-RETAKES = 2  # a run that ended above max_load is taken again at most this often at once
-LOAD_POLL_S = 5.0
-
-
-def wait_for_quiet(max_load: float, log: Log, load: Callable[[], float] | None = None,
-                   sleep: Callable[[float], None] = time.sleep,
-                   poll_s: float = LOAD_POLL_S) -> float:
-    """Return once the 1-minute load average is at most ``max_load`` (0: at once), saying
-    once that it waits: a timed run beside other work (a test suite, a build) measures the
-    other work. Returns the load it started at."""
-    load = load or (lambda: os.getloadavg()[0])
-    now = load()
-    if max_load <= 0 or now <= max_load:
-        return now
-    log(f"replay: waiting for the load average ({now:.2f}) to fall to {max_load:g} "
-        f"before the next timed run")
-    t0 = time.monotonic()
-    while now > max_load:
-        sleep(poll_s)
-        now = load()
-    log(f"replay: load average {now:.2f} after {time.monotonic() - t0:.0f} s; going on")
-    return now
 
 
 @contextlib.contextmanager
@@ -159,7 +138,7 @@ def _run_one(cfg: ReplayConfig, out: Path, log: Log, progress: bool, model: Any,
     check_meta(out, cfg, weights_sha)
     results = ResultsFile(out)
     timed = cfg.regime == "matched"  # the profile regime's times are modelled
-    gate = cfg.max_load if timed else 0.0
+    gate = cfg.load_gate if timed else 0.0
     done = results.done(gate)
     todo = [r for r in runs if str(r.key) not in done]
     log(f"replay: {len(runs)} runs planned, {len(runs) - len(todo)} already done, "
@@ -184,9 +163,9 @@ def _run_one(cfg: ReplayConfig, out: Path, log: Log, progress: bool, model: Any,
                 state = None  # free the previous template's images first
                 needed = sorted({x.variant for x in runs if x.template == r.template},
                                 key=lambda v: (v != "main", v))
-                wait_for_quiet(gate, log)
                 state = setup_template(cfg, r.template, r.base, needed, links, model,
-                                       weights_sha, catalog, results, packs, median, log)
+                                       weights_sha, catalog, results, packs, median, log,
+                                       max_load=gate)
             try:
                 rec = _timed_run(runner, r, state, cfg, links, root, gate, results, log)
             except SakuraError as exc:

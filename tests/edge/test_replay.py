@@ -11,9 +11,10 @@ import pytest
 import torch
 from sakura.edge.replay.config import ReplayConfigError, default_config, load_config
 from sakura.edge.replay.headline import headline
+from sakura.edge.replay.load_gate import RETAKES, wait_for_quiet
 from sakura.edge.replay.report import write_report
 from sakura.edge.replay.results import ResultsFile
-from sakura.edge.replay.runner import RETAKES, _timed_run, wait_for_quiet
+from sakura.edge.replay.runner import _timed_run
 
 from sakura.cli import main
 
@@ -277,6 +278,19 @@ def test_a_run_taken_above_the_load_gate_is_retaken_and_its_retake_replaces_it(t
     rec, kept = retake(bounded)
     assert rec["load1"] == bounded[-1] and kept == bounded[:-1]  # the caller appends the last
     assert retake([2.5], gate=0.0)[1] == []  # no gate: taken once
+
+
+def test_the_load_gate_comes_from_the_config_else_the_environment(monkeypatch):
+    from sakura.edge.replay.config import DEFAULT_MAX_LOAD, LOAD_ENV, ReplayConfig
+
+    monkeypatch.delenv(LOAD_ENV, raising=False)
+    assert ReplayConfig().load_gate == DEFAULT_MAX_LOAD == 1.5
+    monkeypatch.setenv(LOAD_ENV, "0")  # what the test suite sets (tests/conftest.py)
+    assert ReplayConfig().load_gate == 0.0
+    assert ReplayConfig(max_load=2.5).load_gate == 2.5  # the config's own wins
+    monkeypatch.setenv(LOAD_ENV, "busy")
+    with pytest.raises(ReplayConfigError, match=f"\\${LOAD_ENV} must be a load average"):
+        ReplayConfig().validate()
 
 
 class _Key:
