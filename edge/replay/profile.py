@@ -44,7 +44,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sakura.dit.stale import STALE_MAX_AGE
 from sakura.edge.allocator import PolicyContext, ShardOptions, get_policy
 from sakura.edge.monitor import (
     DEFAULT_STARTUP_FRACTION,
@@ -119,12 +118,17 @@ def simulate(policy: str, tables: list[ShardOptions], exec_s: list[float], trace
              startup_fraction: float = DEFAULT_STARTUP_FRACTION,
              deadline_s: float | None = None,
              shard_blocks: list[tuple[int, list[int]]] | None = None,
-             stale_max_age: int = STALE_MAX_AGE, recompute: bool = True) -> SimResult:
+             stale_max_age: int | None = None, recompute: bool = True) -> SimResult:
     """One streamed edit on the simulated clock (t = 0: the edit starts). ``deadline_s``
     replaces the startup allowance by ``deadline - execution`` (as the runtime does).
     ``shard_blocks`` (``(step, blocks)`` per shard, the pack's layout): the stale plan
     applies to a policy that plans stale (None: every shard is fetched); ``recompute``: a
-    step may be planned local (the template's prompt embeddings are at hand)."""
+    step may be planned local (the template's prompt embeddings are at hand);
+    ``stale_max_age`` None: the runtime's (``dit.stale.STALE_MAX_AGE``)."""
+    if stale_max_age is None:
+        from sakura.dit.stale import STALE_MAX_AGE  # lazy: torch (edge.netem imports this module)
+
+        stale_max_age = STALE_MAX_AGE
     pol = get_policy(policy)
     big = scaled_tables(tables, k)
     real = {(t.shard, o.id): o.nbytes for t in tables for o in t.options + t.dominated}
