@@ -380,7 +380,7 @@ class ReplayConfig(_Settings):
             raise bad("build_workers must be >= 1")
         if self.max_load is not None and not self.max_load >= 0:
             raise bad(f"max_load must be >= 0 (0: no gate), got {self.max_load}")
-        self.load_gate  # noqa: B018 - a bad environment variable fails here, before any run
+        _ = self.load_gate  # a bad $SAKURA_REPLAY_MAX_LOAD fails here, before any run
         p = self.profile
         if min(p.local_s, p.masked_s, p.masked_ratio, p.fp16_gib) <= 0 or p.request_latency_s < 0:
             raise bad("profile times, masked_ratio and fp16_gib must be > 0")
