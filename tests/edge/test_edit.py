@@ -341,7 +341,10 @@ def test_the_startup_allowance_widens_the_first_window_of_an_edit(world):
     assert first[0]["window_s"] < first[0]["lead_s"] + res[0.0].predicted_exec_s[0] + 0.05
     assert first[1]["window_s"] > 0.5 * total
     assert first[1]["window_s"] > first[0]["window_s"]
-    assert first[1]["deadline"] > first[0]["deadline"]
+    # shard 0's deadline (s from the edit's start) lies at least the allowance out; the two
+    # edits' deadlines are not compared: each counts from its own set-up, whose length is the
+    # machine's (a loaded CI machine set res[0.0] up 0.14 s late, past res[1.0]'s deadline)
+    assert first[1]["deadline"] >= res[1.0].startup_allowance_s
     for r in res.values():
         check_timeline(r)
 
