@@ -248,16 +248,19 @@ class StalePlan:
         return "local" if any(self.local[i] for i in range(j) if self.shard_blocks[i][0] == step
                               ) else None
 
+    def _planned(self) -> list[bool]:
+        """Per shard, whether it was planned stale (False for those not yet decided)."""
+        return self.stale + [False] * (len(self.shard_blocks) - len(self.stale))
+
     def may_skip(self, j: int):
         """For the allocator's plan from ``j``: whether shard ``m`` may run stale, counting
         every shard from ``j`` on as unfetched."""
-        planned = self.stale + [False] * (len(self.shard_blocks) - len(self.stale))
+        planned = self._planned()
         return lambda m: stale_source(self.shard_blocks, planned, m, self.max_age,
                                       unfetched_from=j) is not None
 
     def decide(self, j: int, rate_bps: float) -> str | None:
-        planned = self.stale + [False] * (len(self.shard_blocks) - len(self.stale))
-        source = stale_source(self.shard_blocks, planned, j, self.max_age)
+        source = stale_source(self.shard_blocks, self._planned(), j, self.max_age)
         decided = plan_unfetched(source, self.recompute and self.max_age > 0
                                  and rate_bps > 0 and self.measured)
         if decided == "local":
