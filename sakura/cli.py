@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import logging
 import os
 import signal
 import sys
@@ -29,7 +28,7 @@ from collections.abc import Iterator
 from sakura import __version__
 from sakura.errors import SakuraError, UsageError
 from sakura.extras import missing_message
-from sakura.output import json_to_stdout
+from sakura.output import json_to_stdout, quiet_dependency_logs
 
 # the order is the order of `sakura --help` and `sakura bench --help`
 COMMAND_MODULES = (
@@ -39,11 +38,6 @@ COMMAND_MODULES = (
     "sakura.edge.native_cli", "sakura.demo", "sakura.cli_bench", "sakura.origins_bench",
     "sakura.faults_bench", "sakura.serve_ride_cli",
 )
-
-# executorch depends on torchao, which transformers imports whenever it is installed; on
-# this CPU build torchao logs that its CUDA kernels do not load and torch logs a deprecated
-# enum registration: warnings of no use to a user, printed on every command otherwise.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 DESCRIPTION = ("SAKURA: stream compressed KV caches of diffusion-transformer edit templates\n"
                "from the cloud to phones, and edit privately on the device.")
@@ -142,8 +136,7 @@ def _print_usage(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_dependency_logs()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import sys
 import tempfile
@@ -21,6 +22,19 @@ from pathlib import Path
 from typing import Any
 
 STDOUT = "-"
+
+# executorch depends on torchao, which transformers imports whenever it is installed; on
+# this CPU build torchao logs that its CUDA kernels do not load and torch logs a deprecated
+# enum registration: warnings of no use to a user, printed on every command otherwise.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_dependency_logs() -> None:
+    """Silence :data:`QUIET_LOGGERS` below errors: in every command (``sakura.cli``), and in
+    each process a command spawns that may import them (e.g. ``sakura replay``'s parallel
+    pack builds, which printed torchao's lines once per worker)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def json_safe(o: Any) -> Any:

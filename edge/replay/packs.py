@@ -18,6 +18,7 @@ from sakura.edge.replay.config import ReplayConfig
 from sakura.edge.replay.plan import PlannedRun
 
 from sakura.errors import SakuraError
+from sakura.output import quiet_dependency_logs
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class BuildJob:
 
 
 def _run_build(job: BuildJob) -> str:
+    quiet_dependency_logs()  # (a spawned worker: the CLI's setting is not inherited)
     import torch
 
     torch.set_num_threads(1)

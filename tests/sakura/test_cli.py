@@ -446,3 +446,22 @@ def test_the_server_runs_without_torch(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_dependency_warnings_are_quiet_in_spawned_workers_too():
+    """torchao's import logs a warning per kernel library it cannot load on this CPU build;
+    every command silences it (``sakura.output.quiet_dependency_logs``), and so must each
+    process a command spawns that imports it (``sakura replay``'s parallel pack builds
+    printed the lines once per worker). Checked where the import does log without it."""
+    pytest.importorskip("torchao")
+
+    def stderr_of(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300).stderr
+
+    loud = stderr_of("import torchao")
+    if "torchao" not in loud:
+        pytest.skip("torchao logs nothing on import here")
+    quiet = stderr_of("from sakura.output import quiet_dependency_logs\n"
+                      "quiet_dependency_logs()\nimport torchao")
+    assert "torchao" not in quiet, quiet
