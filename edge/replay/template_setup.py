@@ -7,6 +7,11 @@ codec.
 Regime ``matched``: one factor per template scales every network's traces so that the
 FP16 cache at the pooled median of ``regime_network`` (Lumos5G) takes ``regime_x`` x T;
 the other networks keep their rates relative to it (LTE stays ~14x slower than 5G).
+
+A resumed template's setup is measured again (the device state lives in memory), and its
+``T`` must agree with the stored one within :data:`HOST_TOLERANCE` (:func:`check_same_host`):
+otherwise the folder's runs were timed on another host, and resuming would mix two hosts'
+timings and scale this host's runs by the other's ``T``.
 """
 
 from __future__ import annotations
@@ -19,10 +24,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sakura.edge.replay.config import ReplayConfig
+from sakura.edge.replay.config import ReplayConfig, ReplayConfigError
 from sakura.edge.replay.links import Links, link_rtt_ms
 from sakura.edge.replay.load_gate import RETAKES, load1, wait_for_quiet
 from sakura.edge.replay.results import ResultsFile, template_key
+
+HOST_TOLERANCE = 1.25
+"""Largest factor between a resumed template's ``T`` (min of 3 resident edits, measured at a
+load average within the gate) and its stored one. The committed replays of 2026-12-06
+(``docs/replay-networks``, ``docs/replay-kernel``, ``docs/replay``'s rerun) measured
+face-technologist's T at 0.316, 0.288 and 0.322 s (the last at load 2.1): within 12%. Their
+``docs/replay-kernel`` resumed on 2026-12-07 on a host without AVX-512 measured T = 0.480 s
+(1.67x) and local 1.46 s against 0.98 s: its new runs would have been scaled by the old T and
+mixed with the old timings."""
+
+
+def check_same_host(tid: str, stored: dict[str, Any], masked_exec_s: float, gated: bool,
+                    log: Callable[[str], None]) -> None:
+    """Refuse to resume a template whose ``T`` here differs from the stored one by more than
+    :data:`HOST_TOLERANCE` (:class:`ReplayConfigError`, one line); ``gated`` False (the
+    measurement was not taken within the load gate, e.g. ``--max-load 0``): only a warning,
+    since a loaded host's time says nothing about the host."""
+    old = float(stored.get("masked_exec_s") or 0.0)
+    if old <= 0 or masked_exec_s <= 0:
+        return
+    ratio = masked_exec_s / old
+    if 1.0 / HOST_TOLERANCE <= ratio <= HOST_TOLERANCE:
+        return
+    what = (f"{tid}: the results here were timed where its masked edit took {old:.3f} s; "
+            f"here it takes {masked_exec_s:.3f} s ({ratio:.2f}x)")
+    if not gated:
+        log(f"warning: {what}, measured outside the load gate (not refused)")
+        return
+    raise ReplayConfigError(f"{what}: resuming would mix two hosts' timings and scale this "
+                            f"host's runs by the other's T; use another --out")
 
 
 @dataclass
@@ -95,9 +130,12 @@ def setup_template(cfg: ReplayConfig, tid: str, base: str, variants: list[str],
         exact, floor_s, fp16_manifest = exact_and_floor(main, direct, tid, template, req,
                                                         repeats=3)
         full_res = main.edit(direct, tid, template, req, "local")
-        if stored is not None or max_load <= 0 or load1() <= max_load or attempt == RETAKES:
+        ended = load1()
+        if max_load <= 0 or ended <= max_load or attempt == RETAKES:
             break
-        log(f"{tid}: setup ended at load average {load1():.2f} > {max_load:g}: measured again")
+        log(f"{tid}: setup ended at load average {ended:.2f} > {max_load:g}: measured again")
+    if stored is not None and cfg.regime == "matched":
+        check_same_host(tid, stored, floor_s, 0 < max_load and ended <= max_load, log)
     if stored is None:
         fp16_bytes = int(fp16_manifest["fp16_bytes"])
         storage = _storage(packs, "main", tid)

@@ -293,6 +293,27 @@ def test_the_load_gate_comes_from_the_config_else_the_environment(monkeypatch):
         ReplayConfig().validate()
 
 
+def test_a_resume_on_another_host_is_refused():
+    """A resumed template's T is measured again; one that moved by more than HOST_TOLERANCE
+    means another host (docs/replay-kernel's T = 0.288 s measured 0.480 s on a host without
+    AVX-512): one error line within the load gate, a warning outside it (a loaded host's
+    time says nothing about the host), nothing within the tolerance."""
+    from sakura.edge.replay.template_setup import HOST_TOLERANCE, check_same_host
+
+    said: list[str] = []
+    stored = {"masked_exec_s": 0.288}
+    for t in (0.288, 0.32, 0.288 * HOST_TOLERANCE * 0.99, 0.288 / HOST_TOLERANCE / 0.99):
+        check_same_host("face", stored, t, True, said.append)
+    assert said == []
+    for t in (0.480, 0.2):
+        with pytest.raises(ReplayConfigError, match="face: .*mix two hosts' timings.*--out"):
+            check_same_host("face", stored, t, True, said.append)
+    check_same_host("face", stored, 0.480, False, said.append)
+    assert len(said) == 1 and said[0].startswith("warning: face:") and "1.67x" in said[0]
+    check_same_host("face", {}, 0.480, True, said.append)  # nothing stored to compare with
+    assert len(said) == 1
+
+
 class _Key:
     def __init__(self, key: str) -> None:
         self.key = key
