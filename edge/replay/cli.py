@@ -103,8 +103,8 @@ def _replay(args: argparse.Namespace) -> int:
           f"{args.out}/runs.jsonl)")
     failed = summary.get("failed", [])
     if failed:
-        print(f"sakura: error: {len(failed)} run(s) failed and were not recorded; rerun the "
-              "same command to retry them", file=sys.stderr)
+        print(f"sakura: error: {len(failed)} run(s) failed (each left a failure record, which "
+              "the report names); rerun the same command to retry them", file=sys.stderr)
     if args.report:
         from sakura.edge.replay.report import write_report  # lazy: scipy
 

@@ -127,16 +127,20 @@ def write_report(dir_: str | Path, json_path: str | Path | None = None,
     out = Path(out_dir) if out_dir else Path(dir_)
     figs = out / "figures"
     figs.mkdir(parents=True, exist_ok=True)
-    heads = headlines(runs, tmpl, meta)
-    subs = [(name, *load(d)) for name, d in model_replays(Path(dir_), meta)]
-    sub_heads = [(name, headlines(r, t, m)) for name, r, t, m in subs]
+    heads = {**headlines(runs, tmpl, meta), "failed_runs": failed_runs(Path(dir_))}
+    folders = model_replays(Path(dir_), meta)
+    subs = [(name, *load(d)) for name, d in folders]
+    sub_heads = [(name, {**headlines(r, t, m), "failed_runs": failed_runs(d)})
+                 for (name, r, t, m), (_, d) in zip(subs, folders)]
     heads = with_models(heads, sub_heads)
-    md = ["# SAKURA replay report\n", intro(Path(dir_).name, runs, meta)]
+    md = ["# SAKURA replay report\n", intro(Path(dir_).name, runs, meta),
+          _failures_text(heads["failed_runs"])]
     if sub_heads:
         md.append(_models_text(heads, meta))
     md += _sections(runs, tmpl, meta, heads, figs, "figures")
     for (name, r, t, m), (_, head) in zip(subs, sub_heads):
-        md += [f"# Model {name}\n", intro(f"{Path(dir_).name}/{name}", r, m)]
+        md += [f"# Model {name}\n", intro(f"{Path(dir_).name}/{name}", r, m),
+               _failures_text(head["failed_runs"])]
         md += _sections(r, t, m, head, figs / name, f"figures/{name}")
     path = out / "report.md"
     path.write_text("\n".join(md) + "\n")
@@ -144,6 +148,25 @@ def write_report(dir_: str | Path, json_path: str | Path | None = None,
         jp = Path(json_path)
         write_atomic(jp, json.dumps(json_safe(heads), indent=1, allow_nan=False))
     return path
+
+
+def failed_runs(dir_: Path) -> dict[str, Any]:
+    """The runs of ``dir_`` that failed and were not taken again since (``failure``
+    records): none of them is in any statistic of the report."""
+    fails = ResultsFile(dir_).failures()
+    by: dict[str, int] = {}
+    for f in fails:
+        by[f["policy"]] = by.get(f["policy"], 0) + 1
+    return {"count": len(fails), "by_policy": by,
+            "runs": [{"run": f["run_key"], "error": f["error"]} for f in fails]}
+
+
+def _failures_text(failed: dict[str, Any]) -> str:
+    if not failed["count"]:
+        return "No run failed.\n"
+    return (f"**{failed['count']} run(s) failed** and are in no statistic below (a rerun of the "
+            "replay retries them): " + "; ".join(f"`{f['run']}`: {f['error']}"
+                                                  for f in failed["runs"]) + "\n")
 
 
 def _sections(runs: list[dict[str, Any]], tmpl: dict[str, dict[str, Any]],

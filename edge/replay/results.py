@@ -7,6 +7,11 @@ finished. A run killed half-way therefore loses only itself; a torn last line (k
 during the write) is ignored on reading and overwritten by the next append. The run key
 names everything that decides a run: regime mode, template, network, trace, start point,
 policy (with its pack variant); a resumed replay skips every key already present.
+
+A run that failed (e.g. a transfer that exhausted its retries) leaves a ``kind: "failure"``
+record (:func:`failure_record`: its run key, the error, the load average) under a key of its
+own, so a resume still retries the run, and the report names every run that has failed and
+not been taken since (:meth:`ResultsFile.failures`): its statistics do not silently lose it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ class RunKey:
 
 def template_key(mode: str, template: str) -> str:
     return f"{mode}|{template}|template"
+
+
+def failure_record(key: RunKey, error: str, load1: float, when: float) -> dict[str, Any]:
+    """The record of a failed run (its key is not the run's: a resume retries the run)."""
+    return {"kind": "failure", "key": f"failure|{key}", "run_key": str(key),
+            "mode": key.mode, "template": key.template, "network": key.network,
+            "trace": key.trace, "start_s": key.start_s, "policy": key.policy,
+            "error": error, "load1": load1, "time": when}
 
 
 def finite(x: float | None) -> float | str | None:
@@ -112,6 +125,19 @@ class ResultsFile:
 
     def templates(self) -> dict[str, dict[str, Any]]:
         return {k: r for k, r in self.latest().items() if r.get("kind") == "template"}
+
+    def failures(self) -> list[dict[str, Any]]:
+        """The last failure record of each run that has no run record after it (failed,
+        and not taken again since), in file order."""
+        last: dict[str, tuple[int, dict[str, Any]]] = {}
+        ran: dict[str, int] = {}
+        for i, r in enumerate(self.records()):
+            if r.get("kind") == "failure":
+                last[str(r.get("run_key"))] = (i, r)
+            elif r.get("kind") == "run":
+                ran[str(r["key"])] = i
+        return [r for k, (i, r) in sorted(last.items(), key=lambda kv: kv[1][0])
+                if ran.get(k, -1) < i]
 
 
 def compact_timeline(timeline: list[dict[str, Any]]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,11 @@ from typing import Any
 from sakura.edge.errors import EdgeError
 from sakura.edge.replay.config import ReplayConfig, ReplayConfigError
 from sakura.edge.replay.links import Links
-from sakura.edge.replay.load_gate import RETAKES, wait_for_quiet
+from sakura.edge.replay.load_gate import RETAKES, load1, wait_for_quiet
 from sakura.edge.replay.networks import pooled_median_bps
 from sakura.edge.replay.packs import build_all, build_jobs
 from sakura.edge.replay.plan import plan
-from sakura.edge.replay.results import ResultsFile
+from sakura.edge.replay.results import ResultsFile, failure_record
 from sakura.edge.replay.resume import check_meta
 from sakura.edge.replay.runs import run_matched, run_profile
 from sakura.edge.replay.template_setup import TemplateState, setup_template
@@ -170,10 +171,12 @@ def _run_one(cfg: ReplayConfig, out: Path, log: Log, progress: bool, model: Any,
                 rec = _timed_run(runner, r, state, cfg, links, root, gate, results, log)
             except SakuraError as exc:
                 # one bad run (e.g. a transfer that exhausted its retries) must not end a
-                # long unattended replay; it is not recorded, so a rerun retries it
+                # long unattended replay; its failure is recorded (the report names it) and
+                # a rerun retries it
                 failed.append(str(r.key))
                 in_a_row += 1
-                log(f"run {r.key} failed: {exc} (not recorded; rerun to retry)")
+                results.append(failure_record(r.key, str(exc), load1(), time.time()))
+                log(f"run {r.key} failed: {exc} (a failure record; rerun to retry)")
                 if in_a_row >= MAX_FAILURES:
                     raise EdgeError(f"{in_a_row} runs failed in a row, the last: {exc}") from exc
                 bar.update(1)

@@ -414,6 +414,8 @@ def test_report_command_writes_report_figures_and_headline_json(handmade, tmp_pa
     for name in pngs:
         assert f"figures/{name}" in md  # every figure is linked from the report
     assert "**Resolution**" in md and "**Importance exponent q**" in md
+    assert doc["failed_runs"] == {"count": 0, "by_policy": {}, "runs": []}
+    assert "No run failed." in md
     # the model the replay ran (the shipped weights: the meta names none), from its card
     (name, model), = doc["models"].items()
     assert name == "sakura-mmdit" and model["class"] == "sakura.dit.model.MMDiT"
@@ -431,6 +433,36 @@ def test_report_command_writes_report_figures_and_headline_json(handmade, tmp_pa
             assert (f"{v:.2f}" if v is not None else "| –") in rows[net]
         else:
             assert "not replayed" in rows[net]
+
+
+def test_a_failed_run_is_recorded_retried_and_named_by_the_report(handmade, tmp_path):
+    """A run that failed leaves a failure record under a key of its own (a resume retries
+    the run); the report names every run still failing and counts none of them, and a run
+    taken since its failure is no longer named."""
+    from sakura.edge.replay.results import RunKey, failure_record
+
+    rf = ResultsFile(handmade)
+    k1 = RunKey("matched", "fa", "5g", "t.txt", 1.0, 7, "fp16")
+    k2 = RunKey("matched", "tb", "wifi", "w.txt", 2.0, 3, "sakura")
+    rf.append(failure_record(k1, "gave up after 8 attempts", 0.8, 1.0))
+    rf.append(failure_record(k2, "first error", 0.8, 2.0))
+    rf.append(failure_record(k2, "origin unreachable", 0.9, 3.0))
+    assert str(k1) not in rf.done() and str(k2) not in rf.done()  # retried on resume
+    assert [(f["run_key"], f["error"]) for f in rf.failures()] == [
+        (str(k1), "gave up after 8 attempts"), (str(k2), "origin unreachable")]
+    before = len(rf.runs())
+    assert main(["report", str(handmade), "--json", str(tmp_path / "h.json")]) == 0
+    doc = json.loads((tmp_path / "h.json").read_text())
+    assert doc["failed_runs"]["count"] == 2 and doc["failed_runs"]["by_policy"] == {
+        "fp16": 1, "sakura": 1}
+    md = (handmade / "report.md").read_text()
+    assert "**2 run(s) failed**" in md and f"`{k2}`: origin unreachable" in md
+    assert len(rf.runs()) == before  # a failure is not a run
+    # the run taken again since: only the other one is still failing
+    rf.append({**_run("face-swap", "fa", "fp16", 50.0, "inf"), "key": str(k1)})
+    assert [f["run_key"] for f in rf.failures()] == [str(k2)]
+    assert main(["report", str(handmade), "--json", str(tmp_path / "h.json")]) == 0
+    assert json.loads((tmp_path / "h.json").read_text())["failed_runs"]["count"] == 1
 
 
 def _iso_world(tmp_path, intq_psnr_b=20.0):
