@@ -25,7 +25,7 @@ def test_lumos_known_lines(trace_dir: Path) -> None:
     np.testing.assert_allclose(tr.rates_bps[:3], [91 * MB, 123 * MB, 96 * MB])
     assert tr.interval_s == 1.0 and tr.duration_s == 800.0
     assert set(tr.labels) == {"5G"}
-    lte = load_trace(trace_dir / "lumos5g/4g/4g_trace_driving_50015_dr.txt")  # "0 45.0"...
+    lte = load_trace(trace_dir / "lumos5g/4g/4g_trace_driving_50015_dr.txt")
     np.testing.assert_allclose(lte.rates_bps[:5], np.array([45, 45, 44, 35, 34]) * MB)
     assert set(lte.labels) == {"LTE"}
 
