@@ -352,8 +352,10 @@ class EdgeRuntime:
         client = PackClient(server, token=token, request_log=log, retry=opts.retry,
                             on_wait=opts.on_wait,
                             manifests=self.manifests if opts.cache_manifests else None)
-        net.run(client.open())
         try:
+            # (inside: a stop that lands in this thread as the client opens, SIGTERM in
+            # `sakura replay`, still closes it; a CI run printed "Unclosed client session")
+            net.run(client.open())
             # an origin with no remembered rate and no caller's prior: the manifest's body
             # is asked for even when a copy is cached (from another origin, or a state whose
             # memory of this one was lost), since its transfer is the only rate sample before

@@ -435,3 +435,53 @@ def test_an_origin_without_a_remembered_rate_gets_the_manifest_body_as_its_rate_
     assert other.manifest_bytes == first.manifest_bytes  # the body, not a 304
     assert rt.remembered_rate(b.url) is not None
     assert again.manifest_bytes == 0  # measured now: revalidated, 304
+
+
+class _Stopped(BaseException):
+    """What a signal handler raises in the executing thread (``sakura.cli.Terminated``,
+    KeyboardInterrupt): no ``except Exception`` on the way catches it."""
+
+
+def test_an_edit_stopped_at_any_network_call_leaves_no_open_session(world, monkeypatch):
+    """A `sakura replay` stopped by SIGTERM printed aiohttp's "Unclosed client session"
+    after its last line (a CI run): the stop had landed in the executing thread while it
+    waited for the client to open, outside the `try` that closes it. Here the stop lands
+    right after each of the edit's network calls in turn; every session is closed."""
+    from sakura.edge.client import PackClient
+    from sakura.edge.netloop import NetLoop
+
+    sessions: list = []
+    new_session = PackClient._new_session
+
+    def recorded(self, connector):
+        s = new_session(self, connector)
+        sessions.append(s)
+        return s
+
+    monkeypatch.setattr(PackClient, "_new_session", recorded)
+    run = NetLoop.run
+    rt = world.runtime()
+    req = rt.request(PROMPT, SEED)
+    with Server(create_app(LocalStorage(world.catalog_dir))) as server:
+        stopped_at = 0
+        for k in range(1, 40):
+            calls = [0]
+
+            def stop_after(self, coro, timeout=None, k=k, calls=calls):
+                got = run(self, coro, timeout)
+                calls[0] += 1
+                if calls[0] == k:
+                    raise _Stopped()
+                return got
+
+            monkeypatch.setattr(NetLoop, "run", stop_after)
+            try:
+                rt.edit(server.url, TEMPLATE_ID, world.template, req, "sakura")
+            except _Stopped:
+                stopped_at = k
+                continue
+            finally:
+                monkeypatch.setattr(NetLoop, "run", run)
+            break
+    assert stopped_at >= 2  # (the open, the manifest, the close: the edit makes them all)
+    assert sessions and all(s.closed for s in sessions)
