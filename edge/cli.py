@@ -42,6 +42,8 @@ from sakura.extras import require
 
 #: EditOptions.max_inflight (edge/runtime.py imports torch; a test keeps them equal)
 MAX_INFLIGHT = 6
+#: RetryPolicy.window_s (edge/retry.py imports aiohttp; the same test keeps them equal)
+RETRY_WINDOW_S = 30.0
 
 # what each non-torch backend imports (sakura.extras names the extra to install)
 BACKEND_MODULES = {"executorch": ("executorch",), "qnn": ("onnxruntime_qnn", "onnx")}
@@ -123,6 +125,11 @@ def _edit_parser(commands: Any) -> None:
                    help="also write the result (latency, bytes, stalls, configurations, "
                         "timeline) here (- for stdout)")
     p.add_argument("--token", help="bearer token for the server")
+    p.add_argument("--retry-window", type=positive_float, default=RETRY_WINDOW_S,
+                   metavar="S",
+                   help="give up on an origin that makes no progress for this long (no "
+                        "answer, refused connections, 5xx), saying so once per retry "
+                        "(default %(default)g s: long enough for a sakura serve restart)")
     p.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
     p.add_argument("--model", help="run a diffusers model instead of the shipped one, e.g. "
                    "flux2-klein-4b, sd3.5-medium, qwenimage, qwenimage-2.1 (with --model-path; "
@@ -315,7 +322,8 @@ def check_edit_args(args: argparse.Namespace) -> None:
                         f"this edit runs on the {args.runtime} runtime")
 
 
-def fetch_template_entry(server: str, template_id: str, token: str | None) -> dict[str, Any]:
+def fetch_template_entry(server: str, template_id: str, token: str | None,
+                         retry: Any = None) -> dict[str, Any]:
     """The template's entry in the server's catalog (only its id is sent), fetched before
     torch or the model load, so that an unknown template or a server that is not there
     costs nothing (the same request as ``EdgeRuntime.fetch_template``)."""
@@ -324,7 +332,7 @@ def fetch_template_entry(server: str, template_id: str, token: str | None) -> di
     from sakura.edge.client import PackClient, RetryPolicy  # lazy: aiohttp
 
     async def get() -> dict[str, Any]:
-        async with PackClient(server, token=token, retry=RetryPolicy(),
+        async with PackClient(server, token=token, retry=retry or RetryPolicy(),
                               on_wait=say_waiting) as client:
             return await client.template_entry(template_id)
 
@@ -342,8 +350,11 @@ def _edit(args: argparse.Namespace) -> int:
     from sakura.edge.netem import trace_from_args  # lazy: CLI --help stays fast
 
     trace = trace_from_args(args.trace, args.rate, args.scale)
+    from sakura.edge.retry import RetryPolicy  # lazy: aiohttp
+
+    retry = RetryPolicy(window_s=args.retry_window)
     entry = None if args.catalog else fetch_template_entry(args.server, args.template,
-                                                           args.token)
+                                                           args.token, retry)
     _set_threads(args.threads)
     if entry is None:
         from sakura.dit.templates import load_catalog  # lazy: torch
@@ -375,7 +386,8 @@ def _edit(args: argparse.Namespace) -> int:
                           pack=args.pack, http_version=args.http_version,
                           pack_origin=args.pack_origin, precision=args.precision,
                           reconstruct=args.reconstruct,
-                          startup_fraction=args.startup_fraction, on_wait=say_waiting)
+                          startup_fraction=args.startup_fraction, on_wait=say_waiting,
+                          retry=retry)
     link_info: dict[str, Any] = {"mode": "direct"}
     if trace is not None:
         stats = trace.slice(args.start, 60.0).stats() if args.trace else trace.stats()
@@ -396,7 +408,8 @@ def _edit(args: argparse.Namespace) -> int:
                               token=args.token, options=options)
     if args.compare_exact:
         exact = runtime.edit(args.server, args.template, template, req, "fp16",
-                             token=args.token, options=EditOptions(remember_rate=False))
+                             token=args.token, options=EditOptions(remember_rate=False,
+                                                                   retry=retry))
         result.compare(exact.image)
     save_image(result.image, out)
     stem = out.with_suffix("")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -171,15 +172,23 @@ def test_sakura_edit_local_policy_with_a_local_catalog(text_world, tmp_path, cap
 
 
 def test_sakura_edit_reports_an_unreachable_server(text_world, tmp_path, capsys):
+    """Refused connections are retried, one line each, until --retry-window passes without
+    progress (default 30 s, a `sakura serve` restart); then one error line."""
     from tests.edge.helpers import free_port
 
     root, tid = text_world
+    t0 = time.monotonic()
     code = main(["edit", "--server", f"http://127.0.0.1:{free_port()}", "--template", tid,
                  "--prompt", "x", "--out", str(tmp_path / "x.png"), "--weights",
-                 str(root / "model.safetensors"), "--no-state"])
+                 str(root / "model.safetensors"), "--no-state", "--retry-window", "1.5"])
     assert code == 1
     err = capsys.readouterr().err
-    assert "sakura: error: cannot reach the SAKURA server" in err
+    assert err.strip().splitlines()[-1].startswith(
+        "sakura: error: cannot reach the SAKURA server")
+    assert "sakura: " in err.strip().splitlines()[0]  # the retries were said
+    assert len(err.strip().splitlines()) >= 2
+    assert time.monotonic() - t0 >= 1.5  # it waited the window, and no shorter
+    assert not (tmp_path / "x.png").exists()
 
 
 @pytest.mark.parametrize("value", ["-0.5", "1.5", "nan"])

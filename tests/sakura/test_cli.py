@@ -293,7 +293,8 @@ def test_the_clis_copies_of_package_constants_agree():
     from sakura.dit.templates import DEFAULT_CATALOG, load_catalog
     from sakura.dit.train import TrainConfig
     from sakura.edge.backends import BACKENDS
-    from sakura.edge.cli import BACKEND_MODULES, MAX_INFLIGHT
+    from sakura.edge.cli import BACKEND_MODULES, MAX_INFLIGHT, RETRY_WINDOW_S
+    from sakura.edge.retry import RetryPolicy
     from sakura.edge.runtime import EditOptions
 
     assert BUILD_CODECS == DEFAULT_CODECS and BENCH_MODELS == KINDS
@@ -301,6 +302,7 @@ def test_the_clis_copies_of_package_constants_agree():
     assert Path(DEFAULT_TRAIN_DIR) == Path(TrainConfig().out_dir)
     assert set(BACKEND_MODULES) == set(BACKENDS) - {"torch"}
     assert MAX_INFLIGHT == EditOptions.max_inflight
+    assert RETRY_WINDOW_S == RetryPolicy.window_s
 
 
 def test_bench_cli_times_every_help(tmp_path, capsys):
