@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -119,6 +120,9 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
         self._cond = threading.Condition()
         self._tc_lock = threading.Lock()  # one tc command on the qdisc at a time
         self._error: str = ""
+        #: faults of the emulator itself (a tc command that failed or hung, the rate thread
+        #: stopped): a run during which this grew measured the emulator, not the client
+        self.faults = 0
         self._last: tuple[int, int, int] | None = None
         self._kick_sock: socket.socket | None = None
 
@@ -179,9 +183,11 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
             # and its queue are destroyed in the same netlink request). A delete then an add
             # left the veth unshaped between the two tc calls.
             handle = "2:" if self._handle == "1:" else "1:"
-            res = run_cmd(self._tc_tbf("replace", *params, handle=handle))
-            if res.returncode != 0:
-                self._error = f"tc replace failed: {res.stderr.strip()}"
+            res = self._tc(self._tc_tbf("replace", *params, handle=handle))
+            if res is None:
+                pass
+            elif res.returncode != 0:
+                self._fault(f"tc replace failed: {res.stderr.strip()}")
             else:
                 self._handle = handle
                 self._last = params
@@ -197,15 +203,41 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
         if params == self._last:
             return
         t0 = time.monotonic()
-        res = run_cmd(self._tc_tbf("change", *params))
+        res = self._tc(self._tc_tbf("change", *params))
         t1 = time.monotonic()
+        if res is None:
+            return
         if res.returncode != 0:
-            self._error = f"tc change failed: {res.stderr.strip()}"
+            self._fault(f"tc change failed: {res.stderr.strip()}")
             return
         self._last = params
         self.apply_latency_s = 0.8 * self.apply_latency_s + 0.2 * (t1 - t0)
         self.applied.append(TbfSetting(t1, rate_bps, *params))
         self._kick()
+
+    def _fault(self, message: str) -> None:
+        self._error = message
+        self.faults += 1
+
+    def _tc(self, cmd: list[str]) -> Any:
+        """Run a ``tc`` command; a hung or unstartable one is a fault (None), never an
+        exception: an exception ended the rate thread, and tbf then kept its last rate (an
+        outage's 8 bit/s included) for every later run on the link, with nothing said."""
+        try:
+            return run_cmd(cmd)
+        except (subprocess.TimeoutExpired, OSError) as exc:
+            self._fault(f"{' '.join(cmd[:6])}: {exc}")
+            return None
+
+    def health(self) -> str:
+        """Why the link cannot be trusted now ('' when it can): its rate thread or its
+        delay stage's process has stopped."""
+        if self._thread is not None and not self._thread.is_alive():
+            return f"the tbf rate thread has stopped ({self._error or 'no error recorded'})"
+        dead = [r.pid for r in self._relays if not r.alive]
+        if dead:
+            return f"the delay stage's process {dead[0]} has exited"
+        return ""
 
     def _kick(self) -> None:
         """Make tbf dequeue now: ``tc change`` does not re-arm its watchdog, which may be
@@ -258,6 +290,12 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
         self._apply(self._control_rate(wall), self._control_run(wall))
 
     def _rate_loop(self) -> None:
+        try:
+            self._rate_loop_body()
+        except Exception as exc:  # noqa: BLE001 - recorded: health() and faults say it
+            self._fault(f"the tbf rate thread stopped: {exc!r}")
+
+    def _rate_loop_body(self) -> None:
         sched = self.schedule
         self._apply_at(time.monotonic())
         while not self._stop.is_set():

@@ -211,6 +211,37 @@ class Links:
         link.restart(start_s)
         return self.urls[variant]
 
+    @contextlib.contextmanager
+    def watched(self, variant: str) -> Iterator[None]:
+        """Around one timed run: a fault of the emulator during it (a ``tc`` change that
+        failed or hung, the rate thread or a link process gone) raises :class:`LinkError`
+        naming it, from the run's own error if it had one. Such a run measured the emulator,
+        not the policy: the replay records it as a failure, and a rerun takes it again."""
+        link = self.links[variant]
+        before = int(getattr(link, "faults", 0))
+        try:
+            yield
+        except Exception as exc:
+            why = self._link_fault(link, before)
+            if why:
+                raise LinkError(f"the emulated link failed during this run: {why}") from exc
+            raise
+        why = self._link_fault(link, before)
+        if why:
+            raise LinkError(f"the emulated link failed during this run: {why}")
+
+    @staticmethod
+    def _link_fault(link: Any, faults_before: int) -> str:
+        if hasattr(link, "health"):
+            why = link.health()
+            if why:
+                return why
+        elif not getattr(link, "alive", True):
+            return "the paced link's process has exited"
+        if int(getattr(link, "faults", 0)) > faults_before:
+            return str(getattr(link, "error", "") or "a fault of the link")
+        return ""
+
     def client(self, variant: str) -> contextlib.AbstractContextManager[None]:
         """Where the device's sockets must be created for the shaped URL."""
         if self.kind == "kernel":

@@ -84,7 +84,7 @@ def run_matched(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Link
                               deadline_s=rec["deadline_s"], pipeline_cpus=io_cpus)
         links.set_rtt(rec["link_rtt_ms"])
         rec.update(links.link_conditions(r.variant))
-        with links.client(r.variant):
+        with links.watched(r.variant), links.client(r.variant):
             url = links.shaped(r.variant, trace, r.start.start_s)
             res = rt.edit(url, r.template, st.template, st.req, r.policy, options=options)
     rec.update({

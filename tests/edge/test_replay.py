@@ -984,3 +984,51 @@ def test_a_replay_stopped_by_sigterm_leaves_no_server_behind(tiny_catalog, tmp_p
              and open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
     assert alive == []
     assert len(ResultsFile(out).runs()) >= 1  # kept for the resume
+
+
+def test_a_fault_of_the_kernel_link_during_a_run_fails_that_run(tmp_path, monkeypatch):
+    """A run during which the emulator faulted (here a `tc replace` that fails as the run's
+    link restarts) measured the emulator: it raises LinkError naming the fault, chained to
+    the run's own error when it had one, so the replay records a failure and a rerun
+    retries it. Without a fault the run's own error passes through unchanged."""
+    import subprocess
+
+    import sakura.traces.netns as netns
+    from sakura.edge.errors import EdgeError
+    from sakura.edge.replay.links import Links
+    from sakura.traces import Trace
+    from sakura.traces.errors import LinkError
+
+    reason = netns.kernel_shaping_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"kernel shaping: {reason}")
+    real = netns.run_cmd
+    failing = []
+
+    def run_cmd(cmd, *args, **kwargs):
+        if failing and "replace" in cmd:
+            return subprocess.CompletedProcess(cmd, 2, "", "RTNETLINK answers: No buffer")
+        return real(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(netns, "run_cmd", run_cmd)
+    links = Links(default_config(), tmp_path, ["main"], lambda line: None)
+    trace = Trace.constant(10e6, 5.0)
+    with netns.KernelShapedLink(trace) as link:
+        links.links["main"], links.urls["main"] = link, "http://unused"
+        with links.watched("main"):
+            links.shaped("main", trace, 0.0)  # healthy: nothing raised
+        with pytest.raises(EdgeError, match="without progress") as own:
+            with links.watched("main"):
+                raise EdgeError("8 attempts and 33 s without progress")
+        assert not isinstance(own.value, LinkError)
+        failing.append(True)
+        with pytest.raises(LinkError, match="the emulated link failed during this run: tc "
+                                            "replace failed: RTNETLINK answers: No buffer"):
+            with links.watched("main"):
+                links.shaped("main", trace, 0.0)
+        with pytest.raises(LinkError, match="tc replace failed") as chained:
+            with links.watched("main"):
+                links.shaped("main", trace, 0.0)
+                raise EdgeError("8 attempts and 33 s without progress")
+        assert isinstance(chained.value.__cause__, EdgeError)
+        assert link.faults == 2

@@ -254,3 +254,34 @@ def test_a_restart_starts_on_an_empty_bottleneck_with_no_arp_behind_it() -> None
         # behind >= 100 kB at 2 Mbit/s the byte would wait >= 0.4 s
         assert float(res.stdout) < 0.3, res.stdout
         assert link.error == ""
+
+
+@needs_kernel
+def test_a_hung_tc_change_is_a_fault_and_the_rate_thread_goes_on(monkeypatch) -> None:
+    """A `tc change` that hangs (run_cmd's timeout) used to end the rate thread with an
+    exception: tbf then kept its last rate, an outage's 8 bit/s included, for every later
+    run, and nothing said so. Now it is a counted fault with its reason, and the next
+    boundary is applied."""
+    import sakura.traces.netns as netns
+
+    real = netns.run_cmd
+    hung = []
+
+    def run_cmd(cmd, *args, **kwargs):
+        if "change" in cmd and not hung:
+            hung.append(cmd)
+            raise subprocess.TimeoutExpired(cmd, 10.0)
+        return real(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(netns, "run_cmd", run_cmd)
+    # a new rate every 0.3 s: every boundary is a tc change
+    trace = Trace.from_rates(np.array([4, 8, 2, 6, 3, 9, 5, 7] * 4) * MB, 0.3)
+    with KernelShapedLink(trace) as link:
+        deadline = time.monotonic() + 10
+        while (not hung or len(link.applied) < 3) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert hung and link.faults == 1
+        assert "tc -n" in link.error and "timed out" in link.error
+        assert link.health() == ""  # the thread lives on
+        assert len(link.applied) >= 3  # and later boundaries were applied
+        assert link.applied[-1].wall > link.applied[0].wall
