@@ -317,7 +317,8 @@ class DeviceBundles:
                         out.flush()
                         os.fsync(out.fileno())
 
-            publish_folder(self.root / f.sha256, fill)
+            publish_folder(self.root / f.sha256, fill, current=lambda p, names=tuple(
+                {g.name for g in same}): all((p / n).is_file() for n in names))
             self.downloaded += 1
         return paths
 

@@ -42,23 +42,43 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
     return out
 
 
-def publish_folder(final: str | os.PathLike[str], build: Callable[[Path], None]) -> Path:
+def publish_folder(final: str | os.PathLike[str], build: Callable[[Path], None],
+                   current: Callable[[Path], bool] | None = None) -> Path:
     """Make a whole folder appear at ``final`` at once: ``build(tmp)`` fills a fresh
-    temporary folder beside it, a stale or damaged folder under the name is removed, and
-    the temporary one is renamed into place (the parent ``fsync``-ed); on any error nothing
-    is left behind. Used for the compiled-graph folders of the execution backends and the
-    text encoder's program (``edge/backends/``)."""
+    temporary folder beside it, which is then renamed into place (the parent ``fsync``-ed);
+    on any error nothing is left behind. Used for the compiled-graph folders of the
+    execution backends, the text encoder's program and the device bundle's files
+    (``edge/``).
+
+    A folder found under the name once ``build`` is done is either another process's
+    publication of the same content, made meanwhile (``current(path)`` says so: it is kept
+    and this one dropped, the first writer wins), or a stale or damaged one: it is renamed
+    aside, the new one renamed into place, then the old one removed. Two processes that
+    compiled the same graph into one cache (two test workers, two device processes) used to
+    replace each other's folder with ``rmtree`` while the other loaded from it."""
     out = Path(final)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
+    aside: Path | None = None
     try:
         build(tmp)
         if out.exists():
-            shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+            if current is not None and current(out):
+                return out
+            aside = Path(tempfile.mkdtemp(prefix=".stale-", dir=out.parent))
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(out, aside)  # (onto an empty folder: allowed)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # another process put its folder there between the two renames
+            if current is not None and current(out):
+                return out
+            raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for left in (tmp, aside):
+            if left is not None and left.exists():
+                shutil.rmtree(left, ignore_errors=True)
     fsync_dir(out.parent)
     return out
 

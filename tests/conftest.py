@@ -3,20 +3,22 @@
 ``./scripts/test`` runs the suite in two parts: every file not in :data:`SERIAL` on two
 pytest-xdist workers, one file per worker at a time (``--dist loadfile``: module fixtures
 are built once), then the :data:`SERIAL` files alone. Serial are the files whose tests
-ride an emulated link or a local Ray cluster: their assertions are about rates, stalls and
-deadlines, which another worker's load on the same two cores would move. The parallel part
-is mostly ExecuTorch exports and CMake builds, pure single-threaded work. Measured on a
-fresh clone here (2 cores): the whole suite in one process took 1655 s. A worker runs torch
-on one thread (two workers fill the two cores) and gets a compiled-artifact cache of its
-own (``SAKURA_CACHE``): two workers publishing the same key into one folder would replace
-each other's while the other loads it.
+ride an emulated link or a local Ray cluster (their assertions are about rates, stalls and
+deadlines, which another worker's load on the same two cores would move) and the files
+whose tests run multi-threaded subprocesses (a `sakura build`, a wheel install): beside
+another worker they took 6-10x their time alone (the wheel test 289 s against 27 s, the
+sakura-flux2 round trip 214 s against 47 s, a fresh clone here on 2026-12-07). The
+parallel part is mostly ExecuTorch exports and CMake builds, single-threaded work. A worker
+runs torch on one thread (two workers fill the two cores). Both parts share the compiled-
+artifact cache, as the one-process suite did (the serial part recompiled 160 s of graphs
+with a cache per worker); two workers publishing the same graph is safe
+(``sakura.atomic.publish_folder``: the first writer wins). The whole suite in one process
+took 1655 s on a fresh clone here.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -28,12 +30,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("SAKURA_REPLAY_MAX_LOAD", "0")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 torch.set_num_threads(1 if WORKER else min(2, os.cpu_count() or 1))
-WORKER_CACHE = None
-if WORKER and "SAKURA_CACHE" not in os.environ:
-    WORKER_CACHE = tempfile.mkdtemp(prefix=f"sakura-test-cache-{WORKER}-")
-    os.environ["SAKURA_CACHE"] = WORKER_CACHE
 
-#: Files that run alone (see the module docstring): emulated links, replays, Ray clusters.
+#: Files that run alone (see the module docstring): emulated links, replays, Ray clusters,
+#: multi-threaded subprocesses.
 SERIAL = (
     "tests/traces/",
     "tests/cloud/test_build_ray.py", "tests/cloud/test_render_ray.py",
@@ -46,6 +45,7 @@ SERIAL = (
     "tests/edge/test_received_quality.py", "tests/edge/test_replay.py",
     "tests/edge/test_tail_bench.py", "tests/edge/test_timeline.py",
     "tests/sakura/test_serve_ride.py",
+    "tests/sakura/test_packaging.py", "tests/edge/test_model_roundtrip.py",
 )
 
 
@@ -56,10 +56,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if rel.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
 
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if WORKER_CACHE is not None:
-        shutil.rmtree(WORKER_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -98,3 +98,29 @@ def test_a_folder_appears_whole_or_the_old_one_stays(tmp_path):
     publish_folder(final, fill("two"))  # a new one replaces it whole
     assert (final / "b.txt").read_text() == "two"
     assert sorted(p.name for p in final.parent.iterdir()) == ["g1"]  # no .build-* left
+
+
+def test_a_folder_another_process_published_meanwhile_is_kept(tmp_path):
+    """Two processes compile the same graph into one cache: the one that finishes second
+    keeps the first one's folder when it is current (a reader of it is not pulled from
+    under), and replaces it when it is not (stale or damaged)."""
+    from sakura.atomic import publish_folder
+
+    final = tmp_path / "cache" / "g1"
+
+    def racing(marker):
+        def build(tmp):
+            (tmp / "graph.pte").write_text("ours")
+            # meanwhile, the other process publishes its own
+            final.mkdir(parents=True, exist_ok=True)
+            (final / "graph.pte").write_text(marker)
+        return build
+
+    got = publish_folder(final, racing("theirs"),
+                         current=lambda p: (p / "graph.pte").read_text() == "theirs")
+    assert got == final and (final / "graph.pte").read_text() == "theirs"
+    assert sorted(p.name for p in final.parent.iterdir()) == ["g1"]  # nothing left beside
+    publish_folder(final, racing("damaged"),
+                   current=lambda p: (p / "graph.pte").read_text() == "theirs")
+    assert (final / "graph.pte").read_text() == "ours"  # not current: replaced whole
+    assert sorted(p.name for p in final.parent.iterdir()) == ["g1"]

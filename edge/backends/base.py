@@ -102,7 +102,8 @@ class ArtifactCache:
                  "backend": key.backend, "backend_version": key.backend_version,
                  "shard_format": SHARD_FORMAT}, indent=1))
 
-        return publish_folder(self.path(key), fill)
+        return publish_folder(self.path(key), fill,
+                              current=lambda _: self.lookup(key) is not None)
 
 
 class CompiledShard(ABC):

@@ -142,13 +142,19 @@ def compiled_text_encoder(max_tokens: int = 16, cache_dir: Path | None = None
     key = text_encoder_key(max_tokens)
     root = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "text_encoder"
     folder = root / f"minilm-t{max_tokens}-{str(key['digest'])[:16]}"
-    try:
-        meta = json.loads((folder / KEY_NAME).read_text())
-        if meta.get("digest") == key["digest"] and (folder / PTE_NAME).is_file():
-            return TextEncoderProgram(folder, max_tokens, float(meta["export_s"]), False,
-                                      XnnpackDelegation.read(folder))
-    except (OSError, ValueError, KeyError):
-        pass
+    def current(_: Path) -> TextEncoderProgram | None:
+        try:
+            meta = json.loads((folder / KEY_NAME).read_text())
+            if meta.get("digest") == key["digest"] and (folder / PTE_NAME).is_file():
+                return TextEncoderProgram(folder, max_tokens, float(meta["export_s"]), False,
+                                          XnnpackDelegation.read(folder))
+        except (OSError, ValueError, KeyError):
+            pass
+        return None
+
+    found = current(folder)
+    if found is not None:
+        return found
     made: dict[str, Any] = {}
 
     def fill(tmp: Path) -> None:
@@ -160,7 +166,7 @@ def compiled_text_encoder(max_tokens: int = 16, cache_dir: Path | None = None
         (tmp / KEY_NAME).write_text(json.dumps(
             {**key, "export_s": round(made["export_s"], 2)}, indent=1))
 
-    publish_folder(folder, fill)
+    publish_folder(folder, fill, current=lambda p: current(p) is not None)
     export_s, delegation = made["export_s"], made["delegation"]
     return TextEncoderProgram(folder, max_tokens, round(export_s, 2), True, delegation)
 
