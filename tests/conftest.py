@@ -10,8 +10,8 @@ another worker they took 6-10x their time alone (the wheel test 289 s against 27
 sakura-flux2 round trip 214 s against 47 s, a fresh clone here on 2026-12-07). The
 parallel part is mostly ExecuTorch exports and CMake builds, single-threaded work. A worker
 runs torch on one thread (two workers fill the two cores). Both parts share the compiled-
-artifact cache, as the one-process suite did (the serial part recompiled 160 s of graphs
-with a cache per worker); two workers publishing the same graph is safe
+artifact cache (``compiled_dir`` is that cache: the serial part exported 160 s of graphs
+again with a folder per session); two workers publishing the same graph is safe
 (``sakura.atomic.publish_folder``: the first writer wins). The whole suite in one process
 took 1655 s on a fresh clone here.
 """

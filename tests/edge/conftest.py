@@ -19,9 +19,14 @@ def runtime(world):
 
 
 @pytest.fixture(scope="session")
-def compiled_dir(tmp_path_factory):
-    """One folder of compiled native graphs for the whole session (compiling is slow)."""
-    return tmp_path_factory.mktemp("compiled")
+def compiled_dir():
+    """The compiled-artifact cache (``$SAKURA_CACHE/compiled``; content-addressed, and safe
+    for two writers: ``sakura.atomic.publish_folder``), so a graph is exported once for the
+    two parts of ``./scripts/test`` and their workers: a folder per session made the serial
+    part export the tiny world's graphs again (160 s)."""
+    from sakura.edge.backends.base import default_cache_dir
+
+    return default_cache_dir()
 
 
 @pytest.fixture(scope="session")
