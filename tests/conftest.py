@@ -3,17 +3,16 @@
 ``./scripts/test`` runs the suite in two parts: every file not in :data:`SERIAL` on two
 pytest-xdist workers, one file per worker at a time (``--dist loadfile``: module fixtures
 are built once), then the :data:`SERIAL` files alone. Serial are the files whose tests
-ride an emulated link or a local Ray cluster (their assertions are about rates, stalls and
-deadlines, which another worker's load on the same two cores would move) and the files
-whose tests run multi-threaded subprocesses (a `sakura build`, a wheel install): beside
-another worker they took 6-10x their time alone (the wheel test 289 s against 27 s, the
-sakura-flux2 round trip 214 s against 47 s, a fresh clone here on 2026-12-07). The
-parallel part is mostly ExecuTorch exports and CMake builds, single-threaded work. A worker
-runs torch on one thread (two workers fill the two cores). Both parts share the compiled-
-artifact cache (``compiled_dir`` is that cache: the serial part exported 160 s of graphs
-again with a folder per session); two workers publishing the same graph is safe
-(``sakura.atomic.publish_folder``: the first writer wins). The whole suite in one process
-took 1655 s on a fresh clone here.
+ride an emulated link or a local Ray cluster: their assertions are about rates, stalls and
+deadlines, which another worker's load on the same two cores would move. The parallel part
+is mostly ExecuTorch exports and CMake builds. A worker runs torch on one thread (two
+workers fill the two cores). Both parts share the compiled-artifact cache
+(``compiled_dir`` is that cache: the serial part exported the tiny world's graphs again
+with a folder per session); two workers publishing the same graph is safe
+(``sakura.atomic.publish_folder``: the first writer wins). What dominates on a fresh
+machine is that cache being empty: with ``SAKURA_CACHE`` empty the wheel test took 257 s
+(18-27 s warm) and the sakura-flux2 round trip 178 s (47 s warm), 2026-12-07 on this
+2-core host, where the one-process suite took 1655 s.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ os.environ.setdefault("SAKURA_REPLAY_MAX_LOAD", "0")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 torch.set_num_threads(1 if WORKER else min(2, os.cpu_count() or 1))
 
-#: Files that run alone (see the module docstring): emulated links, replays, Ray clusters,
-#: multi-threaded subprocesses.
+#: Files that run alone (see the module docstring): emulated links, replays, Ray clusters.
 SERIAL = (
     "tests/traces/",
     "tests/cloud/test_build_ray.py", "tests/cloud/test_render_ray.py",
@@ -45,7 +43,6 @@ SERIAL = (
     "tests/edge/test_received_quality.py", "tests/edge/test_replay.py",
     "tests/edge/test_tail_bench.py", "tests/edge/test_timeline.py",
     "tests/sakura/test_serve_ride.py",
-    "tests/sakura/test_packaging.py", "tests/edge/test_model_roundtrip.py",
 )
 
 
