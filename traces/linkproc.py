@@ -195,6 +195,14 @@ class PacedLinkProcess(LinkEmulator):
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    #: (the kernel link's count of emulator faults; this process has none but its exit)
+    faults = 0
+    error = ""
+
+    def health(self) -> str:
+        """Why the link cannot be trusted now ('' when it can): its process has exited."""
+        return "" if self.alive else "the paced link's process has exited"
+
     # ------------------------------------------------------------------ requests
     def _call(self, op: str, *args: Any, timeout_s: float = 10.0) -> Any:
         with self._lock:

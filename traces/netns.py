@@ -184,11 +184,9 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
             # left the veth unshaped between the two tc calls.
             handle = "2:" if self._handle == "1:" else "1:"
             res = self._tc(self._tc_tbf("replace", *params, handle=handle))
-            if res is None:
-                pass
-            elif res.returncode != 0:
+            if res is not None and res.returncode != 0:
                 self._fault(f"tc replace failed: {res.stderr.strip()}")
-            else:
+            elif res is not None:
                 self._handle = handle
                 self._last = params
                 self.applied.append(TbfSetting(now, self._control_rate(now), *params))

@@ -218,7 +218,7 @@ class Links:
         naming it, from the run's own error if it had one. Such a run measured the emulator,
         not the policy: the replay records it as a failure, and a rerun takes it again."""
         link = self.links[variant]
-        before = int(getattr(link, "faults", 0))
+        before = link.faults
         try:
             yield
         except Exception as exc:
@@ -232,15 +232,9 @@ class Links:
 
     @staticmethod
     def _link_fault(link: Any, faults_before: int) -> str:
-        if hasattr(link, "health"):
-            why = link.health()
-            if why:
-                return why
-        elif not getattr(link, "alive", True):
-            return "the paced link's process has exited"
-        if int(getattr(link, "faults", 0)) > faults_before:
-            return str(getattr(link, "error", "") or "a fault of the link")
-        return ""
+        """Both links: ``health()`` (a stopped thread or process) and the count of faults."""
+        return link.health() or (link.error or "a fault of the link"
+                                 if link.faults > faults_before else "")
 
     def client(self, variant: str) -> contextlib.AbstractContextManager[None]:
         """Where the device's sockets must be created for the shaped URL."""
