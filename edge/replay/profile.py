@@ -36,7 +36,8 @@ FP16 cache per 512x512 template) instead of this host. What is **modelled**:
 
 What is **measured**: the configurations the allocator picks decide the bytes; the edit
 is then computed for real with exactly those configurations (fetched over HTTP, decoded,
-``cached_edit``) and compared with ``exact`` and ``full``.
+then the native graphs as ``exact``, or ``cached_edit`` when the stale plan left a shard
+unfetched) and compared with ``exact`` and ``full``.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def _configured_edit(rt: Any, server: str, tid: str, pack: str, manifest_d: dict
     not fetched)."""
     from sakura.codec.pack import Manifest, decode_config  # lazy: torch
     from sakura.edge.client import PackClient  # lazy: aiohttp
-    from sakura.edge.floor import ResidentCache  # lazy: torch
+    from sakura.edge.floor import ResidentCache, native_resident  # lazy: torch
 
     async def fetch() -> list[bytes | None]:
         async with PackClient(server) as client:
@@ -173,6 +173,11 @@ def _configured_edit(rt: Any, server: str, tid: str, pack: str, manifest_d: dict
     # a shard the stale plan did not fetch (None) runs stale or its step locally, as streamed
     shards = [None if c is None else decode_config(manifest, j, c, b, codec)
               for j, (c, b) in enumerate(zip(configs, bodies))]
+    if getattr(rt, "runtime", None) == "native" and all(s is not None for s in shards):
+        # on the graphs that made ``exact`` (FP16's image equals it to the bit)
+        geometry = rt.prepared(tid, st.template).geometry
+        bps, cache = native_resident(rt, st.template, geometry, st.req, manifest_d, shards)
+        return rt.native.resident_edit(st.template, geometry, st.req, bps, cache)[0]
     return _resident_edit(rt, tid, st.template, ResidentCache(manifest, shards), st.req)
 
 

@@ -15,6 +15,7 @@ from sakura.edge.errors import EdgeError
 from sakura.edge.netem import trace_from_args
 
 from sakura.cli import main
+from tests.dit.common import text_width_model
 from tests.edge.helpers import TEMPLATE_ID, Server
 
 
@@ -72,14 +73,11 @@ def text_world(tmp_path_factory, text_encoder):
     """A small model with the real text encoder's width, a 32-pixel catalog template built
     from a shipped one, and its packs: what `sakura edit` needs."""
     from sakura.cloud.build import BuildConfig, build
-    from sakura.dit.model import MMDiT, MMDiTConfig
     from sakura.dit.templates import DEFAULT_CATALOG
     from sakura.dit.weights import save_model
 
     root = tmp_path_factory.mktemp("text-world")
-    torch.manual_seed(0)
-    model = MMDiT(MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=1, single_blocks=1,
-                              mlp_ratio=2.0, rope_axes=(4, 6, 6))).eval()
+    model = text_width_model()
     save_model(model, root / "model.safetensors")
     entries = json.loads(DEFAULT_CATALOG.read_text())["templates"]
     tid, entry = next(iter(entries.items()))

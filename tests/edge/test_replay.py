@@ -17,6 +17,7 @@ from sakura.edge.replay.results import ResultsFile
 from sakura.edge.replay.runner import _timed_run
 
 from sakura.cli import main
+from tests.dit.common import text_width_model
 
 # ---------------------------------------------------------------------------- config
 
@@ -630,16 +631,13 @@ def test_why_sentences_follow_the_numbers_they_cite():
 
 @pytest.fixture(scope="module")
 def tiny_catalog(tmp_path_factory, text_encoder):
-    """A small model with the real text encoder's width and one 32-pixel, 3-step catalog
+    """The text-width model (tests/dit/common.py) and one 32-pixel, 3-step catalog
     template made from a shipped one."""
-    from sakura.dit.model import MMDiT, MMDiTConfig
     from sakura.dit.templates import DEFAULT_CATALOG
     from sakura.dit.weights import save_model
 
     root = tmp_path_factory.mktemp("replay-world")
-    torch.manual_seed(0)
-    model = MMDiT(MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=1, single_blocks=1,
-                              mlp_ratio=2.0, rope_axes=(4, 6, 6))).eval()
+    model = text_width_model()
     save_model(model, root / "model.safetensors")
     entries = json.loads(DEFAULT_CATALOG.read_text())["templates"]
     tid = "face-technologist"

@@ -27,11 +27,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.dit.common import text_width_model
+
 NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
 BUILD_DIR = NATIVE_DIR / "build" / "sakura-edge"
 TEMPLATE_ID = "edge-bin"
 PROMPT = "a red hat with a small feather"
-BPS = 2
+BPS = 1  # two shards per step (a double and a single block), each its own graph
 FIXED = ["--policy", "sakura-fixed-config", "--no-local-fallback"]
 
 native = pytest.importorskip("sakura_native")
@@ -75,21 +77,14 @@ def world(tmp_path_factory):
     from sakura.codec.base import get_codec
     from sakura.codec.pack import write_pack
     from sakura.dit.editing import EditRequest, Template, profile_importance, template_run
-    from sakura.dit.model import MMDiT, MMDiTConfig
-    from sakura.edge.backends.base import weights_sha256
+    from sakura.dit.weights import save_model
+    from sakura.edge.backends.base import default_cache_dir
     from sakura.edge.backends.text_encoder import compiled_text_encoder
+    from sakura.edge.bench import file_sha256
     from sakura.edge.bundle import export_bundle
 
     root = tmp_path_factory.mktemp("sakura-edge")
-    torch.manual_seed(3)
-    model = MMDiT(MMDiTConfig(hidden_size=48, num_heads=3, double_blocks=2, single_blocks=2,
-                              mlp_ratio=2.0, text_dim=384, text_tokens=16,
-                              rope_axes=(4, 6, 6)))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.08)
-    model.eval()
+    model = text_width_model()
     g = torch.Generator().manual_seed(5)
     pixels = (torch.rand(32, 32, 3, generator=g) * 255).round().to(torch.uint8)
     mask = torch.zeros(32, 32, dtype=torch.bool)
@@ -107,7 +102,10 @@ def world(tmp_path_factory):
     run = template_run(model, template)
     profile_importance(model, template, run, reqs)
     catalog = root / "catalog"
-    sha = weights_sha256(model)
+    # the device's key is the weights file's sha256 (what `sakura build`, `sakura edit` and
+    # the replay use), so this world's graphs are the replay's and the CLI's (the same model)
+    save_model(model, root / "model.safetensors")
+    sha = file_sha256(root / "model.safetensors")
     with CatalogTransaction(catalog) as txn:
         # intq at 3 bits only: one configuration per shard (the comparison below needs the
         # same one on both sides), codes that straddle bytes, a partial channel group (48)
@@ -119,7 +117,10 @@ def world(tmp_path_factory):
                                                         "weights_sha256": sha})
             txn.publish(TEMPLATE_ID, name, m.to_dict(), work / m.pack_file,
                         {"workload": "face-swap"})
-    made = export_bundle(model, sha, template, reqs[0], BPS, cache_dir_=root / "compiled",
+    # the shared compiled cache (tests/edge/conftest.py compiled_dir): the replay and CLI
+    # tests of the serial part run this model's full and template sets too
+    compiled = default_cache_dir()
+    made = export_bundle(model, sha, template, reqs[0], BPS, cache_dir_=compiled,
                          text_encoder=True, work=root / "bundle-work")
     entry = publish_bundle(catalog, made.files, made.doc)
     assets = {"prompt": "a template prompt", "seed": 1, "steps": 4, "guidance": 2.0,
@@ -128,7 +129,7 @@ def world(tmp_path_factory):
               "mask_png_b64": png_b64(mask.numpy().astype(np.uint8) * 255)}
     update_catalog(catalog, {TEMPLATE_ID: {"bundle": entry, "template": assets}})
     return {"model": model, "catalog": catalog, "root": root, "encoder": enc,
-            "compiled": root / "compiled", "bundle": entry}
+            "compiled": compiled, "bundle": entry, "sha": sha}
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +164,7 @@ def python_edit(world, url: str, policy: str, seed: int, rate: float, tmp: Path)
     from sakura.edge.runtime import EdgeRuntime
 
     rt = EdgeRuntime(world["model"], encoder=world["encoder"], runtime="native",
+                     weights_sha256=world["sha"],
                      backend_config=BackendConfig(cache_dir=tmp / "py-compiled"))
     template = rt.fetch_template(url, TEMPLATE_ID)
     req = rt.request(PROMPT, seed)
@@ -342,6 +344,7 @@ def test_an_outage_from_the_start_recomputes_as_the_python_runtime_does(exe, wor
     assert all(r["bytes"] == 0 for r in tl)
     assert tl[0]["local"] and all(r["local"] or r["stale_from"] is not None for r in tl)
     rt = EdgeRuntime(world["model"], encoder=world["encoder"], runtime="native",
+                     weights_sha256=world["sha"],
                      backend_config=BackendConfig(cache_dir=world["compiled"]))
     template = rt.fetch_template(server.url, TEMPLATE_ID)
     req = rt.request(PROMPT, 3)
@@ -493,7 +496,7 @@ def test_int8_runs_the_bundles_int8_graphs_as_the_python_runtime(exe, world, tmp
     near the fp32 edit and not equal to it."""
     from sakura.cloud.bundle import publish_bundle
     from sakura.cloud.publish import update_catalog
-    from sakura.edge.backends.base import BackendConfig, weights_sha256
+    from sakura.edge.backends.base import BackendConfig
     from sakura.edge.bundle import export_bundle
     from sakura.edge.options import EditOptions
     from sakura.edge.runtime import EdgeRuntime
@@ -502,12 +505,12 @@ def test_int8_runs_the_bundles_int8_graphs_as_the_python_runtime(exe, world, tmp
     catalog = tmp_path / "catalog"
     shutil.copytree(world["catalog"], catalog)
     model, enc = world["model"], world["encoder"]
-    rt = EdgeRuntime(model, encoder=enc, runtime="native",
+    rt = EdgeRuntime(model, encoder=enc, runtime="native", weights_sha256=world["sha"],
                      backend_config=BackendConfig(cache_dir=tmp_path / "py-compiled"))
     with ServerProcess(world["catalog"]) as srv:
         template = rt.fetch_template(srv.url, TEMPLATE_ID)
     req = rt.request(PROMPT, 3)
-    made = export_bundle(model, weights_sha256(model), template, req, BPS,
+    made = export_bundle(model, world["sha"], template, req, BPS,
                          cache_dir_=world["compiled"], text_encoder=True,
                          work=tmp_path / "w", precision="int8")
     update_catalog(catalog, {TEMPLATE_ID: {"bundle": publish_bundle(catalog, made.files,
