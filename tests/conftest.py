@@ -12,7 +12,11 @@ with a folder per session); two workers publishing the same graph is safe
 (``sakura.atomic.publish_folder``: the first writer wins). What dominates on a fresh
 machine is that cache being empty: with ``SAKURA_CACHE`` empty the wheel test took 257 s
 (18-27 s warm) and the sakura-flux2 round trip 178 s (47 s warm), 2026-12-07 on this
-2-core host, where the one-process suite took 1655 s.
+2-core host, where the one-process suite took 1655 s. Of the parallel part's ~1280 s of
+test time, 712 s are graph exports (one graph set per model, geometry and block grouping;
+none exported twice), so tests that need the device's text encoder share one model
+(``tests/dit/common.py`` ``text_width_model``). Clean clone, empty cache: 692 + 508 s at
+100d72c, 679 + 481 s with that model shared.
 """
 
 from __future__ import annotations
