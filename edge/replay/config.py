@@ -178,6 +178,9 @@ class ReplayConfig(_Settings):
     trace_dir: str | None = Field(None, description="the real-trace folder (default: "
                                                     "../shared/traces)",
                                   json_schema_extra={"env": "SAKURA_TRACES"})
+    blocks_per_shard: Int = Field(4, description="the packs' transformer blocks per shard "
+                                                 "(the builder's default; at most the "
+                                                 "model's blocks)")
     build_workers: Int = Field(1, description="pack builds in parallel (processes); timed "
                                               "runs are always sequential")
     max_load: Float | None = Field(None, description="matched regime: a timed run (and a "
@@ -378,6 +381,8 @@ class ReplayConfig(_Settings):
             raise bad(f"timelines must be 'all' or 'first', got {self.timelines!r}")
         if self.build_workers < 1:
             raise bad("build_workers must be >= 1")
+        if self.blocks_per_shard < 1:
+            raise bad(f"blocks_per_shard must be >= 1, got {self.blocks_per_shard}")
         if self.max_load is not None and not self.max_load >= 0:
             raise bad(f"max_load must be >= 0 (0: no gate), got {self.max_load}")
         _ = self.load_gate  # a bad $SAKURA_REPLAY_MAX_LOAD fails here, before any run

@@ -32,9 +32,12 @@ class BuildJob:
     q: float | None = None
     model: str | None = None  # a --model (dit/adapters) instead of the MMDiT ``weights``
     model_path: str | None = None
+    blocks_per_shard: int = 4
 
 
 def _run_build(job: BuildJob) -> str:
+    """One build job; any failure is one :class:`SakuraError` line naming its folder (in a
+    pool worker too: the parent re-raises what the worker raised)."""
     quiet_dependency_logs()  # (a spawned worker: the CLI's setting is not inherited)
     import torch
 
@@ -48,8 +51,14 @@ def _run_build(job: BuildJob) -> str:
         kw.update(model=job.model, model_path=job.model_path)
     else:
         kw["weights"] = job.weights
-    build(BuildConfig(catalog=job.catalog, out_dir=job.out_dir, templates=job.templates,
-                      resolution=job.resolution, **kw), log=lambda m: None)
+    try:
+        build(BuildConfig(catalog=job.catalog, out_dir=job.out_dir, templates=job.templates,
+                          resolution=job.resolution, blocks_per_shard=job.blocks_per_shard,
+                          **kw), log=lambda m: None)
+    except SakuraError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a build failure is the user's to see
+        raise EdgeError(f"building packs into {job.out_dir} failed: {exc}") from None
     return job.out_dir
 
 
@@ -62,7 +71,9 @@ def build_jobs(cfg: ReplayConfig, packs: Path, weights: Path, runs: list[Planned
     jobs = []
     for (variant, res), bases in sorted(need.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         tids = tuple(sorted(bases))
-        model = {"model": cfg.model, "model_path": str(weights)} if cfg.model else {}
+        model: dict[str, Any] = {"blocks_per_shard": cfg.blocks_per_shard}
+        if cfg.model:
+            model.update(model=cfg.model, model_path=str(weights))
         if variant == "main":
             jobs.append(BuildJob(str(packs / "main"), tids, str(weights), cfg.catalog, res,
                                  **model))
@@ -75,22 +86,30 @@ def build_jobs(cfg: ReplayConfig, packs: Path, weights: Path, runs: list[Planned
 
 def build_all(jobs: list[BuildJob], workers: int, log: Callable[[str], None]) -> None:
     """Build (or find up to date) every packs folder; ``workers`` > 1: in parallel
-    processes (builds are not timed, so parallelism cannot distort results)."""
+    processes (builds are not timed, so parallelism cannot distort results).
+
+    Stopping (SIGTERM, Ctrl-C) or a failed job ends the other builds at once: the pool is
+    terminated, not drained (a ``ProcessPoolExecutor`` ``with`` block waited for every
+    queued build, minutes each, before ``sakura replay`` could exit). A build cut short
+    publishes nothing (``sakura.atomic``); finished folders stay for the next run.
+    """
     log(f"packs: {len(jobs)} build job(s) (up-to-date templates are skipped) ...")
     t0 = time.monotonic()
     if workers > 1 and len(jobs) > 1:
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(min(workers, len(jobs)),
-                                 mp_context=mp.get_context("spawn")) as pool:
-            list(pool.map(_run_build, jobs))
+        pool = mp.get_context("spawn").Pool(min(workers, len(jobs)))
+        try:
+            for _ in pool.imap_unordered(_run_build, jobs):
+                pass
+        except BaseException:
+            pool.terminate()
+            raise
+        else:
+            pool.close()
+        finally:
+            pool.join()
     else:
         for job in jobs:
-            try:
-                _run_build(job)
-            except SakuraError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a build failure is the user's to see
-                raise EdgeError(f"building packs into {job.out_dir} failed: {exc}") from exc
+            _run_build(job)
     log(f"packs ready in {time.monotonic() - t0:.1f} s")
