@@ -2,10 +2,13 @@
 
     python scripts/stall_capture.py --out DIR [--trace 5g_trace_50] [--template face-technologist]
                                     [--policies sakura,sakura-fixed-config] [--repeat N]
+                                    [--config YAML --network NAME --start-index N]
 
-Runs the `sakura replay --quick --link kernel` plan's runs that match (template, 5G trace
-name, policies) exactly as the replay runs them (same packs folder, factor, start point,
-round trip, rto_min, options), with ``tcpdump`` on the client side of the veth pair, and
+Runs the `sakura replay --quick --link kernel` plan's runs (or, with ``--config``, that
+replay config's plan over the kernel link) that match (template, network, trace name,
+start index, policies) exactly as the replay runs them (same packs folder, weights,
+factor, start point, round trip, rto_min, options), with ``tcpdump`` on the client side
+of the veth pair, and
 writes per run: the record (``runs.jsonl``), the capture (``<policy>-<n>.pcap``, headers
 only) and a summary of the capture: bytes delivered per 10 ms, retransmitted segments,
 the longest gap in delivery while a request was unanswered. Needs root, tcpdump (Debian
@@ -90,20 +93,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--replay", default="runs/replay-kernel",
                     help="the replay whose template records (factor, T) the runs reuse")
+    ap.add_argument("--config", default=None,
+                    help="a replay config whose plan to take the runs from (default: the "
+                         "shipped one, --quick), always over the kernel link")
+    ap.add_argument("--network", default="5g", help="the replay's network name")
+    ap.add_argument("--start-index", type=int, default=None,
+                    help="only this start point (the #N of a run's key)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(None, quick=True, link="kernel", packs_dir=args.packs)
+    cfg = load_config(args.config, quick=args.config is None, link="kernel",
+                      packs_dir=args.packs)
+    if cfg.model:
+        print(f"{cfg.source}: the capture replays the shipped MMDiT's form only, not "
+              f"model: {cfg.model}", file=sys.stderr)
+        return 1
     root = cfg.trace_dir or str(require_trace_dir())
     policies = args.policies.split(",")
     runs = [r for r in plan(cfg, root) if r.template == args.template
-            and r.key.network == "5g" and args.trace in str(r.start.trace)
-            and r.key.policy in policies and r.variant == "main"]
+            and r.key.network == args.network and args.trace in str(r.start.trace)
+            and r.key.policy in policies and r.variant == "main"
+            and args.start_index in (None, r.key.start_index)]
     if not runs:
         print("no such run in the plan", file=sys.stderr)
         return 1
     catalog = load_catalog(cfg.catalog)
-    model = load_model(DEFAULT_WEIGHTS)
-    sha = file_sha256(DEFAULT_WEIGHTS)
+    weights = Path(cfg.weights) if cfg.weights else DEFAULT_WEIGHTS
+    model = load_model(weights)
+    sha = file_sha256(weights)
     results = ResultsFile(Path(args.replay))  # its template records: the same factor
     with Links(cfg, Path(args.packs), ["main"], print) as links:
         st = setup_template(cfg, args.template, args.template, ["main"], links, model, sha,
