@@ -4,9 +4,8 @@
 pytest-xdist workers, one file per worker at a time (``--dist loadfile``: module fixtures
 are built once), then the :data:`SERIAL` files alone. Serial are the files whose tests
 ride an emulated link or a local Ray cluster: their assertions are about rates, stalls and
-deadlines, which another worker's load on the same two cores would move (the Ray pack
-build's test asserts byte identity, not time: it runs in the parallel part). The parallel
-part is mostly ExecuTorch exports and CMake builds. A worker runs torch on one thread (two
+deadlines, which another worker's load on the same two cores would move. The parallel part
+is mostly ExecuTorch exports and CMake builds. A worker runs torch on one thread (two
 workers fill the two cores). Both parts share the compiled-artifact cache
 (``compiled_dir`` is that cache: the serial part exported the tiny world's graphs again
 with a folder per session); two workers publishing the same graph is safe
@@ -38,7 +37,7 @@ torch.set_num_threads(1 if WORKER else min(2, os.cpu_count() or 1))
 #: Files that run alone (see the module docstring): emulated links, replays, Ray clusters.
 SERIAL = (
     "tests/traces/",
-    "tests/cloud/test_render_ray.py",
+    "tests/cloud/test_build_ray.py", "tests/cloud/test_render_ray.py",
     "tests/cloud/test_render_ray_cluster.py", "tests/cloud/test_render_slo.py",
     "tests/cloud/test_faults.py",
     "tests/edge/test_allocator.py", "tests/edge/test_bench_cli.py", "tests/edge/test_client.py",
@@ -51,26 +50,8 @@ SERIAL = (
 )
 
 
-#: The parallel part's longest files, longest first (seconds of test time from an empty
-#: ``SAKURA_CACHE``, clean clone, 2026-12-07: 315, 217, 167, 116, 85, 42 of ~1280 s; the
-#: rest are 35 s or less). They start first (``./scripts/test`` passes
-#: ``--no-loadscope-reorder``, which keeps this order); xdist's own order, by number of
-#: tests, started the 217 s and 167 s files among the last, so one worker ran on alone.
-LONGEST_FIRST = (
-    "tests/native/test_sakura_edge.py", "tests/edge/test_model_roundtrip.py",
-    "tests/edge/test_bundle.py", "tests/edge/test_shard_swiglu.py",
-    "tests/edge/test_backends.py", "tests/edge/test_backends_dynamic.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
-
-    def rank(item: pytest.Item) -> int:
-        rel = item.path.relative_to(root).as_posix()
-        return LONGEST_FIRST.index(rel) if rel in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: a file's tests stay together and in order
     for item in items:
         rel = item.path.relative_to(root).as_posix()
         if rel.startswith(SERIAL):
