@@ -4,8 +4,9 @@
 pytest-xdist workers, one file per worker at a time (``--dist loadfile``: module fixtures
 are built once), then the :data:`SERIAL` files alone. Serial are the files whose tests
 ride an emulated link or a local Ray cluster: their assertions are about rates, stalls and
-deadlines, which another worker's load on the same two cores would move. The parallel part
-is mostly ExecuTorch exports and CMake builds. A worker runs torch on one thread (two
+deadlines, which another worker's load on the same two cores would move (a file that rides
+a link but asserts no time, as ``tests/edge/test_replay_models.py``, is parallel). The
+parallel part is mostly ExecuTorch exports and CMake builds. A worker runs torch on one thread (two
 workers fill the two cores). Both parts share the compiled-artifact cache
 (``compiled_dir`` is that cache: the serial part exported the tiny world's graphs again
 with a folder per session); two workers publishing the same graph is safe

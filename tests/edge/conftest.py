@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.edge.helpers import build_world
+from tests.edge.helpers import build_world, write_replay_world
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +39,9 @@ def native_runtime(world, compiled_dir):
 
     return EdgeRuntime(world.model, encoder=FakeEncoder(), runtime="native",
                        backend_config=BackendConfig(cache_dir=compiled_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_catalog(tmp_path_factory, text_encoder):
+    """The replays' world (``helpers.write_replay_world``), once per test file."""
+    return write_replay_world(tmp_path_factory.mktemp("replay-world"))

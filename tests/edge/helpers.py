@@ -10,6 +10,7 @@ mid-edit). ``RecordingApp`` wraps an ASGI app and records every request it recei
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -28,8 +29,11 @@ from sakura.dit.editing import Template, profile_importance, template_run
 from sakura.dit.model import MMDiT
 from sakura.edge.runtime import EdgeRuntime
 
+from tests.dit.common import (
+    text_width_model,
+    tiny_template,  # noqa: F401 (re-exported for the edge tests)
+)
 from tests.dit.common import tiny_model as _tiny_model
-from tests.dit.common import tiny_template  # noqa: F401 (re-exported for the edge tests)
 
 CODECS = ("sakura", "fp16", "intq", "svd", "cachegen")
 TEMPLATE_ID = "tiny-face"
@@ -292,3 +296,28 @@ def check_dynamic_step_graphs(model: Any, tokens: int, tmp_path: Path, bound: fl
             got = method.execute(list(xs))[0]
             assert got.shape == want.shape
             assert float((got - want).abs().max()) < bound, (name, m)
+
+
+#: a replay config line: the packs of :func:`write_replay_world`'s model in the shard
+#: grouping of the ``sakura-edge`` binary's world (tests/native/test_sakura_edge.py, the
+#: same model), whose compiled graphs are in the shared cache, so a replay exports none
+#: (49 s of test_replay.py's 174 s with the builder's grouping, 2026-12-07)
+ONE_BLOCK_SHARDS = "blocks_per_shard: 1\n"
+
+
+def write_replay_world(root: Path) -> tuple[Path, str]:
+    """The replays' world in ``root``: the text-width model (tests/dit/common.py) saved as
+    ``model.safetensors`` and a ``catalog.json`` of one 32-pixel, 3-step template made
+    from a shipped one; returns ``(root, template id)``."""
+    from sakura.dit.templates import DEFAULT_CATALOG
+    from sakura.dit.weights import save_model
+
+    save_model(text_width_model(), root / "model.safetensors")
+    entries = json.loads(DEFAULT_CATALOG.read_text())["templates"]
+    tid = "face-technologist"
+    entry = {**entries[tid], "image": str(DEFAULT_CATALOG.parent / entries[tid]["image"]),
+             "mask": str(DEFAULT_CATALOG.parent / entries[tid]["mask"]), "steps": 3,
+             "resolution": 32}
+    entry["profiling_prompts"] = entry["profiling_prompts"][:1]
+    (root / "catalog.json").write_text(json.dumps({"version": 1, "templates": {tid: entry}}))
+    return root, tid

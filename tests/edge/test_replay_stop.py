@@ -8,15 +8,12 @@ catalog.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-from tests.dit.common import text_width_model
 
 
 def _children(pid: int) -> set[int]:
@@ -51,25 +48,15 @@ def _build_workers(pid: int) -> set[int]:
     return workers
 
 
-def test_sigterm_during_parallel_pack_builds_stops_them(tmp_path):
-    from sakura.dit.templates import DEFAULT_CATALOG
-    from sakura.dit.weights import save_model
-
-    save_model(text_width_model(), tmp_path / "model.safetensors")
-    entries = json.loads(DEFAULT_CATALOG.read_text())["templates"]
-    tid = "face-technologist"
-    entry = {**entries[tid], "image": str(DEFAULT_CATALOG.parent / entries[tid]["image"]),
-             "mask": str(DEFAULT_CATALOG.parent / entries[tid]["mask"]), "steps": 3,
-             "resolution": 32}
-    (tmp_path / "catalog.json").write_text(json.dumps({"version": 1,
-                                                       "templates": {tid: entry}}))
+def test_sigterm_during_parallel_pack_builds_stops_them(tiny_catalog, tmp_path):
+    root, tid = tiny_catalog
     packs = tmp_path / "packs"
     cfg = tmp_path / "build.yaml"
     cfg.write_text(  # two build jobs: the main packs and the q = 1 ablation's
         f"workloads: {{face-swap: [{tid}]}}\nnetworks: [5g]\npolicies: [sakura]\n"
         "starts: 1\ndeadlines: []\nmax_load: 0\nbuild_workers: 2\n"
         "ablation: {q: [1.0], resolutions: [], resolution_templates: []}\n"
-        f"weights: {tmp_path / 'model.safetensors'}\ncatalog: {tmp_path / 'catalog.json'}\n"
+        f"weights: {root / 'model.safetensors'}\ncatalog: {root / 'catalog.json'}\n"
         f"packs_dir: {packs}\n")
     proc = subprocess.Popen([sys.executable, "-m", "sakura.cli", "replay", str(cfg),
                              "--out", str(tmp_path / "out"), "--no-progress"],
