@@ -165,11 +165,23 @@ def main(argv: list[str] | None = None) -> int:
         where = f": {exc.filename}" if exc.filename else ""
         return _error(f"{exc.strerror or exc}{where}")
     except KeyboardInterrupt:
+        _quiet_teardown()
         print("sakura: interrupted", file=sys.stderr)
         return 130
     except Terminated:
+        _quiet_teardown()
         print("sakura: terminated", file=sys.stderr)
         return EXIT_TERMINATED
+
+
+def _quiet_teardown() -> None:
+    """After a stop (SIGTERM, Ctrl-C) the one line is all the user gets. The signal may have
+    cut an object's ``__init__`` short, and its ``__del__`` then fails when the traceback
+    that held it goes: an asyncio loop stopped before its self-pipe existed printed
+    "AttributeError: '_UnixSelectorEventLoop' object has no attribute '_ssock'" after
+    "sakura: terminated" (a clean-clone CI run, 2026-12-07). Those reports are dropped;
+    the process is exiting."""
+    sys.unraisablehook = lambda unraisable: None
 
 
 def _error(message: str) -> int:

@@ -352,6 +352,37 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     assert err == ""
 
 
+@pytest.mark.parametrize("signame, code, line", [("SIGTERM", 143, "sakura: terminated"),
+                                                   ("SIGINT", 130, "sakura: interrupted")])
+def test_a_stop_is_one_line_even_with_a_half_built_object(signame, code, line):
+    """The signal lands while an object is half built (as an asyncio loop whose ``__init__``
+    a SIGTERM cut before its self-pipe, seen in CI): its failing ``__del__`` runs when the
+    stop's traceback goes, and the user still sees only the one line."""
+    script = textwrap.dedent(f"""
+        import argparse, os, signal, sys
+        from sakura import cli
+
+        class HalfBuilt:
+            def __init__(self):
+                os.kill(os.getpid(), signal.{signame})  # the stop lands in here
+                self.pipe = 1
+
+            def __del__(self):
+                self.pipe  # AttributeError: never set
+
+        def build_parser():
+            p = argparse.ArgumentParser(prog="sakura")
+            p.set_defaults(func=lambda args: HalfBuilt())
+            return p
+
+        cli.build_parser = build_parser
+        sys.exit(cli.main([]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert (proc.returncode, proc.stderr) == (code, line + "\n")
+
+
 def test_server_start_up_failures_are_one_error_line(tmp_path):
     published = _published(tmp_path)
     with socket.socket() as busy:
