@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -37,6 +38,18 @@ from sakura.edge.replay.results import ResultsFile
 from sakura.edge.replay.runs import run_matched
 from sakura.edge.replay.template_setup import setup_template
 from sakura.traces import require_trace_dir
+
+from sakura.errors import SakuraError
+
+
+def link_state(link, t_run: float) -> dict[str, object]:
+    """The kernel link as a failed run left it: tbf's counters now (``tc -s qdisc``), the
+    rate thread's error, and the tbf settings applied in the run (seconds from its start)."""
+    raw = subprocess.run(["tc", "-s", "-n", link.server_ns, "qdisc", "show", "dev",
+                          link.server_dev], capture_output=True, text=True, check=False).stdout
+    return {"qdisc": link.qdisc_stats(), "tc": raw, "error": link.error,
+            "applied": [[round(a.wall - t_run, 4), a.rate_bps, a.tbf_rate_bps, a.burst_bytes,
+                         a.limit_bytes] for a in link.applied if a.wall >= t_run - 1.0]}
 
 
 def summarize(pcap: Path, server_port: int) -> dict[str, object]:
@@ -136,16 +149,31 @@ def main(argv: list[str] | None = None) -> int:
                      "96", "-w", str(pcap), "tcp"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-                rec = run_matched(r, st, cfg, links, root)
-                time.sleep(0.5)
-                dump.terminate()
-                dump.wait(10)
+                t_run, faults = time.monotonic(), link.faults
+                try:
+                    rec = run_matched(r, st, cfg, links, root)
+                except SakuraError as exc:  # the intermittent failure: keep its evidence
+                    rec = {"key": str(r.key), "failed": str(exc), "latency_s": float("nan"),
+                           "bytes": 0, "local_fallbacks": 0, "stall_s": float("nan"),
+                           "load1": os.getloadavg()[0]}
+                    rec["link"] = link_state(link, t_run)
+                finally:
+                    time.sleep(0.5)
+                    dump.terminate()
+                    dump.wait(10)
                 rec["capture"] = summarize(pcap, port)
+                if link.faults > faults:  # the emulator's own (traces/tbf.py tbf_stuck)
+                    rec["link_faults"], rec["link_error"] = link.faults - faults, link.error
                 with out.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
                 c = rec["capture"]
+                if "failed" in rec:
+                    print(f"{r.key.policy} #{n}: FAILED {rec['failed']}; qdisc "
+                          f"{rec['link']['qdisc']}")
+                    continue
                 print(f"{r.key.policy} #{n}: {rec['latency_s']:.2f} s, {rec['bytes']} B, "
                       f"local steps {rec['local_fallbacks']}, stalls {rec['stall_s']:.2f} s, "
+                      f"link faults {rec.get('link_faults', 0)} {rec.get('link_error', '')}, "
                       f"load {rec['load1']:.1f}; capture: server silent "
                       f"{c['server_silences_s'][:2]}, {len(c['client_retransmissions_s'])} "
                       f"request retransmissions, {c['syn']} SYN / {c['syn_ack']} SYN-ACK")

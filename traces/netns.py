@@ -17,6 +17,11 @@ bottleneck) that gives the server's bytes their one-way delay before they enter 
 the client's bytes theirs before they reach the server. TCP over the veth itself keeps a
 sub-millisecond round trip: the relay delays data, it does not lengthen TCP's ACK clock.
 
+tbf gets one frame per packet (``gso_max_segs 1`` on the server's veth: a GSO packet queued
+under a fast slice's burst stuck the link for good once a slower slice's smaller burst was
+set), and a watch thread counts a tbf that holds a backlog without sending as a fault and
+replaces it (:func:`traces.tbf.tbf_stuck`).
+
 Loss is real by default: nftables drop rules in both namespaces (:mod:`traces.nft_loss`);
 with ``real_loss=False`` the relay models it. TCP timers: the routes' ``rto_min``
 (:mod:`traces.namespaces`, :func:`scaled_rto_min_ms`).
@@ -51,9 +56,11 @@ from sakura.traces.schedule import LinkEmulator, LinkSchedule, Segment
 from sakura.traces.tbf import (
     KICK_PORT,
     PACKET_BYTES,
+    STUCK_S,
     TbfSetting,
     TbfShape,
     parse_qdisc_stats,
+    tbf_stuck,
     tc_tbf,
 )
 
@@ -116,6 +123,7 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
         self.apply_latency_s = 0.003
         self._handle = "1:"  # the root tbf's handle; restart() swaps it for the other one
         self._thread: threading.Thread | None = None
+        self._watch: threading.Thread | None = None  # the stuck-tbf watch (_watch_loop)
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._tc_lock = threading.Lock()  # one tc command on the qdisc at a time
@@ -152,6 +160,14 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
     def _apply_loss(self, loss: float) -> None:
         """Drop ``loss`` of the packets in both directions from now on (0: no rules)."""
         self._loss.set(self._must, loss)
+        self._one_frame_per_packet()  # (turning loss off restores the kernel's default)
+
+    def _one_frame_per_packet(self) -> None:
+        """tbf gets one frame per packet: a GSO packet queued under a fast slice's burst
+        never leaves once a slower slice's smaller burst is set (``traces/tbf.py``
+        ``STUCK_S``), so the server's veth builds none."""
+        self._must(["ip", "-n", self.server_ns, "link", "set", "dev", self.server_dev,
+                    "gso_max_segs", "1"])
 
     def loss_counters(self) -> dict[str, dict[str, int]]:
         """Per direction (``down``: server -> client, ``up``), the packets the loss rules saw
@@ -182,15 +198,57 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
             # One atomic swap: a tbf under the other handle replaces the root (the old one
             # and its queue are destroyed in the same netlink request). A delete then an add
             # left the veth unshaped between the two tc calls.
-            handle = "2:" if self._handle == "1:" else "1:"
-            res = self._tc(self._tc_tbf("replace", *params, handle=handle))
-            if res is not None and res.returncode != 0:
-                self._fault(f"tc replace failed: {res.stderr.strip()}")
-            elif res is not None:
-                self._handle = handle
-                self._last = params
+            if self._swap_locked(params):
                 self.applied.append(TbfSetting(now, self._control_rate(now), *params))
         self._changed()
+
+    def _swap_locked(self, params: tuple[int, int, int]) -> bool:
+        """Replace the root tbf (and its queue) by a fresh one with ``params`` under the
+        other handle, in one netlink request (the caller holds ``_tc_lock``)."""
+        handle = "2:" if self._handle == "1:" else "1:"
+        res = self._tc(self._tc_tbf("replace", *params, handle=handle))
+        if res is None:
+            return False
+        if res.returncode != 0:
+            self._fault(f"tc replace failed: {res.stderr.strip()}")
+            return False
+        self._handle = handle
+        self._last = params
+        return True
+
+    def _min_tbf_rate(self, t0: float, t1: float) -> float:
+        """tbf's lowest rate (bit/s on the wire) from wall ``t0`` to ``t1``."""
+        rates = []
+        for a in reversed(list(self.applied)):
+            if a.wall <= t1:
+                rates.append(a.tbf_rate_bps)
+            if a.wall <= t0:
+                break
+        return float(min(rates)) if rates else 0.0
+
+    def _watch_loop(self) -> None:
+        """Every :data:`traces.tbf.STUCK_S`: is tbf holding a backlog without sending
+        (:func:`traces.tbf.tbf_stuck`)? Then it is a fault of the emulator (a run during
+        it is taken again: ``edge/replay/links.py``), and a fresh tbf replaces the stuck
+        one, as :meth:`restart` does (a stuck one recovered that way in the capture)."""
+        before, t_before = {}, time.monotonic()
+        while not self._stop.wait(STUCK_S):
+            try:
+                after, t_after = self.qdisc_stats(), time.monotonic()
+            except (LinkError, subprocess.TimeoutExpired, OSError):
+                continue  # the link is going away (stop) or tc is busy: next round
+            why = tbf_stuck(before, after, self._min_tbf_rate(t_before, t_after),
+                            t_after - t_before)
+            if why:
+                with self._tc_lock:
+                    params = self._last
+                    if params is not None and self._swap_locked(params):
+                        now = time.monotonic()
+                        self.applied.append(TbfSetting(now, self._control_rate(now), *params))
+                self._kick()
+                self._fault(why)  # after the swap: whoever sees the fault sees a fresh tbf
+                after, t_after = {}, time.monotonic()
+            before, t_before = after, t_after
 
     def _apply(self, rate_bps: float, run_s: float) -> None:
         with self._tc_lock:
@@ -337,6 +395,7 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
             raise NetnsUnavailableError(reason)
         try:
             self.create_pair()
+            self._one_frame_per_packet()
             if self.real_loss and self.impairment.loss > 0:
                 self._apply_loss(self.impairment.loss)
             if self._origin is None:
@@ -355,6 +414,9 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
             self._stop.clear()
             self._thread = threading.Thread(target=self._rate_loop, name="tbf-rate", daemon=True)
             self._thread.start()
+            self._watch = threading.Thread(target=self._watch_loop, name="tbf-watch",
+                                           daemon=True)
+            self._watch.start()
         except BaseException:
             self.stop()
             raise
@@ -368,6 +430,9 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(5.0)
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.join(5.0)
         for relay in self._relays:
             with contextlib.suppress(LinkError):
                 relay.stop()

@@ -93,3 +93,34 @@ def parse_qdisc_stats(text: str) -> dict[str, int]:
     if m:
         out["backlog_bytes"] = int(m.group(1)) * {"": 1, "K": 1024, "M": 1 << 20}[m.group(2)]
     return out
+
+
+#: How long tbf may hold a backlog without sending a byte before the link calls it stuck
+#: (:func:`tbf_stuck`). Found on 2026-12-07 with ``scripts/stall_capture.py`` on the breadth
+#: replay's one failed FP16 run (tryon-tuxedo, mixed start #6): tbf kept 231 packets
+#: (72 KB) queued at 3.5 Mbit/s for 30 s, sending nothing, while the rate thread changed its
+#: rate every 0.25 s and kicked it after each change. Cause: the server's veth handed tbf
+#: GSO packets of several frames; one queued under a 40 Mbit/s slice's burst (10.5-11.4 KB)
+#: could never leave once a lower rate's smaller burst was set (tbf only checks a packet
+#: against its burst on enqueue). So the link sets ``gso_max_segs 1`` on that veth
+#: (``netns.KernelShapedLink.start``): 0 stuck in 16 runs of that start, against 2 in 27
+#: before (4 in 8 while this watch was being tried). The watch stays as the net for any
+#: other cause: a run it fires in is a fault of the emulator, retaken.
+STUCK_S = 1.0
+
+
+def tbf_stuck(before: dict[str, int], after: dict[str, int], min_tbf_rate_bps: float,
+              elapsed_s: float) -> str:
+    """Why tbf is stuck between two ``tc -s`` readings ``elapsed_s`` apart ('' if not): a
+    backlog at both, not one byte sent, though at its lowest rate in between the bucket
+    earns a full frame at least twice over (an outage's 8 bit/s never qualifies)."""
+    if not before or not after or elapsed_s < STUCK_S:
+        return ""
+    if before.get("backlog_bytes", 0) <= 0 or after.get("backlog_bytes", 0) <= 0:
+        return ""
+    if after.get("sent_bytes", 0) != before.get("sent_bytes", 0):
+        return ""
+    if min_tbf_rate_bps * elapsed_s < 2 * 8 * PACKET_BYTES:
+        return ""
+    return (f"tbf stopped dequeuing: {after['backlog_bytes']} B queued, nothing sent in "
+            f"{elapsed_s:.1f} s at {min_tbf_rate_bps / 1e6:.2f} Mbit/s or more")

@@ -285,3 +285,47 @@ def test_a_hung_tc_change_is_a_fault_and_the_rate_thread_goes_on(monkeypatch) ->
         assert link.health() == ""  # the thread lives on
         assert len(link.applied) >= 3  # and later boundaries were applied
         assert link.applied[-1].wall > link.applied[0].wall
+
+
+def test_tbf_stuck_needs_a_backlog_no_progress_and_a_rate_that_would_send() -> None:
+    from sakura.traces.tbf import STUCK_S, tbf_stuck
+
+    held = {"sent_bytes": 5000, "backlog_bytes": 72036}
+    rate = 3.5e6
+    assert "72036 B queued" in tbf_stuck(held, dict(held), rate, STUCK_S)
+    assert tbf_stuck(held, {**held, "sent_bytes": 6514}, rate, STUCK_S) == ""  # it sent
+    assert tbf_stuck(held, {**held, "backlog_bytes": 0}, rate, STUCK_S) == ""  # drained
+    assert tbf_stuck({**held, "backlog_bytes": 0}, held, rate, STUCK_S) == ""  # just queued
+    # an outage's 8 bit/s (or any rate that earns under two frames in the window) holds
+    # its queue by design
+    assert tbf_stuck(held, dict(held), 8.0, STUCK_S) == ""
+    assert tbf_stuck(held, dict(held), 2 * 8 * PACKET_BYTES / STUCK_S * 0.99, STUCK_S) == ""
+    assert tbf_stuck(held, dict(held), rate, STUCK_S / 2) == ""  # too soon to say
+    assert tbf_stuck({}, held, rate, STUCK_S) == ""  # no earlier reading
+
+
+@needs_kernel
+def test_a_stuck_tbf_is_a_fault_and_is_replaced(monkeypatch) -> None:
+    """A tbf that holds a backlog and sends nothing while its rate would (seen in a capture,
+    2026-12-07, traces/tbf.py STUCK_S) is a counted fault naming it, and a fresh tbf
+    replaces it under the other handle. Here the counters are frozen by hand."""
+    trace = Trace.constant(20 * MB, 30.0)
+    with KernelShapedLink(trace) as link:
+        frozen = {"sent_bytes": 123456, "sent_packets": 90, "dropped": 0,
+                  "backlog_bytes": 72036}
+        handle = link._handle
+        monkeypatch.setattr(link, "qdisc_stats", lambda: dict(frozen))
+        deadline = time.monotonic() + 10
+        while link.faults == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert link.faults >= 1 and link.error.startswith("tbf stopped dequeuing: 72036 B")
+        # and the cause found behind the one seen: one frame per packet into tbf
+        shown = subprocess.run(["ip", "-n", link.server_ns, "-d", "link", "show",
+                                link.server_dev], capture_output=True, text=True).stdout
+        assert "gso_max_segs 1 " in shown
+        assert link._handle != handle  # replaced
+        assert link.health() == ""
+        monkeypatch.undo()
+        faults = link.faults
+        time.sleep(2.5)  # real counters again: a healthy tbf is not called stuck
+        assert link.faults == faults

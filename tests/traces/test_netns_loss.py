@@ -150,8 +150,10 @@ def test_loss_zero_installs_no_rules() -> None:
     with KernelShapedLink(Trace.constant(50 * MB)) as link:
         for ns in ("server", "client"):
             assert LOSS_TABLE not in _tables(link, ns)
+        seg = link.run_in("client", ["ip", "-d", "link", "show", link.client_dev]).stdout
+        assert "gso_max_segs 1 " not in seg  # the kernel's default where no tbf shapes
         seg = link.run_in("server", ["ip", "-d", "link", "show", link.server_dev]).stdout
-        assert "gso_max_segs 1 " not in seg
+        assert "gso_max_segs 1 " in seg  # tbf's side: one frame per packet, always
         n, digest = _bulk(link)
         assert link.loss_counters() == {}
         assert _tcp_counters(link, "server")["RetransSegs"] == 0
