@@ -104,7 +104,7 @@ def parse_qdisc_stats(text: str) -> dict[str, int]:
 #: GSO packets of several frames; one queued under a 40 Mbit/s slice's burst (10.5-11.4 KB)
 #: could never leave once a lower rate's smaller burst was set (tbf only checks a packet
 #: against its burst on enqueue). So the link sets ``gso_max_segs 1`` on that veth
-#: (``netns.KernelShapedLink.start``): 0 stuck in 16 runs of that start, against 9 in 47
+#: (``netns.KernelShapedLink.start``): 0 stuck in 32 runs of that start, against 9 in 47
 #: before (5 in 39 without this watch, 4 in 8 with it). The watch stays as the net for any
 #: other cause: a run it fires in is a fault of the emulator, retaken.
 STUCK_S = 1.0
