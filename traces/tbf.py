@@ -98,10 +98,11 @@ def parse_qdisc_stats(text: str) -> dict[str, int]:
 #: How long tbf may hold a backlog without sending a byte before the link calls it stuck
 #: (:func:`tbf_stuck`). Found on 2026-12-07 with ``scripts/stall_capture.py`` on the breadth
 #: replay's one failed FP16 run (tryon-tuxedo, mixed start #6): tbf kept 231 packets
-#: (72 KB) queued at 3.5 Mbit/s for 30 s, sending nothing, while the rate thread changed its
+#: (72 KB) queued for 30 s at a rate that drains that in well under a second, sending
+#: nothing, while the rate thread changed its
 #: rate every 0.25 s and kicked it after each change. The cause, by every sign (the packet at
 #: the head of the queue was not seen directly): the server's veth handed tbf
-#: GSO packets of several frames; one queued under a 40 Mbit/s slice's burst (10.5-11.4 KB)
+#: GSO packets of several frames; one queued under a fast slice's larger burst
 #: could never leave once a lower rate's smaller burst was set (tbf only checks a packet
 #: against its burst on enqueue). So the link sets ``gso_max_segs 1`` on that veth
 #: (``netns.KernelShapedLink.start``): 0 stuck in 32 runs of that start, against 9 in 47
