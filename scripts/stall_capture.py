@@ -38,6 +38,7 @@ from sakura.edge.replay.results import ResultsFile
 from sakura.edge.replay.runs import run_matched
 from sakura.edge.replay.template_setup import setup_template
 from sakura.traces import require_trace_dir
+from sakura.traces.tbf import parse_qdisc_stats
 
 from sakura.errors import SakuraError
 
@@ -47,7 +48,7 @@ def link_state(link, t_run: float) -> dict[str, object]:
     rate thread's error, and the tbf settings applied in the run (seconds from its start)."""
     raw = subprocess.run(["tc", "-s", "-n", link.server_ns, "qdisc", "show", "dev",
                           link.server_dev], capture_output=True, text=True, check=False).stdout
-    return {"qdisc": link.qdisc_stats(), "tc": raw, "error": link.error,
+    return {"qdisc": parse_qdisc_stats(raw), "tc": raw, "error": link.error,
             "applied": [[round(a.wall - t_run, 4), a.rate_bps, a.tbf_rate_bps, a.burst_bytes,
                          a.limit_bytes] for a in link.applied if a.wall >= t_run - 1.0]}
 
@@ -153,10 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     rec = run_matched(r, st, cfg, links, root)
                 except SakuraError as exc:  # the intermittent failure: keep its evidence
-                    rec = {"key": str(r.key), "failed": str(exc), "latency_s": float("nan"),
-                           "bytes": 0, "local_fallbacks": 0, "stall_s": float("nan"),
-                           "load1": os.getloadavg()[0]}
-                    rec["link"] = link_state(link, t_run)
+                    rec = {"key": str(r.key), "failed": str(exc), "load1": os.getloadavg()[0],
+                           "link": link_state(link, t_run)}
                 finally:
                     time.sleep(0.5)
                     dump.terminate()
@@ -181,4 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SakuraError as exc:  # a bad config, a missing trace folder: one line
+        print(f"stall_capture: error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -112,7 +112,8 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
         NamespacePair.__init__(self, rto_min_ms)
         #: the drop rules, receiving side of each direction
         self._loss = NftLoss(((self.client_ns, self.client_dev, "down"),
-                              (self.server_ns, self.server_dev, "up")))
+                              (self.server_ns, self.server_dev, "up")),
+                             one_frame_always=(self.server_dev,))
         self._relays: list[Any] = []
         self.tbf = TbfShape(burst_s=float(burst_s), queue_s=float(queue_s),
                             min_queue_bytes=int(min_queue_bytes),
@@ -160,7 +161,6 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
     def _apply_loss(self, loss: float) -> None:
         """Drop ``loss`` of the packets in both directions from now on (0: no rules)."""
         self._loss.set(self._must, loss)
-        self._one_frame_per_packet()  # (turning loss off restores the kernel's default)
 
     def _one_frame_per_packet(self) -> None:
         """tbf gets one frame per packet: a GSO packet queued under a fast slice's burst
@@ -198,23 +198,23 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
             # One atomic swap: a tbf under the other handle replaces the root (the old one
             # and its queue are destroyed in the same netlink request). A delete then an add
             # left the veth unshaped between the two tc calls.
-            if self._swap_locked(params):
-                self.applied.append(TbfSetting(now, self._control_rate(now), *params))
+            self._swap_locked(params, now)
         self._changed()
 
-    def _swap_locked(self, params: tuple[int, int, int]) -> bool:
+    def _swap_locked(self, params: tuple[int, int, int], now: float) -> None:
         """Replace the root tbf (and its queue) by a fresh one with ``params`` under the
-        other handle, in one netlink request (the caller holds ``_tc_lock``)."""
+        other handle, in one netlink request, and record it as applied at ``now`` (the
+        caller holds ``_tc_lock``); a failed ``tc`` is a fault."""
         handle = "2:" if self._handle == "1:" else "1:"
         res = self._tc(self._tc_tbf("replace", *params, handle=handle))
         if res is None:
-            return False
+            return
         if res.returncode != 0:
             self._fault(f"tc replace failed: {res.stderr.strip()}")
-            return False
+            return
         self._handle = handle
         self._last = params
-        return True
+        self.applied.append(TbfSetting(now, self._control_rate(now), *params))
 
     def _min_tbf_rate(self, t0: float, t1: float) -> float:
         """tbf's lowest rate (bit/s on the wire) from wall ``t0`` to ``t1``."""
@@ -241,10 +241,8 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
                             t_after - t_before)
             if why:
                 with self._tc_lock:
-                    params = self._last
-                    if params is not None and self._swap_locked(params):
-                        now = time.monotonic()
-                        self.applied.append(TbfSetting(now, self._control_rate(now), *params))
+                    if self._last is not None:
+                        self._swap_locked(self._last, time.monotonic())
                 self._kick()
                 self._fault(why)  # after the swap: whoever sees the fault sees a fresh tbf
                 after, t_after = {}, time.monotonic()

@@ -8,7 +8,7 @@ as on a radio link), client -> server in the server namespace. Drops are on the 
 side because a drop in the sender's output hook is reported to the sending socket (TCP
 would see a local error, not a lost packet). While loss is on, both veth ends carry one TCP
 segment per packet (``gso_max_segs 1``), so each segment is lost on its own, not up to 45
-in one GSO packet. TCP really retransmits (fast retransmit, tail-loss probes, timeouts);
+in one GSO packet (the kernel link's shaped end always does: ``one_frame_always``). TCP really retransmits (fast retransmit, tail-loss probes, timeouts);
 the relay's loss model (:mod:`traces.impair`) is then off (the relay gets loss 0). With
 ``real_loss=False`` the relay models loss instead (the former behaviour). The link's
 ``conditions()`` names the mechanism (``loss_mechanism``). The table goes when the link
@@ -95,8 +95,12 @@ class NftLoss:
     direction) of each direction's rules; ``applied``: the loss the rules drop now (0: no
     rules installed)."""
 
-    def __init__(self, legs: tuple[tuple[str, str, str], ...]) -> None:
+    def __init__(self, legs: tuple[tuple[str, str, str], ...],
+                 one_frame_always: tuple[str, ...] = ()) -> None:
         self.legs = legs
+        #: veth ends that carry one segment per packet with or without loss (the shaped
+        #: one: ``traces/netns.py``), so turning loss off leaves them as they are
+        self.one_frame_always = one_frame_always
         self.applied = 0.0
 
     def set(self, must: Callable[..., None], loss: float) -> None:
@@ -115,7 +119,7 @@ class NftLoss:
                      input=loss_rules(dev, loss, direction))
             elif was > 0:
                 must(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", LOSS_TABLE])
-            if (loss > 0) != (was > 0):
+            if (loss > 0) != (was > 0) and dev not in self.one_frame_always:
                 must(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_segs", str(segs)])
         self.applied = loss
 

@@ -32,7 +32,7 @@ class BuildJob:
     q: float | None = None
     model: str | None = None  # a --model (dit/adapters) instead of the MMDiT ``weights``
     model_path: str | None = None
-    blocks_per_shard: int = 4
+    blocks_per_shard: int = BuildConfig.blocks_per_shard
 
 
 def _run_build(job: BuildJob) -> str:
@@ -71,16 +71,16 @@ def build_jobs(cfg: ReplayConfig, packs: Path, weights: Path, runs: list[Planned
     jobs = []
     for (variant, res), bases in sorted(need.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         tids = tuple(sorted(bases))
-        model: dict[str, Any] = {"blocks_per_shard": cfg.blocks_per_shard}
+        kw: dict[str, Any] = {"blocks_per_shard": cfg.blocks_per_shard}
         if cfg.model:
-            model.update(model=cfg.model, model_path=str(weights))
+            kw.update(model=cfg.model, model_path=str(weights))
         if variant == "main":
             jobs.append(BuildJob(str(packs / "main"), tids, str(weights), cfg.catalog, res,
-                                 **model))
+                                 **kw))
         else:
             q = float(variant[1:])
             jobs.append(BuildJob(str(packs / variant), tids, str(weights), cfg.catalog, res,
-                                 codecs=("sakura",), q=q, **model))
+                                 codecs=("sakura",), q=q, **kw))
     return jobs
 
 

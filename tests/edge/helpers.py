@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -321,3 +322,25 @@ def write_replay_world(root: Path) -> tuple[Path, str]:
     entry["profiling_prompts"] = entry["profiling_prompts"][:1]
     (root / "catalog.json").write_text(json.dumps({"version": 1, "templates": {tid: entry}}))
     return root, tid
+
+
+def children_of(pid: int) -> set[int]:
+    """The live process ids whose parent is ``pid`` (read from /proc)."""
+    found = set()
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.add(int(p))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -16,7 +16,7 @@ from sakura.edge.replay.results import ResultsFile
 from sakura.edge.replay.runner import _timed_run
 
 from sakura.cli import main
-from tests.edge.helpers import ONE_BLOCK_SHARDS
+from tests.edge.helpers import ONE_BLOCK_SHARDS, alive, children_of
 
 # ---------------------------------------------------------------------------- config
 
@@ -120,6 +120,9 @@ def test_one_definition_per_setting():
     readme = (Path(__file__).parents[2] / "edge" / "replay" / "README.md").read_text()
     assert settings_table() in readme
     assert ReplayConfig.model_fields["trace_dir"].json_schema_extra == {"env": "SAKURA_TRACES"}
+    from sakura.cloud.build import BuildConfig  # (the config module keeps the web stack off)
+
+    assert shipped.blocks_per_shard == BuildConfig.blocks_per_shard  # the builder's default
 
 
 def test_replace_validates_like_a_file():
@@ -828,7 +831,6 @@ def test_a_replay_stopped_by_sigterm_leaves_no_server_behind(tiny_catalog, tmp_p
     """`kill` (or a supervisor's stop) of a running replay: one line, exit 143, and its
     `sakura serve` children and links are gone (they outlived it: SIGTERM ended Python
     without running its `with` blocks); what it finished stays for the resume."""
-    import os
     import signal
     import subprocess
     import sys
@@ -847,23 +849,12 @@ def test_a_replay_stopped_by_sigterm_leaves_no_server_behind(tiny_catalog, tmp_p
                              "--out", str(out), "--no-progress"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-    def children() -> set[int]:
-        found = set()
-        for p in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == proc.pid:
-                        found.add(int(p))
-            except (OSError, ValueError, IndexError):
-                continue
-        return found
-
     try:
         deadline = time.monotonic() + 300
         rf = ResultsFile(out)
         while not rf.runs() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)  # a run finished: its servers are up
-        kids = children()
+        kids = children_of(proc.pid)
         assert rf.runs() and kids, "the replay did not reach its runs"
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
@@ -873,9 +864,7 @@ def test_a_replay_stopped_by_sigterm_leaves_no_server_behind(tiny_catalog, tmp_p
     assert proc.returncode == 143, err.decode()[-2000:]
     assert err.decode().strip().splitlines()[-1] == "sakura: terminated"
     time.sleep(1.0)
-    alive = [k for k in kids if os.path.exists(f"/proc/{k}")
-             and open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
-    assert alive == []
+    assert [k for k in kids if alive(k)] == []
     assert len(ResultsFile(out).runs()) >= 1  # kept for the resume
 
 

@@ -8,37 +8,18 @@ catalog.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def _children(pid: int) -> set[int]:
-    found = set()
-    for p in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.add(int(p))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from tests.edge.helpers import alive, children_of
 
 
 def _build_workers(pid: int) -> set[int]:
     workers = set()
-    for k in _children(pid):
+    for k in children_of(pid):
         try:
             cmd = Path(f"/proc/{k}/cmdline").read_bytes()
         except OSError:
@@ -80,4 +61,4 @@ def test_sigterm_during_parallel_pack_builds_stops_them(tiny_catalog, tmp_path):
     # the builds were cut, not waited for: no packs folder was published
     assert not any(packs.glob("*/catalog.json"))
     time.sleep(1.0)
-    assert [w for w in workers if _alive(w)] == []
+    assert [w for w in workers if alive(w)] == []
