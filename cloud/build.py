@@ -35,6 +35,7 @@ from sakura.cloud.publish import (
     read_catalog,
     template_content_hash,
 )
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 
 from sakura.cachedir import cache_dir as sakura_cache_dir
 
@@ -52,9 +53,7 @@ class BuildConfig:
     weights: str | None = None  # default: shipped model
     model: str | None = None  # a diffusers model name (dit.adapters.registry.MODELS) ...
     model_path: str | None = None  # ... and its local checkpoint folder
-    # 4 of the 8 blocks: ~10-25 ms of masked compute per shard here, so per-request costs
-    # (headers, server time) stay small next to the smallest configurations
-    blocks_per_shard: int = 4
+    blocks_per_shard: int = DEFAULT_BLOCKS_PER_SHARD  # (its measurement: sakura.codec)
     resolution: int | None = None  # build at another resolution (ids get a suffix)
     # output PSNR of every configuration on this many profiling requests (0: only the
     # importance-weighted KV error; see cloud/psnr_profile.py for the cost)

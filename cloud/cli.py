@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sakura.cloud.errors import ManifestError, ServeConfigError, StorageError
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 from sakura.codec.cli import check_codecs
 from sakura.dit.adapters.cli import check_model_options
 from sakura.dit.cli import check_file, check_template_images, template_ids
@@ -67,7 +68,7 @@ def register(commands: Any, bench: Any) -> None:
                        "flux2-klein-4b, sd3.5-medium, qwenimage, qwenimage-2.1 (with --model-path)")
     build.add_argument("--model-path", metavar="DIR",
                        help="the --model's local checkpoint (pipeline folder)")
-    build.add_argument("--blocks-per-shard", type=positive_int, default=4, metavar="N",
+    build.add_argument("--blocks-per-shard", type=positive_int, default=DEFAULT_BLOCKS_PER_SHARD, metavar="N",
                        help="transformer blocks per shard (default %(default)s)")
     build.add_argument("--resolution", type=positive_int, metavar="PX",
                        help="build at this resolution (ids get -PX)")

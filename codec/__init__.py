@@ -10,6 +10,12 @@ Public API::
 
 from sakura.codec.errors import CodecError, PackError
 
+DEFAULT_BLOCKS_PER_SHARD = 4
+"""Transformer blocks per shard that ``sakura build`` (``cloud.build.BuildConfig``) and every
+tool exporting shard graphs use unless told otherwise: 4 of the shipped model's 8 blocks,
+~10-25 ms of masked compute per shard on the 2-core host, so per-request costs (headers,
+server time) stay small next to the smallest configurations."""
+
 _LAZY = {  # torch-backed names load on first use, so `sakura --help` starts fast
     "CODECS": "sakura.codec.base", "Codec": "sakura.codec.base", "EncodedConfig": "sakura.codec.base",
     "EncodedShard": "sakura.codec.base", "get_codec": "sakura.codec.base", "ShardLayout": "sakura.codec.shards",

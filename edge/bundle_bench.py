@@ -30,6 +30,7 @@ from typing import Any
 
 from sakura.cloud.bundle import publish_bundle
 from sakura.cloud.publish import update_catalog
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 from sakura.dit.adapters.engine import load_engine
 from sakura.dit.editing import Geometry
 from sakura.dit.templates import load_catalog
@@ -38,7 +39,7 @@ from sakura.edge.native_runtime import NativeEngine
 from sakura.edge.server_process import ServerProcess
 
 
-def bundle_figures(template_id: str = "face-technologist", blocks_per_shard: int = 4,
+def bundle_figures(template_id: str = "face-technologist", blocks_per_shard: int = DEFAULT_BLOCKS_PER_SHARD,
                    work: Path | None = None) -> dict[str, Any]:
     """``{bytes, files, export_s, device_export_s_saved, ...}`` (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="sakura-bundle-bench-") as tmp:

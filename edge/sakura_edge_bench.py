@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from sakura.cloud.bundle import publish_bundle
 from sakura.cloud.publish import update_catalog
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 from sakura.dit.adapters.engine import load_engine
 from sakura.dit.templates import load_catalog
 from sakura.edge.backends import arm64_edge
@@ -146,7 +147,7 @@ class World:
 
 @contextlib.contextmanager
 def shipped_world(template_id: str = "face-technologist",
-                  blocks_per_shard: int = 4) -> Iterator[World]:
+                  blocks_per_shard: int = DEFAULT_BLOCKS_PER_SHARD) -> Iterator[World]:
     """One template of the shipped catalog with its device bundle, served on loopback."""
 
     src = json.loads((ROOT / "packs/catalog.json").read_text())

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sakura.argtypes import json_path, positive_int
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 from sakura.output import write_json
 
 DEFAULT_TEMPLATE = "face-technologist"
@@ -67,8 +68,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
                     "time loading it against exporting the same graphs there.")
     p.add_argument("--template", default=DEFAULT_TEMPLATE, metavar="ID",
                    help=f"a template of the shipped catalog (default {DEFAULT_TEMPLATE})")
-    p.add_argument("--blocks-per-shard", type=positive_int, default=4, metavar="N",
-                   help="blocks per shard of the cached chain (default 4, as sakura build)")
+    p.add_argument("--blocks-per-shard", type=positive_int, default=DEFAULT_BLOCKS_PER_SHARD, metavar="N",
+                   help="blocks per shard of the cached chain (default %(default)s, as sakura build)")
     p.add_argument("--json", type=json_path, default="-", metavar="PATH",
                    help="write the figures here (- for stdout)")
     p.set_defaults(func=_bench_bundle)

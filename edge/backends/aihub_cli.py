@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 from sakura.edge.backends.errors import AIHubError
 
 
@@ -46,8 +47,8 @@ def register(commands: Any, bench: Any) -> None:
                      help="export the shard graph of this catalog template")
     c.add_argument("--group", type=int, default=0, metavar="N",
                    help="with --template: which block group of a step (default 0)")
-    c.add_argument("--blocks-per-shard", type=int, default=4, metavar="N",
-                   help="with --template: blocks per shard graph (default 4)")
+    c.add_argument("--blocks-per-shard", type=int, default=DEFAULT_BLOCKS_PER_SHARD, metavar="N",
+                   help="with --template: blocks per shard graph (default %(default)s)")
     c.add_argument("--weights", metavar="FILE",
                    help="with --template: model weights (default: the shipped model)")
     c.add_argument("--out", metavar="DIR", help="with --template: keep the export here "

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 from sakura.dit.bench_kv import median_time
 from sakura.dit.cache import KVProvider
 from sakura.dit.editing import EditRequest, Geometry, Template, cached_edit, template_run
@@ -47,7 +48,7 @@ class BackendBenchSpec:
     """What to measure."""
 
     backends: Sequence[str] = BACKENDS
-    blocks_per_shard: int = 4
+    blocks_per_shard: int = DEFAULT_BLOCKS_PER_SHARD
     repeats: int = 5
     step: int | None = None  # the step whose shard inputs are timed (default: the middle)
     qnn_options: dict[str, Any] = field(default_factory=dict)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 from sakura.dit.cli import check_file, check_template
 from sakura.edge.backends import BACKENDS as NAMES
 from sakura.edge.backends.errors import BackendError
@@ -28,8 +29,8 @@ def register(commands: Any, bench: Any) -> None:
     b.add_argument("--backends", nargs="+", choices=NAMES, default=list(NAMES),
                    metavar="B", help=f"backends (default all: {', '.join(NAMES)})")
     b.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
-    b.add_argument("--blocks-per-shard", type=positive_int, default=4, metavar="N",
-                   help="blocks per shard graph (default 4, as sakura build)")
+    b.add_argument("--blocks-per-shard", type=positive_int, default=DEFAULT_BLOCKS_PER_SHARD, metavar="N",
+                   help="blocks per shard graph (default %(default)s, as sakura build)")
     b.add_argument("--repeats", type=positive_int, default=5, metavar="N",
                    help="timed runs per shard (median; default 5)")
     b.add_argument("--threads", type=positive_int, default=1, metavar="N",
@@ -54,8 +55,8 @@ def register(commands: Any, bench: Any) -> None:
     d.add_argument("--template", metavar="ID", default="face-technologist",
                    help="catalog template (default face-technologist)")
     d.add_argument("--weights", metavar="FILE", help="model weights (default: the shipped model)")
-    d.add_argument("--blocks-per-shard", type=positive_int, default=4, metavar="N",
-                   help="blocks per shard graph (default 4, as sakura build)")
+    d.add_argument("--blocks-per-shard", type=positive_int, default=DEFAULT_BLOCKS_PER_SHARD, metavar="N",
+                   help="blocks per shard graph (default %(default)s, as sakura build)")
     d.add_argument("--repeats", type=positive_int, default=20, metavar="N",
                    help="timed runs per graph (median; default 20)")
     d.add_argument("--threads", type=positive_int, default=1, metavar="N",

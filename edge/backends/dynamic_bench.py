@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 from sakura.dit.editing import EditRequest, Template, template_run
 from sakura.dit.model import MMDiT
 from sakura.edge.backends.bench import shard_inputs
@@ -80,7 +81,7 @@ def dynamic_inputs(xs: list[torch.Tensor], txt: int) -> list[torch.Tensor]:
 
 
 def bench_dynamic(model: MMDiT, template: Template, req: EditRequest,
-                  others: dict[str, ShardGeometry], blocks_per_shard: int = 4,
+                  others: dict[str, ShardGeometry], blocks_per_shard: int = DEFAULT_BLOCKS_PER_SHARD,
                   repeats: int = 20, threads: int = 1, template_id: str = "",
                   log: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
     """Measure (see the module docstring); ``others``: geometries of other templates to run

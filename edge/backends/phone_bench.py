@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from sakura.codec import DEFAULT_BLOCKS_PER_SHARD
 from sakura.codec.base import get_codec
 from sakura.codec.pack import write_pack
 from sakura.dit.editing import EditRequest, Template, TemplateRun, profile_importance
@@ -45,7 +46,7 @@ from sakura.edge.quality import psnr
 
 def build_pack(model: MMDiT, template: Template, run: TemplateRun,
                profiling: Sequence[EditRequest], out: Path, template_id: str,
-               blocks_per_shard: int = 4) -> Path:
+               blocks_per_shard: int = DEFAULT_BLOCKS_PER_SHARD) -> Path:
     """A ``sakura`` pack (RoPE frame, importance from ``profiling``) of ``run``'s cache."""
     profile_importance(model, template, run, list(profiling))
     geo, cfg = run.geometry, model.cfg
