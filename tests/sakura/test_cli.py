@@ -357,10 +357,15 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
 def test_a_stop_is_one_line_even_with_a_half_built_object(signame, code, line):
     """The signal lands while an object is half built (as an asyncio loop whose ``__init__``
     a SIGTERM cut before its self-pipe, seen in CI): its failing ``__del__`` runs when the
-    stop's traceback goes, and the user still sees only the one line."""
+    stop's traceback goes, and the user still sees only the one line. Ctrl-C as from a
+    terminal: a shell without job control starts background commands with SIGINT ignored,
+    and the child inherits that (a CI started with `&` failed here), so the script restores
+    Python's own handler first."""
     script = textwrap.dedent(f"""
         import argparse, os, signal, sys
         from sakura import cli
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         class HalfBuilt:
             def __init__(self):
