@@ -78,7 +78,7 @@ class _Settings(BaseModel):
 
 class Ablation(_Settings):
     networks: Strs = Field(("5g",), description="where the ablations and the resolution run")
-    q: Floats = Field((0.25, 1.0), description="extra sakura packs (q = 0: svd, 0.5: sakura)")
+    q: Floats = Field((0.25, 1.0), description="extra sakura packs, each pinned at its q (0: svd's; the default sakura chooses q per shard)")
     resolutions: Ints = Field((32,), description="second resolution(s) of "
                                                  "resolution_templates")
     resolution_templates: Strs = Field(("face-technologist",),

@@ -46,7 +46,11 @@ def _run_build(job: BuildJob) -> str:
     if job.codecs is not None:
         kw["codecs"] = job.codecs
     if job.q is not None:
-        kw["codec_options"] = {"sakura": {"q": job.q}}
+        # pinned: a builder with a model otherwise chooses q per shard among 0 / 0.25 / 0.5 /
+        # 1 whatever q says (codec.lowrank.OUTPUT_Q_CHOICE), and the q<q> packs then made
+        # the same choices as main's, shard for shard (found 2026-12-07: the breadth
+        # replay's q = 0.25 and q = 1 runs measured the default codec three times)
+        kw["codec_options"] = {"sakura": {"q": job.q, "q_candidates": None}}
     if job.model is not None:
         kw.update(model=job.model, model_path=job.model_path)
     else:

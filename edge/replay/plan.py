@@ -64,8 +64,10 @@ def plan(cfg: ReplayConfig, root: str | None = None) -> list[PlannedRun]:
                     out.append(PlannedRun(key, tid, base, variant, policy, sp))
 
     main = [(p, "main", p) for p in cfg.policies]
+    # q = 0 is svd's codec path; every other q is a pinned pack (q = 0.5 too: the default
+    # sakura chooses q per shard)
     qs = [(f"sakura-q{q:g}", q_variant(q), "sakura") for q in cfg.ablation.q
-          if q not in (0.0, 0.5)] if "sakura" in cfg.policies else []
+          if q != 0.0] if "sakura" in cfg.policies else []
     points = [(deadline_policy(m), "main", "sakura") for m in cfg.deadlines
               ] if "sakura" in cfg.policies else []
     heads = tuple(n for n in cfg.networks if n in cfg.headline_networks)

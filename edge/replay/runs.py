@@ -34,7 +34,9 @@ def _quality(image: Any, st: TemplateState) -> dict[str, Any]:
 def _base_record(r: PlannedRun, st: TemplateState, cfg: ReplayConfig, links: Links
                  ) -> dict[str, Any]:
     t = st.record
-    q = {"sakura": 0.5, "svd": 0.0}.get(r.policy) if r.variant == "main" else float(r.variant[1:])
+    # main's sakura chooses q per shard (None; records before 2026-12-07 say 0.5, which it
+    # was until 2026-12-06); a q<q> pack is pinned at q
+    q = {"svd": 0.0}.get(r.policy) if r.variant == "main" else float(r.variant[1:])
     return {
         "kind": "run", "key": str(r.key), "mode": cfg.regime, "template": r.template,
         "base_template": r.base, "workload": t["workload"], "resolution": t["resolution"],

@@ -569,13 +569,20 @@ def _ablations(mode: str, runs: list[dict[str, Any]], main: list[dict[str, Any]]
         pool = qruns + [r for r in main if r["network"] in nets and r["template"] in tids
                         and r["policy"] in ("sakura", "svd")]
         rows = []
-        for (p,), rs in sorted(group(pool, "policy").items(), key=lambda kv: kv[1][0]["q"]):
+        def q_of(rs: list[dict[str, Any]]) -> str:
+            q = rs[0]["q"]
+            return "per shard" if q is None else f"{q:g}"
+
+        for (p,), rs in sorted(group(pool, "policy").items(),
+                               key=lambda kv: (kv[1][0]["q"] is None, kv[1][0]["q"] or 0.0)):
             s = summarize(rs)
-            rows.append([f"{rs[0]['q']:g}", p, str(s["n"]), _f(s["p50"]), _f(s["p90"]),
+            rows.append([q_of(rs), p, str(s["n"]), _f(s["p50"]), _f(s["p90"]),
                          _f(s["mb"]), _fp(s["psnr_exact"]), _fp(s["psnr_exact_p10"]),
                          _f(s["ssim_exact"], 3)])
-        md.append(f"**Importance exponent q** ({', '.join(sorted(nets))}; q = 0 is `svd`, "
-                  "0.5 the default `sakura`):\n")
+        md.append(f"**Importance exponent q** ({', '.join(sorted(nets))}; q = 0 is `svd`; "
+                  "the default `sakura` chooses q per shard among 0, 0.25, 0.5 and 1, the "
+                  "`sakura-q*` packs are pinned; records before 2026-12-07 give the default "
+                  "0.5):\n")
         md.append(_table(["q", "policy", "runs", "p50 s", "p90 s", "MB", "PSNR exact",
                           "p10", "SSIM exact"], rows) + "\n")
     abl = [r for r in main if r["policy"] in ("sakura", "sakura-fixed-config",

@@ -86,8 +86,8 @@ def test_the_breadth_replay_runs_every_network_at_equal_ablation_counts_and_reus
     for (t, n, p), starts in cells.items():
         assert len(starts) >= (30 if n in ("5g", "wifi") else 10), (t, n, p)
         assert p not in ("fp16", "local") or n in ("5g", "mixed")
-    ablation = ("svd", "sakura-q0.25", "sakura", "sakura-q1", "sakura-fixed-config",
-                "sakura-fixed-bits")
+    ablation = ("svd", "sakura-q0.25", "sakura-q0.5", "sakura", "sakura-q1",
+                "sakura-fixed-config", "sakura-fixed-bits")
     for t in cfg.templates:
         assert {len(cells[(t, "5g", p)]) for p in ablation} == {30}
     quick = {str(r.key) for r in plan(load_config(CONFIG_DIR / "two-models.yaml", quick=True),
@@ -683,7 +683,15 @@ def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
     s0 = by[("sakura", 0)]
     assert 0 <= s0["bytes"] < t["fp16_bytes"]
     assert s0["bytes"] > 0 or s0["local_fallbacks"] + s0["stale_steps"] == t["steps"], s0
-    assert by[("sakura-q1", 1)]["q"] == 1.0 and by[("sakura", 1)]["q"] == 0.5
+    assert by[("sakura-q1", 1)]["q"] == 1.0 and by[("sakura", 1)]["q"] is None
+    # the q = 1 pack is pinned at q = 1; main's chooses q per shard (a q<q> pack that chose
+    # per shard made main's choices, shard for shard: the ablation measured nothing)
+    def sakura_options(variant: str) -> dict:
+        m = root / "packs" / variant / "templates" / tid / "sakura" / "manifest.json"
+        return json.loads(m.read_text())["codec_options"]
+    pinned, chosen = sakura_options("q1"), sakura_options("main")
+    assert pinned["q"] == 1.0 and "q_candidates" not in pinned
+    assert chosen.get("q_candidates"), chosen
     assert by[("sakura", 0)]["timeline"]["rows"]
     assert {r["trace"] for r in runs} <= {p.name for p in Path(
         __import__("sakura.traces", fromlist=["x"]).require_trace_dir()).glob("lumos5g/5g/*.txt")}
