@@ -579,10 +579,14 @@ def _ablations(mode: str, runs: list[dict[str, Any]], main: list[dict[str, Any]]
             rows.append([q_of(rs), p, str(s["n"]), _f(s["p50"]), _f(s["p90"]),
                          _f(s["mb"]), _fp(s["psnr_exact"]), _fp(s["psnr_exact_p10"]),
                          _f(s["ssim_exact"], 3)])
+        old = any(r["policy"] == "sakura" and r["q"] == 0.5 for r in pool)
         md.append(f"**Importance exponent q** ({', '.join(sorted(nets))}; q = 0 is `svd`; "
-                  "the default `sakura` chooses q per shard among 0, 0.25, 0.5 and 1, the "
-                  "`sakura-q*` packs are pinned; records before 2026-12-07 give the default "
-                  "0.5):\n")
+                  + ("these records predate pinned `sakura-q*` packs (2026-12-07) and give "
+                     "the default `sakura` as 0.5: where the packs were built from "
+                     "2026-12-06 on, every pack chose q per shard and the q rows measured "
+                     "the default codec" if old else
+                     "the default `sakura` chooses q per shard among 0, 0.25, 0.5 and 1; "
+                     "the `sakura-q*` packs are pinned at their q") + "):\n")
         md.append(_table(["q", "policy", "runs", "p50 s", "p90 s", "MB", "PSNR exact",
                           "p10", "SSIM exact"], rows) + "\n")
     abl = [r for r in main if r["policy"] in ("sakura", "sakura-fixed-config",

@@ -702,7 +702,8 @@ def test_replay_end_to_end_over_real_http_and_resume(tiny_catalog, tmp_path):
     again = run_replay(cfg, out, log=logs.append, progress=False)
     assert again == {"planned": 10, "skipped": 9, "ran": 1}
     assert len(rf.runs()) == 10
-    assert write_report(out, json_path=out / "h.json").exists()
+    report = write_report(out, json_path=out / "h.json")
+    assert "the `sakura-q*` packs are pinned at their q" in report.read_text()
     assert json.loads((out / "h.json").read_text())["storage_ratio_vs_fp16"] > 1
     assert not math.isnan(json.loads((out / "h.json").read_text())["p50_speedup_vs_local"])
 
