@@ -308,8 +308,10 @@ def build_unit(cfg: BuildConfig, engine: Any, job: UnitJob, work: Path, log) -> 
     # sakura's q per shard on the output front (codec.lowrank.OUTPUT_Q_CHOICE): measured on
     # every profiling request, with the shipped model only (it resumes an edit at the
     # changed shard's step; the diffusers engines re-run whole edits: far too slow here)
+    # (not when the caller pins q, q_candidates None: its profiling edits would go unused)
     q_measure = None
-    if "sakura" in cfg.codecs and profiling and _q_choice_engine(engine):
+    pinned = cfg.codec_options.get("sakura", {}).get("q_candidates", ()) is None
+    if "sakura" in cfg.codecs and profiling and not pinned and _q_choice_engine(engine):
         from sakura.cloud.psnr_profile import OutputPSNR  # lazy: torch
 
         q_measure = (quality_fn if quality_fn is not None

@@ -206,11 +206,7 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
         other handle, in one netlink request, and record it as applied at ``now`` (the
         caller holds ``_tc_lock``); a failed ``tc`` is a fault."""
         handle = "2:" if self._handle == "1:" else "1:"
-        res = self._tc(self._tc_tbf("replace", *params, handle=handle))
-        if res is None:
-            return
-        if res.returncode != 0:
-            self._fault(f"tc replace failed: {res.stderr.strip()}")
+        if not self._tc_took(self._tc_tbf("replace", *params, handle=handle), "replace"):
             return
         self._handle = handle
         self._last = params
@@ -257,17 +253,25 @@ class KernelShapedLink(NamespacePair, LinkEmulator):
         if params == self._last:
             return
         t0 = time.monotonic()
-        res = self._tc(self._tc_tbf("change", *params))
+        took = self._tc_took(self._tc_tbf("change", *params), "change")
         t1 = time.monotonic()
-        if res is None:
-            return
-        if res.returncode != 0:
-            self._fault(f"tc change failed: {res.stderr.strip()}")
+        if not took:
             return
         self._last = params
         self.apply_latency_s = 0.8 * self.apply_latency_s + 0.2 * (t1 - t0)
         self.applied.append(TbfSetting(t1, rate_bps, *params))
         self._kick()
+
+    def _tc_took(self, args: list[str], verb: str) -> bool:
+        """Run a tbf request; True when it took effect (a failed ``tc`` is a fault; None
+        from :meth:`_tc`: nothing ran)."""
+        res = self._tc(args)
+        if res is None:
+            return False
+        if res.returncode != 0:
+            self._fault(f"tc {verb} failed: {res.stderr.strip()}")
+            return False
+        return True
 
     def _fault(self, message: str) -> None:
         self._error = message
