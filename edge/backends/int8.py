@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from sakura.edge import PRECISIONS
+from sakura.edge.backends.executorch_backend import to_xnnpack
 
 
 def check_precision(value: Any) -> str:
@@ -85,15 +86,10 @@ def lower_int8(module: torch.nn.Module, example: tuple[torch.Tensor, ...],
                dynamic_shapes: Any = None,
                calibration: Iterable[tuple[torch.Tensor, ...]] = ()) -> bytes:
     """The XNNPACK-lowered int8 ``.pte`` bytes of ``module`` (see the module docstring)."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (  # lazy: executorch
-        XnnpackPartitioner,
-    )
-    from executorch.exir import to_edge_transform_and_lower  # lazy: executorch
-
     exported = quantize_int8(module, example, dynamic_shapes, calibration)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        lowered = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+        lowered = to_xnnpack(exported)
         return lowered.to_executorch().buffer
 
 
