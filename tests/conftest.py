@@ -11,13 +11,16 @@ workers fill the two cores). Both parts share the compiled-artifact cache
 (``compiled_dir`` is that cache: the serial part exported the tiny world's graphs again
 with a folder per session); two workers publishing the same graph is safe
 (``sakura.atomic.publish_folder``: the first writer wins). What dominates on a fresh
-machine is that cache being empty: with ``SAKURA_CACHE`` empty the wheel test took 257 s
-(18-27 s warm) and the sakura-flux2 round trip 178 s (47 s warm), 2026-12-07 on this
-2-core host, where the one-process suite took 1655 s. Of the parallel part's ~1280 s of
-test time, 712 s are graph exports (one graph set per model, geometry and block grouping;
-none exported twice), so tests that need the device's text encoder share one model
-(``tests/dit/common.py`` ``text_width_model``). Clean clone, empty cache: 692 + 508 s at
-100d72c, 679 + 481 s with that model shared.
+machine is that cache being empty. Profiled 2026-12-07 on this 2-core host (clean clone,
+empty ``SAKURA_CACHE``, ``torch.export`` and ``to_edge_transform_and_lower`` wrapped to log
+each call): of the parallel part's 1641 s of test time, 574 s were graph exports, none
+exported twice (the serial part exported nothing: every graph it runs was in the cache).
+The largest: the ``sakura-edge`` world's bundle (158 s, with MiniLM's program), the tiny
+world's bundle (156 s, ``test_bundle.py``) and the sakura-flux2 round trip's 8-block graph
+(169 s; that test now runs a 2-block config of the class). Tests that need the device's text
+encoder share one model (``tests/dit/common.py`` ``text_width_model``). Clean clone, empty
+cache: 858 + 412 s at 3c7b60d; 765 + 391 s with the 2-block flux2 config and the lowering
+without ExecuTorch's IR re-verification (``edge.backends.executorch_backend.to_xnnpack``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ A small world made for it: a tiny seeded MMDiT whose text stream takes MiniLM's
 bundle with the text encoder program (``edge.bundle.export_bundle``), published into a
 catalog with the template's assets and served by a real ``sakura serve`` child process on
 loopback. The binary (CMake ``-DSAKURA_EDGE=ON``, built incrementally in
-``native/build/sakura-edge``) and the Python runtime (``EdgeRuntime(runtime="native")``, what
+``native/build/sakura-edge`` by ``edge.sakura_edge_bench.build_x86``, as the benches build
+it) and the Python runtime (``EdgeRuntime(runtime="native")``, what
 ``sakura edit --runtime native`` runs) edit the same template on the same fixed
 configurations; the Python side encodes prompts with the same program through
 ``sakura_native.TextEncoder``, so the comparison covers everything after the encoder's
@@ -29,8 +30,6 @@ import torch
 
 from tests.dit.common import text_width_model
 
-NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
-BUILD_DIR = NATIVE_DIR / "build" / "sakura-edge"
 TEMPLATE_ID = "edge-bin"
 PROMPT = "a red hat with a small feather"
 BPS = 1  # two shards per step (a double and a single block), each its own graph
@@ -43,20 +42,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs the native edit runtime with the text encoder, and cmake")
 
 
-def build_binary() -> Path:
-    """``sakura-edge`` from this checkout (configured once, then incremental)."""
-    if not (BUILD_DIR / "CMakeCache.txt").exists():
-        BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cmake", "-S", str(NATIVE_DIR), "-B", str(BUILD_DIR),
-                        "-DSAKURA_PYTHON=OFF", "-DSAKURA_EDGE=ON",
-                        f"-DPython_EXECUTABLE={sys.executable}",
-                        "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
-    done = subprocess.run(["cmake", "--build", str(BUILD_DIR), "-j", "2", "--target",
-                           "sakura-edge"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return BUILD_DIR / "sakura-edge"
-
-
 def png_b64(arr: np.ndarray) -> str:
     from PIL import Image
 
@@ -67,7 +52,9 @@ def png_b64(arr: np.ndarray) -> str:
 
 @pytest.fixture(scope="module")
 def exe() -> Path:
-    return build_binary()
+    from sakura.edge.sakura_edge_bench import build_x86  # lazy: as the world's imports
+
+    return build_x86()
 
 
 @pytest.fixture(scope="module")
