@@ -1,9 +1,9 @@
 """Shared fixtures: tiny seeded models and a few real prompts (MiniLM loads offline).
 
-``./scripts/test`` runs the suite in two parts: every file not in :data:`SERIAL` on two
+``./scripts/test`` runs the suite in two parts: every file not in ``tests/parts.py`` on two
 pytest-xdist workers, one file per worker at a time (``--dist loadfile``: module fixtures
-are built once), then the :data:`SERIAL` files alone. Serial are the files whose tests
-ride an emulated link or a local Ray cluster: their assertions are about rates, stalls and
+are built once), then the files ``tests/parts.py`` lists, alone. Serial are the files whose
+tests ride an emulated link or a local Ray cluster: their assertions are about rates, stalls and
 deadlines, which another worker's load on the same two cores would move (a file that rides
 a link but asserts no time, as ``tests/edge/test_replay_models.py``, is parallel). The
 parallel part is mostly ExecuTorch exports and CMake builds. A worker runs torch on one thread (two
@@ -30,6 +30,8 @@ import os
 import pytest
 import torch
 
+from tests.parts import SERIAL
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the suite's replays are not measurements, and the suite alone keeps 2 cores at a load of
@@ -37,21 +39,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("SAKURA_REPLAY_MAX_LOAD", "0")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 torch.set_num_threads(1 if WORKER else min(2, os.cpu_count() or 1))
-
-#: Files that run alone (see the module docstring): emulated links, replays, Ray clusters.
-SERIAL = (
-    "tests/traces/",
-    "tests/cloud/test_build_ray.py", "tests/cloud/test_render_ray.py",
-    "tests/cloud/test_render_ray_cluster.py", "tests/cloud/test_render_slo.py",
-    "tests/cloud/test_faults.py",
-    "tests/edge/test_allocator.py", "tests/edge/test_bench_cli.py", "tests/edge/test_client.py",
-    "tests/edge/test_deadlines.py", "tests/edge/test_edit.py",
-    "tests/edge/test_failure_parity.py", "tests/edge/test_http2.py",
-    "tests/edge/test_lookahead.py", "tests/edge/test_native_runtime.py",
-    "tests/edge/test_received_quality.py", "tests/edge/test_replay.py",
-    "tests/edge/test_tail_bench.py", "tests/edge/test_timeline.py",
-    "tests/sakura/test_serve_ride.py",
-)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
