@@ -38,6 +38,13 @@ from sakura.edge.replay.stats import (
 )
 from sakura.edge.timeline import plot_timeline
 
+# Record times (``time``, Unix seconds) that date the q ablation's records: from
+# Q_PER_SHARD_SINCE (97d9cdd) a build with the model chose q per shard, though records kept
+# saying the codec's q (0.5) until 2026-12-07; from Q_PINNED_SINCE (cd93895) the replay's
+# ``sakura-q*`` packs are pinned at their q (before, they chose per shard too: void rows).
+Q_PER_SHARD_SINCE = 1796525221.0  # 2026-12-06 02:47 UTC
+Q_PINNED_SINCE = 1796664105.0  # 2026-12-07 17:21 UTC
+
 
 def _f(x: Any, digits: int = 2) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -569,24 +576,27 @@ def _ablations(mode: str, runs: list[dict[str, Any]], main: list[dict[str, Any]]
         pool = qruns + [r for r in main if r["network"] in nets and r["template"] in tids
                         and r["policy"] in ("sakura", "svd")]
         rows = []
+        def per_shard(rs: list[dict[str, Any]]) -> bool:
+            return rs[0]["q"] is None or (rs[0]["policy"] == "sakura" and all(
+                r.get("time", 0.0) >= Q_PER_SHARD_SINCE for r in rs))
+
         def q_of(rs: list[dict[str, Any]]) -> str:
-            q = rs[0]["q"]
-            return "per shard" if q is None else f"{q:g}"
+            return "per shard" if per_shard(rs) else f"{rs[0]['q']:g}"
 
         for (p,), rs in sorted(group(pool, "policy").items(),
-                               key=lambda kv: (kv[1][0]["q"] is None, kv[1][0]["q"] or 0.0)):
+                               key=lambda kv: (per_shard(kv[1]), kv[1][0]["q"] or 0.0)):
             s = summarize(rs)
             rows.append([q_of(rs), p, str(s["n"]), _f(s["p50"]), _f(s["p90"]),
                          _f(s["mb"]), _fp(s["psnr_exact"]), _fp(s["psnr_exact_p10"]),
                          _f(s["ssim_exact"], 3)])
-        old = any(r["policy"] == "sakura" and r["q"] == 0.5 for r in pool)
+        old = any(r.get("time", 0.0) < Q_PINNED_SINCE for r in qruns)
         md.append(f"**Importance exponent q** ({', '.join(sorted(nets))}; q = 0 is `svd`; "
-                  + ("these records predate pinned `sakura-q*` packs (2026-12-07) and give "
-                     "the default `sakura` as 0.5: where the packs were built from "
-                     "2026-12-06 on, every pack chose q per shard and the q rows measured "
-                     "the default codec" if old else
-                     "the default `sakura` chooses q per shard among 0, 0.25, 0.5 and 1; "
-                     "the `sakura-q*` packs are pinned at their q") + "):\n")
+                  + ("some `sakura-q*` records predate pinned packs (2026-12-07): where "
+                     "their packs were built from 2026-12-06 on, they chose q per shard "
+                     "and those rows measured the default codec" if old else
+                     "the default `sakura` chooses q per shard among 0, 0.25, 0.5 and 1 "
+                     "(its records before 2026-12-07 say 0.5); the `sakura-q*` packs are "
+                     "pinned at their q") + "):\n")
         md.append(_table(["q", "policy", "runs", "p50 s", "p90 s", "MB", "PSNR exact",
                           "p10", "SSIM exact"], rows) + "\n")
     abl = [r for r in main if r["policy"] in ("sakura", "sakura-fixed-config",

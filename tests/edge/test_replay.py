@@ -923,3 +923,24 @@ def test_a_fault_of_the_kernel_link_during_a_run_fails_that_run(tmp_path, monkey
                 raise EdgeError("8 attempts and 33 s without progress")
         assert isinstance(chained.value.__cause__, EdgeError)
         assert link.faults == 2
+
+
+def test_the_q_table_dates_its_records(tmp_path):
+    """The q ablation's wording and labels follow the records' times: `sakura-q*` records
+    from before the packs were pinned are called out (they measured the default codec), and
+    the default `sakura`, recorded as q = 0.5 while its packs chose q per shard, is labelled
+    per shard from the per-shard builds on."""
+    from sakura.edge.replay.sections import Q_PER_SHARD_SINCE, Q_PINNED_SINCE, _ablations
+
+    def table(q_time, default_time):
+        runs = [_run("face-swap", "fa", "sakura-q1", 1.0, 40.0, variant="q1", q=1.0,
+                     time=q_time),
+                _run("face-swap", "fa", "sakura", 1.0, 40.0, time=default_time)]
+        return "\n".join(_ablations("matched", runs, runs[1:], tmp_path, "figures"))
+
+    new = table(Q_PINNED_SINCE + 1, Q_PER_SHARD_SINCE + 1)
+    assert "pinned at their q" in new and "predate" not in new
+    assert "| per shard | sakura |" in new and "| 1 | sakura-q1 |" in new
+    old = table(Q_PINNED_SINCE - 1, Q_PER_SHARD_SINCE - 1)
+    assert "predate pinned packs" in old and "pinned at their q" not in old
+    assert "| 0.5 | sakura |" in old
